@@ -1,0 +1,1 @@
+"""kv-store: the global KV cache service (CPU memory tier)."""

@@ -1,0 +1,8 @@
+"""Run a prefill worker: `python -m llmesh_prefill` (settings: llmesh.config.WorkerSettings)."""
+
+from llmesh.worker import run_worker
+
+from .service import PrefillService
+
+if __name__ == "__main__":
+    run_worker("prefill", lambda worker: PrefillService(worker).prefill)

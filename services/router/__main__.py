@@ -1,0 +1,48 @@
+"""Run the router: `python -m llmesh_router` (settings: RouterSettings, env prefix MESH_)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+
+from llmesh import telemetry
+from llmesh.bus import Bus
+from llmesh.lifecycle import run_service, setup_logging
+from llmesh.messages import Subjects, WorkerInfo
+
+from .dispatch import Dispatcher
+from .metrics import RouterMetrics
+from .registry import WorkerRegistry
+from .service import create_app
+from .settings import RouterSettings
+
+
+async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
+    telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
+    bus = await Bus.connect(settings.nats_url, "router")
+    registry = WorkerRegistry(settings.missed_heartbeats, settings.dispatch_policy, settings.seed)
+
+    async def on_heartbeat(info: WorkerInfo, blob: memoryview) -> None:
+        registry.on_heartbeat(info)
+
+    await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
+    expiry = asyncio.create_task(registry.run_expiry())
+    metrics = RouterMetrics()
+    app = create_app(Dispatcher(bus, registry, metrics), registry, metrics, settings.request_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    serving = asyncio.create_task(server.serve())
+    try:
+        await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        server.should_exit = True
+        await serving
+        expiry.cancel()
+        await bus.close()
+
+
+if __name__ == "__main__":
+    settings = RouterSettings()
+    setup_logging("router", settings.log_level)
+    run_service(lambda stop: main(settings, stop))

@@ -1,0 +1,135 @@
+"""One request through the mesh: pick workers, prefill, then stream the decode.
+
+Every stage is bounded by the request's deadline and by the chosen worker's liveness (a
+worker that stops heart-beating fails the request at once, not at the deadline). If the
+caller goes away, the generator is closed and the worker in charge is told to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from opentelemetry import context, trace
+
+from llmesh import telemetry
+from llmesh.bus import Bus
+from llmesh.errors import MeshError, Timeout
+from llmesh.messages import (
+    AbortRequest,
+    ChatMessage,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingOptions,
+    Subjects,
+    TokenDelta,
+)
+
+from .metrics import RouterMetrics
+from .registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    model: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[ChatMessage] | None
+    max_tokens: int | None
+    sampling: SamplingOptions  # max_tokens there is replaced by the resolved value
+    deadline: float
+
+
+class Dispatcher:
+    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics):
+        self.bus, self.registry, self.metrics = bus, registry, metrics
+        self._tracer = telemetry.tracer("llmesh.router")
+
+    async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
+        """Token deltas of `gen`; spans are children of `parent`.
+
+        Spans are never kept current across a `yield`: the consumer may resume this generator
+        from another task, where detaching a context attached here would fail.
+        """
+        prefill = self.registry.pick("prefill", gen.model)
+        active = prefill.worker_id
+        finished = False
+        try:
+            with self._tracer.start_as_current_span("router.prefill", context=parent,
+                                                    attributes={"worker.id": prefill.worker_id}):
+                started = time.monotonic()
+                result, _ = await self._while_alive(prefill.worker_id, self.bus.request(
+                    Subjects.worker("prefill", prefill.worker_id),
+                    PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
+                                   prompt_token_ids=gen.prompt_token_ids, messages=gen.messages,
+                                   max_tokens=gen.max_tokens, deadline=gen.deadline),
+                    PrefillResult,
+                    timeout=gen.deadline - time.time(),
+                ))
+                self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            decode = self.registry.pick("decode", gen.model, fingerprint=result.fingerprint)
+            active = decode.worker_id
+            sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
+            span = self._tracer.start_span("router.decode", context=parent, attributes={"worker.id": decode.worker_id})
+            replies = None
+            try:
+                with trace.use_span(span, end_on_exit=False):
+                    replies = await self.bus.stream(
+                        Subjects.worker("decode", decode.worker_id),
+                        DecodeRequest(request_id=gen.request_id, model=gen.model,
+                                      prompt_token_ids=result.prompt_token_ids, sampling=sampling,
+                                      kv_transfer_params=result.kv_transfer_params,
+                                      fingerprint=result.fingerprint, deadline=gen.deadline),
+                        deadline=gen.deadline,
+                    )
+                with self.registry.watch(decode.worker_id, replies.fail):
+                    async for delta, _ in replies:
+                        assert isinstance(delta, TokenDelta)
+                        if delta.finish_reason is not None:
+                            finished = True
+                        yield delta
+            finally:
+                if replies is not None:
+                    await replies.close()
+                span.end()
+        except BaseException as exc:
+            # The client left, the deadline passed, or a step broke: free the worker's slot.
+            # (A typed error from the worker itself means it already gave up on the request.)
+            if not finished and (not isinstance(exc, MeshError) or isinstance(exc, Timeout)):
+                await self._abort(active, gen.request_id)
+            raise
+
+    async def _while_alive(self, worker_id: str, work: Awaitable[T]) -> T:
+        """Await `work`, failing with WorkerLost as soon as the worker is declared dead."""
+        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(work)
+
+        def on_lost(exc: BaseException) -> None:
+            if not lost.done():
+                lost.set_exception(exc)
+
+        try:
+            with self.registry.watch(worker_id, on_lost):
+                await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            return lost.result()  # type: ignore[return-value]  # raises WorkerLost
+        finally:
+            task.cancel()
+            lost.cancel()
+
+    async def _abort(self, worker_id: str, request_id: str) -> None:
+        try:
+            await self.bus.publish(Subjects.abort(worker_id), AbortRequest(request_id=request_id))
+            trace.get_current_span().add_event("abort sent", {"worker.id": worker_id})
+        except Exception as exc:  # best effort: the worker's deadline ends it anyway
+            log.warning("could not send abort for %s to %s: %s", request_id, worker_id, exc)

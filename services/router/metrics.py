@@ -1,0 +1,25 @@
+"""Prometheus metrics of the router (one registry per app, so tests can build several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("llmesh_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
+                                registry=r)
+        self.errors = Counter("llmesh_request_errors", "Failed requests by error code", ["code"], registry=r)
+        self.inflight = Gauge("llmesh_requests_inflight", "Requests being served", registry=r)
+        self.latency = Histogram("llmesh_request_seconds", "End-to-end latency", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("llmesh_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.prefill_seconds = Histogram("llmesh_prefill_seconds", "Prefill round trip", buckets=LATENCY_BUCKETS,
+                                         registry=r)
+        self.tokens = Counter("llmesh_generated_tokens", "Completion tokens streamed", registry=r)
+        self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

@@ -1,0 +1,159 @@
+"""OpenAI request schemas (the supported subset, validated) and response/chunk builders."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmesh.errors import InvalidRequest, MeshError
+from llmesh.messages import ChatMessage, SamplingOptions
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    def sampling(self, max_tokens: int) -> SamplingOptions:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingOptions(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                               stop=stop, seed=self.seed)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise ValueError("only one prompt per request is supported")
+        if self.echo or self.logprobs:
+            raise ValueError("echo and logprobs are not supported")
+        return self
+
+    @property
+    def prompt_text(self) -> str | None:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if self.prompt and isinstance(self.prompt[0], str) else None
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        if isinstance(self.prompt, list) and all(isinstance(t, int) for t in self.prompt):
+            return list(self.prompt)  # type: ignore[arg-type]
+        return None
+
+
+class _ChatPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[_ChatPart]
+
+    def to_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[_ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        if self.logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def error_body(exc: MeshError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+def validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return InvalidRequest(f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}")
+    return InvalidRequest(f"{'.'.join(loc) or 'body'}: {msg}", param=".".join(loc) or None)
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseShape:
+    """Builds the OpenAI objects of one endpoint, so the handler code is shared by both."""
+
+    def __init__(self, chat: bool, request_id: str, model: str):
+        self.chat, self.id, self.model = chat, request_id, model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                                              "logprobs": None}])
+        return self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish_reason,
+                                                   "logprobs": None}])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
+
+    def final(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        u = usage(prompt_tokens, completion_tokens)
+        if self.chat:
+            return self._envelope("chat.completion", [{"index": 0, "message": {"role": "assistant", "content": text},
+                                                       "finish_reason": finish_reason, "logprobs": None}], usage=u)
+        return self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish_reason,
+                                                   "logprobs": None}], usage=u)

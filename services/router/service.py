@@ -1,0 +1,196 @@
+"""The router's HTTP API: OpenAI-compatible endpoints plus /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmesh import telemetry
+from llmesh.errors import InvalidRequest, MeshError, ModelNotFound
+from llmesh.messages import TokenDelta
+
+from .dispatch import Dispatcher, Generation
+from .metrics import RouterMetrics
+from .openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    error_body,
+    sse,
+    validation_error,
+)
+from .registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.2
+
+
+def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
+               request_timeout_s: float) -> FastAPI:
+    app = FastAPI(title="llmesh router", version="0.1.0")
+    tracer = telemetry.tracer("llmesh.router")
+
+    def error_response(exc: MeshError, endpoint: str) -> JSONResponse:
+        metrics.requests.labels(endpoint, str(exc.http_status)).inc()
+        metrics.errors.labels(exc.code).inc()
+        return JSONResponse(error_body(exc), status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(exc.errors())), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = InvalidRequest(str(exc.detail))
+        err.http_status = exc.status_code
+        return error_response(err, request.url.path)
+
+    @app.exception_handler(MeshError)
+    async def on_mesh_error(request: Request, exc: MeshError) -> JSONResponse:
+        return error_response(exc, request.url.path)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        counts = {role: len(registry.live(role)) for role in ("prefill", "decode")}
+        ok = all(counts.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": counts, "models": registry.models()},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        for role in ("prefill", "decode"):
+            metrics.workers.labels(role).set(len(registry.live(role)))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmesh"}
+                                           for m in registry.models()]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat=True)
+
+    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
+        endpoint = request.url.path
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        arrived = time.monotonic()
+        span = tracer.start_span("router request", kind=trace.SpanKind.SERVER, context=telemetry.extract(request.headers),
+                                 attributes={"request.id": request_id, "model": body.model, "stream": body.stream,
+                                             "endpoint": endpoint})
+        parent = trace.set_span_in_context(span)
+        gen = Generation(
+            request_id=request_id,
+            model=body.model,
+            prompt=None if chat else body.prompt_text,  # type: ignore[union-attr]
+            prompt_token_ids=None if chat else body.prompt_token_ids,  # type: ignore[union-attr]
+            messages=[m.to_message() for m in body.messages] if chat else None,  # type: ignore[union-attr]
+            max_tokens=body.max_tokens,
+            sampling=body.sampling(max_tokens=1),
+            deadline=time.time() + request_timeout_s,
+        )
+        shape = ResponseShape(chat, request_id, body.model)
+        deltas = dispatcher.generate(gen, parent)
+        metrics.inflight.inc()
+        done = False
+
+        def finish(status: int, exc: BaseException | None = None) -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            metrics.inflight.dec()
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
+            span.set_attribute("http.status_code", status)
+            if exc is not None:
+                span.record_exception(exc)
+                span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+
+        try:
+            # Wait for the first token before answering, so that errors found by the workers
+            # (context too long, no capacity) still get their proper HTTP status.
+            first = await _unless_disconnected(request, anext(deltas))
+            metrics.ttft.observe(time.monotonic() - arrived)
+            if not body.stream:
+                parts = [first]
+                if first.finish_reason is None:
+                    parts += await _unless_disconnected(request, _collect(deltas))
+                last = parts[-1]
+                metrics.tokens.inc(last.completion_tokens)
+                finish(200)
+                return JSONResponse(shape.final("".join(p.text for p in parts), last.finish_reason,
+                                                last.prompt_tokens, last.completion_tokens))
+        except StopAsyncIteration:
+            exc = MeshError("the decode worker ended the stream without a result")
+            finish(exc.http_status, exc)
+            return JSONResponse(error_body(exc), status_code=exc.http_status)
+        except MeshError as exc:
+            await deltas.aclose()
+            finish(exc.http_status, exc)
+            metrics.errors.labels(exc.code).inc()
+            return JSONResponse(error_body(exc), status_code=exc.http_status)
+        except BaseException as exc:
+            await deltas.aclose()
+            finish(499 if isinstance(exc, asyncio.CancelledError) else 500, exc)
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            last = first
+            try:
+                yield sse(shape.chunk(first.text, first.finish_reason, first=True))
+                async for delta in deltas:
+                    last = delta
+                    yield sse(shape.chunk(delta.text, delta.finish_reason))
+                if body.include_usage:
+                    yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
+                yield sse("[DONE]")
+                metrics.tokens.inc(last.completion_tokens)
+                finish(200)
+            except MeshError as exc:  # mid-stream failure: an OpenAI error event, then the end
+                metrics.errors.labels(exc.code).inc()
+                finish(exc.http_status, exc)
+                yield sse(error_body(exc))
+            finally:
+                await deltas.aclose()  # client gone: the dispatcher aborts the request in the worker
+                finish(499)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+
+    return app
+
+
+async def _collect(deltas: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [d async for d in deltas]
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the HTTP client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise asyncio.CancelledError("client disconnected")
+        return task.result()
+    finally:
+        task.cancel()

@@ -1,0 +1,12 @@
+from pydantic import Field
+
+from llmesh.config import CommonSettings
+
+
+class RouterSettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, description="HTTP port.")
+    request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
+    missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
+    dispatch_policy: str = Field("least_loaded", description="Policy in llmesh.policies.POLICIES.")
+    seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")

@@ -1,0 +1,1 @@
+"""llmesh: the common library of the serving mesh (messages, bus, config, telemetry, policies)."""

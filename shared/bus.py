@@ -1,0 +1,231 @@
+"""NATS helpers, so that services contain no bus boilerplate.
+
+- `Bus.connect`: connects with retry and unlimited reconnects.
+- `Bus.request`: request/reply with a deadline; typed errors come back raised.
+- `Bus.stream`: a request answered by a stream of messages on a private inbox.
+- `Bus.serve`: handles a subject (optionally in a queue group); a handler returns a reply,
+  an async iterator of replies (a stream), or None (events). Each message gets its own
+  task and a span parented on the caller's trace context from the headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from llmesh import telemetry
+from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout
+from llmesh.messages import ErrorReply, Message, StreamEnd, decode, decode_any, encode
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+Reply = Message | tuple[Message, bytes | bytearray | memoryview]
+Handler = Callable[[Message, memoryview], Awaitable[Reply | None] | AsyncIterator[Reply]]
+
+# Room left in a payload for the frame header and NATS headers.
+FRAME_OVERHEAD = 64 * 1024
+
+
+def _is_no_responders(msg: Msg) -> bool:
+    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"
+
+
+class ReplyStream:
+    """The replies to one `Bus.stream` call; iterate it, then it closes itself."""
+
+    def __init__(self, bus: Bus, subject: str, deadline: float):
+        self._bus, self._subject, self._deadline = bus, subject, deadline
+        self._queue: asyncio.Queue[Msg | BaseException] = asyncio.Queue()
+        self._sub: Any = None
+        self._done = False
+
+    async def _open(self, msg: Message, blob: bytes) -> None:
+        inbox = self._bus.nc.new_inbox()
+        self._sub = await self._bus.nc.subscribe(inbox, cb=self._on_msg)
+        await self._bus.nc.publish(self._subject, encode(msg, blob), reply=inbox, headers=telemetry.inject())
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._queue.put_nowait(msg)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with `exc` (e.g. the producing worker was declared dead)."""
+        self._queue.put_nowait(exc)
+
+    def __aiter__(self) -> ReplyStream:
+        return self
+
+    async def __anext__(self) -> tuple[Message, memoryview]:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            remaining = self._deadline - time.time()
+            if remaining <= 0:
+                raise Timeout(f"deadline passed waiting for {self._subject}")
+            try:
+                item = await asyncio.wait_for(self._queue.get(), remaining)
+            except TimeoutError:
+                raise Timeout(f"deadline passed waiting for {self._subject}") from None
+            if isinstance(item, BaseException):
+                raise item
+            if _is_no_responders(item):
+                raise ServiceUnavailable(f"nothing is serving {self._subject}")
+            reply, blob = decode_any(item.data)
+            if isinstance(reply, StreamEnd):
+                raise StopAsyncIteration
+            return reply, blob
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._sub is not None:
+                try:
+                    await self._sub.unsubscribe()
+                except nats.errors.Error:
+                    pass
+
+
+class Bus:
+    def __init__(self, nc: Client, name: str):
+        self.nc = nc
+        self.name = name
+        self._tasks: set[asyncio.Task] = set()
+        self._tracer = telemetry.tracer(f"llmesh.{name}")
+
+    @classmethod
+    async def connect(cls, url: str, name: str, *, connect_timeout: float = 30.0) -> Bus:
+        """Connect, retrying until `connect_timeout`; afterwards reconnect forever."""
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats error (%s): %s", name, exc)
+
+        async def on_disconnect() -> None:
+            log.warning("nats disconnected (%s)", name)
+
+        async def on_reconnect() -> None:
+            log.info("nats reconnected (%s)", name)
+
+        give_up = time.monotonic() + connect_timeout
+        while True:
+            try:
+                nc = await nats.connect(
+                    servers=url.split(","),
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                )
+                return cls(nc, name)
+            except (OSError, nats.errors.Error, TimeoutError) as exc:
+                if time.monotonic() > give_up:
+                    raise ServiceUnavailable(f"cannot reach NATS at {url}: {exc}") from exc
+                await asyncio.sleep(0.2)
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except (nats.errors.Error, TimeoutError):
+                await self.nc.close()
+
+    # ---- client side ----------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: Message, blob: bytes = b"") -> None:
+        await self.nc.publish(subject, encode(msg, blob), headers=telemetry.inject())
+
+    async def request(
+        self, subject: str, msg: Message, expected: type[M], *, timeout: float, blob: bytes = b""
+    ) -> tuple[M, memoryview]:
+        if timeout <= 0:
+            raise Timeout(f"no time left to ask {subject}")
+        try:
+            reply = await self.nc.request(subject, encode(msg, blob), timeout=timeout, headers=telemetry.inject())
+        except nats.errors.NoRespondersError:
+            raise ServiceUnavailable(f"nothing is serving {subject}") from None
+        except nats.errors.TimeoutError:
+            raise Timeout(f"{subject} did not answer within {timeout:.1f}s") from None
+        return decode(reply.data, expected)
+
+    async def stream(self, subject: str, msg: Message, *, deadline: float, blob: bytes = b"") -> ReplyStream:
+        """Send `msg` and return the stream of its replies (ends at the producer's StreamEnd)."""
+        replies = ReplyStream(self, subject, deadline)
+        await replies._open(msg, blob)
+        return replies
+
+    # ---- server side ------------------------------------------------------------------
+
+    async def serve(self, subject: str, handler: Handler, *, queue: str = "", span: str | None = None,
+                    traced: bool = True) -> None:
+        """Handle `subject`; each message runs in its own task (strongly referenced).
+
+        `traced=False` skips the span (for periodic chatter such as heartbeats).
+        """
+
+        async def on_msg(msg: Msg) -> None:
+            task = asyncio.create_task(self._handle(msg, handler, span or subject, traced))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def _handle(self, msg: Msg, handler: Handler, span_name: str, traced: bool) -> None:
+        parent = telemetry.extract(msg.headers)
+        span_cm = (self._tracer.start_as_current_span(span_name, context=parent, kind=trace.SpanKind.SERVER)
+                   if traced else trace.use_span(trace.INVALID_SPAN))
+        with span_cm as span:
+            try:
+                request, blob = decode_any(msg.data)
+                result = handler(request, blob)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        await self._reply(msg, item)
+                    await self._reply(msg, StreamEnd())
+                else:
+                    reply = await result
+                    if reply is not None:
+                        await self._reply(msg, reply)
+            except asyncio.CancelledError:
+                raise
+            except MeshError as exc:
+                if not isinstance(exc, BadMessage):
+                    log.info("%s: %s: %s", span_name, exc.code, exc.message)
+                else:
+                    log.warning("%s: rejected message: %s", span_name, exc.message)
+                span.set_attribute("error.code", exc.code)
+                await self._reply(msg, ErrorReply.of(exc))
+            except Exception as exc:
+                log.exception("%s: handler failed", span_name)
+                span.record_exception(exc)
+                await self._reply(msg, ErrorReply(code="internal_error", message=f"{type(exc).__name__}: {exc}"))
+
+    async def _reply(self, request: Msg, reply: Reply) -> None:
+        if not request.reply:
+            return
+        msg, blob = reply if isinstance(reply, tuple) else (reply, b"")
+        try:
+            await self.nc.publish(request.reply, encode(msg, blob))
+        except nats.errors.Error as exc:
+            log.warning("could not answer on %s: %s", request.reply, exc)

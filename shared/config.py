@@ -1,0 +1,57 @@
+"""Configuration from environment variables, parsed once in each service's `__main__`.
+
+Every setting has a documented default; `MESH_` is the prefix (e.g. `MESH_NATS_URL`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EMBEDDED_MODEL = "llmesh/tiny-llama"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESH_", extra="ignore")
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
+    log_level: str = Field("INFO", description="Python logging level.")
+    otlp_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "MESH_OTLP_ENDPOINT"),
+        description="OTLP/HTTP collector (e.g. Jaeger at http://jaeger:4318); unset disables export.",
+    )
+    trace_dir: str | None = Field(None, description="Also write spans as JSON lines into this directory.")
+    kv_shard: str = Field("0", description="Name of the kv-store shard (subjects mesh.kv.<shard>.*).")
+
+
+class WorkerSettings(CommonSettings):
+    """Shared by prefill and decode workers: the engine must be configured identically on both."""
+
+    worker_id: str = Field("", description="Unique worker name; default: <role>-<host>-<pid>.")
+    model: str = Field(
+        EMBEDDED_MODEL,
+        description=f"HF model path or name; {EMBEDDED_MODEL!r} builds the embedded tiny random model.",
+    )
+    served_model_name: str = Field("", description="Name clients use in `model`; default: the model.")
+    model_dir: Path = Field(Path.home() / ".cache" / "llmesh", description="Where the embedded model is built.")
+    dtype: str = Field("bfloat16", description="Weights and KV dtype.")
+    block_size: int = Field(128, description="KV block size in tokens (a multiple of 32 on CPU).")
+    max_model_len: int = Field(2048, description="Context length the engine accepts.")
+    kv_cache_gib: int = Field(1, ge=1, description="KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.9, description="Fraction of GPU memory vLLM may use (GPU only).")
+    enforce_eager: bool = Field(True, description="Disable graph capture (required on CPU).")
+    capacity: int = Field(64, description="Requests a worker accepts at once; more get 503.")
+    heartbeat_s: float = Field(1.0, description="Heartbeat period; the router drops a worker after 3 misses.")
+    kv_pin_s: float = Field(60.0, description="How long prefilled KV stays pinned in the kv-store for its decode.")
+    kv_load_mode: str = Field(
+        "layerwise",
+        description="'layerwise': load layer i+1 while computing layer i; "
+        "'async': load all layers before the request is scheduled.",
+    )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

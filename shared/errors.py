@@ -1,0 +1,103 @@
+"""One error tree for the whole mesh.
+
+Every error has a wire `code` (carried in `ErrorReply` over NATS) and an HTTP status
+(used by the router), so a failure raised in a worker reaches the client typed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class MeshError(Exception):
+    """Base of every error the mesh raises on purpose."""
+
+    code = "internal_error"
+    http_status = 500
+    error_type = "server_error"  # OpenAI `error.type`
+
+    def __init__(self, message: str = "", *, param: str | None = None):
+        super().__init__(message or self.__doc__ or self.code)
+        self.message = message or (self.__doc__ or self.code)
+        self.param = param
+
+
+class InvalidRequest(MeshError):
+    """The request is malformed or asks for something impossible."""
+
+    code = "invalid_request"
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt plus max_tokens does not fit the model's context."""
+
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(MeshError):
+    """No worker serves the requested model."""
+
+    code = "model_not_found"
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class ServiceUnavailable(MeshError):
+    """No live worker can take the request right now."""
+
+    code = "service_unavailable"
+    http_status = 503
+
+
+class WorkerLost(MeshError):
+    """The worker handling the request stopped answering."""
+
+    code = "worker_lost"
+    http_status = 502
+
+
+class Timeout(MeshError, asyncio.TimeoutError):
+    """The request's deadline passed."""
+
+    code = "timeout"
+    http_status = 504
+
+
+class KVFingerprintMismatch(MeshError):
+    """Prefill and decode disagree on model, dtype, block size or KV layout."""
+
+    code = "kv_fingerprint_mismatch"
+    http_status = 500
+
+
+class KVStoreFull(MeshError):
+    """The kv-store cannot make room: everything left is pinned."""
+
+    code = "kv_store_full"
+    http_status = 507
+
+
+class BadMessage(MeshError):
+    """A bus message could not be decoded."""
+
+    code = "bad_message"
+    http_status = 400
+
+
+_BY_CODE: dict[str, type[MeshError]] = {}
+
+
+def _register(cls: type[MeshError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(MeshError)
+
+
+def from_code(code: str, message: str, param: str | None = None) -> MeshError:
+    """Rebuild a typed error received over the wire; unknown codes become MeshError."""
+    return _BY_CODE.get(code, MeshError)(message, param=param)

