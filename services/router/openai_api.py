@@ -24,6 +24,7 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    return_token_ids: bool = False  # vLLM extension: completion token ids in each choice
 
     @field_validator("n")
     @classmethod
@@ -150,10 +151,14 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
 
-    def final(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        u = usage(prompt_tokens, completion_tokens)
+    def final(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         if self.chat:
-            return self._envelope("chat.completion", [{"index": 0, "message": {"role": "assistant", "content": text},
-                                                       "finish_reason": finish_reason, "logprobs": None}], usage=u)
-        return self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish_reason,
-                                                   "logprobs": None}], usage=u)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, [choice], usage=usage(prompt_tokens, completion_tokens))

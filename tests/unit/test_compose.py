@@ -1,0 +1,212 @@
+"""docker-compose.yml agrees with the code: modules, environment variables, GPUs, NATS config.
+
+No Docker engine is needed: the file is parsed (YAML anchors and `<<` merges resolved by PyYAML)
+and compared with `llmesh.launcher.SERVICES` and the services' pydantic settings classes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from pydantic import AliasChoices
+from pydantic_settings import BaseSettings
+
+from llmesh.config import WorkerSettings
+from llmesh.launcher import SERVICES
+from llmesh_kvstore.settings import KvStoreSettings
+from llmesh_router.settings import RouterSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+SETTINGS: dict[str, type[BaseSettings]] = {
+    "kv-store": KvStoreSettings,
+    "prefill-worker": WorkerSettings,
+    "decode-worker": WorkerSettings,
+    "router": RouterSettings,
+}
+LLMESH_SERVICES = sorted(SETTINGS)
+EXPECTED_SERVICES = {"nats", "jaeger", *LLMESH_SERVICES}
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict]:
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(compose, dict) and isinstance(compose.get("services"), dict), \
+        f"{COMPOSE_FILE.name} has no `services` mapping"
+    return compose["services"]
+
+
+def environment(service: dict) -> dict[str, str | None]:
+    """A service's environment, given as a mapping or a list of "K=V" (or bare "K") strings."""
+    env = service.get("environment") or {}
+    if isinstance(env, dict):
+        return {str(k): None if v is None else str(v) for k, v in env.items()}
+    out: dict[str, str | None] = {}
+    for item in env:
+        key, sep, value = str(item).partition("=")
+        out[key] = value if sep else None
+    return out
+
+
+def command(service: dict) -> list[str]:
+    cmd = service.get("command") or []
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def env_names(settings: type[BaseSettings]) -> set[str]:
+    """Every environment variable the settings class reads."""
+    prefix = settings.model_config.get("env_prefix", "")
+    names = set()
+    for field_name, field in settings.model_fields.items():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            names.update(c for c in alias.choices if isinstance(c, str))
+        elif isinstance(alias, str):
+            names.add(alias)
+        else:  # without an alias pydantic-settings reads prefix + field name
+            names.add(f"{prefix}{field_name}")
+    if not settings.model_config.get("case_sensitive", False):
+        names = {n.upper() for n in names}
+    return names
+
+
+def interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` / `${VAR-default}` / `${VAR}` with the host variable unset."""
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
+
+def port_numbers(service: dict) -> set[int]:
+    """Container ports a service publishes or exposes (short "host:container" or long syntax)."""
+    ports = set()
+    for entry in [*(service.get("ports") or []), *(service.get("expose") or [])]:
+        if isinstance(entry, dict):
+            ports.add(int(entry["target"]))
+        else:
+            container = str(entry).split("/")[0].rsplit(":", 1)[-1]
+            ports.add(int(container))
+    return ports
+
+
+def test_services_exist(services):
+    missing = EXPECTED_SERVICES - set(services)
+    assert not missing, f"{COMPOSE_FILE.name} lacks services {sorted(missing)}"
+
+
+def test_launcher_and_settings_map_agree():
+    assert set(SETTINGS) == set(SERVICES), "update SETTINGS in this test when llmesh.launcher.SERVICES changes"
+
+
+@pytest.mark.parametrize("name", LLMESH_SERVICES)
+def test_command_is_the_services_module(services, name):
+    cmd = command(services[name])
+    assert len(cmd) == 1, f"service {name!r}: command must be just the module name (ENTRYPOINT is python -m), got {cmd}"
+    module = cmd[0]
+    by_module = {m: s for s, m in SERVICES.items()}
+    assert module in by_module, (
+        f"service {name!r}: command module {module!r} is not in llmesh.launcher.SERVICES {sorted(by_module)}")
+    assert by_module[module] == name, (
+        f"service {name!r} runs {module!r}, which the launcher names {by_module[module]!r}")
+    assert importlib.util.find_spec(module) is not None, f"service {name!r}: module {module!r} is not importable"
+    assert importlib.util.find_spec(f"{module}.__main__") is not None, (
+        f"service {name!r}: module {module!r} has no __main__, so `python -m {module}` cannot run it")
+    assert "entrypoint" not in services[name], f"service {name!r} must keep the image's `python -m` entrypoint"
+
+
+def test_image_entrypoint_is_python_m():
+    entrypoints = [line.split(None, 1)[1] for line in DOCKERFILE.read_text().splitlines()
+                   if line.strip().upper().startswith("ENTRYPOINT")]
+    assert entrypoints, f"{DOCKERFILE} has no ENTRYPOINT"
+    entry = json.loads(entrypoints[-1])
+    assert re.fullmatch(r"python(3(\.\d+)?)?", entry[0]) and entry[1:] == ["-m"], (
+        f"{DOCKERFILE}: ENTRYPOINT must be python -m, got {entry}")
+
+
+@pytest.mark.parametrize("name", LLMESH_SERVICES)
+def test_environment_is_read_by_the_settings_class(services, name):
+    settings = SETTINGS[name]
+    accepted = env_names(settings)
+    env = environment(services[name])
+    assert env, f"service {name!r} sets no environment (MESH_NATS_URL at least is needed)"
+    unknown = sorted(k for k in env if k.upper() not in accepted)
+    assert not unknown, (
+        f"service {name!r} sets {', '.join(unknown)}, which {settings.__module__}.{settings.__name__} "
+        f"does not read (it reads: {', '.join(sorted(accepted))})")
+
+
+@pytest.mark.parametrize("name", LLMESH_SERVICES)
+def test_environment_values_parse(services, name, monkeypatch):
+    """With the host's variables unset, the settings class accepts the compose defaults."""
+    settings = SETTINGS[name]
+    for key in env_names(settings):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environment(services[name]).items():
+        if value is not None:
+            monkeypatch.setenv(key, interpolate(value))
+    try:
+        settings(_env_file=None)
+    except Exception as exc:  # noqa: BLE001 - report which service
+        pytest.fail(f"service {name!r}: {settings.__name__} rejects its compose environment: {exc}")
+
+
+@pytest.mark.parametrize("name", ["prefill-worker", "decode-worker"])
+def test_workers_reserve_a_gpu(services, name):
+    devices = (((services[name].get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get(
+        "devices") or []
+    assert any(d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or [])
+               and (d.get("count") in (1, "all") or d.get("device_ids")) for d in devices), (
+        f"service {name!r} reserves no NVIDIA GPU (deploy.resources.reservations.devices)")
+
+
+def test_workers_share_the_engine_configuration(services):
+    prefill, decode = environment(services["prefill-worker"]), environment(services["decode-worker"])
+    assert prefill == decode, f"prefill-worker and decode-worker environments differ: {prefill} != {decode}"
+
+
+def test_router_binds_all_interfaces_and_is_published(services):
+    env = {k: interpolate(v) for k, v in environment(services["router"]).items() if v is not None}
+    assert env.get("MESH_HOST") == "0.0.0.0", "service 'router': MESH_HOST must be 0.0.0.0 in a container"
+    port = int(env.get("MESH_PORT", RouterSettings.model_fields["port"].default))
+    assert port in port_numbers(services["router"]), f"service 'router' does not publish its port {port}"
+
+
+def test_traces_go_to_jaeger(services):
+    assert 16686 in port_numbers(services["jaeger"]), "service 'jaeger' does not expose its UI port 16686"
+    choices = RouterSettings.model_fields["otlp_endpoint"].validation_alias.choices
+    env = environment(services["router"])
+    endpoints = [interpolate(env[k]) for k in choices if env.get(k)]
+    assert endpoints, f"service 'router' sets none of {list(choices)}"
+    url = urlparse(endpoints[0])
+    assert url.hostname == "jaeger", f"service 'router': OTLP endpoint {endpoints[0]!r} is not the jaeger service"
+    assert url.port in port_numbers(services["jaeger"]) | {4318}, (
+        f"service 'router': OTLP endpoint {endpoints[0]!r} is not a port of the jaeger service")
+
+
+def test_nats_config_sets_max_payload(services):
+    nats = services["nats"]
+    cmd = command(nats)
+    flag = next((f for f in ("-c", "--config") if f in cmd), None)
+    assert flag, f"service 'nats': command {cmd} passes no -c/--config file (max_payload is not a CLI flag)"
+    conf_in_container = cmd[cmd.index(flag) + 1]
+    host_path = None
+    for volume in nats.get("volumes") or []:
+        if isinstance(volume, dict):
+            source, target = volume.get("source"), volume.get("target")
+        else:
+            source, target = (str(volume).split(":") + [None])[:2]
+        if target == conf_in_container:
+            host_path = (COMPOSE_FILE.parent / source).resolve()
+    assert host_path, f"service 'nats': {conf_in_container} is not mounted from the repository"
+    assert host_path.is_file(), f"service 'nats': mounted config {host_path} does not exist"
+    match = re.search(r"^\s*max_payload\s*[:=]?\s*(\S+)", host_path.read_text(), re.MULTILINE)
+    assert match, f"{host_path} does not set max_payload"
+    assert re.fullmatch(r"\d+\s*([KMG]i?B?)?", match.group(1), re.IGNORECASE), (
+        f"{host_path}: unexpected max_payload {match.group(1)!r}")

@@ -1,0 +1,45 @@
+import pytest
+
+from llmesh.errors import BadMessage, ContextLengthExceeded
+from llmesh.messages import ErrorReply, KvPut, PrefillRequest, TokenDelta, decode, decode_any, encode
+
+
+def test_round_trip_with_blob():
+    msg = KvPut(transfer_id="t", keys=["a", "b"], sizes=[3, 2], total_size=5, pin_s=1.5)
+    got, blob = decode(encode(msg, b"abcde"), KvPut)
+    assert got == msg and bytes(blob) == b"abcde"
+
+
+def test_error_reply_is_raised_typed():
+    with pytest.raises(ContextLengthExceeded, match="too long"):
+        decode_any(encode(ErrorReply(code="context_length_exceeded", message="too long", param="prompt")))
+
+
+@pytest.mark.parametrize("frame, match", [
+    (b"", "shorter than its header"),
+    (b"\x00\x00\x00\x10abc", "claims 16 bytes"),
+    (b"\x00\x00\x00\x03\xc1\xc1\xc1", "undecodable"),
+    (encode(TokenDelta(text="x", token_ids=[1])).replace(b"TokenDelta", b"NoSuchType"), "unknown message type"),
+])
+def test_bad_frames_are_rejected_clearly(frame, match):
+    with pytest.raises(BadMessage, match=match):
+        decode_any(frame)
+
+
+def test_wrong_type_and_invalid_fields():
+    with pytest.raises(BadMessage, match="expected KvPut"):
+        decode(encode(TokenDelta(text="", token_ids=[])), KvPut)
+    import msgpack
+
+    header = msgpack.packb({"v": 1, "t": "PrefillRequest", "d": {"request_id": "r", "model": "m", "max_tokens": 0,
+                                                                  "deadline": 0}})
+    with pytest.raises(BadMessage, match="invalid PrefillRequest"):
+        decode(len(header).to_bytes(4, "big") + header, PrefillRequest)
+
+
+def test_other_schema_versions_are_refused():
+    import msgpack
+
+    header = msgpack.packb({"v": 99, "t": "Ack", "d": {}})
+    with pytest.raises(BadMessage, match="schema version 99"):
+        decode_any(len(header).to_bytes(4, "big") + header)
