@@ -42,6 +42,13 @@ class WorkerSettings(CommonSettings):
     max_model_len: int = Field(2048, description="Context length the engine accepts.")
     kv_cache_gib: int = Field(1, ge=1, description="KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.9, description="Fraction of GPU memory vLLM may use (GPU only).")
+    cpu_reserved_cores: int = Field(
+        1,
+        ge=0,
+        description="Cores vLLM keeps off its compute threads on CPU (VLLM_CPU_NUM_OF_RESERVED_CPU). vLLM reserves "
+        "one more when a KV connector is set; pinning it keeps the thread count, and so the numerics, "
+        "equal to a plain engine's.",
+    )
     enforce_eager: bool = Field(True, description="Disable graph capture (required on CPU).")
     capacity: int = Field(64, description="Requests a worker accepts at once; more get 503.")
     heartbeat_s: float = Field(1.0, description="Heartbeat period; the router drops a worker after 3 misses.")

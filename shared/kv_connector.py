@@ -3,12 +3,15 @@
 Loaded by vLLM with `kv_connector="MeshKVConnector"`, `kv_connector_module_path="llmesh.kv_connector"`.
 
 Producer (prefill): `save_kv_layer` gathers the request's finished blocks of that layer and
-puts them to the kv-store at once (the put overlaps the next layers' compute);
-`wait_for_save` waits for the step's puts; `request_finished` returns the block hashes in
-`kv_transfer_params`.
+puts them to the kv-store at once (the put overlaps the next layers' compute); the last,
+partial block is saved too once the whole prompt is computed. `wait_for_save` waits for the
+step's puts; `request_finished` returns the block hashes in `kv_transfer_params`.
 
-Consumer (decode): `get_num_new_matched_tokens` reports the full blocks the prefill saved
-(re-hashed from our own prompt tokens, so a tokenization mismatch cannot load wrong KV).
+Consumer (decode): `get_num_new_matched_tokens` reports the prompt tokens whose blocks the
+prefill saved, at most all but the last (re-hashed from our own prompt tokens, so a
+tokenization mismatch cannot load wrong KV). The mesh sends decode the prompt plus the
+prefill's first token, so decode loads the whole prompt and computes just that token, the
+same computation as a monolithic engine's first decode step: outputs stay bit-identical.
 `start_load_kv` requests every layer at once. In `layerwise` mode the request runs in the
 same step and `wait_for_layer_load` blocks only for its own layer, so layer i+1 arrives
 while layer i computes. In `async` mode the request waits outside the batch until all
@@ -60,6 +63,7 @@ class BlockTransfer:
     block_ids: list[int]
     hashes: list[str]
     trace: dict[str, str] = field(default_factory=dict)  # W3C headers of the worker's request span
+    last_block_tokens: int = 0  # loads: valid token slots of the last block, if it is partial
 
 
 @dataclass
@@ -72,7 +76,8 @@ class MeshConnectorMetadata(KVConnectorMetadata):
 class _SaveState:
     """Scheduler-side progress of saving one prompt's full blocks."""
 
-    hashes: list[str]
+    hashes: list[str]  # the prompt's blocks, the trailing partial one included
+    num_tokens: int
     block_ids: list[int]
     saved: int = 0
     trace: dict[str, str] = field(default_factory=dict)
@@ -142,14 +147,13 @@ class MeshKVConnector(KVConnectorBase_V1):
             log.error("request %s: KV fingerprint %s does not match ours %s; recomputing",
                       request.request_id, params.get("fingerprint"), self._fingerprint)
             return 0, False
-        prompt = request.prompt_token_ids or []
-        ours = block_hashes(self._fingerprint, prompt, self._block_size)
-        usable = 0
-        while usable < min(len(ours), len(remote)) and ours[usable] == remote[usable]:
-            usable += 1
         # vLLM must compute at least the last prompt token itself.
-        usable = min(usable, (len(prompt) - 1) // self._block_size)
-        new_tokens = usable * self._block_size - num_computed_tokens
+        loadable = (request.prompt_token_ids or [])[:-1]
+        ours = block_hashes(self._fingerprint, loadable, self._block_size, partial=True)
+        matched = 0
+        while matched < min(len(ours), len(remote)) and ours[matched] == remote[matched]:
+            matched += 1
+        new_tokens = min(matched * self._block_size, len(loadable)) - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
         self._computed_before_load[request.request_id] = num_computed_tokens
@@ -160,12 +164,12 @@ class MeshKVConnector(KVConnectorBase_V1):
         if num_external_tokens == 0 or computed is None:
             return
         first = computed // self._block_size
-        last = first + num_external_tokens // self._block_size
+        last = -(-(computed + num_external_tokens) // self._block_size)  # a partial last block too
         block_ids = blocks.get_block_ids()[0]
         hashes = request.kv_transfer_params["block_hashes"]
         self._planned_loads.append(
             BlockTransfer(request.request_id, list(block_ids[first:last]), list(hashes[first:last]),
-                          request_trace(request))
+                          request_trace(request), (computed + num_external_tokens) % self._block_size)
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MeshConnectorMetadata:
@@ -177,7 +181,8 @@ class MeshKVConnector(KVConnectorBase_V1):
             prompt = new.prompt_token_ids or []
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
             self._saves[new.req_id] = _SaveState(
-                hashes=block_hashes(self._fingerprint, prompt, self._block_size),
+                hashes=block_hashes(self._fingerprint, prompt, self._block_size, partial=True),
+                num_tokens=len(prompt),
                 block_ids=list(new.block_ids[0]),
                 trace=dict((params or {}).get("trace") or {}),
             )
@@ -198,7 +203,8 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def _plan_save(self, meta: MeshConnectorMetadata, req_id: str, tokens_done: int) -> None:
         state = self._saves[req_id]
-        complete = min(tokens_done // self._block_size, len(state.hashes), len(state.block_ids))
+        ready = len(state.hashes) if tokens_done >= state.num_tokens else tokens_done // self._block_size
+        complete = min(ready, len(state.block_ids))
         if complete > state.saved:
             meta.saves.append(BlockTransfer(req_id, state.block_ids[state.saved:complete],
                                             state.hashes[state.saved:complete], state.trace))
@@ -236,13 +242,28 @@ class MeshKVConnector(KVConnectorBase_V1):
             parent = telemetry.extract(transfer.trace)
             span = self._tracer.start_span("kv.load", context=parent, attributes={
                 "kv.blocks": len(transfer.block_ids), "kv.layers": len(self._kv_caches), "request.id": transfer.req_id})
-            futures = {
-                name: self._kv.get([chunk_key(h, _layer_index(name)) for h in transfer.hashes],
-                                   timeout=TRANSFER_TIMEOUT_S, trace_context=parent)
-                for name in self._kv_caches
-            }
-            self._loads[transfer.req_id] = _PendingLoad(
-                transfer, torch.tensor(transfer.block_ids, dtype=torch.long), futures, span)
+            if transfer.last_block_tokens and not self._async_load:
+                # The engine writes this step's new tokens into the partial last block before
+                # `wait_for_layer_load` runs, so that block must be in place before the forward.
+                head = BlockTransfer(transfer.req_id, transfer.block_ids[-1:], transfer.hashes[-1:], transfer.trace)
+                self._load_now(head, parent)
+                transfer = BlockTransfer(transfer.req_id, transfer.block_ids[:-1], transfer.hashes[:-1], transfer.trace)
+            self._loads[transfer.req_id] = self._start_fetch(transfer, parent, span)
+
+    def _start_fetch(self, transfer: BlockTransfer, parent: Any, span: Any) -> _PendingLoad:
+        """Request every layer of `transfer` at once; the answers arrive while layers compute."""
+        assert self._kv is not None
+        futures = {
+            name: self._kv.get([chunk_key(h, _layer_index(name)) for h in transfer.hashes],
+                               timeout=TRANSFER_TIMEOUT_S, trace_context=parent)
+            for name in self._kv_caches
+        } if transfer.block_ids else {}
+        return _PendingLoad(transfer, torch.tensor(transfer.block_ids, dtype=torch.long), futures, span)
+
+    def _load_now(self, transfer: BlockTransfer, parent: Any) -> None:
+        load = self._start_fetch(transfer, parent, span=None)
+        for name in list(load.futures):
+            self._copy_layer_in(load, name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._async_load:
@@ -274,7 +295,7 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def _end_load(self, req_id: str) -> None:
         load = self._loads.pop(req_id)
-        load.span.set_attribute("kv.failed", load.failed)
+        load.span.set_attribute("kv.failed", load.failed or bool(self._load_errors))
         load.span.end()
         if self._async_load:
             self._finished_loads.add(req_id)

@@ -54,11 +54,16 @@ def check_same_layout(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     raise KVFingerprintMismatch("KV layouts differ between prefill and decode (" + "; ".join(diffs) + ")")
 
 
-def block_hashes(fp: str, token_ids: Sequence[int], block_size: int) -> list[str]:
-    """Hash chain over the full blocks of `token_ids`, seeded with the fingerprint."""
+def block_hashes(fp: str, token_ids: Sequence[int], block_size: int, *, partial: bool = False) -> list[str]:
+    """Hash chain over the blocks of `token_ids`, seeded with the fingerprint.
+
+    Full blocks only, unless `partial`: then a trailing partial block gets a hash too (its
+    token count is part of what is hashed, so it never equals a longer block's).
+    """
     h = bytes.fromhex(fp)
     out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    end = len(token_ids) if partial else len(token_ids) - len(token_ids) % block_size
+    for start in range(0, end, block_size):
         block = array("q", token_ids[start : start + block_size]).tobytes()
         h = hashlib.blake2b(h + block, digest_size=16).digest()
         out.append(h.hex())

@@ -84,7 +84,7 @@ class ChatMessage(Message):
 
 
 class SamplingOptions(Message):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] = []
@@ -97,25 +97,8 @@ class PrefillRequest(Message):
     prompt: str | None = None  # completions, as text
     prompt_token_ids: list[int] | None = None  # completions, as token ids
     messages: list[ChatMessage] | None = None  # chat; the worker applies the chat template
-    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
+    sampling: SamplingOptions  # the first token is sampled here, as a monolithic engine would
     deadline: float  # unix time
-
-
-class PrefillResult(Message):
-    prompt_token_ids: list[int]
-    max_tokens: int  # resolved against the context
-    kv_transfer_params: dict[str, Any]
-    fingerprint: str
-
-
-class DecodeRequest(Message):
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    sampling: SamplingOptions
-    kv_transfer_params: dict[str, Any] | None = None
-    fingerprint: str  # the prefill worker's; decode refuses a mismatch
-    deadline: float
 
 
 class TokenDelta(Message):
@@ -126,6 +109,33 @@ class TokenDelta(Message):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+class PrefillResult(Message):
+    """The prompt's KV is in the kv-store; `first` is the first generated token.
+
+    If `first.finish_reason` is set the request is complete and needs no decode.
+    """
+
+    prompt_token_ids: list[int]
+    max_tokens: int  # resolved against the context
+    first: TokenDelta
+    kv_transfer_params: dict[str, Any]
+    fingerprint: str
+
+
+class DecodeRequest(Message):
+    """Continue after the prefill's first token: the KV of `prompt_token_ids` comes from the store
+    and the engine computes only `first_token`, exactly like a monolithic engine's first decode step."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    first_token: int
+    sampling: SamplingOptions  # max_tokens counts the first token too
+    kv_transfer_params: dict[str, Any] | None = None
+    fingerprint: str  # the prefill worker's; decode refuses a mismatch
+    deadline: float
 
 
 class AbortRequest(Message):

@@ -21,13 +21,29 @@ from llmesh.bus import Bus
 from llmesh.config import WorkerSettings
 from llmesh.errors import ModelNotFound, ServiceUnavailable, Timeout
 from llmesh.kvkeys import fingerprint, kv_layout
-from llmesh.messages import AbortRequest, Subjects, WorkerInfo
+from llmesh.messages import AbortRequest, SamplingOptions, Subjects, WorkerInfo
 from llmesh.models import resolve_model
 
 log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
-WARMUP_TOKENS = 64
+WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
+
+
+def sampling_params(options: SamplingOptions, *, max_tokens: int, kv_transfer_params: dict[str, Any],
+                    **extra: Any) -> Any:
+    """vLLM sampling parameters of a request, with our KV parameters and the current trace context."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        stop=options.stop or None,
+        seed=options.seed,
+        extra_args={"kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()}},
+        **extra,
+    )
 
 
 def engine_args(settings: WorkerSettings, role: Role) -> Any:
@@ -80,6 +96,7 @@ class EngineWorker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         try:
@@ -100,7 +117,7 @@ class EngineWorker:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % 1000 + 3 for i in range(WARMUP_TOKENS)])
+        prompt = TokensPrompt(prompt_token_ids=WARMUP_PROMPT)
         async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0),
                                             request_id=f"warmup-{self.worker_id}"):
             pass

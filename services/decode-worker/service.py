@@ -1,18 +1,16 @@
-"""Decode handler: token ids and KV keys in, a stream of token deltas out."""
+"""Decode handler: the prompt's KV keys and the first token in, a stream of token deltas out."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
-from llmesh import telemetry
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch
 from llmesh.kvkeys import check_same_layout
 from llmesh.messages import DecodeRequest, TokenDelta
-from llmesh.worker import EngineWorker
+from llmesh.worker import EngineWorker, sampling_params
 
 
 class DecodeService:
@@ -28,22 +26,17 @@ class DecodeService:
             if theirs:
                 check_same_layout(self.worker.layout, theirs)
             raise KVFingerprintMismatch(f"prefill fingerprint {req.fingerprint} != decode {self.worker.fingerprint}")
-        if len(req.prompt_token_ids) + req.sampling.max_tokens > self.worker.max_model_len:
-            raise InvalidRequest("prompt plus max_tokens exceeds the model's context", param="max_tokens")
-        s = req.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            stop=s.stop or None,
-            seed=s.seed,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": {**kv_params, "trace": telemetry.inject()}},
-        )
-        prompt_tokens, completion_tokens = len(req.prompt_token_ids), 0
-        async with self.worker.admit(req.request_id, req.model, req.deadline, s.max_tokens):
+        total = req.sampling.max_tokens
+        if total is None or total < 2 or len(req.prompt_token_ids) + total > self.worker.max_model_len:
+            raise InvalidRequest("decode needs 2 <= max_tokens <= the context left after the prompt",
+                                 param="max_tokens")
+        params = sampling_params(req.sampling, max_tokens=total - 1, kv_transfer_params=kv_params,
+                                 output_kind=RequestOutputKind.DELTA)
+        prompt_tokens, completion_tokens = len(req.prompt_token_ids), 1  # the first came from prefill
+        async with self.worker.admit(req.request_id, req.model, req.deadline, total):
             async for out in self.worker.engine.generate(
-                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id=f"decode-{req.request_id}"
+                TokensPrompt(prompt_token_ids=[*req.prompt_token_ids, req.first_token]), params,
+                request_id=f"decode-{req.request_id}",
             ):
                 o = out.outputs[0]
                 completion_tokens += len(o.token_ids)

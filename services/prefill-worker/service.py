@@ -1,18 +1,19 @@
-"""Prefill handler: prompt in, token ids and KV keys out (the KV itself goes to the kv-store)."""
+"""Prefill handler: prompt in; token ids, the first generated token and KV keys out.
+
+The KV itself goes to the kv-store from inside the engine (llmesh.kv_connector).
+"""
 
 from __future__ import annotations
 
 import time
 
-from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
-
 from opentelemetry import trace
+from vllm.inputs import TokensPrompt
 
 from llmesh import telemetry
 from llmesh.errors import ContextLengthExceeded, InvalidRequest
-from llmesh.messages import PrefillRequest, PrefillResult
-from llmesh.worker import EngineWorker
+from llmesh.messages import PrefillRequest, PrefillResult, TokenDelta
+from llmesh.worker import EngineWorker, sampling_params
 
 
 class PrefillService:
@@ -36,27 +37,27 @@ class PrefillService:
             raise InvalidRequest("either `prompt` or `messages` is required", param="prompt")
         return tok.encode(req.prompt)
 
+    def resolve_max_tokens(self, req: PrefillRequest, prompt_len: int) -> int:
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        limit = self.worker.max_model_len
+        max_tokens = req.sampling.max_tokens or limit - prompt_len
+        if max_tokens < 1 or prompt_len + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, "
+                f"{max(max_tokens, 1)} for the completion).",
+                param="max_tokens" if req.sampling.max_tokens else "prompt",
+            )
+        return max_tokens
+
     async def prefill(self, req: PrefillRequest, blob: memoryview) -> PrefillResult:
         if not isinstance(req, PrefillRequest):
             raise InvalidRequest(f"expected PrefillRequest, got {type(req).__name__}")
         token_ids = self.tokenize(req)
-        limit = self.worker.max_model_len
-        max_tokens = req.max_tokens or limit - len(token_ids)
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if max_tokens < 1 or len(token_ids) + max_tokens > limit:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(token_ids) + max(max_tokens, 1)} tokens ({len(token_ids)} in the prompt, "
-                f"{max(max_tokens, 1)} for the completion).",
-                param="max_tokens" if req.max_tokens else "prompt",
-            )
+        max_tokens = self.resolve_max_tokens(req, len(token_ids))
         async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids)):
-            params = SamplingParams(
-                max_tokens=1,
-                temperature=0.0,
-                extra_args={"kv_transfer_params": {"do_remote_decode": True, "trace": telemetry.inject()}},
-            )
+            params = sampling_params(req.sampling, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
             final = None
             started = time.monotonic()
             async for out in self.worker.engine.generate(
@@ -64,8 +65,18 @@ class PrefillService:
             ):
                 final = out
             assert final is not None
+            o = final.outputs[0]
+            # "stop" (EOS or a stop string) ends the request here; "length" only if 1 token was asked for.
+            finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
+            kv_params = final.kv_transfer_params or {}
             trace.get_current_span().set_attributes({
                 "prompt.tokens": len(token_ids), "prefill.seconds": time.monotonic() - started,
-                "kv.blocks": len((final.kv_transfer_params or {}).get("block_hashes", []))})
-            return PrefillResult(prompt_token_ids=token_ids, max_tokens=max_tokens, kv_transfer_params=final.kv_transfer_params or {},
-                                 fingerprint=self.worker.fingerprint)
+                "kv.blocks": len(kv_params.get("block_hashes", []))})
+            return PrefillResult(
+                prompt_token_ids=token_ids,
+                max_tokens=max_tokens,
+                first=TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish,
+                                 prompt_tokens=len(token_ids), completion_tokens=len(o.token_ids)),
+                kv_transfer_params=kv_params,
+                fingerprint=self.worker.fingerprint,
+            )

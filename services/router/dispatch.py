@@ -32,6 +32,7 @@ from llmesh.messages import (
 
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
+from .stops import StopFilter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,8 +45,7 @@ class Generation:
     prompt: str | None
     prompt_token_ids: list[int] | None
     messages: list[ChatMessage] | None
-    max_tokens: int | None
-    sampling: SamplingOptions  # max_tokens there is replaced by the resolved value
+    sampling: SamplingOptions  # max_tokens None: the rest of the context
     deadline: float
 
 
@@ -71,11 +71,18 @@ class Dispatcher:
                     Subjects.worker("prefill", prefill.worker_id),
                     PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                    prompt_token_ids=gen.prompt_token_ids, messages=gen.messages,
-                                   max_tokens=gen.max_tokens, deadline=gen.deadline),
+                                   sampling=gen.sampling, deadline=gen.deadline),
                     PrefillResult,
                     timeout=gen.deadline - time.time(),
                 ))
                 self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            # The first token comes from the prefill: the client sees it before decode starts.
+            stops = StopFilter(gen.sampling.stop)
+            first = _filtered(result.first, stops)
+            finished = first.finish_reason is not None
+            yield first
+            if finished:
+                return
             decode = self.registry.pick("decode", gen.model, fingerprint=result.fingerprint)
             active = decode.worker_id
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
@@ -86,7 +93,8 @@ class Dispatcher:
                     replies = await self.bus.stream(
                         Subjects.worker("decode", decode.worker_id),
                         DecodeRequest(request_id=gen.request_id, model=gen.model,
-                                      prompt_token_ids=result.prompt_token_ids, sampling=sampling,
+                                      prompt_token_ids=result.prompt_token_ids,
+                                      first_token=result.first.token_ids[0], sampling=sampling,
                                       kv_transfer_params=result.kv_transfer_params,
                                       fingerprint=result.fingerprint, deadline=gen.deadline),
                         deadline=gen.deadline,
@@ -94,9 +102,13 @@ class Dispatcher:
                 with self.registry.watch(decode.worker_id, replies.fail):
                     async for delta, _ in replies:
                         assert isinstance(delta, TokenDelta)
-                        if delta.finish_reason is not None:
-                            finished = True
-                        yield delta
+                        shown = _filtered(delta, stops)
+                        finished = shown.finish_reason is not None
+                        if finished and delta.finish_reason is None:
+                            await self._abort(active, gen.request_id)  # a stop string decode could not see
+                        yield shown
+                        if finished:
+                            break
             finally:
                 if replies is not None:
                     await replies.close()
@@ -107,6 +119,8 @@ class Dispatcher:
             if not finished and (not isinstance(exc, MeshError) or isinstance(exc, Timeout)):
                 await self._abort(active, gen.request_id)
             raise
+        if not finished:
+            raise MeshError("the decode worker ended the stream without a result")
 
     async def _while_alive(self, worker_id: str, work: Awaitable[T]) -> T:
         """Await `work`, failing with WorkerLost as soon as the worker is declared dead."""
@@ -133,3 +147,13 @@ class Dispatcher:
             trace.get_current_span().add_event("abort sent", {"worker.id": worker_id})
         except Exception as exc:  # best effort: the worker's deadline ends it anyway
             log.warning("could not send abort for %s to %s: %s", request_id, worker_id, exc)
+
+
+def _filtered(delta: TokenDelta, stops: StopFilter) -> TokenDelta:
+    """`delta` with its text passed through the stop filter (finishing it at a stop string)."""
+    text, hit = stops.feed(delta.text)
+    if hit:
+        return delta.model_copy(update={"text": text, "finish_reason": "stop"})
+    if delta.finish_reason is not None:
+        text += stops.flush()
+    return delta.model_copy(update={"text": text})

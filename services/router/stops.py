@@ -1,0 +1,35 @@
+"""Stop strings across the prefill/decode boundary.
+
+Each engine cuts its own output at a stop string, but one that starts in the prefill's first
+token and ends in decode's output is seen by neither. The router therefore runs the text
+through `StopFilter`, which holds back the last len(stop)-1 characters (as vLLM's detokenizer
+does) so it never emits text that turns out to begin a stop string.
+"""
+
+from __future__ import annotations
+
+
+class StopFilter:
+    def __init__(self, stops: list[str]):
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._text = ""  # everything received
+        self._emitted = 0  # characters of it already released
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Text safe to release now, and whether a stop string was reached (then nothing follows)."""
+        self._text += delta
+        search_from = max(self._emitted - self._hold, 0)
+        hits = [i for i in (self._text.find(s, search_from) for s in self._stops) if i != -1]
+        if hits:
+            end = min(hits)
+            out, self._emitted = self._text[self._emitted : end], max(end, self._emitted)
+            return out, True
+        safe = max(len(self._text) - self._hold, self._emitted)
+        out, self._emitted = self._text[self._emitted : safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        """The held-back tail, once the output ended for another reason."""
+        out, self._emitted = self._text[self._emitted :], len(self._text)
+        return out
