@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=os.environ.get("MESH_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("MESH_PORT", "8000")))
     parser.add_argument("--nats-port", type=int, default=int(os.environ.get("MESH_NATS_PORT", "4222")))
-    parser.add_argument("--logs", type=Path, default=None, help="write each service's log to a file here")
+    parser.add_argument("--logs", type=Path, default=os.environ.get("MESH_LOG_DIR") or None,
+                        help="write each service's log to a file in this directory (default: the terminal)")
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="llmesh-"))

@@ -15,6 +15,7 @@ from llmesh.config import EMBEDDED_MODEL
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
 
+ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 128
 STARTUP_S = 420
@@ -46,14 +47,18 @@ def mesh(tmp_path_factory, model_dir, model_path):
     work = tmp_path_factory.mktemp("mesh")
     port, nats_port = free_port(), free_port()
     env = {
+        "MESH_PORT": str(port),
+        "MESH_NATS_PORT": str(nats_port),
+        "MESH_LOG_DIR": str(work / "logs"),
         "MESH_MODEL_DIR": str(model_dir),
         "MESH_TRACE_DIR": str(work / "traces"),
         "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_REQUEST_TIMEOUT_S": "120",
     }
-    launcher = Child("launcher", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port",
-                                  str(nats_port), "--logs", str(work / "logs")], env=env, log_path=work / "launcher.log")
+    # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
+    launcher = Child("make run", ["make", "--no-print-directory", "-C", str(ROOT), "run"], env=env,
+                     log_path=work / "launcher.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", STARTUP_S, [launcher])
         yield Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work / "traces", work / "logs",
@@ -68,9 +73,10 @@ class Reference:
     def __init__(self, proc: subprocess.Popen, log_name: str):
         self.proc, self.log_name, self.ready = proc, log_name, False
 
-    def generate(self, max_tokens: int, prompt: str | None = None, prompt_token_ids: list[int] | None = None) -> dict:
-        req = {"max_tokens": max_tokens} | ({"prompt": prompt} if prompt is not None else
-                                            {"prompt_token_ids": prompt_token_ids})
+    def generate(self, max_tokens: int, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                 top2: bool = False) -> dict:
+        req = {"max_tokens": max_tokens, "top2": top2} | ({"prompt": prompt} if prompt is not None else
+                                                          {"prompt_token_ids": prompt_token_ids})
         if not self.ready:
             assert self.proc.stdout.readline().strip(), f"reference engine failed to start (see {self.log_name})"
             self.ready = True

@@ -2,7 +2,8 @@
 
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
--> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling.
+-> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
+"top2": true it adds each step's two likeliest tokens and logprobs; with "timing": true, TTFT and TPOT.
 """
 
 import asyncio
@@ -37,12 +38,14 @@ async def main(model: str, max_model_len: int, block_size: int) -> None:
         prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"]) if "prompt_token_ids" in req else req["prompt"]
         n += 1
         started, stamps = time.perf_counter(), []
-        async for out in engine.generate(prompt, SamplingParams(max_tokens=req["max_tokens"], temperature=0.0),
-                                         request_id=f"ref-{n}"):
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=2 if req.get("top2") else None)
+        async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
             stamps.append(time.perf_counter())
             final = out
         answer = {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(final.outputs[0].token_ids),
                   "text": final.outputs[0].text}
+        if req.get("top2"):  # per step: the two likeliest tokens and their logprobs
+            answer["top2"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
         if req.get("timing"):  # for bench/: time to first token, time per later token
             answer |= {"ttft": stamps[0] - started,
                        "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1)}

@@ -33,6 +33,7 @@ from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MODEL = "llmesh/tiny-llama"
 NUM_LAYERS = 4
+BF16_TIE = 0.1  # logprob gap within bf16 rounding of logits of this model's size
 
 
 def token_prompt(length: int, seed: int) -> list[int]:
@@ -154,8 +155,22 @@ def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference
             await aclient.close()
 
     outputs = asyncio.run(all_())
-    assert outputs == [reference.generate(24, prompt_token_ids=p)["token_ids"] for p in prompts]
-    assert len({tuple(o) for o in outputs}) > 1
+    assert len({tuple(o) for o in outputs}) == len(prompts)
+    # Batched decode steps (up to 16 rows here, 1 in the reference) round bf16 differently: vLLM is
+    # not batch-invariant. So an output may leave the reference's path, but only at a near-tie, where
+    # its token is the reference's runner-up by a hair. Wrong KV or crossed requests cannot hide so.
+    exact = 0
+    for ids, out in zip(prompts, outputs):
+        ref = reference.generate(24, prompt_token_ids=ids, top2=True)
+        if out == ref["token_ids"]:
+            exact += 1
+            continue
+        step = next(i for i, (a, b) in enumerate(zip(out, ref["token_ids"])) if a != b)
+        top2 = ref["top2"][step]
+        assert step > 0 and str(out[step]) in top2, f"diverged at token {step} to a non-contender: {top2}"
+        gap = top2[str(ref["token_ids"][step])] - top2[str(out[step])]
+        assert gap < BF16_TIE, f"diverged at token {step} where the reference was sure (gap {gap:.3f})"
+    assert exact >= len(prompts) // 2
 
 
 # ---- one trace across the services ---------------------------------------------------------------------
