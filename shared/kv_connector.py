@@ -295,7 +295,7 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def _end_load(self, req_id: str) -> None:
         load = self._loads.pop(req_id)
-        load.span.set_attribute("kv.failed", load.failed or bool(self._load_errors))
+        load.span.set_attribute("kv.failed", load.failed)
         load.span.end()
         if self._async_load:
             self._finished_loads.add(req_id)
@@ -315,7 +315,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         meta = self._meta() if self.has_connector_metadata() else None
         if not self._pending_puts:
             return
-        started = time.monotonic()
+        started_ns = time.time_ns()
         for future, req_id in self._pending_puts:
             try:
                 future.result(timeout=TRANSFER_TIMEOUT_S)
@@ -325,7 +325,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         if meta is not None:
             for transfer in meta.saves:
                 with self._tracer.start_as_current_span("kv.save_wait", context=telemetry.extract(transfer.trace),
-                                                        start_time=int(started * 1e9)) as span:
+                                                        start_time=started_ns) as span:
                     span.set_attribute("kv.blocks", len(transfer.block_ids))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

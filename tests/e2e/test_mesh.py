@@ -338,3 +338,41 @@ def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh
     assert time.monotonic() - started < 10
     resp = httpx.post(f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
+
+
+def test_ctrl_c_on_make_run_leaves_no_process_behind(mesh):
+    """What a user's Ctrl-C does: SIGINT to the foreground process group of `make run`."""
+    import os
+    import signal
+
+    def descendants(pid: int) -> set[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        found, todo = set(), [pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.add(child)
+                todo.append(child)
+        return found
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    tree = descendants(mesh.launcher.pid)
+    assert len(tree) >= 5  # the launcher, nats, kv-store, prefill worker and engine, router...
+    os.killpg(mesh.launcher.pid, signal.SIGINT)
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up and any(alive(p) for p in tree):
+        time.sleep(0.2)
+    assert not [p for p in tree if alive(p)], "processes left after Ctrl-C"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -86,3 +87,34 @@ def test_decode_is_paired_only_with_a_matching_fingerprint():
     assert registry.pick("decode", "m", fingerprint="b" * 32).worker_id == "d2"
     with pytest.raises(Exception, match="KV fingerprint"):
         registry.pick("decode", "m", fingerprint="c" * 32)
+
+
+async def test_prefill_worker_that_dies_mid_request_fails_it_at_once(nats_url):
+    """The worker takes the request and then goes silent: the router answers 502 when its
+    heartbeats lapse, long before the request's deadline."""
+    now = [0.0]
+    registry = WorkerRegistry(missed_heartbeats=3, clock=lambda: now[0])
+    registry.on_heartbeat(info("stuck-prefill"))
+    registry.on_heartbeat(info("stuck-decode", role="decode"))
+    bus, client = await _client(nats_url, registry)
+    worker_bus = await Bus.connect(nats_url, "stuck-worker")
+    got_request = asyncio.Event()
+
+    async def never_answers(msg, blob):
+        got_request.set()
+        await asyncio.sleep(3600)
+
+    await worker_bus.serve("mesh.prefill.stuck-prefill", never_answers)
+    try:
+        call = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "hi"}))
+        await asyncio.wait_for(got_request.wait(), 5)
+        now[0] = 10.0  # its heartbeats stop
+        started = time.monotonic()
+        registry.expire()
+        resp = await asyncio.wait_for(call, 5)
+        assert time.monotonic() - started < 1
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "worker_lost"
+    finally:
+        await client.aclose()
+        await worker_bus.close()
+        await bus.close()
