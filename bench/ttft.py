@@ -3,8 +3,10 @@
     .venv/bin/python bench/ttft.py [--models llmesh/tiny-llama llmesh/small-llama] [--lengths 128 512 2048]
 
 For each model: starts the mesh (the `make run` launcher) and a monolithic engine (no
-connector) on the same machine, then alternates requests between them at each prompt length
-and prints medians and the ratio mesh/monolithic. The mesh's time is split using its trace
+connector) on the same machine, then alternates requests between them at each prompt length,
+letting every engine go idle before the next request, and prints medians and the ratio
+mesh/monolithic. On a 2-core host the mesh's engines get one core each and the monolithic
+engine one core (vLLM's default there), so each side computes on one core at a time. The mesh's time is split using its trace
 spans: router.prefill (queueing + prefill compute + KV save), kv.load (decode fetching KV),
 and the rest (decode start, first token, HTTP).
 """
@@ -29,6 +31,7 @@ from llmesh.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_TOKENS = 32
+IDLE_S = 1.5  # a vLLM engine busy-polls for 1 s after its last step: let it go idle between runs
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -36,20 +39,24 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
 
 
-def mesh_request(url: str, ids: list[int]) -> tuple[float, float, str]:
+def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, float, float, str]:
+    """TTFT, time per output token after the first, first-to-second token gap, trace id.
+
+    `http` is made once: building an httpx client (its TLS context) costs ~25 ms, not the mesh's.
+    """
     trace_id = "%032x" % random.getrandbits(128)
     started = time.perf_counter()
-    first = last = None
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=300,
+    stamps = []
+    with http.stream("POST", f"{url}/v1/completions", timeout=300,
                       headers={"traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01"},
                       json={"model": MODEL, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
                             "stream": True}) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
-                last = time.perf_counter()
-                first = first or last
-    return first - started, (last - first) / (OUTPUT_TOKENS - 1), trace_id
+                stamps.append(time.perf_counter())
+    return (stamps[0] - started, (stamps[-1] - stamps[0]) / (OUTPUT_TOKENS - 1), stamps[1] - stamps[0],
+            trace_id)
 
 
 def span_breakdown(trace_dir: Path, trace_id: str) -> dict[str, float]:
@@ -68,7 +75,7 @@ def span_breakdown(trace_dir: Path, trace_id: str) -> dict[str, float]:
         return total
 
     return {"prefill": seconds("router.prefill"), "kv_load": seconds("kv.load"),
-            "prefill_compute": seconds("prefill-worker prefill")}
+            "prefill_compute": seconds("prefill-worker prefill"), "kv_save_wait": seconds("kv.save_wait")}
 
 
 def main() -> None:
@@ -81,6 +88,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmesh-bench-"))
     model_dir = Path.home() / ".cache" / "llmesh"
     rows = []
+    http = httpx.Client()
     for MODEL in args.models:
         path = resolve_model(MODEL, model_dir)
         port, nats_port = free_port(), free_port()
@@ -95,26 +103,29 @@ def main() -> None:
             assert mono.stdout.readline().strip(), "monolithic engine failed to start"
             wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
             for length in args.lengths:
-                m_ttft, m_tpot, o_ttft, o_tpot, parts = [], [], [], [], []
+                m_ttft, m_tpot, m_gap, o_ttft, o_tpot, o_gap, parts = [], [], [], [], [], [], []
                 for rep in range(args.repeats + 1):  # the first of each pair warms caches and is dropped
                     ids = prompt_ids(length, seed=1000 * length + rep)
-                    ttft, tpot, trace_id = mesh_request(f"http://127.0.0.1:{port}", ids)
+                    ttft, tpot, gap, trace_id = mesh_request(http, f"http://127.0.0.1:{port}", ids)
+                    time.sleep(IDLE_S)
                     mono.stdin.write(json.dumps({"prompt_token_ids": ids, "max_tokens": OUTPUT_TOKENS,
                                                  "timing": True}) + "\n")
                     mono.stdin.flush()
                     timing = json.loads(mono.stdout.readline())
                     if rep:
-                        m_ttft.append(ttft), m_tpot.append(tpot)
-                        o_ttft.append(timing["ttft"]), o_tpot.append(timing["tpot"])
-                        time.sleep(0.2)
+                        m_ttft.append(ttft), m_tpot.append(tpot), m_gap.append(gap)
+                        o_ttft.append(timing["ttft"]), o_tpot.append(timing["tpot"]), o_gap.append(timing["gap"])
                         parts.append(span_breakdown(work / "traces", trace_id))
+                    time.sleep(IDLE_S)
                 med = statistics.median
                 row = {"model": MODEL, "prompt_tokens": length, "ttft_mesh_ms": 1e3 * med(m_ttft),
                        "ttft_mono_ms": 1e3 * med(o_ttft), "ttft_ratio": med(m_ttft) / med(o_ttft),
                        "tpot_mesh_ms": 1e3 * med(m_tpot), "tpot_mono_ms": 1e3 * med(o_tpot),
                        "tpot_ratio": med(m_tpot) / med(o_tpot),
+                       "second_token_mesh_ms": 1e3 * med(m_gap), "second_token_mono_ms": 1e3 * med(o_gap),
                        "prefill_ms": 1e3 * med(p["prefill"] for p in parts),
                        "prefill_compute_ms": 1e3 * med(p["prefill_compute"] for p in parts),
+                       "kv_save_wait_ms": 1e3 * med(p["kv_save_wait"] for p in parts),
                        "kv_load_ms": 1e3 * med(p["kv_load"] for p in parts)}
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -123,12 +134,14 @@ def main() -> None:
             mono.wait(60)
             mesh.stop(30)
     print("\n| model | prompt | TTFT mesh ms | TTFT mono ms | ratio | TPOT mesh ms | TPOT mono ms | ratio |"
-          " router.prefill ms | prefill compute ms | kv.load ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " 1st→2nd token mesh ms | mono ms | router.prefill ms | prefill worker ms | kv.save_wait ms |"
+          " kv.load ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['prompt_tokens']} | {r['ttft_mesh_ms']:.1f} | {r['ttft_mono_ms']:.1f} | "
               f"{r['ttft_ratio']:.2f} | {r['tpot_mesh_ms']:.2f} | {r['tpot_mono_ms']:.2f} | {r['tpot_ratio']:.2f} | "
-              f"{r['prefill_ms']:.1f} | {r['prefill_compute_ms']:.1f} | {r['kv_load_ms']:.1f} |")
+              f"{r['second_token_mesh_ms']:.1f} | {r['second_token_mono_ms']:.1f} | {r['prefill_ms']:.1f} | {r['prefill_compute_ms']:.1f} | {r['kv_save_wait_ms']:.1f} | "
+              f"{r['kv_load_ms']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ class Bus:
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
+                    drain_timeout=5,
                     error_cb=on_error,
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
@@ -145,11 +146,15 @@ class Bus:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        if not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except (nats.errors.Error, TimeoutError):
-                await self.nc.close()
+        if self.nc.is_closed:
+            return
+        if not self.nc.is_connected:  # nothing to drain through
+            await self.nc.close()
+            return
+        try:
+            await self.nc.drain()
+        except (nats.errors.Error, TimeoutError):
+            await self.nc.close()
 
     # ---- client side ----------------------------------------------------------------
 

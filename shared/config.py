@@ -42,6 +42,11 @@ class WorkerSettings(CommonSettings):
     max_model_len: int = Field(2048, description="Context length the engine accepts.")
     kv_cache_gib: int = Field(1, ge=1, description="KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.9, description="Fraction of GPU memory vLLM may use (GPU only).")
+    cpu_cores: str = Field(
+        "",
+        description="CPU cores for the engine's compute threads, e.g. '0-3' (VLLM_CPU_OMP_THREADS_BIND); "
+        "empty: vLLM decides. `make run` gives prefill and decode separate halves of the machine.",
+    )
     cpu_reserved_cores: int = Field(
         1,
         ge=0,

@@ -97,6 +97,8 @@ class EngineWorker:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
+        if settings.cpu_cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         try:

@@ -138,10 +138,6 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 token_ids = [t for p in parts for t in p.token_ids] if body.return_token_ids else None
                 return JSONResponse(shape.final("".join(p.text for p in parts), last.finish_reason,
                                                 last.prompt_tokens, last.completion_tokens, token_ids))
-        except StopAsyncIteration:
-            exc = MeshError("the decode worker ended the stream without a result")
-            finish(exc.http_status, exc)
-            return JSONResponse(error_body(exc), status_code=exc.http_status)
         except MeshError as exc:
             await deltas.aclose()
             finish(exc.http_status, exc)

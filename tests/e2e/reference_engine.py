@@ -47,7 +47,7 @@ async def main(model: str, max_model_len: int, block_size: int) -> None:
         if req.get("top2"):  # per step: the two likeliest tokens and their logprobs
             answer["top2"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
         if req.get("timing"):  # for bench/: time to first token, time per later token
-            answer |= {"ttft": stamps[0] - started,
+            answer |= {"ttft": stamps[0] - started, "gap": stamps[1] - stamps[0],
                        "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1)}
         print(json.dumps(answer), file=protocol, flush=True)
     engine.shutdown()
