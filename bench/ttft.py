@@ -140,8 +140,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['model']} | {r['prompt_tokens']} | {r['ttft_mesh_ms']:.1f} | {r['ttft_mono_ms']:.1f} | "
               f"{r['ttft_ratio']:.2f} | {r['tpot_mesh_ms']:.2f} | {r['tpot_mono_ms']:.2f} | {r['tpot_ratio']:.2f} | "
-              f"{r['second_token_mesh_ms']:.1f} | {r['second_token_mono_ms']:.1f} | {r['prefill_ms']:.1f} | {r['prefill_compute_ms']:.1f} | {r['kv_save_wait_ms']:.1f} | "
-              f"{r['kv_load_ms']:.1f} |")
+              f"{r['second_token_mesh_ms']:.1f} | {r['second_token_mono_ms']:.1f} | {r['prefill_ms']:.1f} | "
+              f"{r['prefill_compute_ms']:.1f} | {r['kv_save_wait_ms']:.1f} | {r['kv_load_ms']:.1f} |")
 
 
 if __name__ == "__main__":

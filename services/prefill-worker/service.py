@@ -10,7 +10,6 @@ import time
 from opentelemetry import trace
 from vllm.inputs import TokensPrompt
 
-from llmesh import telemetry
 from llmesh.errors import ContextLengthExceeded, InvalidRequest
 from llmesh.messages import PrefillRequest, PrefillResult, TokenDelta
 from llmesh.worker import EngineWorker, sampling_params

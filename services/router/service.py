@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmesh import telemetry
-from llmesh.errors import InvalidRequest, MeshError, ModelNotFound
+from llmesh.errors import InvalidRequest, MeshError
 from llmesh.messages import TokenDelta
 
 from .dispatch import Dispatcher, Generation
