@@ -184,7 +184,8 @@ class Bus:
 
     async def serve(self, subject: str, handler: Handler, *, queue: str = "", span: str | None = None,
                     traced: bool = True) -> None:
-        """Handle `subject`; each message runs in its own task (strongly referenced).
+        """Handle `subject` (in queue group `queue`, if given: one member gets each message);
+        each message runs in its own task (strongly referenced).
 
         `traced=False` skips the span (for periodic chatter such as heartbeats).
         """
@@ -195,6 +196,7 @@ class Bus:
             task.add_done_callback(self._tasks.discard)
 
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        await self.nc.flush()  # the server knows the subscription once we return
 
     async def _handle(self, msg: Msg, handler: Handler, span_name: str, traced: bool) -> None:
         parent = telemetry.extract(msg.headers)

@@ -1,0 +1,83 @@
+"""Bus helpers on a real nats-server: queue groups, deadlines; OTLP export from a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from llmesh.bus import Bus
+from llmesh.errors import Timeout
+from llmesh.messages import Ack, KvStatsRequest
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_queue_group_members_share_the_load_and_each_message_is_handled_once(nats_url):
+    handled: dict[str, int] = {"a": 0, "b": 0}
+    buses = [await Bus.connect(nats_url, name) for name in ("a", "b", "client")]
+
+    def handler(name):
+        async def handle(msg, blob):
+            handled[name] += 1
+            await asyncio.sleep(0.01)
+            return Ack()
+        return handle
+
+    try:
+        for bus in buses[:2]:
+            await bus.serve("test.queue", handler(bus.name), queue="replicas")
+        await asyncio.gather(*(buses[2].request("test.queue", KvStatsRequest(), Ack, timeout=5) for _ in range(40)))
+        assert handled["a"] + handled["b"] == 40 and handled["a"] > 0 and handled["b"] > 0
+    finally:
+        for bus in buses:
+            await bus.close()
+
+
+async def test_request_deadline_is_a_typed_timeout(nats_url):
+    server, client = await Bus.connect(nats_url, "slow"), await Bus.connect(nats_url, "impatient")
+
+    async def slow(msg, blob):
+        await asyncio.sleep(5)
+        return Ack()
+
+    try:
+        await server.serve("test.slow", slow)
+        with pytest.raises(Timeout):
+            await client.request("test.slow", KvStatsRequest(), Ack, timeout=0.3)
+        with pytest.raises(asyncio.TimeoutError):  # Timeout is also an asyncio.TimeoutError
+            await client.request("test.slow", KvStatsRequest(), Ack, timeout=0.3)
+    finally:
+        await client.close()
+        await server.close()
+
+
+def test_spans_are_exported_over_otlp_when_an_endpoint_is_configured():
+    received: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            received.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        script = ("from llmesh import telemetry; from opentelemetry import trace;"
+                  f"telemetry.setup_tracing('probe', otlp_endpoint='http://127.0.0.1:{server.server_port}',"
+                  " trace_dir=None);"
+                  "trace.get_tracer('t').start_span('exported-span').end();"
+                  "trace.get_tracer_provider().force_flush()")
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=20)
+    finally:
+        server.shutdown()
+    assert [path for path, _ in received] == ["/v1/traces"]
+    assert b"exported-span" in received[0][1] and b"probe" in received[0][1]
