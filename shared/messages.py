@@ -177,15 +177,31 @@ class KvStatsRequest(Message):
     pass
 
 
+class KvFlush(Message):
+    """Spill every chunk in memory to the SSD tier and free the memory (before maintenance);
+    answered with the shard's KvStats. Chunks the SSD tier cannot take stay in memory."""
+
+
 class KvStats(Message):
+    """A shard's counters; `chunks`, `bytes` and `capacity_bytes` are the memory tier's."""
+
     chunks: int
     bytes: int
     capacity_bytes: int
     pinned_bytes: int
-    hits: int
+    hits: int  # all tiers
     misses: int
-    evictions: int
+    evictions: int  # dropped for good (no SSD tier, or it refused)
     puts: int
+    memory_hits: int = 0
+    ssd_hits: int = 0
+    demotions: int = 0  # memory -> SSD
+    promotions: int = 0  # SSD -> memory
+    ssd_enabled: bool = False
+    ssd_chunks: int = 0
+    ssd_bytes: int = 0
+    ssd_capacity_bytes: int = 0
+    ssd_corrupt: int = 0  # unreadable files dropped on read
 
 
 # ---- codec ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from llmesh.lifecycle import run_service, setup_logging
 
 from .service import KvStoreService
 from .settings import KvStoreSettings
+from .ssd import SsdTier
 from .store import ChunkStore
 
 
@@ -17,7 +18,8 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("kv-store", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, f"kv-store-{settings.kv_shard}")
     try:
-        service = KvStoreService(bus, ChunkStore(settings.capacity_bytes), settings.kv_shard,
+        ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
+        service = KvStoreService(bus, ChunkStore(settings.capacity_bytes, ssd), settings.kv_shard,
                                  settings.assembly_timeout_s)
         await service.start()
         await stop.wait()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from llmesh.bus import FRAME_OVERHEAD, Bus
 from llmesh.errors import BadMessage
-from llmesh.messages import Ack, KvGet, KvGetPart, KvPut, KvStats, KvStatsRequest, Subjects
+from llmesh.messages import Ack, KvFlush, KvGet, KvGetPart, KvPut, KvStats, KvStatsRequest, Subjects
 
 from .store import ChunkStore
 
@@ -34,6 +34,7 @@ class KvStoreService:
         await self.bus.serve(Subjects.kv(self.shard, "put"), self.put, span="kv-store put")
         await self.bus.serve(Subjects.kv(self.shard, "get"), self.get, span="kv-store get")
         await self.bus.serve(Subjects.kv(self.shard, "stats"), self.stats, traced=False)
+        await self.bus.serve(Subjects.kv(self.shard, "flush"), self.flush, span="kv-store flush")
 
     async def put(self, msg: KvPut, blob: memoryview) -> Ack:
         if not isinstance(msg, KvPut):
@@ -84,4 +85,8 @@ class KvStoreService:
             yield KvGetPart(sizes=sizes, offset=offset, total_size=len(payload)), payload[offset : offset + segment]
 
     async def stats(self, msg: KvStatsRequest, blob: memoryview) -> KvStats:
+        return self.store.stats()
+
+    async def flush(self, msg: KvFlush, blob: memoryview) -> KvStats:
+        self.store.flush_to_ssd()
         return self.store.stats()

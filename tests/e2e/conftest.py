@@ -21,8 +21,9 @@ STARTUP_S = 420
 
 
 class Mesh:
-    def __init__(self, url: str, nats_url: str, trace_dir: Path, logs: Path, launcher: Child):
-        self.url, self.nats_url, self.trace_dir, self.logs, self.launcher = url, nats_url, trace_dir, logs, launcher
+    def __init__(self, url: str, nats_url: str, work: Path, launcher: Child):
+        self.url, self.nats_url, self.launcher = url, nats_url, launcher
+        self.trace_dir, self.logs, self.kv_data = work / "traces", work / "logs", work / "kv-data"
 
     def spans(self) -> list[dict]:
         out = []
@@ -50,6 +51,7 @@ def mesh(tmp_path_factory, model_dir, model_path):
         "MESH_NATS_PORT": str(nats_port),
         "MESH_LOG_DIR": str(work / "logs"),
         "MESH_MODEL_DIR": str(model_dir),
+        "MESH_DATA_DIR": str(work / "kv-data"),
         "MESH_TRACE_DIR": str(work / "traces"),
         "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
@@ -60,8 +62,7 @@ def mesh(tmp_path_factory, model_dir, model_path):
                      log_path=work / "launcher.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", STARTUP_S, [launcher])
-        yield Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work / "traces", work / "logs",
-                   launcher)
+        yield Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work, launcher)
     finally:
         launcher.stop(30)
 

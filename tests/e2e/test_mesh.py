@@ -7,7 +7,9 @@ Test order matters only at the end: the fault tests kill the decode worker, so t
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 
 import httpx
@@ -15,10 +17,11 @@ import openai
 import pytest
 
 from llmesh.bus import Bus
-from llmesh.errors import KVFingerprintMismatch
+from llmesh.errors import KVFingerprintMismatch, MeshError
 from llmesh.launcher import start_service
 from llmesh.messages import (
     DecodeRequest,
+    KvFlush,
     KvStats,
     KvStatsRequest,
     PrefillRequest,
@@ -34,6 +37,40 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MODEL = "llmesh/tiny-llama"
 NUM_LAYERS = 4
 BF16_TIE = 0.1  # logprob gap within bf16 rounding of logits of this model's size
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def token_prompt(length: int, seed: int) -> list[int]:
@@ -273,33 +310,103 @@ def async_decode_worker(mesh, model_dir):
         child.stop()
 
 
+async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worker: str | None = None,
+                        between=None) -> list[int]:
+    """Prefill then decode over the bus, as the router does, with `between()` run in the middle."""
+    prefill = await live_worker(mesh, "prefill")
+    decode_worker = decode_worker or (await live_worker(mesh, "decode")).worker_id
+    request_id = f"direct-{random.getrandbits(32):x}"
+    bus = await Bus.connect(mesh.nats_url, "test-direct")
+    try:
+        deadline = time.time() + 60
+        sampling = SamplingOptions(max_tokens=max_tokens, temperature=0)
+        result, _ = await bus.request(Subjects.worker("prefill", prefill.worker_id), PrefillRequest(
+            request_id=request_id, model=MODEL, prompt_token_ids=ids, sampling=sampling, deadline=deadline),
+            PrefillResult, timeout=60)
+        if between is not None:
+            await between()
+        tokens = list(result.first.token_ids)
+        replies = await bus.stream(Subjects.worker("decode", decode_worker), DecodeRequest(
+            request_id=request_id, model=MODEL, prompt_token_ids=result.prompt_token_ids, first_token=tokens[0],
+            sampling=sampling, kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
+            deadline=deadline), deadline=deadline)
+        async for delta, _ in replies:
+            tokens += delta.token_ids
+        return tokens
+    finally:
+        await bus.close()
+
+
 def test_async_load_mode_is_exact_too(mesh, reference, async_decode_worker):
     ids = token_prompt(700, seed=77)
-
-    async def go():
-        prefill = await live_worker(mesh, "prefill")
-        bus = await Bus.connect(mesh.nats_url, "test-async")
-        try:
-            deadline = time.time() + 60
-            result, _ = await bus.request(Subjects.worker("prefill", prefill.worker_id), PrefillRequest(
-                request_id="async-1", model=MODEL, prompt_token_ids=ids, sampling=SamplingOptions(
-                    max_tokens=16, temperature=0), deadline=deadline), PrefillResult, timeout=60)
-            tokens = list(result.first.token_ids)
-            replies = await bus.stream(Subjects.worker("decode", async_decode_worker), DecodeRequest(
-                request_id="async-1", model=MODEL, prompt_token_ids=result.prompt_token_ids,
-                first_token=tokens[0], sampling=SamplingOptions(max_tokens=16, temperature=0),
-                kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
-                deadline=deadline), deadline=deadline)
-            async for delta, _ in replies:
-                tokens += delta.token_ids
-            return tokens
-        finally:
-            await bus.close()
-
     before = asyncio.run(kv_stats(mesh))
-    assert asyncio.run(go()) == reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    tokens = asyncio.run(disaggregated(mesh, ids, decode_worker=async_decode_worker))
+    assert tokens == reference.generate(16, prompt_token_ids=ids)["token_ids"]
     after = asyncio.run(kv_stats(mesh))
     assert after.hits - before.hits == 6 * NUM_LAYERS and after.misses == before.misses  # 700 tokens: 6 blocks
+
+
+# ---- KV from the SSD tier -------------------------------------------------------------------------------------
+
+
+async def flush_kv_store(mesh) -> KvStats:
+    bus = await Bus.connect(mesh.nats_url, "test-flush")
+    try:
+        stats, _ = await bus.request(Subjects.kv("0", "flush"), KvFlush(), KvStats, timeout=30)
+        return stats
+    finally:
+        await bus.close()
+
+
+@pytest.fixture(scope="module")
+def replacement_kv_store(mesh):
+    """Kill the mesh's kv-store abruptly and start another on the same data directory
+    (which then serves the rest of the module)."""
+    started = []
+
+    async def restart():
+        os.killpg(next(pid for pid in descendants(mesh.launcher.pid) if "llmesh_kvstore" in cmdline(pid)),
+                  signal.SIGKILL)
+        env = {"MESH_NATS_URL": mesh.nats_url, "MESH_DATA_DIR": str(mesh.kv_data)}
+        started.append(start_service("kv-store", env, mesh.logs / "kv-store-restarted.log"))
+        give_up = time.monotonic() + 30
+        while True:
+            try:
+                return await kv_stats(mesh)
+            except MeshError:
+                assert time.monotonic() < give_up, "the restarted kv-store does not answer"
+                await asyncio.sleep(0.2)
+
+    yield restart
+    for child in started:
+        child.stop()
+
+
+def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh, reference, replacement_kv_store):
+    ids = token_prompt(600, seed=901)  # 5 blocks
+    before = asyncio.run(kv_stats(mesh))
+    spilled = []
+
+    async def spill():
+        spilled.append(await flush_kv_store(mesh))
+
+    expected = reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    assert asyncio.run(disaggregated(mesh, ids, between=spill)) == expected
+    after = asyncio.run(kv_stats(mesh))
+    assert spilled[0].chunks == 0 and spilled[0].ssd_chunks >= 5 * NUM_LAYERS
+    assert after.ssd_hits - before.ssd_hits == 5 * NUM_LAYERS and after.misses == before.misses
+
+    ids = token_prompt(900, seed=902)  # 8 blocks
+
+    async def spill_and_restart():
+        await flush_kv_store(mesh)
+        restarted = await replacement_kv_store()
+        assert restarted.chunks == 0 and restarted.ssd_chunks >= 8 * NUM_LAYERS  # re-indexed from disk
+
+    assert asyncio.run(disaggregated(mesh, ids, between=spill_and_restart)) == \
+        reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    after = asyncio.run(kv_stats(mesh))
+    assert after.ssd_hits == 8 * NUM_LAYERS and after.misses == 0
 
 
 # ---- faults (last: they kill the decode worker) ------------------------------------------------------------
@@ -323,9 +430,6 @@ def test_client_disconnect_aborts_the_request_in_the_worker(mesh):
 
 
 def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh):
-    import os
-    import signal
-
     decode = asyncio.run(live_worker(mesh, "decode"))
     pid = int(decode.worker_id.rsplit("-", 1)[1])
     stream = client.completions.create(model=MODEL, prompt="Count slowly", max_tokens=1800, stream=True)
@@ -342,33 +446,6 @@ def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh
 
 def test_ctrl_c_on_make_run_leaves_no_process_behind(mesh):
     """What a user's Ctrl-C does: SIGINT to the foreground process group of `make run`."""
-    import os
-    import signal
-
-    def descendants(pid: int) -> set[int]:
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-        found, todo = set(), [pid]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                found.add(child)
-                todo.append(child)
-        return found
-
-    def alive(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
     tree = descendants(mesh.launcher.pid)
     assert len(tree) >= 5  # the launcher, nats, kv-store, prefill worker and engine, router...
     os.killpg(mesh.launcher.pid, signal.SIGINT)

@@ -1,0 +1,109 @@
+"""The kv-store's memory and SSD tiers, on a real directory."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from llmesh_kvstore.ssd import SsdTier
+from llmesh_kvstore.store import ChunkStore
+
+
+def chunk(tag: str, size: int = 1000) -> bytes:
+    return (tag.encode() * size)[:size]
+
+
+def test_memory_evictions_are_demoted_and_ssd_hits_promoted(tmp_path):
+    store = ChunkStore(3000, SsdTier(tmp_path, 10_000))
+    for key in "abc":
+        store.put_many([(key, chunk(key))], pin_s=0)
+    store.put_many([("d", chunk("d"))], pin_s=0)  # "a" goes to SSD, not away
+    stats = store.stats()
+    assert (stats.demotions, stats.evictions, stats.ssd_chunks, stats.chunks) == (1, 0, 1, 3)
+    assert store.get("a") == chunk("a")  # from SSD, promoted (demoting "b")
+    stats = store.stats()
+    assert (stats.ssd_hits, stats.promotions, stats.memory_hits) == (1, 1, 0)
+    assert store.get("a") == chunk("a") and store.stats().memory_hits == 1
+    assert store.get("b") == chunk("b") and store.get("zzz") is None
+    assert store.stats().misses == 1
+
+
+def test_without_ssd_evictions_drop(tmp_path):
+    store = ChunkStore(2000)
+    for key in "abc":
+        store.put_many([(key, chunk(key))], pin_s=0)
+    assert store.get("a") is None and store.stats().evictions == 1
+
+
+def test_ssd_capacity_evicts_least_recently_used(tmp_path):
+    ssd = SsdTier(tmp_path, 2500)
+    for key in "abc":
+        assert ssd.write(key, chunk(key))
+    assert "a" not in ssd and ssd.read("b") == chunk("b") and ssd.evictions == 1
+    assert ssd.bytes == 2000
+
+
+def test_restart_reindexes_and_cleans_crash_leftovers(tmp_path):
+    ssd = SsdTier(tmp_path, 10_000)
+    ssd.write("kept", chunk("k"))
+    ssd.write("second", chunk("s", 300))
+    (tmp_path / "ab").mkdir(exist_ok=True)
+    (tmp_path / "ab" / "abcdef.tmp").write_bytes(b"half a write")
+    (tmp_path / "ab" / "garbage").write_bytes(b"not a chunk at all")
+    again = SsdTier(tmp_path, 10_000)
+    assert len(again) == 2 and again.bytes == 1300
+    assert again.read("kept") == chunk("k") and again.read("second") == chunk("s", 300)
+    assert not (tmp_path / "ab" / "abcdef.tmp").exists() and not (tmp_path / "ab" / "garbage").exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_or_truncated_files_are_clean_misses(tmp_path, damage):
+    ssd = SsdTier(tmp_path, 10_000)
+    ssd.write("victim", chunk("v"))
+    ssd.write("healthy", chunk("h"))
+    path = ssd._path("victim")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-10] ^= 0xFF
+    else:
+        raw = raw[:-10]
+    path.write_bytes(bytes(raw))
+    assert ssd.read("victim") is None and ssd.corrupt == 1 and "victim" not in ssd
+    assert ssd.read("healthy") == chunk("h")
+
+
+def test_unusable_directory_disables_the_tier_and_memory_keeps_working(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    store = ChunkStore(2000, SsdTier(blocker / "dir", 10_000))
+    assert not store.stats().ssd_enabled
+    for key in "abc":
+        store.put_many([(key, chunk(key))], pin_s=0)
+    assert store.get("c") == chunk("c") and store.stats().evictions == 1
+
+
+def test_disk_full_disables_the_tier_but_keeps_what_memory_holds(tmp_path, monkeypatch):
+    store = ChunkStore(2000, SsdTier(tmp_path, 10_000))
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    for key in "abc":
+        store.put_many([(key, chunk(key))], pin_s=0)  # demoting "a" hits the full disk
+    stats = store.stats()
+    assert not stats.ssd_enabled and stats.evictions == 1 and stats.demotions == 0
+    assert store.get("b") == chunk("b") and store.get("c") == chunk("c")
+    assert not list(tmp_path.glob("*/*.tmp"))  # no half-written file left behind
+
+
+def test_flush_moves_everything_to_ssd_pins_included(tmp_path):
+    store = ChunkStore(10_000, SsdTier(tmp_path, 10_000))
+    store.put_many([("pinned", chunk("p"))], pin_s=60)
+    store.put_many([("free", chunk("f"))], pin_s=0)
+    store.flush_to_ssd()
+    stats = store.stats()
+    assert (stats.chunks, stats.bytes, stats.ssd_chunks, stats.demotions) == (0, 0, 2, 2)
+    assert store.get("pinned") == chunk("p") and store.stats().ssd_hits == 1
