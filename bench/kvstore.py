@@ -14,9 +14,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -129,7 +127,7 @@ def main() -> None:
                 for kind, target in (("kv-store (NATS)", url), ("redis-py", redis_port)):
                     rows.append(run(kind, target, size, clients))
                     print(rows[-1], flush=True)
-        print(f"\nmemory copy, 1 thread: " + ", ".join(f"{s // 1024} KiB {memcpy_gbps(s):.2f} GB/s"
+        print("\nmemory copy, 1 thread: " + ", ".join(f"{s // 1024} KiB {memcpy_gbps(s):.2f} GB/s"
                                                         for s in args.sizes))
         print("\n| value | clients | store | put GB/s | get GB/s | put p50/p99 ms | get p50/p99 ms |")
         print("|---|---|---|---|---|---|---|")

@@ -107,7 +107,7 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 30.0) -> Bus:
-        """Connect, retrying until `connect_timeout`; afterwards reconnect forever."""
+        """Connect within `connect_timeout` (nats-py retries meanwhile); afterwards reconnect forever."""
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats error (%s): %s", name, exc)
@@ -118,26 +118,23 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("nats reconnected (%s)", name)
 
-        give_up = time.monotonic() + connect_timeout
-        while True:
-            try:
-                nc = await nats.connect(
-                    servers=url.split(","),
-                    name=name,
-                    connect_timeout=2,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    drain_timeout=5,
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect,
-                )
-                return cls(nc, name)
-            except (OSError, nats.errors.Error, TimeoutError) as exc:
-                if time.monotonic() > give_up:
-                    raise ServiceUnavailable(f"cannot reach NATS at {url}: {exc}") from exc
-                await asyncio.sleep(0.2)
+        try:
+            # With unlimited reconnects nats-py retries the first connection forever too: bound it.
+            nc = await asyncio.wait_for(nats.connect(
+                servers=url.split(","),
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                drain_timeout=5,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            ), connect_timeout)
+        except (OSError, nats.errors.Error, TimeoutError) as exc:
+            raise ServiceUnavailable(f"cannot reach NATS at {url} within {connect_timeout:.0f}s: {exc!r}") from exc
+        return cls(nc, name)
 
     @property
     def max_payload(self) -> int:

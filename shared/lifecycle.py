@@ -15,14 +15,33 @@ def setup_logging(service: str, level: str) -> None:
     )
 
 
+GRACE_S = 8.0  # after a signal, how long `main` may take to shut down before it is cancelled
+
+
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop)`; SIGINT/SIGTERM set `stop`, and `main` is expected to return soon after."""
+    """Run `main(stop)`; SIGINT/SIGTERM set `stop` and `main` should return soon after.
+
+    A `main` that does not (it may still be starting, e.g. waiting for NATS) is cancelled
+    after GRACE_S, or at once on a second signal.
+    """
 
     async def runner() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(main(stop))
+
+        def on_signal() -> None:
+            if stop.is_set():
+                task.cancel()
+                return
+            stop.set()
+            loop.call_later(GRACE_S, task.cancel)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            await task
+        except asyncio.CancelledError:
+            logging.getLogger(__name__).warning("stopped before finishing its shutdown")
 
     asyncio.run(runner())

@@ -202,6 +202,8 @@ class KvStats(Message):
     ssd_bytes: int = 0
     ssd_capacity_bytes: int = 0
     ssd_corrupt: int = 0  # unreadable files dropped on read
+    bytes_put: int = 0  # received by puts, all time
+    bytes_got: int = 0  # sent by gets, all time
 
 
 # ---- codec ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging
 
+from .metrics import serve_metrics
 from .service import KvStoreService
 from .settings import KvStoreSettings
 from .ssd import SsdTier
@@ -22,6 +23,8 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
         service = KvStoreService(bus, ChunkStore(settings.capacity_bytes, ssd), settings.kv_shard,
                                  settings.assembly_timeout_s)
         await service.start()
+        if settings.metrics_port:
+            serve_metrics(service.snapshot, settings.kv_shard, settings.metrics_port, settings.metrics_host)
         await stop.wait()
     finally:
         await bus.close()

@@ -29,6 +29,7 @@ class KvStoreService:
         self.bus, self.store, self.shard = bus, store, shard
         self._assembly_timeout_s = assembly_timeout_s
         self._assemblies: dict[str, _Assembly] = {}
+        self._bytes_put = self._bytes_got = 0
 
     async def start(self) -> None:
         await self.bus.serve(Subjects.kv(self.shard, "put"), self.put, span="kv-store put")
@@ -43,6 +44,7 @@ class KvStoreService:
             raise BadMessage("KvPut keys, sizes and total_size disagree")
         if msg.offset < 0 or msg.offset + len(blob) > msg.total_size:
             raise BadMessage(f"segment [{msg.offset}, {msg.offset + len(blob)}) lies outside {msg.total_size} bytes")
+        self._bytes_put += len(blob)
         if len(blob) == msg.total_size:  # the common case: one segment
             self._store(msg, blob)
             return Ack()
@@ -80,13 +82,17 @@ class KvStoreService:
         values = [self.store.get(key, msg.pin_s) for key in msg.keys]
         sizes = [-1 if v is None else len(v) for v in values]
         payload = memoryview(b"".join(v for v in values if v is not None))
+        self._bytes_got += len(payload)
         segment = max(self.bus.max_payload - FRAME_OVERHEAD, 4096)
         for offset in range(0, max(len(payload), 1), segment):
             yield KvGetPart(sizes=sizes, offset=offset, total_size=len(payload)), payload[offset : offset + segment]
 
+    def snapshot(self) -> KvStats:
+        return self.store.stats().model_copy(update={"bytes_put": self._bytes_put, "bytes_got": self._bytes_got})
+
     async def stats(self, msg: KvStatsRequest, blob: memoryview) -> KvStats:
-        return self.store.stats()
+        return self.snapshot()
 
     async def flush(self, msg: KvFlush, blob: memoryview) -> KvStats:
         self.store.flush_to_ssd()
-        return self.store.stats()
+        return self.snapshot()

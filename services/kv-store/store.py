@@ -105,6 +105,7 @@ class ChunkStore:
     def stats(self) -> KvStats:
         now = self._clock()
         ssd = self.ssd
+        has_ssd = ssd is not None  # (an empty SsdTier is falsy: it has a length)
         return KvStats(
             chunks=len(self._chunks),
             bytes=self._bytes,
@@ -118,9 +119,9 @@ class ChunkStore:
             ssd_hits=self.ssd_hits,
             demotions=self.demotions,
             promotions=self.promotions,
-            ssd_enabled=bool(ssd and ssd.enabled),
-            ssd_chunks=len(ssd) if ssd else 0,
-            ssd_bytes=ssd.bytes if ssd else 0,
-            ssd_capacity_bytes=ssd.capacity_bytes if ssd else 0,
-            ssd_corrupt=ssd.corrupt if ssd else 0,
+            ssd_enabled=has_ssd and ssd.enabled,
+            ssd_chunks=len(ssd) if has_ssd else 0,
+            ssd_bytes=ssd.bytes if has_ssd else 0,
+            ssd_capacity_bytes=ssd.capacity_bytes if has_ssd else 0,
+            ssd_corrupt=ssd.corrupt if has_ssd else 0,
         )

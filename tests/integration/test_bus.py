@@ -81,3 +81,13 @@ def test_spans_are_exported_over_otlp_when_an_endpoint_is_configured():
         server.shutdown()
     assert [path for path, _ in received] == ["/v1/traces"]
     assert b"exported-span" in received[0][1] and b"probe" in received[0][1]
+
+
+async def test_connecting_to_a_dead_server_fails_within_its_timeout():
+    from llmesh.errors import ServiceUnavailable
+    from llmesh.launcher import free_port
+
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ServiceUnavailable, match="cannot reach NATS"):
+        await Bus.connect(f"nats://127.0.0.1:{free_port()}", "hopeless", connect_timeout=1.5)
+    assert asyncio.get_running_loop().time() - started < 3

@@ -95,3 +95,39 @@ async def test_no_store_is_a_fast_clear_error(nats_url):
         assert time.monotonic() - started < 1
     finally:
         await bus.close()
+
+
+async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path):
+    import httpx
+    from llmesh.launcher import free_port
+    from llmesh_kvstore.metrics import serve_metrics
+    from llmesh_kvstore.ssd import SsdTier
+
+    server_bus = await Bus.connect(nats_url, "kv-metrics")
+    service = KvStoreService(server_bus, ChunkStore(1500, SsdTier(tmp_path, 10_000)), "metrics")
+    await service.start()
+    client_bus = await Bus.connect(nats_url, "client-metrics")
+    kv = KvClient(client_bus, "metrics")
+    port = free_port()
+    serve_metrics(service.snapshot, "metrics", port)
+    try:
+        await kv.put(["a"], [b"a" * 1000], pin_s=60)
+        await kv.put(["b"], [b"b" * 1000])  # "a" is pinned: nothing can make room
+    except KVStoreFull:
+        pass
+    try:
+        await kv.put(["c"], [b"c" * 400])
+        await kv.get(["a", "missing"])
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        for line in ['llmesh_kv_bytes{shard="metrics",tier="memory"} 1400.0',
+                     'llmesh_kv_hits_total{shard="metrics",tier="memory"} 1.0',
+                     'llmesh_kv_misses_total{shard="metrics"} 1.0',
+                     'llmesh_kv_pinned_bytes{shard="metrics"} 1000.0',
+                     'llmesh_kv_put_bytes_total{shard="metrics"} 2400.0',  # the refused put was received too
+                     'llmesh_kv_get_bytes_total{shard="metrics"} 1000.0',
+                     'llmesh_kv_ssd_enabled{shard="metrics"} 1.0']:
+            assert line in text, line
+    finally:
+        await client_bus.close()
+        await server_bus.close()

@@ -107,3 +107,7 @@ def test_flush_moves_everything_to_ssd_pins_included(tmp_path):
     stats = store.stats()
     assert (stats.chunks, stats.bytes, stats.ssd_chunks, stats.demotions) == (0, 0, 2, 2)
     assert store.get("pinned") == chunk("p") and store.stats().ssd_hits == 1
+
+
+def test_an_empty_ssd_tier_reports_enabled(tmp_path):
+    assert ChunkStore(1000, SsdTier(tmp_path, 10_000)).stats().ssd_enabled
