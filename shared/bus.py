@@ -127,7 +127,6 @@ class Bus:
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
-                drain_timeout=5,
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
@@ -141,17 +140,18 @@ class Bus:
         return self.nc.max_payload
 
     async def close(self) -> None:
+        """Cancel in-flight handlers, send what is buffered, close. (No drain: the handlers are
+        already cancelled, and nats-py's drain races its own flush futures on shutdown.)"""
         for task in list(self._tasks):
             task.cancel()
         if self.nc.is_closed:
             return
-        if not self.nc.is_connected:  # nothing to drain through
-            await self.nc.close()
-            return
-        try:
-            await self.nc.drain()
-        except (nats.errors.Error, TimeoutError):
-            await self.nc.close()
+        if self.nc.is_connected:
+            try:
+                await self.nc.flush(timeout=1)
+            except (nats.errors.Error, TimeoutError):
+                pass
+        await self.nc.close()
 
     # ---- client side ----------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -18,6 +20,14 @@ from .service import create_app
 from .settings import RouterSettings
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `run_service` owns the signals and `stop`."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
@@ -30,7 +40,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
     app = create_app(Dispatcher(bus, registry, metrics), registry, metrics, settings.request_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+    server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     serving = asyncio.create_task(server.serve())
     try:
