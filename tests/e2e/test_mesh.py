@@ -83,10 +83,12 @@ def client(reference, mesh):  # reference first: its engine loads while the mesh
     return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-async def kv_stats(mesh) -> KvStats:
-    bus = await Bus.connect(mesh.nats_url, "test-stats")
+async def kv_stats(mesh, op: str = "stats") -> KvStats:
+    """The kv-store's counters; `op="flush"` spills its memory to SSD first."""
+    bus = await Bus.connect(mesh.nats_url, f"test-{op}")
     try:
-        stats, _ = await bus.request(Subjects.kv("0", "stats"), KvStatsRequest(), KvStats, timeout=5)
+        request = KvFlush() if op == "flush" else KvStatsRequest()
+        stats, _ = await bus.request(Subjects.kv("0", op), request, KvStats, timeout=30)
         return stats
     finally:
         await bus.close()
@@ -349,15 +351,6 @@ def test_async_load_mode_is_exact_too(mesh, reference, async_decode_worker):
 # ---- KV from the SSD tier -------------------------------------------------------------------------------------
 
 
-async def flush_kv_store(mesh) -> KvStats:
-    bus = await Bus.connect(mesh.nats_url, "test-flush")
-    try:
-        stats, _ = await bus.request(Subjects.kv("0", "flush"), KvFlush(), KvStats, timeout=30)
-        return stats
-    finally:
-        await bus.close()
-
-
 @pytest.fixture(scope="module")
 def replacement_kv_store(mesh):
     """Kill the mesh's kv-store abruptly and start another on the same data directory
@@ -388,7 +381,7 @@ def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh
     spilled = []
 
     async def spill():
-        spilled.append(await flush_kv_store(mesh))
+        spilled.append(await kv_stats(mesh, "flush"))
 
     expected = reference.generate(16, prompt_token_ids=ids)["token_ids"]
     assert asyncio.run(disaggregated(mesh, ids, between=spill)) == expected
@@ -399,7 +392,7 @@ def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh
     ids = token_prompt(900, seed=902)  # 8 blocks
 
     async def spill_and_restart():
-        await flush_kv_store(mesh)
+        await kv_stats(mesh, "flush")
         restarted = await replacement_kv_store()
         assert restarted.chunks == 0 and restarted.ssd_chunks >= 8 * NUM_LAYERS  # re-indexed from disk
 
