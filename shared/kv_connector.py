@@ -290,7 +290,12 @@ class MeshKVConnector(KVConnectorBase_V1):
             self._load_errors.update(load.transfer.block_ids[i] for i in range(len(values)) if i not in set(found))
         if not found:
             return
-        data = torch.frombuffer(bytearray().join(values[i] for i in found), dtype=cache.dtype)
+        whole = values[0].obj if isinstance(values[0], memoryview) else None
+        if len(found) == len(values) and whole is not None and len(whole) == len(values) * block_bytes:
+            buffer = whole  # the answer's own buffer holds exactly these blocks, in order: no copy
+        else:
+            buffer = bytearray().join(values[i] for i in found)
+        data = torch.frombuffer(buffer, dtype=cache.dtype)
         cache[load.block_ids[found]] = data.view(len(found), *block_shape).to(cache.device, non_blocking=True)
 
     def _end_load(self, req_id: str) -> None:

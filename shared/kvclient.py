@@ -33,7 +33,7 @@ class KvClient:
     async def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float = 0.0,
                   timeout: float = 30.0) -> None:
         sizes = [len(memoryview(v).cast("B")) for v in values]
-        blob = b"".join(values)
+        blob = memoryview(b"".join(values))  # segments below are views of it, not copies
         transfer_id = uuid.uuid4().hex
         seg = self.segment_size
         requests = [
