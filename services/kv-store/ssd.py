@@ -53,6 +53,9 @@ class SsdTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    def keys(self) -> list[str]:
+        return list(self._index)
+
     def write(self, key: str, data: bytes) -> bool:
         """Store `data` under `key`, evicting the least recently used files if needed."""
         if not self.enabled or len(data) > self.capacity_bytes:

@@ -35,6 +35,15 @@ class ChunkStore:
         self.memory_hits = self.ssd_hits = self.misses = self.evictions = self.puts = 0
         self.demotions = self.promotions = 0
 
+    def __contains__(self, key: str) -> bool:
+        """Held in any tier (not counted as a hit)."""
+        return key in self._chunks or (self.ssd is not None and key in self.ssd)
+
+    def keys(self) -> list[str]:
+        """Every key held, memory tier first."""
+        ssd_only = [k for k in self.ssd.keys() if k not in self._chunks] if self.ssd is not None else []
+        return [*self._chunks, *ssd_only]
+
     def put_many(self, items: list[tuple[str, bytes]], pin_s: float) -> None:
         """Store all items or none: room is made for the whole batch first."""
         needed = sum(len(data) for key, data in items if key not in self._chunks)
