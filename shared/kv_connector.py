@@ -5,17 +5,24 @@ Loaded by vLLM with `kv_connector="MeshKVConnector"`, `kv_connector_module_path=
 Producer (prefill): `save_kv_layer` gathers the request's finished blocks of that layer and
 puts them to the kv-store at once (the put overlaps the next layers' compute); the last,
 partial block is saved too once the whole prompt is computed. `wait_for_save` waits for the
-step's puts; `request_finished` returns the block hashes in `kv_transfer_params`.
+step's puts; `request_finished` returns the block hashes in `kv_transfer_params`. Before
+that, `get_num_new_matched_tokens` asks the kv-store which of the prompt's leading full
+blocks any instance already stored (every layer): those are loaded, not recomputed, and not
+saved again (prefix reuse across instances; keys depend only on fingerprint, token-block
+hash chain and layer).
 
 Consumer (decode): `get_num_new_matched_tokens` reports the prompt tokens whose blocks the
 prefill saved, at most all but the last (re-hashed from our own prompt tokens, so a
 tokenization mismatch cannot load wrong KV). The mesh sends decode the prompt plus the
 prefill's first token, so decode loads the whole prompt and computes just that token, the
 same computation as a monolithic engine's first decode step: outputs stay bit-identical.
-`start_load_kv` requests every layer at once. In `layerwise` mode the request runs in the
+`start_load_kv` requests every layer at once (prefill and decode load alike); each layer is
+copied into the cache by the transfer thread as it arrives. In `layerwise` mode the request runs in the
 same step and `wait_for_layer_load` blocks only for its own layer, so layer i+1 arrives
 while layer i computes. In `async` mode the request waits outside the batch until all
-layers are in (other requests keep decoding meanwhile). A missing chunk is reported as a
+layers are in (other requests keep decoding meanwhile). Decode also writes back, without
+waiting, each block that generation fills (write-behind), so the next turn of a conversation
+finds its whole history in the store. A missing chunk is reported as a
 load error and vLLM recomputes those blocks (`kv_load_failure_policy="recompute"`).
 
 Per-layer views are `[num_blocks, ...]` with blocks at dim 0 on every vLLM backend, so the
@@ -28,7 +35,9 @@ import concurrent.futures
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from llmesh import telemetry
+from llmesh.errors import MeshError
 from llmesh.kvclient import ThreadedKvClient
 from llmesh.kvkeys import block_hashes, chunk_key, fingerprint, kv_layout
 
@@ -88,7 +98,6 @@ class _PendingLoad:
     """Worker-side: one request's layers being fetched."""
 
     transfer: BlockTransfer
-    block_ids: torch.Tensor
     futures: dict[str, concurrent.futures.Future]  # layer name -> values
     span: Any
     failed: bool = False
@@ -116,16 +125,24 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._async_load = extra.get("load_mode", "layerwise") == "async"
         self._pin_s = float(extra.get("pin_s", 60.0))
         # scheduler side
-        self._computed_before_load: dict[str, int] = {}
+        self._load_plans: dict[str, tuple[int, list[str]]] = {}  # tokens computed before, block hashes
+        self._reused_blocks: dict[str, int] = {}  # prefill: leading blocks loaded, so not saved again
+        self._write_behind = self._is_consumer and bool(extra.get("write_behind", True))
+        self._requests: dict[str, Request] = {}  # decode, for write-behind: live requests by id
         self._planned_loads: list[BlockTransfer] = []
         self._saves: dict[str, _SaveState] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._loads: dict[str, _PendingLoad] = {}
         self._pending_puts: list[tuple[concurrent.futures.Future, str]] = []
+        self._write_behind_puts: list[tuple[concurrent.futures.Future, str]] = []
         self._load_errors: set[int] = set()
         self._finished_loads: set[str] = set()
         self._kv: ThreadedKvClient | None = None
+        self._lookup: ThreadedKvClient | None = None  # scheduler side: which prefix blocks are stored
+        if role == KVConnectorRole.SCHEDULER and self._is_producer and extra.get("reuse_prefix", True):
+            self._lookup = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-lookup",
+                                            threads=1)
         if role == KVConnectorRole.WORKER:
             telemetry.setup_tracing(
                 extra.get("service_name", "vllm-worker"),
@@ -133,16 +150,21 @@ class MeshKVConnector(KVConnectorBase_V1):
                 trace_dir=extra.get("trace_dir"),
             )
             self._tracer = telemetry.tracer("llmesh.kv_connector")
-            self._kv = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-connector",
-                                        extra.get("kv_shard", "0"))
+            self._kv = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-connector")
 
     # ==== scheduler side ===================================================================
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
-        remote = params.get("block_hashes")
-        if not self._is_consumer or not remote:
-            return 0, False
+        if self._is_consumer and params.get("block_hashes"):
+            return self._match_prefill(request, params, num_computed_tokens)
+        if self._is_producer and self._lookup is not None:
+            return self._match_stored_prefix(request, num_computed_tokens)
+        return 0, False
+
+    def _match_prefill(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode: the prompt blocks the prefill saved, at most all but the last prompt token."""
+        remote = params["block_hashes"]
         if params.get("fingerprint") != self._fingerprint:
             log.error("request %s: KV fingerprint %s does not match ours %s; recomputing",
                       request.request_id, params.get("fingerprint"), self._fingerprint)
@@ -153,20 +175,45 @@ class MeshKVConnector(KVConnectorBase_V1):
         matched = 0
         while matched < min(len(ours), len(remote)) and ours[matched] == remote[matched]:
             matched += 1
-        new_tokens = min(matched * self._block_size, len(loadable)) - num_computed_tokens
+        return self._plan_load(request, ours, min(matched * self._block_size, len(loadable)), num_computed_tokens)
+
+    def _match_stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prefill: the prompt's leading full blocks that any instance already stored (every
+        layer of them): loaded instead of recomputed."""
+        assert self._lookup is not None
+        hashes = block_hashes(self._fingerprint, (request.prompt_token_ids or [])[:-1], self._block_size)
+        first = num_computed_tokens // self._block_size
+        if first >= len(hashes):
+            return 0, False
+        layers = range(self._layout["num_layers"])
+        try:
+            found = self._lookup.client.contains([chunk_key(h, layer) for h in hashes[first:] for layer in layers])
+        except MeshError as exc:
+            log.warning("request %s: prefix lookup failed (%s); computing it", request.request_id, exc)
+            return 0, False
+        per_block = [all(found[i : i + len(layers)]) for i in range(0, len(found), len(layers))]
+        matched = first + (per_block.index(False) if False in per_block else len(per_block))
+        self._reused_blocks[request.request_id] = matched
+        return self._plan_load(request, hashes, matched * self._block_size, num_computed_tokens)
+
+    def _plan_load(self, request: Request, hashes: list[str], loadable_tokens: int,
+                   num_computed_tokens: int) -> tuple[int, bool]:
+        new_tokens = loadable_tokens - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
-        self._computed_before_load[request.request_id] = num_computed_tokens
+        self._load_plans[request.request_id] = (num_computed_tokens, hashes)
         return new_tokens, self._async_load
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        computed = self._computed_before_load.pop(request.request_id, None)
-        if num_external_tokens == 0 or computed is None:
+        if self._write_behind:
+            self._requests[request.request_id] = request  # its token ids grow as it decodes
+        plan = self._load_plans.pop(request.request_id, None)
+        if num_external_tokens == 0 or plan is None:
             return
+        computed, hashes = plan
         first = computed // self._block_size
         last = -(-(computed + num_external_tokens) // self._block_size)  # a partial last block too
         block_ids = blocks.get_block_ids()[0]
-        hashes = request.kv_transfer_params["block_hashes"]
         self._planned_loads.append(
             BlockTransfer(request.request_id, list(block_ids[first:last]), list(hashes[first:last]),
                           request_trace(request), (computed + num_external_tokens) % self._block_size)
@@ -175,17 +222,19 @@ class MeshKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MeshConnectorMetadata:
         meta = MeshConnectorMetadata(loads=self._planned_loads)
         self._planned_loads = []
-        if not self._is_producer:
+        if not (self._is_producer or self._write_behind):
             return meta
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
-            self._saves[new.req_id] = _SaveState(
-                hashes=block_hashes(self._fingerprint, prompt, self._block_size, partial=True),
-                num_tokens=len(prompt),
-                block_ids=list(new.block_ids[0]),
-                trace=dict((params or {}).get("trace") or {}),
-            )
+            if self._is_producer:  # the whole prompt, its partial last block included
+                hashes, saved = block_hashes(self._fingerprint, prompt, self._block_size, partial=True), \
+                    self._reused_blocks.pop(new.req_id, 0)
+            else:  # decode: full blocks beyond what the prefill saved, as generation fills them
+                hashes, saved = [], (len(prompt) - 1) // self._block_size
+            self._saves[new.req_id] = _SaveState(hashes=hashes, num_tokens=len(prompt),
+                                                 block_ids=list(new.block_ids[0]), saved=saved,
+                                                 trace=dict((params or {}).get("trace") or {}))
             self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -203,7 +252,15 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def _plan_save(self, meta: MeshConnectorMetadata, req_id: str, tokens_done: int) -> None:
         state = self._saves[req_id]
-        ready = len(state.hashes) if tokens_done >= state.num_tokens else tokens_done // self._block_size
+        if self._is_producer:
+            ready = len(state.hashes) if tokens_done >= state.num_tokens else tokens_done // self._block_size
+        else:
+            ready = tokens_done // self._block_size
+            request = self._requests.get(req_id)
+            if ready > state.saved and request is not None and len(state.hashes) < ready:
+                state.hashes = block_hashes(self._fingerprint, request.all_token_ids[: ready * self._block_size],
+                                            self._block_size)
+            ready = min(ready, len(state.hashes))
         complete = min(ready, len(state.block_ids))
         if complete > state.saved:
             meta.saves.append(BlockTransfer(req_id, state.block_ids[state.saved:complete],
@@ -212,7 +269,9 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._saves.pop(request.request_id, None)
-        self._computed_before_load.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        self._load_plans.pop(request.request_id, None)
+        self._reused_blocks.pop(request.request_id, None)
         if not self._is_producer or state is None:
             return False, None
         return False, {
@@ -255,48 +314,49 @@ class MeshKVConnector(KVConnectorBase_V1):
         assert self._kv is not None
         futures = {
             name: self._kv.get([chunk_key(h, _layer_index(name)) for h in transfer.hashes],
-                               timeout=TRANSFER_TIMEOUT_S, trace_context=parent)
+                               partial(self._copy_in, self._kv_caches[name], transfer.block_ids), trace_context=parent)
             for name in self._kv_caches
         } if transfer.block_ids else {}
-        return _PendingLoad(transfer, torch.tensor(transfer.block_ids, dtype=torch.long), futures, span)
+        return _PendingLoad(transfer, futures, span)
+
+    @staticmethod
+    def _copy_in(cache: torch.Tensor, block_ids: list[int], values: Sequence[memoryview | None]) -> list[int]:
+        """Copy fetched blocks into their cache slots (in the transfer thread, so layer i+1 lands
+        while layer i computes); returns the block ids that could not be loaded."""
+        block_bytes = cache[0].numel() * cache.element_size()
+        missing = []
+        for block_id, value in zip(block_ids, values):
+            if value is None or len(value) != block_bytes:
+                missing.append(block_id)
+            else:
+                cache[block_id].copy_(torch.frombuffer(value, dtype=cache.dtype).view(cache.shape[1:]))
+        return missing
 
     def _load_now(self, transfer: BlockTransfer, parent: Any) -> None:
         load = self._start_fetch(transfer, parent, span=None)
         for name in list(load.futures):
-            self._copy_layer_in(load, name)
+            self._finish_layer(load, name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._async_load:
             return
         for req_id, load in list(self._loads.items()):
-            self._copy_layer_in(load, layer_name)
+            self._finish_layer(load, layer_name)
             if not load.futures:
                 self._end_load(req_id)
 
-    def _copy_layer_in(self, load: _PendingLoad, layer_name: str) -> None:
+    def _finish_layer(self, load: _PendingLoad, layer_name: str) -> None:
         future = load.futures.pop(layer_name, None)
         if future is None:
             return
         try:
-            values = future.result(timeout=TRANSFER_TIMEOUT_S)
+            missing = future.result(timeout=TRANSFER_TIMEOUT_S)
         except Exception as exc:  # the store is down or slow: recompute instead
             log.warning("request %s: loading %s failed: %s", load.transfer.req_id, layer_name, exc)
-            values = [None] * len(load.transfer.block_ids)
-        cache = self._kv_caches[layer_name]
-        block_shape, block_bytes = cache.shape[1:], cache[0].numel() * cache.element_size()
-        found = [i for i, v in enumerate(values) if v is not None and len(v) == block_bytes]
-        if len(found) < len(values):
+            missing = load.transfer.block_ids
+        if missing:
             load.failed = True
-            self._load_errors.update(load.transfer.block_ids[i] for i in range(len(values)) if i not in set(found))
-        if not found:
-            return
-        whole = values[0].obj if isinstance(values[0], memoryview) else None
-        if len(found) == len(values) and whole is not None and len(whole) == len(values) * block_bytes:
-            buffer = whole  # the answer's own buffer holds exactly these blocks, in order: no copy
-        else:
-            buffer = bytearray().join(values[i] for i in found)
-        data = torch.frombuffer(buffer, dtype=cache.dtype)
-        cache[load.block_ids[found]] = data.view(len(found), *block_shape).to(cache.device, non_blocking=True)
+            self._load_errors.update(missing)
 
     def _end_load(self, req_id: str) -> None:
         load = self._loads.pop(req_id)
@@ -312,11 +372,15 @@ class MeshKVConnector(KVConnectorBase_V1):
             ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=kv_layer.device)
             blocks = kv_layer[ids].cpu().contiguous()  # a copy: the blocks may be reused once we return
             rows = blocks.view(torch.uint8).reshape(len(transfer.block_ids), -1).numpy()
-            future = self._kv.put([chunk_key(h, layer) for h in transfer.hashes], list(rows), pin_s=self._pin_s,
-                                  timeout=TRANSFER_TIMEOUT_S, trace_context=telemetry.extract(transfer.trace))
-            self._pending_puts.append((future, transfer.req_id))
+            pin_s = self._pin_s if self._is_producer else 0.0  # (the decode's write-behind needs no lease)
+            future = self._kv.put([chunk_key(h, layer) for h in transfer.hashes], list(rows), pin_s=pin_s,
+                                  trace_context=telemetry.extract(transfer.trace))
+            (self._pending_puts if self._is_producer else self._write_behind_puts).append((future, transfer.req_id))
 
     def wait_for_save(self) -> None:
+        """Prefill: the step ends once its KV is stored (decode may load it next). Decode's
+        write-behind is not waited for: its blocks were copied out, so it only gets reaped."""
+        self._reap_write_behind()
         meta = self._meta() if self.has_connector_metadata() else None
         if not self._pending_puts:
             return
@@ -333,12 +397,21 @@ class MeshKVConnector(KVConnectorBase_V1):
                                                         start_time=started_ns) as span:
                     span.set_attribute("kv.blocks", len(transfer.block_ids))
 
+    def _reap_write_behind(self) -> None:
+        pending = []
+        for future, req_id in self._write_behind_puts:
+            if not future.done():
+                pending.append((future, req_id))
+            elif future.exception() is not None:
+                log.warning("request %s: writing generated KV back failed: %s", req_id, future.exception())
+        self._write_behind_puts = pending
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._async_load:
             for req_id, load in list(self._loads.items()):
                 for name, future in list(load.futures.items()):
                     if future.done():
-                        self._copy_layer_in(load, name)
+                        self._finish_layer(load, name)
                 if not load.futures:
                     self._end_load(req_id)
         done, self._finished_loads = self._finished_loads, set()
@@ -349,6 +422,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._kv is not None:
-            self._kv.close()
-            self._kv = None
+        for client in (self._kv, self._lookup):
+            if client is not None:
+                client.close()
+        self._kv = self._lookup = None

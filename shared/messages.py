@@ -145,32 +145,18 @@ class AbortRequest(Message):
 # ---- kv-store ---------------------------------------------------------------------------
 
 
-class KvPut(Message):
-    """Store `keys`; their values are the concatenated blob of all segments.
+class KvShardInfo(Message):
+    """A kv-store shard's announcement, published every `heartbeat_s` on `Subjects.KV_SHARDS`
+    and at once when a client asks on `Subjects.KV_DISCOVER`: where its data plane listens."""
 
-    A transfer bigger than one NATS payload is split into segments, each carrying
-    the slice at `offset` of `total_size` bytes; the store assembles them.
-    """
-
-    transfer_id: str
-    keys: list[str]
-    sizes: list[int]
-    offset: int = 0
-    total_size: int
-    pin_s: float = 0.0  # lease: not evicted for this long
+    shard: str
+    data_host: str
+    data_port: int
+    heartbeat_s: float
 
 
-class KvGet(Message):
-    keys: list[str]
-    pin_s: float = 0.0  # extend the lease of what is found
-
-
-class KvGetPart(Message):
-    """One segment of a KvGet answer; `sizes[i]` is -1 for a missing key."""
-
-    sizes: list[int]
-    offset: int
-    total_size: int
+class KvDiscover(Message):
+    """Ask every shard to announce itself now."""
 
 
 class KvStatsRequest(Message):
@@ -256,6 +242,8 @@ class Subjects:
 
     PREFIX: ClassVar[str] = "mesh"
     HEARTBEAT: ClassVar[str] = "mesh.heartbeat"
+    KV_SHARDS: ClassVar[str] = "mesh.kv.shards"
+    KV_DISCOVER: ClassVar[str] = "mesh.kv.discover"
 
     @staticmethod
     def worker(role: str, worker_id: str) -> str:

@@ -66,9 +66,10 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
                 "nats_url": settings.nats_url,
-                "kv_shard": settings.kv_shard,
                 "load_mode": settings.kv_load_mode,
                 "pin_s": settings.kv_pin_s,
+                "reuse_prefix": settings.kv_reuse_prefix,
+                "write_behind": settings.kv_write_behind,
                 "service_name": f"{role}-worker",
                 "otlp_endpoint": settings.otlp_endpoint,
                 "trace_dir": settings.trace_dir,

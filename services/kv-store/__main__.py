@@ -7,26 +7,47 @@ import asyncio
 from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging
+from llmesh.messages import KvShardInfo
 
+from .dataplane import DataPlaneServer
+from .index import RedisIndex
+from .lmcache_protocol import start_lmcache_server
 from .metrics import serve_metrics
 from .service import KvStoreService
 from .settings import KvStoreSettings
 from .ssd import SsdTier
+from .state import ShardState
 from .store import ChunkStore
 
 
 async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("kv-store", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
+    ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
+    state = ShardState(ChunkStore(settings.capacity_bytes, ssd))
+    data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes)
+    info = KvShardInfo(shard=settings.kv_shard, data_host=settings.data_advertise_host or settings.data_host,
+                       data_port=data_plane.port, heartbeat_s=settings.heartbeat_s)
     bus = await Bus.connect(settings.nats_url, f"kv-store-{settings.kv_shard}")
+    service = KvStoreService(bus, state, info)
+    index = RedisIndex(settings.redis_url, settings.kv_shard, state) if settings.redis_url else None
+    index_task = asyncio.create_task(index.run()) if index else None
+    lmcache = None
     try:
-        ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
-        service = KvStoreService(bus, ChunkStore(settings.capacity_bytes, ssd), settings.kv_shard,
-                                 settings.assembly_timeout_s)
         await service.start()
+        if settings.lmcache_port:
+            lmcache = await start_lmcache_server(state.store, settings.data_host, settings.lmcache_port,
+                                                 lock=state.lock, max_value_bytes=settings.max_value_bytes)
         if settings.metrics_port:
-            serve_metrics(service.snapshot, settings.kv_shard, settings.metrics_port, settings.metrics_host)
+            serve_metrics(state.snapshot, settings.kv_shard, settings.metrics_port, settings.metrics_host)
         await stop.wait()
     finally:
+        if lmcache is not None:
+            lmcache.close()
+        if index is not None:
+            index_task.cancel()
+            await index.close()
+        await service.stop()
+        data_plane.close()
         await bus.close()
 
 

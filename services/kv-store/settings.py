@@ -6,11 +6,20 @@ from llmesh.config import CommonSettings
 
 
 class KvStoreSettings(CommonSettings):
+    kv_shard: str = Field("0", description="This shard's name: keys are spread over the live shards by "
+                          "rendezvous hashing of the names; its stats answer on mesh.kv.<shard>.stats.")
     capacity_bytes: int = Field(2 * 1024**3, description="Memory the store may hold, in bytes.")
-    assembly_timeout_s: float = Field(30.0, description="Drop a split put whose segments stop arriving.")
     data_dir: Path = Field(Path.home() / ".cache" / "llmesh" / "kv-store",
                            description="SSD tier directory (a subdirectory per shard); chunks survive restarts.")
+    ssd_capacity_bytes: int = Field(8 * 1024**3, ge=0, description="SSD tier size in bytes; 0 disables the tier.")
+    data_host: str = Field("127.0.0.1", description="Address the direct data plane (TCP) binds.")
+    data_port: int = Field(0, ge=0, description="Data plane port; 0: any free port (announced over NATS).")
+    data_advertise_host: str = Field("", description="Host name clients use to reach the data plane; "
+                                     "empty: `data_host` (set it when binding 0.0.0.0).")
+    max_value_bytes: int = Field(1024**3, gt=0, description="Largest transfer one data-plane frame may carry.")
+    lmcache_port: int = Field(0, ge=0, description="Also serve LMCache's lm:// protocol on this port (binding "
+                              "`data_host`), for vLLM+LMCache's `remote_url`; 0: off.")
+    heartbeat_s: float = Field(1.0, gt=0, description="How often the shard announces itself on NATS.")
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     metrics_port: int = Field(0, ge=0, description="Serve Prometheus /metrics on this port; 0: no HTTP endpoint "
                               "(the same counters answer on NATS at mesh.kv.<shard>.stats).")
-    ssd_capacity_bytes: int = Field(8 * 1024**3, ge=0, description="SSD tier size in bytes; 0 disables the tier.")

@@ -56,6 +56,9 @@ class SsdTier:
     def keys(self) -> list[str]:
         return list(self._index)
 
+    def size_of(self, key: str) -> int | None:
+        return self._index.get(key)
+
     def write(self, key: str, data: bytes) -> bool:
         """Store `data` under `key`, evicting the least recently used files if needed."""
         if not self.enabled or len(data) > self.capacity_bytes:

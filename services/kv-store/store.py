@@ -1,37 +1,65 @@
-"""The shard's chunk store: a memory tier over an optional SSD tier.
+"""The shard's chunk store: a memory tier (a pre-faulted arena) over an optional SSD tier.
 
-Memory evicts its least recently used unpinned chunks; with an SSD tier they are demoted
-there instead of dropped, and an SSD hit is promoted back to memory (the SSD copy stays:
-chunks are immutable, so the next demotion of that key costs no write). Pins are leases
-on the memory tier: they expire, so a crashed worker cannot pin memory forever.
+Memory evicts its least recently used chunks; with an SSD tier they are demoted there
+instead of dropped, and an SSD hit is promoted back to memory (the SSD copy stays: chunks
+are immutable, so the next demotion of that key costs no write). Two things keep a chunk in
+memory: a pin, which is a lease that expires (so a crashed worker cannot pin memory
+forever), and readers, held by a transfer in flight between `get_many` and `release`.
+
+Writes are two-phase so a transfer can land straight in the arena: `reserve` returns
+writable views, `commit` makes them visible (or `abort` frees them). Chunks are content
+addressed, so a put of a key already held keeps the held copy and only extends its lease.
+The store is not thread-safe; the shard serialises calls (see ShardState).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from llmesh.errors import KVStoreFull
 from llmesh.messages import KvStats
 
+from .arena import Arena
 from .ssd import SsdTier
+
+ARENA_SLACK = 1 / 16  # headroom over `capacity_bytes` for alignment and fragmentation
 
 
 @dataclass
 class _Chunk:
-    data: bytes
+    offset: int
+    size: int
     pinned_until: float
+    readers: int = 0
+
+
+@dataclass
+class Reservation:
+    keys: list[str]
+    chunks: list[_Chunk]
+    views: list[memoryview]
+
+
+@dataclass
+class Read:
+    """Values of a `get_many`, in key order (None: missing); valid until `ChunkStore.release`."""
+
+    values: list[memoryview | None]
+    held: list[_Chunk] = field(default_factory=list)
 
 
 class ChunkStore:
     def __init__(self, capacity_bytes: int, ssd: SsdTier | None = None, clock: Callable[[], float] = time.monotonic):
         self.capacity_bytes = capacity_bytes
         self.ssd = ssd
+        self._arena = Arena(int(capacity_bytes * (1 + ARENA_SLACK)))
         self._clock = clock
-        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # oldest first
+        self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # least recently used first
         self._bytes = 0
+        self.on_drop: Callable[[str], None] | None = None  # a key left every tier
         self.memory_hits = self.ssd_hits = self.misses = self.evictions = self.puts = 0
         self.demotions = self.promotions = 0
 
@@ -44,71 +72,152 @@ class ChunkStore:
         ssd_only = [k for k in self.ssd.keys() if k not in self._chunks] if self.ssd is not None else []
         return [*self._chunks, *ssd_only]
 
-    def put_many(self, items: list[tuple[str, bytes]], pin_s: float) -> None:
-        """Store all items or none: room is made for the whole batch first."""
-        needed = sum(len(data) for key, data in items if key not in self._chunks)
-        self._make_room(needed)
-        pinned_until = self._clock() + pin_s
-        for key, data in items:
-            self._insert(key, data, pinned_until)
-            self.puts += 1
-
-    def get(self, key: str, pin_s: float = 0.0) -> bytes | None:
+    def size_of(self, key: str) -> int | None:
         chunk = self._chunks.get(key)
         if chunk is not None:
-            self.memory_hits += 1
-            self._chunks.move_to_end(key)
+            return chunk.size
+        return self.ssd.size_of(key) if self.ssd is not None else None
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float) -> Reservation:
+        """Room for all the values or none (KVStoreFull); nothing is visible until `commit`."""
+        pinned_until = self._clock() + pin_s
+        res = Reservation(list(keys), [], [])
+        try:
+            for size in sizes:
+                chunk = _Chunk(self._alloc(size), size, pinned_until)
+                self._bytes += size
+                res.chunks.append(chunk)
+                res.views.append(self._arena.view[chunk.offset : chunk.offset + size])
+        except KVStoreFull:
+            self.abort(res)
+            raise
+        return res
+
+    def commit(self, res: Reservation) -> None:
+        for key, chunk in zip(res.keys, res.chunks):
+            self.puts += 1
+            held = self._chunks.get(key)
+            if held is not None:  # same key, same content: keep ours, extend the lease
+                held.pinned_until = max(held.pinned_until, chunk.pinned_until)
+                self._chunks.move_to_end(key)
+                self._free(chunk)
+            else:
+                self._chunks[key] = chunk
+
+    def abort(self, res: Reservation) -> None:
+        for chunk in res.chunks:
+            self._free(chunk)
+        res.chunks.clear()
+
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], pin_s: float) -> None:
+        res = self.reserve([k for k, _ in items], [len(v) for _, v in items], pin_s)
+        for view, (_, value) in zip(res.views, items):
+            view[:] = value
+        self.commit(res)
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str], pin_s: float = 0.0) -> Read:
+        """Values (views into memory, or SSD bytes not promoted); held until `release`."""
+        read = Read([])
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is not None:
+                self.memory_hits += 1
+                self._chunks.move_to_end(key)
+            else:
+                chunk = self._promote(key, pin_s, read)
+                if chunk is None:
+                    continue
             if pin_s:
                 chunk.pinned_until = max(chunk.pinned_until, self._clock() + pin_s)
-            return chunk.data
+            chunk.readers += 1
+            read.held.append(chunk)
+            read.values.append(self._arena.view[chunk.offset : chunk.offset + chunk.size])
+        return read
+
+    def release(self, read: Read) -> None:
+        for chunk in read.held:
+            chunk.readers -= 1
+        read.held.clear()
+
+    def get(self, key: str, pin_s: float = 0.0) -> bytes | None:
+        """A copy of one value (None: missing)."""
+        read = self.get_many([key], pin_s)
+        try:
+            value = read.values[0]
+            return None if value is None else bytes(value)
+        finally:
+            self.release(read)
+
+    def _promote(self, key: str, pin_s: float, read: Read) -> _Chunk | None:
         data = self.ssd.read(key) if self.ssd is not None else None
         if data is None:
             self.misses += 1
+            read.values.append(None)
             return None
         self.ssd_hits += 1
         try:
-            self._make_room(len(data))
-            self._insert(key, data, self._clock() + pin_s)
-            self.promotions += 1
-        except KVStoreFull:
-            pass  # memory is all pinned: serve from SSD without promoting
-        return data
+            res = self.reserve([key], [len(data)], pin_s)
+        except KVStoreFull:  # memory is all pinned or in flight: serve from SSD without promoting
+            read.values.append(memoryview(data))
+            return None
+        res.views[0][:] = data
+        self.commit(res)
+        self.promotions += 1
+        return self._chunks[key]
 
-    def _insert(self, key: str, data: bytes, pinned_until: float) -> None:
-        old = self._chunks.pop(key, None)
-        if old is not None:
-            self._bytes -= len(old.data)
-            pinned_until = max(pinned_until, old.pinned_until)
-        self._chunks[key] = _Chunk(data, pinned_until)
-        self._bytes += len(data)
+    # ---- room ----------------------------------------------------------------------------------
 
-    def _make_room(self, needed: int) -> None:
-        if needed > self.capacity_bytes:
-            raise KVStoreFull(f"{needed} bytes exceed the store's capacity of {self.capacity_bytes}")
-        if self._bytes + needed <= self.capacity_bytes:
-            return
+    def _alloc(self, size: int) -> int:
+        if size > self.capacity_bytes:
+            raise KVStoreFull(f"{size} bytes exceed the store's capacity of {self.capacity_bytes}")
+        while True:
+            if self._bytes + size <= self.capacity_bytes:
+                offset = self._arena.alloc(size)
+                if offset is not None:
+                    return offset
+            if not self._evict_one():
+                raise KVStoreFull(f"need {size} bytes but everything left is pinned or in flight "
+                                  f"({self._bytes} bytes held)")
+
+    def _evict_one(self) -> bool:
         now = self._clock()
-        for key in [k for k, c in self._chunks.items() if c.pinned_until <= now]:
-            if self._bytes + needed <= self.capacity_bytes:
-                return
-            data = self._chunks.pop(key).data
-            self._bytes -= len(data)
-            if self.ssd is not None and (key in self.ssd or self.ssd.write(key, data)):
-                self.demotions += 1
-            else:
-                self.evictions += 1
-        if self._bytes + needed > self.capacity_bytes:
-            raise KVStoreFull(f"need {needed} bytes but everything left is pinned ({self._bytes} bytes held)")
+        for key, chunk in self._chunks.items():
+            if chunk.pinned_until <= now and chunk.readers == 0:
+                self._move_out(key)
+                return True
+        return False
+
+    def _move_out(self, key: str) -> None:
+        """Demote `key` to SSD, or drop it for good if there is no SSD tier or it refused."""
+        chunk = self._chunks[key]
+        data = self._arena.view[chunk.offset : chunk.offset + chunk.size]
+        on_ssd = self.ssd is not None and (key in self.ssd or self.ssd.write(key, data))
+        del self._chunks[key]
+        self._free(chunk)
+        if on_ssd:
+            self.demotions += 1
+        else:
+            self.evictions += 1
+            if self.on_drop is not None:
+                self.on_drop(key)
+
+    def _free(self, chunk: _Chunk) -> None:
+        self._arena.free(chunk.offset, chunk.size)
+        self._bytes -= chunk.size
 
     def flush_to_ssd(self) -> None:
-        """Move every chunk, pinned or not, to the SSD tier (see KvFlush)."""
+        """Move every chunk not in flight, pinned or not, to the SSD tier (see KvFlush)."""
         if self.ssd is None:
             return
-        for key in list(self._chunks):
-            data = self._chunks[key].data
-            if key in self.ssd or self.ssd.write(key, data):
+        for key in [k for k, c in self._chunks.items() if c.readers == 0]:
+            chunk = self._chunks[key]
+            if key in self.ssd or self.ssd.write(key, self._arena.view[chunk.offset : chunk.offset + chunk.size]):
                 del self._chunks[key]
-                self._bytes -= len(data)
+                self._free(chunk)
                 self.demotions += 1
 
     def stats(self) -> KvStats:
@@ -119,7 +228,7 @@ class ChunkStore:
             chunks=len(self._chunks),
             bytes=self._bytes,
             capacity_bytes=self.capacity_bytes,
-            pinned_bytes=sum(len(c.data) for c in self._chunks.values() if c.pinned_until > now),
+            pinned_bytes=sum(c.size for c in self._chunks.values() if c.pinned_until > now),
             hits=self.memory_hits + self.ssd_hits,
             misses=self.misses,
             evictions=self.evictions,

@@ -45,10 +45,11 @@ def model_path(model_dir) -> str:
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory, model_dir, model_path):
     work = tmp_path_factory.mktemp("mesh")
-    port, nats_port = free_port(), free_port()
+    port, nats_port, redis_port = free_port(), free_port(), free_port()
     env = {
         "MESH_PORT": str(port),
         "MESH_NATS_PORT": str(nats_port),
+        "MESH_REDIS_PORT": str(redis_port),
         "MESH_LOG_DIR": str(work / "logs"),
         "MESH_MODEL_DIR": str(model_dir),
         "MESH_DATA_DIR": str(work / "kv-data"),

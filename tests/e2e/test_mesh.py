@@ -83,12 +83,12 @@ def client(reference, mesh):  # reference first: its engine loads while the mesh
     return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-async def kv_stats(mesh, op: str = "stats") -> KvStats:
+async def kv_stats(mesh, op: str = "stats", timeout: float = 30) -> KvStats:
     """The kv-store's counters; `op="flush"` spills its memory to SSD first."""
     bus = await Bus.connect(mesh.nats_url, f"test-{op}")
     try:
         request = KvFlush() if op == "flush" else KvStatsRequest()
-        stats, _ = await bus.request(Subjects.kv("0", op), request, KvStats, timeout=30)
+        stats, _ = await bus.request(Subjects.kv("0", op), request, KvStats, timeout=timeout)
         return stats
     finally:
         await bus.close()
@@ -296,33 +296,37 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
 # ---- the other KV load mode ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def async_decode_worker(mesh, model_dir):
-    """A second decode worker that loads all layers before scheduling the request (`async`)."""
-    env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_KV_LOAD_MODE": "async",
-           "MESH_WORKER_ID": "decode-async", "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-           "MESH_BLOCK_SIZE": str(BLOCK_SIZE)}
-    child = start_service("decode-worker", env, mesh.logs / "decode-async.log")
+def start_extra_worker(mesh, model_dir, role: str, worker_id: str, **env: str):
+    """Another worker of the mesh's model beside the ones `make run` started (a fixture body)."""
+    env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_WORKER_ID": worker_id,
+           "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "MESH_BLOCK_SIZE": str(BLOCK_SIZE)} | env
+    child = start_service(f"{role}-worker", env, mesh.logs / f"{worker_id}.log")
     try:
         give_up = time.monotonic() + 300
-        while asyncio.run(live_worker(mesh, "decode", "decode-async")) is None:
-            assert child.alive() and time.monotonic() < give_up, "the async decode worker did not start"
-        yield "decode-async"
+        while asyncio.run(live_worker(mesh, role, worker_id)) is None:
+            assert child.alive() and time.monotonic() < give_up, f"{worker_id} did not start"
+        yield worker_id
     finally:
         child.stop()
 
 
+@pytest.fixture
+def async_decode_worker(mesh, model_dir):
+    """A second decode worker that loads all layers before scheduling the request (`async`)."""
+    yield from start_extra_worker(mesh, model_dir, "decode", "decode-async", MESH_KV_LOAD_MODE="async")
+
+
 async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worker: str | None = None,
-                        between=None) -> list[int]:
+                        between=None, prefill_worker: str | None = None) -> list[int]:
     """Prefill then decode over the bus, as the router does, with `between()` run in the middle."""
-    prefill = await live_worker(mesh, "prefill")
+    prefill_worker = prefill_worker or (await live_worker(mesh, "prefill")).worker_id
     decode_worker = decode_worker or (await live_worker(mesh, "decode")).worker_id
     request_id = f"direct-{random.getrandbits(32):x}"
     bus = await Bus.connect(mesh.nats_url, "test-direct")
     try:
         deadline = time.time() + 60
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=0)
-        result, _ = await bus.request(Subjects.worker("prefill", prefill.worker_id), PrefillRequest(
+        result, _ = await bus.request(Subjects.worker("prefill", prefill_worker), PrefillRequest(
             request_id=request_id, model=MODEL, prompt_token_ids=ids, sampling=sampling, deadline=deadline),
             PrefillResult, timeout=60)
         if between is not None:
@@ -364,8 +368,8 @@ def replacement_kv_store(mesh):
         started.append(start_service("kv-store", env, mesh.logs / "kv-store-restarted.log"))
         give_up = time.monotonic() + 30
         while True:
-            try:
-                return await kv_stats(mesh)
+            try:  # (briefly, the dying store's subscription may still take the request)
+                return await kv_stats(mesh, timeout=2)
             except MeshError:
                 assert time.monotonic() < give_up, "the restarted kv-store does not answer"
                 await asyncio.sleep(0.2)

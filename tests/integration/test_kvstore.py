@@ -1,123 +1,198 @@
-"""kv-store over a real nats-server: round trips, splitting, eviction, pins, bad input."""
+"""kv-store shards over a real nats-server: discovery, the direct data plane (shared memory and
+plain TCP), eviction and pins, bad frames, metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import socket
 import time
 
+import msgpack
 import pytest
 
 from llmesh.bus import Bus
 from llmesh.errors import BadMessage, KVStoreFull, ServiceUnavailable
-from llmesh.kvclient import KvClient
-from llmesh.messages import Ack, KvPut, KvStats, KvStatsRequest, Subjects
+from llmesh.kvclient import KvClient, ShardDirectory, rendezvous_owner
+from llmesh.kvwire import HEADER, MAGIC, recv_header, send_frame
+from llmesh.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
+from llmesh_kvstore.dataplane import DataPlaneServer
 from llmesh_kvstore.service import KvStoreService
+from llmesh_kvstore.ssd import SsdTier
+from llmesh_kvstore.state import ShardState
 from llmesh_kvstore.store import ChunkStore
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _store(url: str, shard: str, capacity: int = 64 * 1024**2):
-    server_bus = await Bus.connect(url, f"kv-{shard}")
-    await KvStoreService(server_bus, ChunkStore(capacity), shard).start()
-    client_bus = await Bus.connect(url, f"client-{shard}")
-    return server_bus, client_bus, KvClient(client_bus, shard)
-
-
-async def test_put_get_round_trip_and_miss(nats_url):
-    server, bus, kv = await _store(nats_url, "rt")
+@contextlib.asynccontextmanager
+async def shard(url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier | None = None):
+    state = ShardState(ChunkStore(capacity, ssd))
+    data_plane = DataPlaneServer(state, "127.0.0.1", 0, max_value_bytes=256 * 1024**2)
+    bus = await Bus.connect(url, f"kv-{name}")
+    service = KvStoreService(bus, state, KvShardInfo(shard=name, data_host="127.0.0.1", data_port=data_plane.port,
+                                                     heartbeat_s=0.5))
+    await service.start()
     try:
-        values = [os.urandom(1000), os.urandom(65536), b""]
-        await kv.put(["a", "b", "c"], values, pin_s=10)
-        got = await kv.get(["b", "missing", "a", "c"])
-        assert [None if g is None else bytes(g) for g in got] == [values[1], None, values[0], b""]
+        yield data_plane
+    finally:
+        await service.stop()
+        data_plane.close()
+        await bus.close()
+
+
+@contextlib.asynccontextmanager
+async def client(url: str, **kwargs):
+    bus = await Bus.connect(url, "kv-client")
+    directory = ShardDirectory(bus)
+    await directory.start()
+    kv = KvClient(directory, **kwargs)
+    try:
+        yield kv
+    finally:
+        kv.close()
+        await bus.close()
+
+
+async def put(kv: KvClient, keys, values, **kw) -> None:
+    await asyncio.to_thread(kv.put, keys, values, **kw)
+
+
+async def get(kv: KvClient, keys, **kw) -> list[bytes | None]:
+    def fetch():
+        with kv.get(keys, **kw) as values:
+            return [None if v is None else bytes(v) for v in values]
+
+    return await asyncio.to_thread(fetch)
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "tcp"])
+async def test_put_get_round_trip_and_miss(nats_url, use_shm):
+    async with shard(nats_url, f"rt-{use_shm}"), client(nats_url, use_shm=use_shm) as kv:
+        values = [os.urandom(1000), os.urandom(65536), b"", os.urandom(20 * 1024**2)]  # the last grows the segment
+        await put(kv, ["a", "b", "c", "d"], values, pin_s=10)
+        assert await get(kv, ["b", "missing", "a", "c", "d"]) == [values[1], None, values[0], b"", values[3]]
+        assert await get(kv, ["d"]) == [values[3]]
+        pool = next(iter(kv._pools.values()))
+        conn = pool._idle.get_nowait()
+        assert (conn.shm is not None) == use_shm
+        pool._idle.put(conn)
+
+
+async def test_keys_spread_over_live_shards_by_rendezvous_hashing(nats_url):
+    async with shard(nats_url, "s1"), shard(nats_url, "s2"), client(nats_url) as kv:
+        for _ in range(50):
+            if len(kv.directory.live()) == 2:
+                break
+            await asyncio.sleep(0.1)
+        keys = [f"k{i}" for i in range(40)]
+        await put(kv, keys, [k.encode() for k in keys])
+        stats = {}
+        async with _bus(nats_url) as bus:
+            for s in ("s1", "s2"):
+                stats[s], _ = await bus.request(Subjects.kv(s, "stats"), KvStatsRequest(), KvStats, timeout=2)
+        owners = [rendezvous_owner(k, ["s1", "s2"]) for k in keys]
+        assert stats["s1"].chunks == owners.count("s1") and stats["s2"].chunks == owners.count("s2")
+        assert 10 <= owners.count("s1") <= 30
+        assert await get(kv, keys) == [k.encode() for k in keys]
+        # a third shard takes over only the keys it now wins
+        moved = [k for k in keys if rendezvous_owner(k, ["s1", "s2", "s3"]) == "s3"]
+        assert 0 < len(moved) < len(keys) and all(rendezvous_owner(k, ["s1", "s2"]) != "s3" for k in keys)
+
+
+@contextlib.asynccontextmanager
+async def _bus(url: str):
+    bus = await Bus.connect(url, "probe")
+    try:
+        yield bus
     finally:
         await bus.close()
-        await server.close()
-
-
-async def test_values_larger_than_payload_are_split_and_reassembled(small_payload_nats_url):
-    server, bus, kv = await _store(small_payload_nats_url, "split")
-    try:
-        assert bus.max_payload < 1024**2
-        values = [os.urandom(700_000), os.urandom(300_000)]
-        await kv.put(["big", "medium"], values)
-        got = await kv.get(["medium", "big"])
-        assert bytes(got[0]) == values[1] and bytes(got[1]) == values[0]
-    finally:
-        await bus.close()
-        await server.close()
 
 
 async def test_lru_eviction_skips_pinned_chunks(nats_url):
-    server, bus, kv = await _store(nats_url, "lru", capacity=3000)
-    try:
-        await kv.put(["pinned"], [b"p" * 1000], pin_s=60)
-        await kv.put(["old"], [b"o" * 1000])
-        await kv.put(["new"], [b"n" * 1000])
-        await kv.put(["newest"], [b"x" * 1000])  # must evict "old", not "pinned"
-        got = await kv.get(["pinned", "old", "new", "newest"])
-        assert [g is not None for g in got] == [True, False, True, True]
+    async with shard(nats_url, "lru", capacity=3000), client(nats_url) as kv, _bus(nats_url) as bus:
+        await put(kv, ["pinned"], [b"p" * 1000], pin_s=60)
+        await put(kv, ["old"], [b"o" * 1000])
+        await put(kv, ["new"], [b"n" * 1000])
+        await put(kv, ["newest"], [b"x" * 1000])  # must evict "old", not "pinned"
+        assert [g is not None for g in await get(kv, ["pinned", "old", "new", "newest"])] == [True, False, True, True]
         with pytest.raises(KVStoreFull):
-            await kv.put(["huge"], [b"h" * 5000])
+            await put(kv, ["huge"], [b"h" * 5000])
+        assert await get(kv, ["pinned"]) == [b"p" * 1000]  # the connection survived the error
         stats, _ = await bus.request(Subjects.kv("lru", "stats"), KvStatsRequest(), KvStats, timeout=2)
         assert stats.evictions == 1 and stats.pinned_bytes == 1000
-    finally:
-        await bus.close()
-        await server.close()
 
 
-async def test_malformed_messages_get_clear_errors_and_store_keeps_serving(nats_url):
-    server, bus, kv = await _store(nats_url, "bad")
+def _raw(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock
+
+
+def _assert_closed(sock: socket.socket) -> None:
     try:
-        with pytest.raises(BadMessage, match="disagree"):
-            await bus.request(Subjects.kv("bad", "put"),
-                              KvPut(transfer_id="t", keys=["k"], sizes=[10], total_size=99), Ack,
-                              timeout=2, blob=b"x" * 10)
-        reply = await bus.nc.request(Subjects.kv("bad", "put"), b"\x00\x00\x00\x05garbage", timeout=2)
-        with pytest.raises(BadMessage):
-            from llmesh.messages import decode_any
+        assert sock.recv(1) == b""
+    except ConnectionResetError:  # closed with our unread bytes in its buffer
+        pass
 
-            decode_any(reply.data)
-        await kv.put(["still"], [b"works"])
-        assert bytes((await kv.get(["still"]))[0]) == b"works"
-    finally:
-        await bus.close()
-        await server.close()
+
+def _reply(sock: socket.socket) -> dict:
+    got = recv_header(sock, 1 << 30)
+    assert got is not None
+    return got[0]
+
+
+async def test_bad_frames_get_clear_errors_and_the_shard_keeps_serving(nats_url):
+    async with shard(nats_url, "bad") as plane, client(nats_url) as kv:
+        def probe():
+            with _raw(plane.port) as s:  # not our protocol at all: an error, then the connection closes
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                assert _reply(s)["error"]["code"] == "bad_message"
+                _assert_closed(s)
+            with _raw(plane.port) as s:  # a payload larger than the shard accepts
+                s.sendall(HEADER.pack(MAGIC, 2, 1 << 40) + msgpack.packb({}))
+                assert "exceeds" in _reply(s)["error"]["message"]
+                _assert_closed(s)
+            with _raw(plane.port) as s:  # metadata that lies about the payload: error, connection still usable
+                send_frame(s, {"op": "put", "keys": ["k"], "sizes": [10]}, [memoryview(b"x" * 4)])
+                assert "sizes sum" in _reply(s)["error"]["message"]
+                send_frame(s, {"op": "nope"})
+                assert "unknown data-plane op" in _reply(s)["error"]["message"]
+                send_frame(s, {"op": "attach", "name": "no-such-segment", "size": 4096})
+                assert _reply(s)["shm"] is False
+                send_frame(s, {"op": "get", "keys": ["k"]})
+                assert _reply(s)["sizes"] == [-1]
+            with _raw(plane.port) as s:  # truncated: the peer vanishes mid-payload
+                s.sendall(HEADER.pack(MAGIC, 30, 1000) + msgpack.packb({"op": "put", "keys": ["t"], "sizes": [1000]}))
+                s.sendall(b"y" * 10)
+
+        await asyncio.to_thread(probe)
+        await put(kv, ["still"], [b"works"])
+        assert await get(kv, ["still", "t"]) == [b"works", None]
 
 
 async def test_no_store_is_a_fast_clear_error(nats_url):
-    bus = await Bus.connect(nats_url, "lonely")
-    try:
+    async with client(nats_url, timeout=0.5) as kv:
         started = time.monotonic()
-        with pytest.raises(ServiceUnavailable):
-            await KvClient(bus, "nobody").get(["x"])
-        assert time.monotonic() - started < 1
-    finally:
-        await bus.close()
+        with pytest.raises(ServiceUnavailable, match="no kv-store shard"):
+            await get(kv, ["x"])
+        assert time.monotonic() - started < 2
 
 
 async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path):
     import httpx
     from llmesh.launcher import free_port
     from llmesh_kvstore.metrics import serve_metrics
-    from llmesh_kvstore.ssd import SsdTier
 
-    server_bus = await Bus.connect(nats_url, "kv-metrics")
-    service = KvStoreService(server_bus, ChunkStore(1500, SsdTier(tmp_path, 10_000)), "metrics")
-    await service.start()
-    client_bus = await Bus.connect(nats_url, "client-metrics")
-    kv = KvClient(client_bus, "metrics")
-    port = free_port()
-    serve_metrics(service.snapshot, "metrics", port)
-    try:
-        await kv.put(["a"], [b"a" * 1000], pin_s=60)
-        await kv.put(["b"], [b"b" * 1000])  # "a" is pinned: nothing can make room
-    except KVStoreFull:
-        pass
-    try:
-        await kv.put(["c"], [b"c" * 400])
-        await kv.get(["a", "missing"])
+    async with shard(nats_url, "metrics", capacity=1500, ssd=SsdTier(tmp_path, 10_000)) as plane, \
+            client(nats_url) as kv:
+        port = free_port()
+        serve_metrics(plane.state.snapshot, "metrics", port)
+        await put(kv, ["a"], [b"a" * 1000], pin_s=60)
+        with pytest.raises(KVStoreFull):
+            await put(kv, ["b"], [b"b" * 1000])  # "a" is pinned: nothing can make room
+        await put(kv, ["c"], [b"c" * 400])
+        await get(kv, ["a", "missing"])
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
         for line in ['llmesh_kv_bytes{shard="metrics",tier="memory"} 1400.0',
@@ -128,6 +203,3 @@ async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path)
                      'llmesh_kv_get_bytes_total{shard="metrics"} 1000.0',
                      'llmesh_kv_ssd_enabled{shard="metrics"} 1.0']:
             assert line in text, line
-    finally:
-        await client_bus.close()
-        await server_bus.close()

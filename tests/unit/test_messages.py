@@ -1,12 +1,12 @@
 import pytest
 
 from llmesh.errors import BadMessage, ContextLengthExceeded
-from llmesh.messages import ErrorReply, KvPut, PrefillRequest, TokenDelta, decode, decode_any, encode
+from llmesh.messages import ErrorReply, KvShardInfo, PrefillRequest, TokenDelta, decode, decode_any, encode
 
 
 def test_round_trip_with_blob():
-    msg = KvPut(transfer_id="t", keys=["a", "b"], sizes=[3, 2], total_size=5, pin_s=1.5)
-    got, blob = decode(encode(msg, b"abcde"), KvPut)
+    msg = KvShardInfo(shard="0", data_host="127.0.0.1", data_port=1234, heartbeat_s=1.5)
+    got, blob = decode(encode(msg, b"abcde"), KvShardInfo)
     assert got == msg and bytes(blob) == b"abcde"
 
 
@@ -27,8 +27,8 @@ def test_bad_frames_are_rejected_clearly(frame, match):
 
 
 def test_wrong_type_and_invalid_fields():
-    with pytest.raises(BadMessage, match="expected KvPut"):
-        decode(encode(TokenDelta(text="", token_ids=[])), KvPut)
+    with pytest.raises(BadMessage, match="expected KvShardInfo"):
+        decode(encode(TokenDelta(text="", token_ids=[])), KvShardInfo)
     import msgpack
 
     header = msgpack.packb({"v": 1, "t": "PrefillRequest", "d": {"request_id": "r", "model": "m", "max_tokens": 0,

@@ -1,0 +1,187 @@
+"""The shard's direct data plane: a TCP server, one thread per connection (see llmesh.kvwire).
+
+Blocking `recv_into`/`sendall` release the GIL, so transfers on different connections run in
+parallel with each other and with the shard's NATS loop; the store itself is touched only
+under `ShardState.lock`, and values are immutable once stored, so they are sent outside it.
+
+Ops (metadata `op`): `put` {keys, sizes, pin_s, shm_offset?}, `get` {keys, pin_s, shm_offset?,
+shm_capacity?} answered with {sizes} (-1: missing), `has` {keys} answered with {found}, `attach`
+{name, size} (offer a shared-memory segment). Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
+payload was not consumed, also closes the connection. Other connections are unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from typing import Any
+
+from llmesh import telemetry
+from llmesh.errors import BadMessage, MeshError
+from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
+
+from .state import ShardState
+
+log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("llmesh.kv-store")
+
+
+class _Connection:
+    def __init__(self, state: ShardState, sock: socket.socket, max_value_bytes: int):
+        self.state, self.sock, self.max_value_bytes = state, sock, max_value_bytes
+        self.shm: ShmSegment | None = None
+
+    def serve(self) -> None:
+        try:
+            while self._one_frame():
+                pass
+        except (ConnectionError, OSError) as exc:
+            log.debug("data connection closed: %s", exc)
+        finally:
+            if self.shm is not None:
+                self.shm.close()
+            self.sock.close()
+
+    def _one_frame(self) -> bool:
+        try:
+            got = recv_header(self.sock, self.max_value_bytes)
+        except BadMessage as exc:
+            log.warning("closing a data connection: %s", exc)
+            self._send_error(exc)
+            return False
+        if got is None:
+            return False
+        meta, payload_len = got
+        handler = {"put": self._put, "get": self._get, "has": self._has, "attach": self._attach}.get(meta.get("op"))
+        trace = meta.get("trace")
+        span_cm = (_tracer.start_as_current_span(f"kv-store {meta.get('op')}", context=telemetry.extract(trace))
+                   if isinstance(trace, dict) else contextlib.nullcontext())
+        with span_cm:
+            try:
+                if handler is None:
+                    raise BadMessage(f"unknown data-plane op {meta.get('op')!r}")
+                handler(meta, payload_len)  # answers itself
+            except MeshError as exc:  # raised before any of the payload was read
+                skip(self.sock, payload_len)
+                self._send_error(exc)
+        return True
+
+    def _send_error(self, exc: MeshError) -> None:
+        try:
+            send_frame(self.sock, _error(exc))
+        except OSError:
+            pass
+
+    def _put(self, meta: dict[str, Any], payload_len: int) -> None:
+        keys, sizes = _keys(meta), meta.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != len(keys) or any(not isinstance(s, int) or s < 0 for s in sizes):
+            raise BadMessage("put: sizes must be one non-negative int per key")
+        total = sum(sizes)
+        offset = meta.get("shm_offset")
+        if offset is None:
+            if payload_len != total:
+                raise BadMessage(f"put: payload of {payload_len} bytes but sizes sum to {total}")
+        elif self.shm is None or payload_len or not isinstance(offset, int) or offset < 0 or offset + total > self.shm.size:
+            raise BadMessage("put: shm_offset without an attached segment large enough")
+        try:
+            res = self.state.reserve(keys, sizes, float(meta.get("pin_s") or 0.0))
+        except MeshError as exc:  # e.g. the store is full of pinned chunks: drop the payload
+            skip(self.sock, payload_len)
+            send_frame(self.sock, _error(exc))
+            return
+        try:
+            pos = offset or 0
+            for view in res.views:
+                if offset is None:
+                    recv_into(self.sock, view)
+                else:
+                    view[:] = self.shm.view[pos : pos + len(view)]
+                    pos += len(view)
+        except BaseException:
+            self.state.abort(res)
+            raise
+        self.state.commit(res)
+        send_frame(self.sock, {})
+
+    def _get(self, meta: dict[str, Any], payload_len: int) -> None:
+        if payload_len:
+            raise BadMessage("get: carries no payload")
+        read = self.state.get_many(_keys(meta), float(meta.get("pin_s") or 0.0))
+        try:  # answered while the chunks are held
+            self._answer_get(meta, read.values)
+        finally:
+            self.state.release(read)
+
+    def _answer_get(self, meta: dict[str, Any], values: list[memoryview | None]) -> None:
+        sizes = [-1 if v is None else len(v) for v in values]
+        found = [v for v in values if v is not None]
+        total = sum(len(v) for v in found)
+        offset, capacity = meta.get("shm_offset"), meta.get("shm_capacity") or 0
+        if self.shm is not None and isinstance(offset, int) and offset >= 0 and total <= min(
+                capacity, self.shm.size - offset):
+            pos = offset
+            for value in found:
+                self.shm.view[pos : pos + len(value)] = value
+                pos += len(value)
+            send_frame(self.sock, {"sizes": sizes, "shm": True})
+        else:
+            send_frame(self.sock, {"sizes": sizes}, found)
+
+    def _has(self, meta: dict[str, Any], payload_len: int) -> None:
+        if payload_len:
+            raise BadMessage("has: carries no payload")
+        send_frame(self.sock, {"found": self.state.contains(_keys(meta))})
+
+    def _attach(self, meta: dict[str, Any], payload_len: int) -> None:
+        name, size = meta.get("name"), meta.get("size")
+        if payload_len or not isinstance(name, str) or not isinstance(size, int) or size <= 0:
+            raise BadMessage("attach: needs a segment name and size")
+        try:
+            segment = ShmSegment(name, size, create=False)
+        except (OSError, BadMessage) as exc:
+            send_frame(self.sock, {"shm": False, "reason": str(exc)})
+            return
+        if self.shm is not None:
+            self.shm.close()
+        self.shm = segment
+        send_frame(self.sock, {"shm": True})
+
+
+def _error(exc: MeshError) -> dict[str, Any]:
+    return {"error": {"code": exc.code, "message": exc.message}}
+
+
+def _keys(meta: dict[str, Any]) -> list[str]:
+    keys = meta.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise BadMessage("keys must be a list of strings")
+    return keys
+
+
+class DataPlaneServer:
+    def __init__(self, state: ShardState, host: str, port: int, max_value_bytes: int):
+        self.state, self.max_value_bytes = state, max_value_bytes
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="kv-data-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(self.state, sock, self.max_value_bytes)
+            threading.Thread(target=conn.serve, name="kv-data", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()

@@ -1,0 +1,64 @@
+"""What the shard's NATS handlers and data-plane threads share: the store, its lock, counters.
+
+Every store call runs under `lock`; the bytes themselves move outside it, between a
+`reserve`/`commit` pair (puts) or a `get_many`/`release` pair (gets), which keep the
+chunks involved out of eviction's way meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from llmesh.messages import KvStats
+
+from .store import ChunkStore, Read, Reservation
+
+
+class ShardState:
+    def __init__(self, store: ChunkStore):
+        self.store = store
+        self.lock = threading.Lock()
+        self.bytes_put = self.bytes_got = 0
+        self.on_put: Callable[[list[tuple[str, int]]], None] | None = None  # (key, size) stored
+        self.on_access: Callable[[list[str]], None] | None = None  # keys read
+
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float) -> Reservation:
+        with self.lock:
+            self.bytes_put += sum(sizes)  # counted as received even if refused
+            return self.store.reserve(keys, sizes, pin_s)
+
+    def commit(self, res: Reservation) -> None:
+        with self.lock:
+            self.store.commit(res)
+        if self.on_put is not None:
+            self.on_put([(k, c.size) for k, c in zip(res.keys, res.chunks)])
+
+    def abort(self, res: Reservation) -> None:
+        with self.lock:
+            self.store.abort(res)
+
+    def get_many(self, keys: Sequence[str], pin_s: float) -> Read:
+        with self.lock:
+            read = self.store.get_many(keys, pin_s)
+            self.bytes_got += sum(len(v) for v in read.values if v is not None)
+        if self.on_access is not None:
+            self.on_access([k for k, v in zip(keys, read.values) if v is not None])
+        return read
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self.lock:
+            return [k in self.store for k in keys]
+
+    def release(self, read: Read) -> None:
+        with self.lock:
+            self.store.release(read)
+
+    def flush_to_ssd(self) -> None:
+        with self.lock:
+            self.store.flush_to_ssd()
+
+    def snapshot(self) -> KvStats:
+        with self.lock:
+            stats = self.store.stats()
+        return stats.model_copy(update={"bytes_put": self.bytes_put, "bytes_got": self.bytes_got})
