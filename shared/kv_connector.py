@@ -142,7 +142,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._lookup: ThreadedKvClient | None = None  # scheduler side: which prefix blocks are stored
         if role == KVConnectorRole.SCHEDULER and self._is_producer and extra.get("reuse_prefix", True):
             self._lookup = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-lookup",
-                                            threads=1)
+                                            threads=1, redis_url=extra.get("redis_url") or "")
         if role == KVConnectorRole.WORKER:
             telemetry.setup_tracing(
                 extra.get("service_name", "vllm-worker"),
@@ -150,7 +150,8 @@ class MeshKVConnector(KVConnectorBase_V1):
                 trace_dir=extra.get("trace_dir"),
             )
             self._tracer = telemetry.tracer("llmesh.kv_connector")
-            self._kv = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-connector")
+            self._kv = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-connector",
+                                        redis_url=extra.get("redis_url") or "")
 
     # ==== scheduler side ===================================================================
 

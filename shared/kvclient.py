@@ -1,7 +1,9 @@
 """Client of the kv-store: shard discovery over NATS, bulk bytes over the direct data plane.
 
 - `ShardDirectory` follows the shards' announcements (NATS) and maps each key to its shard
-  by rendezvous hashing, so adding a shard moves only the keys it now wins.
+  by rendezvous hashing, so adding a shard moves only the keys it now wins. A key missing
+  on its owner is looked up in the shards' chunk index in Redis (`ChunkLocator`), so chunks
+  stored before the shards changed are still found where they are.
 - `KvClient` is synchronous and thread-safe: each shard has a pool of direct connections,
   each with its own shared-memory segment when the shard is on this host (see llmesh.kvwire).
 - `ThreadedKvClient` runs the directory on a private event-loop thread and the transfers on
@@ -27,6 +29,7 @@ from typing import Any, TypeVar
 from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
+from llmesh.kvkeys import INDEX_KEY, decode_entry
 from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
 from llmesh.messages import KvDiscover, KvShardInfo, Subjects, decode
 
@@ -71,6 +74,32 @@ class ShardDirectory:
             self._known.wait(wait_s)
         now = time.monotonic()
         return {s: info for s, (info, seen) in list(self._shards.items()) if now - seen < 3 * info.heartbeat_s}
+
+
+class ChunkLocator:
+    """Reads the shards' chunk index in Redis: where a chunk is when it is not on its owner
+    (it was stored before the shards changed). Redis being away just means no answer."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5):
+        import redis
+
+        self.url = url
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._failing = False
+
+    def locate(self, keys: Sequence[str]) -> dict[str, str]:
+        """The shard each key is recorded on; keys not in the index are left out."""
+        import redis
+
+        try:
+            values = self._redis.hmget(INDEX_KEY, list(keys))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            if not self._failing:
+                log.warning("chunk index at %s unreachable (%s): only owners are asked", self.url, exc)
+            self._failing = True
+            return {}
+        self._failing = False
+        return {k: decode_entry(v)[0] for k, v in zip(keys, values) if v is not None}
 
 
 class DirectConnection:
@@ -261,20 +290,34 @@ class KvClient:
     """Synchronous, thread-safe puts and gets across the live shards."""
 
     def __init__(self, directory: ShardDirectory, *, timeout: float = 30.0, use_shm: bool = True,
-                 connections_per_shard: int = 8):
-        self.directory, self.timeout, self.use_shm = directory, timeout, use_shm
+                 connections_per_shard: int = 8, locator: ChunkLocator | None = None):
+        self.directory, self.timeout, self.use_shm, self.locator = directory, timeout, use_shm, locator
         self._connections_per_shard = connections_per_shard
         self._pools: dict[tuple[str, str, int], _Pool] = {}
         self._lock = threading.Lock()
 
     def _by_shard(self, keys: Sequence[str]) -> dict[_Pool, list[int]]:
+        """Indices of `keys` grouped by the pool of their owner shard."""
         live = self.directory.live(wait_s=self.timeout)
         if not live:
             raise ServiceUnavailable("no kv-store shard is announcing itself")
         names = sorted(live)
         groups: dict[_Pool, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(self._pool(live[rendezvous_owner(key, names)]), []).append(i)
+        for i in range(len(keys)):
+            groups.setdefault(self._pool(live[rendezvous_owner(keys[i], names)]), []).append(i)
+        return groups
+
+    def _elsewhere(self, keys: Sequence[str], missing: list[int]) -> dict[_Pool, list[int]]:
+        """Indices of missing keys that the chunk index places on another live shard."""
+        if not missing or self.locator is None:
+            return {}
+        live = self.directory.live()
+        where = self.locator.locate([keys[i] for i in missing])
+        groups: dict[_Pool, list[int]] = {}
+        for i in missing:
+            shard = where.get(keys[i])
+            if shard in live and shard != rendezvous_owner(keys[i], sorted(live)):
+                groups.setdefault(self._pool(live[shard]), []).append(i)
         return groups
 
     def _pool(self, info: KvShardInfo) -> _Pool:
@@ -313,25 +356,33 @@ class KvClient:
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held (in any tier), without reading it."""
         found = [False] * len(keys)
-        for pool, idx in self._by_shard(keys).items():
-            conn, got = self._run(pool, lambda c: c.contains([keys[i] for i in idx]))
-            pool.release(conn)
-            for i, f in zip(idx, got):
-                found[i] = f
+        groups = self._by_shard(keys)
+        for round_ in (0, 1):  # owners first, then where the index says the rest are
+            for pool, idx in groups.items():
+                conn, got = self._run(pool, lambda c: c.contains([keys[i] for i in idx]))
+                pool.release(conn)
+                for i, f in zip(idx, got):
+                    found[i] = f
+            if round_ == 0:
+                groups = self._elsewhere(keys, [i for i, f in enumerate(found) if not f])
         return found
 
     def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
         values: list[memoryview | None] = [None] * len(keys)
         held: list[tuple[_Pool, DirectConnection]] = []
         try:
-            for pool, idx in self._by_shard(keys).items():
-                conn, (got, in_shm) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
-                if in_shm:  # the values live in the connection's segment until released
-                    held.append((pool, conn))
-                else:
-                    pool.release(conn)
-                for i, v in zip(idx, got):
-                    values[i] = v
+            groups = self._by_shard(keys)
+            for round_ in (0, 1):  # owners first, then where the index says the rest are
+                for pool, idx in groups.items():
+                    conn, (got, in_shm) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
+                    if in_shm:  # the values live in the connection's segment until released
+                        held.append((pool, conn))
+                    else:
+                        pool.release(conn)
+                    for i, v in zip(idx, got):
+                        values[i] = v
+                if round_ == 0:
+                    groups = self._elsewhere(keys, [i for i, v in enumerate(values) if v is None])
         except BaseException:
             Fetched([], held).release()
             raise
@@ -348,14 +399,15 @@ class ThreadedKvClient:
     """A KvClient with its directory on a private event-loop thread; transfers run on a thread
     pool and return futures (for synchronous code: the vLLM connector)."""
 
-    def __init__(self, nats_url: str, name: str, *, threads: int = 8):
+    def __init__(self, nats_url: str, name: str, *, threads: int = 8, redis_url: str = ""):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-kv", daemon=True)
         self._thread.start()
         self._bus = asyncio.run_coroutine_threadsafe(Bus.connect(nats_url, name), self._loop).result()
         directory = ShardDirectory(self._bus)
         asyncio.run_coroutine_threadsafe(directory.start(), self._loop).result()
-        self.client = KvClient(directory, connections_per_shard=threads)
+        self.client = KvClient(directory, connections_per_shard=threads,
+                               locator=ChunkLocator(redis_url) if redis_url else None)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-kv")
 
     def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float,

@@ -72,3 +72,17 @@ def block_hashes(fp: str, token_ids: Sequence[int], block_size: int, *, partial:
 
 def chunk_key(block_hash: str, layer: int) -> str:
     return f"{block_hash}:{layer}"
+
+
+# ---- the shared chunk index in Redis (written by kv-store shards, read by clients) ----------------
+
+INDEX_KEY = "llmesh:kv:chunks"  # hash: chunk key -> "shard size last_access"
+
+
+def encode_entry(shard: str, size: int, last_access: float) -> str:
+    return f"{shard} {size} {last_access:.3f}"
+
+
+def decode_entry(value: bytes | str) -> tuple[str, int, float]:
+    shard, size, last = (value.decode() if isinstance(value, bytes) else value).rsplit(" ", 2)
+    return shard, int(size), float(last)

@@ -66,6 +66,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
                 "nats_url": settings.nats_url,
+                "redis_url": settings.redis_url,
                 "load_mode": settings.kv_load_mode,
                 "pin_s": settings.kv_pin_s,
                 "reuse_prefix": settings.kv_reuse_prefix,

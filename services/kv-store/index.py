@@ -1,8 +1,8 @@
 """The shared chunk index in Redis: which shard holds each chunk, its size and last access.
 
 Shards share one key space: a chunk lives on the shard its key wins by rendezvous hashing
-(llmesh.kvclient), and the index records where chunks actually are, so a shard can find a
-chunk that was stored before the membership changed (see `locate`) and operators can see
+(llmesh.kvclient), and the index records where chunks actually are, so a client finds a
+chunk stored before the membership changed (`kvclient.ChunkLocator`) and operators can see
 the whole store. One hash, `llmesh:kv:chunks`, maps chunk key -> "shard size last_access".
 
 Updates are queued by the store's callers and written in pipelined batches off the data
@@ -17,26 +17,17 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 import redis.exceptions
+
+from llmesh.kvkeys import INDEX_KEY, encode_entry
 
 from .state import ShardState
 
 log = logging.getLogger(__name__)
 
-INDEX_KEY = "llmesh:kv:chunks"
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-
-
-def encode_entry(shard: str, size: int, last_access: float) -> str:
-    return f"{shard} {size} {last_access:.3f}"
-
-
-def decode_entry(value: bytes | str) -> tuple[str, int, float]:
-    shard, size, last = (value.decode() if isinstance(value, bytes) else value).rsplit(" ", 2)
-    return shard, int(size), float(last)
 
 
 class RedisIndex:
@@ -114,13 +105,6 @@ class RedisIndex:
         with self.state.lock:
             store = self.state.store
             return {k: store.size_of(k) for k in store.keys()}
-
-    async def locate(self, keys: Sequence[str]) -> dict[str, str]:
-        """The shard each chunk is recorded on (keys not in the index are left out)."""
-        if not keys:
-            return {}
-        values = await self.redis.hmget(INDEX_KEY, list(keys))
-        return {k: decode_entry(v)[0] for k, v in zip(keys, values) if v is not None}
 
     async def close(self) -> None:
         try:
