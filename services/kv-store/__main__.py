@@ -24,6 +24,7 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("kv-store", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
     state = ShardState(ChunkStore(settings.capacity_bytes, ssd))
+    state.start_cleaner(settings.ssd_clean_watermark)
     data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes)
     info = KvShardInfo(shard=settings.kv_shard, data_host=settings.data_advertise_host or settings.data_host,
                        data_port=data_plane.port, heartbeat_s=settings.heartbeat_s)
@@ -47,6 +48,7 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
             index_task.cancel()
             await index.close()
         await service.stop()
+        state.stop()
         data_plane.close()
         await bus.close()
 

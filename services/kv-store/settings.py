@@ -12,6 +12,9 @@ class KvStoreSettings(CommonSettings):
     data_dir: Path = Field(Path.home() / ".cache" / "llmesh" / "kv-store",
                            description="SSD tier directory (a subdirectory per shard); chunks survive restarts.")
     ssd_capacity_bytes: int = Field(8 * 1024**3, ge=0, description="SSD tier size in bytes; 0 disables the tier.")
+    ssd_clean_watermark: float = Field(0.75, ge=0, le=1, description="Past this fraction of memory, least recently "
+                                       "used chunks are copied to SSD in the background, so evicting them later "
+                                       "costs no write on the put path.")
     data_host: str = Field("127.0.0.1", description="Address the direct data plane (TCP) binds.")
     data_port: int = Field(0, ge=0, description="Data plane port; 0: any free port (announced over NATS).")
     data_advertise_host: str = Field("", description="Host name clients use to reach the data plane; "

@@ -11,10 +11,12 @@ the memory tier goes on alone and nothing already stored is lost.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -26,8 +28,20 @@ VERSION = 1
 HEADER = struct.Struct(">4sBHQI")  # magic, version, key length, data length, crc32(key + data)
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class SsdTier:
+    """Thread-safe: the shard's cleaner writes chunks here while requests read."""
+
     def __init__(self, directory: Path, capacity_bytes: int):
+        self._lock = threading.RLock()
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> data size, least recent first
@@ -53,12 +67,14 @@ class SsdTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    @_locked
     def keys(self) -> list[str]:
         return list(self._index)
 
     def size_of(self, key: str) -> int | None:
         return self._index.get(key)
 
+    @_locked
     def write(self, key: str, data: bytes) -> bool:
         """Store `data` under `key`, evicting the least recently used files if needed."""
         if not self.enabled or len(data) > self.capacity_bytes:
@@ -90,6 +106,7 @@ class SsdTier:
         self.writes += 1
         return True
 
+    @_locked
     def read(self, key: str) -> bytes | None:
         if key not in self._index:
             return None
@@ -107,6 +124,7 @@ class SsdTier:
         self.reads += 1
         return data
 
+    @_locked
     def remove(self, key: str) -> None:
         size = self._index.pop(key, None)
         if size is None:

@@ -19,6 +19,7 @@ class ShardState:
     def __init__(self, store: ChunkStore):
         self.store = store
         self.lock = threading.Lock()
+        self._stopping = threading.Event()
         self.bytes_put = self.bytes_got = 0
         self.on_put: Callable[[list[tuple[str, int]]], None] | None = None  # (key, size) stored
         self.on_access: Callable[[list[str]], None] | None = None  # keys read
@@ -53,6 +54,31 @@ class ShardState:
     def release(self, read: Read) -> None:
         with self.lock:
             self.store.release(read)
+
+    def start_cleaner(self, watermark: float, interval_s: float = 0.05) -> threading.Thread:
+        """Copy least recently used chunks to SSD while memory is over `watermark` of capacity."""
+
+        def run() -> None:
+            while not self._stopping.wait(interval_s):
+                self.clean_once(watermark)
+
+        thread = threading.Thread(target=run, name="kv-ssd-cleaner", daemon=True)
+        thread.start()
+        return thread
+
+    def clean_once(self, watermark: float) -> int:
+        with self.lock:
+            batch = self.store.dirty_to_clean(int(self.store.capacity_bytes * watermark))
+        if not batch:
+            return 0
+        try:
+            return self.store.clean(batch)
+        finally:
+            with self.lock:
+                self.store.done_cleaning(batch)
+
+    def stop(self) -> None:
+        self._stopping.set()
 
     def flush_to_ssd(self) -> None:
         with self.lock:

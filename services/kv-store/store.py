@@ -6,6 +6,10 @@ are immutable, so the next demotion of that key costs no write). Two things keep
 memory: a pin, which is a lease that expires (so a crashed worker cannot pin memory
 forever), and readers, held by a transfer in flight between `get_many` and `release`.
 
+With an SSD tier, a cleaner (ShardState) copies least recently used chunks to SSD in the
+background once memory passes a watermark, so eviction under pressure usually drops a chunk
+that is already on SSD instead of writing it on the put path.
+
 Writes are two-phase so a transfer can land straight in the arena: `reserve` returns
 writable views, `commit` makes them visible (or `abort` frees them). Chunks are content
 addressed, so a put of a key already held keeps the held copy and only extends its lease.
@@ -208,6 +212,35 @@ class ChunkStore:
     def _free(self, chunk: _Chunk) -> None:
         self._arena.free(chunk.offset, chunk.size)
         self._bytes -= chunk.size
+
+    # ---- cleaning: copies on SSD ahead of eviction --------------------------------------------
+
+    def dirty_to_clean(self, limit_bytes: int) -> list[tuple[str, _Chunk, memoryview]]:
+        """Least recently used chunks with no SSD copy while memory is over `limit_bytes`, held
+        as readers so they stay put while `clean` writes them outside the shard's lock."""
+        if self.ssd is None or not self.ssd.enabled or self._bytes <= limit_bytes:
+            return []
+        batch, size = [], 0
+        for key, chunk in self._chunks.items():
+            if size >= self._bytes - limit_bytes or len(batch) >= 64:
+                break
+            if key in self.ssd:  # already clean: counts toward the excess
+                size += chunk.size
+            elif chunk.readers == 0:
+                chunk.readers += 1
+                batch.append((key, chunk, self._arena.view[chunk.offset : chunk.offset + chunk.size]))
+                size += chunk.size
+        return batch
+
+    def clean(self, batch: list[tuple[str, _Chunk, memoryview]]) -> int:
+        """Write a `dirty_to_clean` batch to SSD (no shard lock needed); the chunks stay in memory,
+        and their eviction later costs no write. Returns how many were written."""
+        assert self.ssd is not None
+        return sum(1 for key, _, data in batch if self.ssd.write(key, data))
+
+    def done_cleaning(self, batch: list[tuple[str, _Chunk, memoryview]]) -> None:
+        for _, chunk, _ in batch:
+            chunk.readers -= 1
 
     def flush_to_ssd(self) -> None:
         """Move every chunk not in flight, pinned or not, to the SSD tier (see KvFlush)."""

@@ -111,3 +111,20 @@ def test_flush_moves_everything_to_ssd_pins_included(tmp_path):
 
 def test_an_empty_ssd_tier_reports_enabled(tmp_path):
     assert ChunkStore(1000, SsdTier(tmp_path, 10_000)).stats().ssd_enabled
+
+
+def test_the_cleaner_copies_lru_chunks_to_ssd_so_eviction_writes_nothing(tmp_path):
+    from llmesh_kvstore.state import ShardState
+
+    ssd = SsdTier(tmp_path, 100_000)
+    state = ShardState(ChunkStore(4000, ssd))
+    for key in "abc":
+        state.store.put_many([(key, chunk(key))], pin_s=0)  # 3000 of 4000 bytes
+    assert state.clean_once(0.5) == 1  # 1000 bytes over the 2000-byte mark: the least recently used, "a"
+    assert "a" in ssd and "b" not in ssd and state.store.stats().chunks == 3  # and it stays in memory
+    writes = ssd.writes
+    state.store.put_many([("d", chunk("d")), ("e", chunk("e"))], pin_s=0)  # evicts "a": already on SSD
+    assert ssd.writes == writes and state.store.stats().demotions == 1
+    assert state.store.get("a") == chunk("a")  # from SSD
+    assert state.clean_once(0.99) == 1  # promoting "a" filled memory again: the oldest dirty chunk is copied
+    assert state.clean_once(0.99) == 0  # what lies over the mark is clean: nothing to do
