@@ -37,7 +37,10 @@ def ops_for(size: int) -> int:
     return max(BYTES_PER_RUN // size, 16)
 
 
-def mesh_client(url: str, size: int, n: int, tag: str, use_shm: bool) -> tuple[float, float, list[float], list[float]]:
+def mesh_client(url: str, size: int, n: int, tag: str, mode: str) -> tuple[float, float, list[float], list[float]]:
+    """`mode`: "shm" or "tcp" (a put copies the caller's value in), or "in place" (shared memory,
+    and the value is produced in the buffer it is sent from, as the vLLM connector's gather does:
+    the timed put is what follows, the store's copy and the round trip)."""
     from llmesh.bus import Bus
     from llmesh.kvclient import KvClient, ShardDirectory
 
@@ -50,14 +53,19 @@ def mesh_client(url: str, size: int, n: int, tag: str, use_shm: bool) -> tuple[f
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     bus, directory = asyncio.run_coroutine_threadsafe(connect(), loop).result()
-    kv = KvClient(directory, use_shm=use_shm)
+    kv = KvClient(directory, use_shm=mode != "tcp")
     value = os.urandom(size)
     kv.put([f"{tag}-warm"], [value])  # connect and size the segment outside the timing
     puts, gets = [], []
     start = time.perf_counter()
     for i in range(n):
-        t = time.perf_counter()
-        kv.put([f"{tag}-{i}"], [value])
+        if mode == "in place":
+            with kv.staged_put([f"{tag}-{i}"], [size]) as staged:
+                staged[0][:] = value  # producing the value (like redis-py's, made once, untimed)
+                t = time.perf_counter()
+        else:
+            t = time.perf_counter()
+            kv.put([f"{tag}-{i}"], [value])
         puts.append(time.perf_counter() - t)
     for i in range(n):
         t = time.perf_counter()
@@ -70,7 +78,7 @@ def mesh_client(url: str, size: int, n: int, tag: str, use_shm: bool) -> tuple[f
     return start, end, puts, gets
 
 
-def redis_client(port: int, size: int, n: int, tag: str, use_shm: bool = False) -> tuple[float, float, list[float], list[float]]:
+def redis_client(port: int, size: int, n: int, tag: str, mode: str = "") -> tuple[float, float, list[float], list[float]]:
     import redis
 
     r = redis.Redis(port=port)
@@ -101,19 +109,20 @@ def memcpy_gbps(size: int) -> float:
     return size * count / (time.perf_counter() - t) / 1e9
 
 
-KINDS = {  # name: (client function, uses shared memory)
-    "kv-store shm": (mesh_client, True),
-    "kv-store tcp": (mesh_client, False),
-    "redis-py": (redis_client, False),
+KINDS = {  # name: (client function, mode)
+    "kv-store shm": (mesh_client, "shm"),
+    "kv-store shm, in place": (mesh_client, "in place"),
+    "kv-store tcp": (mesh_client, "tcp"),
+    "redis-py": (redis_client, ""),
 }
 
 
 def run(kind: str, target, size: int, clients: int) -> dict:
-    fn, use_shm = KINDS[kind]
+    fn, mode = KINDS[kind]
     n = ops_for(size)
     with concurrent.futures.ProcessPoolExecutor(clients) as pool:
         results = list(pool.map(fn, [target] * clients, [size] * clients, [n] * clients,
-                                [f"{size}-{c}-{kind}" for c in range(clients)], [use_shm] * clients))
+                                [f"{size}-{c}-{kind}" for c in range(clients)], [mode] * clients))
     wall = max(r[1] for r in results) - min(r[0] for r in results)
     puts = sorted(x for r in results for x in r[2])
     gets = sorted(x for r in results for x in r[3])
@@ -202,8 +211,8 @@ def main() -> None:
         rows = []
         for size in args.sizes:
             for clients in args.clients:
-                for kind, target in (("kv-store shm", url), ("kv-store tcp", url), ("redis-py", redis_port)):
-                    rows.append(run(kind, target, size, clients))
+                for kind in KINDS:
+                    rows.append(run(kind, redis_port if kind == "redis-py" else url, size, clients))
                     print(rows[-1], flush=True)
         if not args.no_lmcache:
             rows += lmcache_rows(args.sizes, args.clients)
@@ -215,16 +224,17 @@ def main() -> None:
             print(f"| {r['size'] // 1024} KiB | {r['clients']} | {r['kind']} | {r['put_gbps']:.2f} | "
                   f"{r['get_gbps']:.2f} | {r['put_p50']:.2f} / {r['put_p99']:.2f} | "
                   f"{r['get_p50']:.2f} / {r['get_p99']:.2f} |")
-        print("\nratios, kv-store shm over each baseline (put / get):")
-        ours = {(r["size"], r["clients"]): r for r in rows if r["kind"] == "kv-store shm"}
-        for r in rows:
-            mine = ours.get((r["size"], r["clients"]))
-            if mine is not None and r["kind"] not in ("kv-store shm", "kv-store tcp"):
-                print(f"  {r['size'] // 1024} KiB x{r['clients']} vs {r['kind']}: "
-                      f"{mine['put_gbps'] / r['put_gbps']:.2f} / {mine['get_gbps'] / r['get_gbps']:.2f}")
-        for (size, clients), mine in sorted(ours.items()):
-            print(f"  {size // 1024} KiB x{clients} vs memory copy: "
-                  f"{mine['put_gbps'] / copy[size]:.2f} / {mine['get_gbps'] / copy[size]:.2f}")
+        baselines = [r for r in rows if not r["kind"].startswith("kv-store")]
+        for kind in ("kv-store shm", "kv-store shm, in place"):
+            print(f"\nratios, {kind} over each baseline (put / get):")
+            for mine in (r for r in rows if r["kind"] == kind):
+                config = (mine["size"], mine["clients"])
+                others = [(b["kind"], b["put_gbps"], b["get_gbps"]) for b in baselines
+                          if (b["size"], b["clients"]) == config] + [("memory copy", copy[mine["size"]],
+                                                                      copy[mine["size"]])]
+                print(f"  {mine['size'] // 1024} KiB x{mine['clients']}: " + ", ".join(
+                    f"vs {name} {mine['put_gbps'] / put:.2f} / {mine['get_gbps'] / get:.2f}"
+                    for name, put, get in others))
         ssd_dir = Path(tempfile.mkdtemp(prefix="kvbench-ssd-", dir=Path.home() / ".cache"))
         try:
             print("\n| value | SSD tier write GB/s | sequential file write GB/s | SSD tier read GB/s |"

@@ -108,6 +108,12 @@ def _layer_index(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def _gather(cache: torch.Tensor, block_ids: list[int], views: list[memoryview]) -> None:
+    """Copy blocks of one layer's cache into byte buffers, one block each."""
+    for block_id, view in zip(block_ids, views):
+        torch.frombuffer(view, dtype=cache.dtype).view(cache.shape[1:]).copy_(cache[block_id])
+
+
 def request_trace(request: Any) -> dict[str, str]:
     params = getattr(request, "kv_transfer_params", None) or {}
     return dict(params.get("trace") or {})
@@ -370,13 +376,21 @@ class MeshKVConnector(KVConnectorBase_V1):
         assert self._kv is not None
         layer = _layer_index(layer_name)
         for transfer in self._meta().saves:
-            ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=kv_layer.device)
-            blocks = kv_layer[ids].cpu().contiguous()  # a copy: the blocks may be reused once we return
-            rows = blocks.view(torch.uint8).reshape(len(transfer.block_ids), -1).numpy()
-            pin_s = self._pin_s if self._is_producer else 0.0  # (the decode's write-behind needs no lease)
-            future = self._kv.put([chunk_key(h, layer) for h in transfer.hashes], list(rows), pin_s=pin_s,
-                                  trace_context=telemetry.extract(transfer.trace))
-            (self._pending_puts if self._is_producer else self._write_behind_puts).append((future, transfer.req_id))
+            keys = [chunk_key(h, layer) for h in transfer.hashes]
+            trace = telemetry.extract(transfer.trace)
+            if self._is_producer:
+                # The step waits for these puts (`wait_for_save`), so the blocks stay as they are:
+                # the transfer thread gathers them straight into the buffers they are sent from.
+                block_bytes = kv_layer[0].numel() * kv_layer.element_size()
+                future = self._kv.put_filled(keys, [block_bytes] * len(keys),
+                                             partial(_gather, kv_layer, transfer.block_ids),
+                                             pin_s=self._pin_s, trace_context=trace)
+                self._pending_puts.append((future, transfer.req_id))
+            else:  # write-behind is not waited for: copy the blocks now, they may be reused later
+                ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=kv_layer.device)
+                rows = kv_layer[ids].cpu().contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()
+                future = self._kv.put(keys, list(rows), pin_s=0.0, trace_context=trace)
+                self._write_behind_puts.append((future, transfer.req_id))
 
     def wait_for_save(self) -> None:
         """Prefill: the step ends once its KV is stored (decode may load it next). Decode's

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from llmesh import telemetry
@@ -115,6 +116,7 @@ class DirectConnection:
         self.shm: ShmSegment | None = None
         self._use_shm = use_shm
         self.broken = False
+        self._staged: tuple[memoryview, bool] | None = None
         self.reused = False  # handed out again by its pool (the shard may have restarted since)
 
     def close(self) -> None:
@@ -172,16 +174,36 @@ class DirectConnection:
 
     def put(self, keys: Sequence[str], values: Sequence[Buffer], pin_s: float) -> None:
         views = [memoryview(v).cast("B") for v in values]
-        meta = {"op": "put", "keys": list(keys), "sizes": [len(v) for v in views], "pin_s": pin_s}
-        segment = self._segment(sum(meta["sizes"]))
-        if segment is None:
-            self._call(meta, views)
+        sizes = [len(v) for v in views]
+        if self._segment(sum(sizes)) is None:  # plain TCP: send the caller's buffers as they are
+            self._call({"op": "put", "keys": list(keys), "sizes": sizes, "pin_s": pin_s}, views)
             return
-        pos = 0
-        for v in views:
-            segment.view[pos : pos + len(v)] = v
-            pos += len(v)
-        self._call({**meta, "shm_offset": 0})
+        for staged, value in zip(self.staging(sizes), views):
+            staged[:] = value
+        self.put_staged(keys, sizes, pin_s)
+
+    def staging(self, sizes: Sequence[int]) -> list[memoryview]:
+        """Buffers to write the next put's values into: in our shared memory when the shard has
+        attached it (the put then costs just the store's copy), else a private buffer for TCP."""
+        total = sum(sizes)
+        segment = self._segment(total)
+        buffer = segment.view[:total] if segment is not None else memoryview(bytearray(total))
+        self._staged = (buffer, segment is not None)
+        out, pos = [], 0
+        for size in sizes:
+            out.append(buffer[pos : pos + size])
+            pos += size
+        return out
+
+    def put_staged(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float) -> None:
+        """Store the values written into the buffers of the last `staging` call."""
+        buffer, in_shm = self._staged
+        self._staged = None
+        meta = {"op": "put", "keys": list(keys), "sizes": list(sizes), "pin_s": pin_s}
+        if in_shm:
+            self._call({**meta, "shm_offset": 0})
+        else:
+            self._call(meta, [buffer])
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         reply, _ = self._call({"op": "has", "keys": list(keys)})
@@ -353,6 +375,33 @@ class KvClient:
             conn, _ = self._run(pool, lambda c: c.put([keys[i] for i in idx], [values[i] for i in idx], pin_s))
             pool.release(conn)
 
+    @contextlib.contextmanager
+    def staged_put(self, keys: Sequence[str], sizes: Sequence[int], *, pin_s: float = 0.0) -> Iterator[list[memoryview]]:
+        """Writable buffers, one per key, that are stored on leaving the block: a producer writes
+        its values straight into the memory they are sent from (on this host, memory shared with
+        the shard, so a put costs one copy in all)."""
+        views: list[memoryview] = [memoryview(b"")] * len(keys)
+        held: list[tuple[_Pool, DirectConnection, list[int]]] = []
+        try:
+            for pool, idx in self._by_shard(keys).items():
+                conn, staged = self._run(pool, lambda c: c.staging([sizes[i] for i in idx]))
+                held.append((pool, conn, idx))
+                for i, view in zip(idx, staged):
+                    views[i] = view
+            yield views
+            for pool, conn, idx in held:
+                sub_keys, sub_sizes = [keys[i] for i in idx], [sizes[i] for i in idx]
+                try:
+                    conn.put_staged(sub_keys, sub_sizes, pin_s)
+                except ServiceUnavailable:
+                    if not (conn.reused and conn.broken):
+                        raise
+                    fresh, _ = self._run(pool, lambda c: c.put(sub_keys, [views[i] for i in idx], pin_s))
+                    pool.release(fresh)  # (the shard restarted since `conn` was last used: sent again)
+        finally:
+            for pool, conn, _ in held:
+                pool.release(conn)
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held (in any tier), without reading it."""
         found = [False] * len(keys)
@@ -414,6 +463,18 @@ class ThreadedKvClient:
             trace_context=None) -> concurrent.futures.Future:
         return self._pool.submit(self._traced, "kv.put", trace_context, len(keys),
                                  self.client.put, keys, values, pin_s=pin_s)
+
+    def put_filled(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[list[memoryview]], None], *,
+                   pin_s: float, trace_context=None) -> concurrent.futures.Future:
+        """Store values that `fill` writes, in the transfer thread, into the buffers they are sent
+        from (see `KvClient.staged_put`): the caller's data must not change until the future is done."""
+        return self._pool.submit(self._traced, "kv.put", trace_context, len(keys), self._fill_and_put,
+                                 keys, sizes, fill, pin_s)
+
+    def _fill_and_put(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[list[memoryview]], None],
+                      pin_s: float) -> None:
+        with self.client.staged_put(keys, sizes, pin_s=pin_s) as views:
+            fill(views)
 
     def get(self, keys: Sequence[str], consume: Callable[[Fetched], T], *,
             trace_context=None) -> concurrent.futures.Future[T]:
