@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 SHM_MIN_BYTES = 16 * 1024**2  # smallest segment; grown to the largest transfer seen
+ARENA_MIN_BYTES = 512 * 1024  # a staged put this large saves more (the shard's copy) than it costs (a round trip)
 MAX_REPLY_BYTES = 1 << 40
 
 
@@ -103,6 +104,18 @@ class ChunkLocator:
         return {k: decode_entry(v)[0] for k, v in zip(keys, values) if v is not None}
 
 
+_arenas: dict[str, ShmSegment] = {}  # shards' shared arenas, mapped once per process
+_arenas_lock = threading.Lock()
+
+
+def _map_arena(name: str, size: int) -> ShmSegment:
+    with _arenas_lock:
+        arena = _arenas.get(name)
+        if arena is None or arena.size != size:
+            arena = _arenas[name] = ShmSegment(name, size, create=False, populate=True)
+        return arena
+
+
 class DirectConnection:
     """One blocking connection to a shard's data plane; not thread-safe (pools hand it out)."""
 
@@ -116,7 +129,8 @@ class DirectConnection:
         self.shm: ShmSegment | None = None
         self._use_shm = use_shm
         self.broken = False
-        self._staged: tuple[memoryview, bool] | None = None
+        self._staged: tuple[Any, Any] | None = None  # ("arena", rid) or (buffer, in our segment)
+        self.arena: ShmSegment | None = None  # the shard's shared arena, mapped here
         self.reused = False  # handed out again by its pool (the shard may have restarted since)
 
     def close(self) -> None:
@@ -170,23 +184,40 @@ class DirectConnection:
         if self.shm is not None:
             self.shm.close()
         self.shm = segment
+        if reply.get("arena") and self.arena is None:
+            try:
+                self.arena = _map_arena(reply["arena"], int(reply["arena_size"]))
+            except (OSError, BadMessage, ValueError) as exc:
+                log.info("cannot map kv-store %s's arena (%s): the shard copies puts", self.address, exc)
         return segment
 
     def put(self, keys: Sequence[str], values: Sequence[Buffer], pin_s: float) -> None:
+        """Copy the values to the shard: into our segment (the shard copies them on) or over TCP."""
         views = [memoryview(v).cast("B") for v in values]
         sizes = [len(v) for v in views]
         if self._segment(sum(sizes)) is None:  # plain TCP: send the caller's buffers as they are
             self._call({"op": "put", "keys": list(keys), "sizes": sizes, "pin_s": pin_s}, views)
             return
-        for staged, value in zip(self.staging(sizes), views):
+        for staged, value in zip(self.staging(keys, sizes, pin_s, arena_ok=False), views):
             staged[:] = value
         self.put_staged(keys, sizes, pin_s)
 
-    def staging(self, sizes: Sequence[int]) -> list[memoryview]:
-        """Buffers to write the next put's values into: in our shared memory when the shard has
-        attached it (the put then costs just the store's copy), else a private buffer for TCP."""
+    def staging(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float, *,
+                arena_ok: bool = True) -> list[memoryview]:
+        """Buffers to write the next put's values into. Best: extents the shard reserved in its
+        shared arena (one more round trip, no copy by the shard); else our own segment (the
+        shard copies from it); else a private buffer sent over TCP."""
         total = sum(sizes)
-        segment = self._segment(total)
+        segment = self._segment(max(total, 1))
+        if segment is not None and self.arena is not None and arena_ok and total >= ARENA_MIN_BYTES:
+            reply, _ = self._call({"op": "reserve", "keys": list(keys), "sizes": list(sizes), "pin_s": pin_s})
+            offsets = reply.get("offsets")
+            if not isinstance(offsets, list) or len(offsets) != len(sizes) or any(
+                    not isinstance(o, int) or o < 0 or o + n > self.arena.size for o, n in zip(offsets, sizes)):
+                self.broken = True
+                raise BadMessage(f"kv-store {self.address} answered a reserve with offsets {offsets!r}")
+            self._staged = ("arena", reply.get("rid"))
+            return [self.arena.view[o : o + n] for o, n in zip(offsets, sizes)]
         buffer = segment.view[:total] if segment is not None else memoryview(bytearray(total))
         self._staged = (buffer, segment is not None)
         out, pos = [], 0
@@ -197,8 +228,13 @@ class DirectConnection:
 
     def put_staged(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float) -> None:
         """Store the values written into the buffers of the last `staging` call."""
-        buffer, in_shm = self._staged
-        self._staged = None
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise BadMessage("put_staged without staging")
+        if staged[0] == "arena":
+            self._call({"op": "commit", "rid": staged[1]})
+            return
+        buffer, in_shm = staged
         meta = {"op": "put", "keys": list(keys), "sizes": list(sizes), "pin_s": pin_s}
         if in_shm:
             self._call({**meta, "shm_offset": 0})
@@ -384,11 +420,17 @@ class KvClient:
         held: list[tuple[_Pool, DirectConnection, list[int]]] = []
         try:
             for pool, idx in self._by_shard(keys).items():
-                conn, staged = self._run(pool, lambda c: c.staging([sizes[i] for i in idx]))
+                conn, staged = self._run(pool, lambda c: c.staging([keys[i] for i in idx], [sizes[i] for i in idx],
+                                                                   pin_s))
                 held.append((pool, conn, idx))
                 for i, view in zip(idx, staged):
                     views[i] = view
-            yield views
+            try:
+                yield views
+            except BaseException:
+                for _, conn, _ in held:  # closing it drops anything reserved for it
+                    conn.broken = True
+                raise
             for pool, conn, idx in held:
                 sub_keys, sub_sizes = [keys[i] for i in idx], [sizes[i] for i in idx]
                 try:

@@ -85,7 +85,7 @@ def skip(sock: socket.socket, n: int) -> None:
 class ShmSegment:
     """A shared-memory file mapped into this process."""
 
-    def __init__(self, name: str, size: int, *, create: bool):
+    def __init__(self, name: str, size: int, *, create: bool, populate: bool = False):
         if "/" in name or name.startswith("."):
             raise BadMessage(f"bad shared-memory segment name {name!r}")
         self.name, self.size = name, size
@@ -96,7 +96,8 @@ class ShmSegment:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise BadMessage(f"shared-memory segment {name} is smaller than announced")
-            self._map = mmap.mmap(fd, size)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._map = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         self.view = memoryview(self._map)

@@ -23,7 +23,7 @@ from .store import ChunkStore
 async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("kv-store", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
-    state = ShardState(ChunkStore(settings.capacity_bytes, ssd))
+    state = ShardState(ChunkStore(settings.capacity_bytes, ssd, shared_arena=settings.shared_arena))
     state.start_cleaner(settings.ssd_clean_watermark)
     data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes)
     info = KvShardInfo(shard=settings.kv_shard, data_host=settings.data_advertise_host or settings.data_host,
@@ -50,6 +50,7 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
         await service.stop()
         state.stop()
         data_plane.close()
+        state.store.arena.close()
         await bus.close()
 
 

@@ -10,20 +10,62 @@ else the first extent large enough; freed extents coalesce with their neighbours
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
+import os
+import uuid
+
+from llmesh.kvwire import SHM_DIR
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64  # a cache line
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+NAME_PREFIX = "llmesh-arena-"
 
 
 class Arena:
-    def __init__(self, capacity: int):
+    """`shared`: back it with a file under /dev/shm that clients on this host map too, so they
+    write put values straight into the extents reserved for them (falls back to private memory
+    when /dev/shm cannot hold it)."""
+
+    def __init__(self, capacity: int, shared: bool = False):
         self.capacity = capacity
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(-1, max(capacity, 1), flags=flags)
+        self.name: str | None = None
+        self._map = self._shared_map(capacity) if shared and capacity else None
+        if self._map is None:
+            self._map = mmap.mmap(-1, max(capacity, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | POPULATE)
         self.view = memoryview(self._map)
         self._starts: list[int] = [0] if capacity else []  # free extents, sorted by offset
         self._sizes: dict[int, int] = {0: capacity} if capacity else {}  # free extent start -> size
         self._by_size: dict[int, set[int]] = {capacity: {0}} if capacity else {}
+
+    def _shared_map(self, capacity: int) -> mmap.mmap | None:
+        remove_stale_arenas()
+        name = f"{NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            log.info("no shared arena (%s): clients copy through their own segments", exc)
+            return None
+        try:
+            os.posix_fallocate(fd, 0, capacity)  # ENOSPC now rather than SIGBUS later
+            mapped = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | POPULATE)
+        except OSError as exc:
+            log.info("no shared arena of %d bytes in %s (%s): clients copy through their own segments",
+                     capacity, SHM_DIR, exc)
+            (SHM_DIR / name).unlink(missing_ok=True)
+            return None
+        finally:
+            os.close(fd)
+        self.name = name
+        return mapped
+
+    def close(self) -> None:
+        """Remove the shared name (clients already attached keep their mapping)."""
+        if self.name is not None:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+            self.name = None
 
     @staticmethod
     def footprint(size: int) -> int:
@@ -77,3 +119,15 @@ class Arena:
         if not same:
             del self._by_size[size]
         return size
+
+
+def remove_stale_arenas() -> None:
+    """Arena files of shards that died without removing theirs (the name carries the pid)."""
+    for path in SHM_DIR.glob(f"{NAME_PREFIX}*"):
+        try:
+            pid = int(path.name[len(NAME_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            pass  # not ours to judge

@@ -6,7 +6,10 @@ under `ShardState.lock`, and values are immutable once stored, so they are sent 
 
 Ops (metadata `op`): `put` {keys, sizes, pin_s, shm_offset?}, `get` {keys, pin_s, shm_offset?,
 shm_capacity?} answered with {sizes} (-1: missing), `has` {keys} answered with {found}, `attach`
-{name, size} (offer a shared-memory segment). Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
+{name, size} (offer a shared-memory segment; answered with the shard's shared arena, if it has
+one), `reserve` {keys, sizes, pin_s} answered with {rid, offsets} in that arena for the client
+to write into, and `commit` {rid}. A reservation not committed when its connection closes is
+dropped. Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
 payload was not consumed, also closes the connection. Other connections are unaffected.
 """
 
@@ -23,6 +26,7 @@ from llmesh.errors import BadMessage, MeshError
 from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
 
 from .state import ShardState
+from .store import Reservation
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("llmesh.kv-store")
@@ -32,6 +36,8 @@ class _Connection:
     def __init__(self, state: ShardState, sock: socket.socket, max_value_bytes: int):
         self.state, self.sock, self.max_value_bytes = state, sock, max_value_bytes
         self.shm: ShmSegment | None = None
+        self.reserved: dict[int, Reservation] = {}  # extents of the shared arena this client is filling
+        self._next_rid = 0
 
     def serve(self) -> None:
         try:
@@ -40,6 +46,8 @@ class _Connection:
         except (ConnectionError, OSError) as exc:
             log.debug("data connection closed: %s", exc)
         finally:
+            for res in self.reserved.values():  # never committed: the client went away
+                self.state.abort(res)
             if self.shm is not None:
                 self.shm.close()
             self.sock.close()
@@ -54,7 +62,8 @@ class _Connection:
         if got is None:
             return False
         meta, payload_len = got
-        handler = {"put": self._put, "get": self._get, "has": self._has, "attach": self._attach}.get(meta.get("op"))
+        handler = {"put": self._put, "get": self._get, "has": self._has, "attach": self._attach,
+                   "reserve": self._reserve, "commit": self._commit}.get(meta.get("op"))
         trace = meta.get("trace")
         span_cm = (_tracer.start_as_current_span(f"kv-store {meta.get('op')}", context=telemetry.extract(trace))
                    if isinstance(trace, dict) else contextlib.nullcontext())
@@ -75,9 +84,7 @@ class _Connection:
             pass
 
     def _put(self, meta: dict[str, Any], payload_len: int) -> None:
-        keys, sizes = _keys(meta), meta.get("sizes")
-        if not isinstance(sizes, list) or len(sizes) != len(keys) or any(not isinstance(s, int) or s < 0 for s in sizes):
-            raise BadMessage("put: sizes must be one non-negative int per key")
+        keys, sizes = _keys(meta), _sizes(meta)
         total = sum(sizes)
         offset = meta.get("shm_offset")
         if offset is None:
@@ -129,6 +136,27 @@ class _Connection:
         else:
             send_frame(self.sock, {"sizes": sizes}, found)
 
+    def _reserve(self, meta: dict[str, Any], payload_len: int) -> None:
+        """Extents of the shared arena for the client to write into, visible once committed."""
+        keys, sizes = _keys(meta), _sizes(meta)
+        if payload_len or self.shm is None or self.state.store.arena.name is None:
+            raise BadMessage("reserve: needs an attached client on the shard's host, and no payload")
+        try:
+            res = self.state.reserve(keys, sizes, float(meta.get("pin_s") or 0.0))
+        except MeshError as exc:
+            send_frame(self.sock, _error(exc))
+            return
+        self._next_rid += 1
+        self.reserved[self._next_rid] = res
+        send_frame(self.sock, {"rid": self._next_rid, "offsets": [c.offset for c in res.chunks]})
+
+    def _commit(self, meta: dict[str, Any], payload_len: int) -> None:
+        res = self.reserved.pop(meta.get("rid"), None)
+        if res is None or payload_len:
+            raise BadMessage(f"commit: no reservation {meta.get('rid')!r} on this connection")
+        self.state.commit(res)
+        send_frame(self.sock, {})
+
     def _has(self, meta: dict[str, Any], payload_len: int) -> None:
         if payload_len:
             raise BadMessage("has: carries no payload")
@@ -146,11 +174,21 @@ class _Connection:
         if self.shm is not None:
             self.shm.close()
         self.shm = segment
-        send_frame(self.sock, {"shm": True})
+        arena = self.state.store.arena
+        send_frame(self.sock, {"shm": True, "arena": arena.name, "arena_size": arena.capacity} if arena.name else
+                   {"shm": True})
 
 
 def _error(exc: MeshError) -> dict[str, Any]:
     return {"error": {"code": exc.code, "message": exc.message}}
+
+
+def _sizes(meta: dict[str, Any]) -> list[int]:
+    sizes, keys = meta.get("sizes"), meta.get("keys")
+    if not isinstance(sizes, list) or not isinstance(keys, list) or len(sizes) != len(keys) or any(
+            not isinstance(s, int) or s < 0 for s in sizes):
+        raise BadMessage("sizes must be one non-negative int per key")
+    return sizes
 
 
 def _keys(meta: dict[str, Any]) -> list[str]:

@@ -15,6 +15,8 @@ class KvStoreSettings(CommonSettings):
     ssd_clean_watermark: float = Field(0.75, ge=0, le=1, description="Past this fraction of memory, least recently "
                                        "used chunks are copied to SSD in the background, so evicting them later "
                                        "costs no write on the put path.")
+    shared_arena: bool = Field(True, description="Keep the memory tier in a /dev/shm file that clients on this "
+                               "host map, so large puts are written straight into it (no copy by the shard).")
     data_host: str = Field("127.0.0.1", description="Address the direct data plane (TCP) binds.")
     data_port: int = Field(0, ge=0, description="Data plane port; 0: any free port (announced over NATS).")
     data_advertise_host: str = Field("", description="Host name clients use to reach the data plane; "

@@ -56,10 +56,11 @@ class Read:
 
 
 class ChunkStore:
-    def __init__(self, capacity_bytes: int, ssd: SsdTier | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, capacity_bytes: int, ssd: SsdTier | None = None, clock: Callable[[], float] = time.monotonic,
+                 shared_arena: bool = False):
         self.capacity_bytes = capacity_bytes
         self.ssd = ssd
-        self._arena = Arena(int(capacity_bytes * (1 + ARENA_SLACK)))
+        self.arena = Arena(int(capacity_bytes * (1 + ARENA_SLACK)), shared=shared_arena)
         self._clock = clock
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # least recently used first
         self._bytes = 0
@@ -93,7 +94,7 @@ class ChunkStore:
                 chunk = _Chunk(self._alloc(size), size, pinned_until)
                 self._bytes += size
                 res.chunks.append(chunk)
-                res.views.append(self._arena.view[chunk.offset : chunk.offset + size])
+                res.views.append(self.arena.view[chunk.offset : chunk.offset + size])
         except KVStoreFull:
             self.abort(res)
             raise
@@ -139,7 +140,7 @@ class ChunkStore:
                 chunk.pinned_until = max(chunk.pinned_until, self._clock() + pin_s)
             chunk.readers += 1
             read.held.append(chunk)
-            read.values.append(self._arena.view[chunk.offset : chunk.offset + chunk.size])
+            read.values.append(self.arena.view[chunk.offset : chunk.offset + chunk.size])
         return read
 
     def release(self, read: Read) -> None:
@@ -180,7 +181,7 @@ class ChunkStore:
             raise KVStoreFull(f"{size} bytes exceed the store's capacity of {self.capacity_bytes}")
         while True:
             if self._bytes + size <= self.capacity_bytes:
-                offset = self._arena.alloc(size)
+                offset = self.arena.alloc(size)
                 if offset is not None:
                     return offset
             if not self._evict_one():
@@ -198,7 +199,7 @@ class ChunkStore:
     def _move_out(self, key: str) -> None:
         """Demote `key` to SSD, or drop it for good if there is no SSD tier or it refused."""
         chunk = self._chunks[key]
-        data = self._arena.view[chunk.offset : chunk.offset + chunk.size]
+        data = self.arena.view[chunk.offset : chunk.offset + chunk.size]
         on_ssd = self.ssd is not None and (key in self.ssd or self.ssd.write(key, data))
         del self._chunks[key]
         self._free(chunk)
@@ -210,7 +211,7 @@ class ChunkStore:
                 self.on_drop(key)
 
     def _free(self, chunk: _Chunk) -> None:
-        self._arena.free(chunk.offset, chunk.size)
+        self.arena.free(chunk.offset, chunk.size)
         self._bytes -= chunk.size
 
     # ---- cleaning: copies on SSD ahead of eviction --------------------------------------------
@@ -228,7 +229,7 @@ class ChunkStore:
                 size += chunk.size
             elif chunk.readers == 0:
                 chunk.readers += 1
-                batch.append((key, chunk, self._arena.view[chunk.offset : chunk.offset + chunk.size]))
+                batch.append((key, chunk, self.arena.view[chunk.offset : chunk.offset + chunk.size]))
                 size += chunk.size
         return batch
 
@@ -248,7 +249,7 @@ class ChunkStore:
             return
         for key in [k for k, c in self._chunks.items() if c.readers == 0]:
             chunk = self._chunks[key]
-            if key in self.ssd or self.ssd.write(key, self._arena.view[chunk.offset : chunk.offset + chunk.size]):
+            if key in self.ssd or self.ssd.write(key, self.arena.view[chunk.offset : chunk.offset + chunk.size]):
                 del self._chunks[key]
                 self._free(chunk)
                 self.demotions += 1

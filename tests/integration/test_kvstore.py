@@ -27,8 +27,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.asynccontextmanager
-async def shard(url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier | None = None):
-    state = ShardState(ChunkStore(capacity, ssd))
+async def shard(url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier | None = None,
+                shared_arena: bool = False):
+    state = ShardState(ChunkStore(capacity, ssd, shared_arena=shared_arena))
     data_plane = DataPlaneServer(state, "127.0.0.1", 0, max_value_bytes=256 * 1024**2)
     bus = await Bus.connect(url, f"kv-{name}")
     service = KvStoreService(bus, state, KvShardInfo(shard=name, data_host="127.0.0.1", data_port=data_plane.port,
@@ -39,6 +40,7 @@ async def shard(url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier 
     finally:
         await service.stop()
         data_plane.close()
+        state.store.arena.close()
         await bus.close()
 
 
@@ -69,7 +71,7 @@ async def get(kv: KvClient, keys, **kw) -> list[bytes | None]:
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "tcp"])
 async def test_put_get_round_trip_and_miss(nats_url, use_shm):
-    async with shard(nats_url, f"rt-{use_shm}"), client(nats_url, use_shm=use_shm) as kv:
+    async with shard(nats_url, f"rt-{use_shm}", shared_arena=True), client(nats_url, use_shm=use_shm) as kv:
         values = [os.urandom(1000), os.urandom(65536), b"", os.urandom(20 * 1024**2)]  # the last grows the segment
         await put(kv, ["a", "b", "c", "d"], values, pin_s=10)
         assert await get(kv, ["b", "missing", "a", "c", "d"]) == [values[1], None, values[0], b"", values[3]]
@@ -78,6 +80,31 @@ async def test_put_get_round_trip_and_miss(nats_url, use_shm):
         conn = pool._idle.get_nowait()
         assert (conn.shm is not None) == use_shm
         pool._idle.put(conn)
+
+
+async def test_staged_puts_write_into_the_shards_shared_arena(nats_url):
+    async with shard(nats_url, "arena", shared_arena=True) as plane, client(nats_url) as kv:
+        big, small = os.urandom(3 * 1024**2), os.urandom(1000)
+
+        def staged():
+            with kv.staged_put(["big", "small"], [len(big), len(small)], pin_s=5) as views:
+                views[0][:], views[1][:] = big, small
+            conn = next(iter(kv._pools.values()))._idle.get_nowait()
+            assert conn.arena is not None and conn.arena.name == plane.state.store.arena.name
+            kv._pools[next(iter(kv._pools))]._idle.put(conn)
+            with pytest.raises(RuntimeError):  # a producer failing mid-way stores nothing
+                with kv.staged_put(["lost"], [len(big)]) as views:
+                    views[0][:10] = b"x" * 10
+                    raise RuntimeError("producer failed")
+
+        bytes_before = plane.state.snapshot().bytes
+        await asyncio.to_thread(staged)
+        assert await get(kv, ["big", "small", "lost"]) == [big, small, None]
+        for _ in range(50):  # the dropped connection's reservation is released
+            if plane.state.snapshot().bytes == bytes_before + len(big) + len(small):
+                break
+            await asyncio.sleep(0.05)
+        assert plane.state.snapshot().bytes == bytes_before + len(big) + len(small)
 
 
 async def test_keys_spread_over_live_shards_by_rendezvous_hashing(nats_url):
