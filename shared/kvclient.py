@@ -31,7 +31,7 @@ from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
 from llmesh.kvkeys import INDEX_KEY, decode_entry
-from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
+from llmesh.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
 from llmesh.messages import KvDiscover, KvShardInfo, Subjects, decode
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 SHM_MIN_BYTES = 16 * 1024**2  # smallest segment; grown to the largest transfer seen
-ARENA_MIN_BYTES = 512 * 1024  # a staged put this large saves more (the shard's copy) than it costs (a round trip)
+SLAB_BYTES = 8 * 1024**2  # arena space asked for at a time (at most 1/64 of the arena)
 MAX_REPLY_BYTES = 1 << 40
 
 
@@ -131,6 +131,7 @@ class DirectConnection:
         self.broken = False
         self._staged: tuple[Any, Any] | None = None  # ("arena", rid) or (buffer, in our segment)
         self.arena: ShmSegment | None = None  # the shard's shared arena, mapped here
+        self._slab = (0, 0)  # the part of it granted to this connection and not yet used: [start, end)
         self.reused = False  # handed out again by its pool (the shard may have restarted since)
 
     def close(self) -> None:
@@ -192,31 +193,29 @@ class DirectConnection:
         return segment
 
     def put(self, keys: Sequence[str], values: Sequence[Buffer], pin_s: float) -> None:
-        """Copy the values to the shard: into our segment (the shard copies them on) or over TCP."""
         views = [memoryview(v).cast("B") for v in values]
         sizes = [len(v) for v in views]
         if self._segment(sum(sizes)) is None:  # plain TCP: send the caller's buffers as they are
             self._call({"op": "put", "keys": list(keys), "sizes": sizes, "pin_s": pin_s}, views)
             return
-        for staged, value in zip(self.staging(keys, sizes, pin_s, arena_ok=False), views):
+        for staged, value in zip(self.staging(sizes), views):
             staged[:] = value
         self.put_staged(keys, sizes, pin_s)
 
-    def staging(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float, *,
-                arena_ok: bool = True) -> list[memoryview]:
-        """Buffers to write the next put's values into. Best: extents the shard reserved in its
-        shared arena (one more round trip, no copy by the shard); else our own segment (the
-        shard copies from it); else a private buffer sent over TCP."""
+    def staging(self, sizes: Sequence[int]) -> list[memoryview]:
+        """Buffers to write the next put's values into. Best: space the shard granted us in its
+        shared arena (the values become chunks where they are); else our own segment (the shard
+        copies from it); else a private buffer sent over TCP."""
         total = sum(sizes)
         segment = self._segment(max(total, 1))
-        if segment is not None and self.arena is not None and arena_ok and total >= ARENA_MIN_BYTES:
-            reply, _ = self._call({"op": "reserve", "keys": list(keys), "sizes": list(sizes), "pin_s": pin_s})
-            offsets = reply.get("offsets")
-            if not isinstance(offsets, list) or len(offsets) != len(sizes) or any(
-                    not isinstance(o, int) or o < 0 or o + n > self.arena.size for o, n in zip(offsets, sizes)):
-                self.broken = True
-                raise BadMessage(f"kv-store {self.address} answered a reserve with offsets {offsets!r}")
-            self._staged = ("arena", reply.get("rid"))
+        if segment is not None and self.arena is not None:
+            needed = sum(footprint(size) for size in sizes)
+            pos = self._slab[0] if self._slab[0] + needed <= self._slab[1] else self._grant(needed)
+            offsets = []
+            for size in sizes:
+                offsets.append(pos)
+                pos += footprint(size)
+            self._staged = ("arena", offsets)
             return [self.arena.view[o : o + n] for o, n in zip(offsets, sizes)]
         buffer = segment.view[:total] if segment is not None else memoryview(bytearray(total))
         self._staged = (buffer, segment is not None)
@@ -226,16 +225,31 @@ class DirectConnection:
             pos += size
         return out
 
+    def _grant(self, needed: int) -> int:
+        """New space in the shard's arena for at least `needed` bytes; returns where it starts."""
+        assert self.arena is not None
+        reply, _ = self._call({"op": "grant", "size": max(needed, min(SLAB_BYTES, self.arena.size // 64))})
+        offset, size = reply.get("offset"), reply.get("size")
+        if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < needed or \
+                offset + size > self.arena.size:
+            self.broken = True
+            raise BadMessage(f"kv-store {self.address} granted {size!r} bytes at {offset!r}")
+        self._slab = (offset, offset + size)
+        return offset
+
     def put_staged(self, keys: Sequence[str], sizes: Sequence[int], pin_s: float) -> None:
         """Store the values written into the buffers of the last `staging` call."""
         staged, self._staged = self._staged, None
         if staged is None:
             raise BadMessage("put_staged without staging")
+        meta = {"op": "put", "keys": list(keys), "sizes": list(sizes), "pin_s": pin_s}
         if staged[0] == "arena":
-            self._call({"op": "commit", "rid": staged[1]})
+            offsets = staged[1]
+            self._call({**meta, "arena_offsets": offsets})
+            if offsets:
+                self._slab = (offsets[-1] + footprint(sizes[-1]), self._slab[1])
             return
         buffer, in_shm = staged
-        meta = {"op": "put", "keys": list(keys), "sizes": list(sizes), "pin_s": pin_s}
         if in_shm:
             self._call({**meta, "shm_offset": 0})
         else:
@@ -420,8 +434,7 @@ class KvClient:
         held: list[tuple[_Pool, DirectConnection, list[int]]] = []
         try:
             for pool, idx in self._by_shard(keys).items():
-                conn, staged = self._run(pool, lambda c: c.staging([keys[i] for i in idx], [sizes[i] for i in idx],
-                                                                   pin_s))
+                conn, staged = self._run(pool, lambda c: c.staging([sizes[i] for i in idx]))
                 held.append((pool, conn, idx))
                 for i, view in zip(idx, staged):
                     views[i] = view

@@ -31,6 +31,12 @@ VERSION = 1
 HEADER = struct.Struct("<4sIQ")  # magic, metadata length, payload length
 MAX_META_BYTES = 4 * 1024**2
 SHM_DIR = Path("/dev/shm")
+ALIGN = 64  # values in a shard's arena start on a cache line
+
+
+def footprint(size: int) -> int:
+    """Arena bytes a value of `size` bytes takes."""
+    return -(-size // ALIGN) * ALIGN
 
 
 def send_frame(sock: socket.socket, meta: dict[str, Any], payload: list[memoryview] | tuple = ()) -> None:

@@ -15,11 +15,10 @@ import mmap
 import os
 import uuid
 
-from llmesh.kvwire import SHM_DIR
+from llmesh.kvwire import SHM_DIR, footprint
 
 log = logging.getLogger(__name__)
 
-ALIGN = 64  # a cache line
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 NAME_PREFIX = "llmesh-arena-"
 
@@ -67,13 +66,9 @@ class Arena:
             (SHM_DIR / self.name).unlink(missing_ok=True)
             self.name = None
 
-    @staticmethod
-    def footprint(size: int) -> int:
-        return -(-size // ALIGN) * ALIGN
-
     def alloc(self, size: int) -> int | None:
         """The offset of a new extent of `size` bytes, or None if no free extent is large enough."""
-        need = self.footprint(size)
+        need = footprint(size)
         if need == 0:
             return 0
         exact = self._by_size.get(need)
@@ -89,7 +84,7 @@ class Arena:
         return start
 
     def free(self, start: int, size: int) -> None:
-        size = self.footprint(size)
+        size = footprint(size)
         if size == 0:
             return
         i = bisect.bisect_left(self._starts, start)

@@ -7,9 +7,10 @@ under `ShardState.lock`, and values are immutable once stored, so they are sent 
 Ops (metadata `op`): `put` {keys, sizes, pin_s, shm_offset?}, `get` {keys, pin_s, shm_offset?,
 shm_capacity?} answered with {sizes} (-1: missing), `has` {keys} answered with {found}, `attach`
 {name, size} (offer a shared-memory segment; answered with the shard's shared arena, if it has
-one), `reserve` {keys, sizes, pin_s} answered with {rid, offsets} in that arena for the client
-to write into, and `commit` {rid}. A reservation not committed when its connection closes is
-dropped. Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
+one), and `grant` {size}: space in that arena that the client lays its next puts' values out
+in, from the front, sending `put` {keys, sizes, arena_offsets} to have them adopted as chunks
+without a copy. What is left of a grant returns to the store with the next grant or when the
+connection closes. Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
 payload was not consumed, also closes the connection. Other connections are unaffected.
 """
 
@@ -26,7 +27,7 @@ from llmesh.errors import BadMessage, MeshError
 from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
 
 from .state import ShardState
-from .store import Reservation
+from .store import Slab
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("llmesh.kv-store")
@@ -36,8 +37,7 @@ class _Connection:
     def __init__(self, state: ShardState, sock: socket.socket, max_value_bytes: int):
         self.state, self.sock, self.max_value_bytes = state, sock, max_value_bytes
         self.shm: ShmSegment | None = None
-        self.reserved: dict[int, Reservation] = {}  # extents of the shared arena this client is filling
-        self._next_rid = 0
+        self.slab: Slab | None = None  # shared-arena space this client lays put values out in
 
     def serve(self) -> None:
         try:
@@ -46,8 +46,8 @@ class _Connection:
         except (ConnectionError, OSError) as exc:
             log.debug("data connection closed: %s", exc)
         finally:
-            for res in self.reserved.values():  # never committed: the client went away
-                self.state.abort(res)
+            if self.slab is not None:
+                self.state.release_slab(self.slab)
             if self.shm is not None:
                 self.shm.close()
             self.sock.close()
@@ -63,7 +63,7 @@ class _Connection:
             return False
         meta, payload_len = got
         handler = {"put": self._put, "get": self._get, "has": self._has, "attach": self._attach,
-                   "reserve": self._reserve, "commit": self._commit}.get(meta.get("op"))
+                   "grant": self._grant}.get(meta.get("op"))
         trace = meta.get("trace")
         span_cm = (_tracer.start_as_current_span(f"kv-store {meta.get('op')}", context=telemetry.extract(trace))
                    if isinstance(trace, dict) else contextlib.nullcontext())
@@ -86,6 +86,14 @@ class _Connection:
     def _put(self, meta: dict[str, Any], payload_len: int) -> None:
         keys, sizes = _keys(meta), _sizes(meta)
         total = sum(sizes)
+        arena_offsets = meta.get("arena_offsets")
+        if arena_offsets is not None:  # written in place into our arena: adopt them, nothing to copy
+            if self.slab is None or payload_len or not isinstance(arena_offsets, list) or \
+                    len(arena_offsets) != len(keys):
+                raise BadMessage("put: arena_offsets need granted space and one offset per key")
+            self.state.adopt(self.slab, keys, sizes, arena_offsets, float(meta.get("pin_s") or 0.0))
+            send_frame(self.sock, {})
+            return
         offset = meta.get("shm_offset")
         if offset is None:
             if payload_len != total:
@@ -136,26 +144,22 @@ class _Connection:
         else:
             send_frame(self.sock, {"sizes": sizes}, found)
 
-    def _reserve(self, meta: dict[str, Any], payload_len: int) -> None:
-        """Extents of the shared arena for the client to write into, visible once committed."""
-        keys, sizes = _keys(meta), _sizes(meta)
-        if payload_len or self.shm is None or self.state.store.arena.name is None:
-            raise BadMessage("reserve: needs an attached client on the shard's host, and no payload")
+    def _grant(self, meta: dict[str, Any], payload_len: int) -> None:
+        """Space in the shared arena for this client's next puts (what is left of the last grant
+        is given back)."""
+        size = meta.get("size")
+        if payload_len or self.shm is None or self.state.store.arena.name is None or not isinstance(size, int) \
+                or size <= 0:
+            raise BadMessage("grant: needs a size, and an attached client on the shard's host")
+        if self.slab is not None:
+            self.state.release_slab(self.slab)
+            self.slab = None
         try:
-            res = self.state.reserve(keys, sizes, float(meta.get("pin_s") or 0.0))
+            self.slab = self.state.grant(size)
         except MeshError as exc:
             send_frame(self.sock, _error(exc))
             return
-        self._next_rid += 1
-        self.reserved[self._next_rid] = res
-        send_frame(self.sock, {"rid": self._next_rid, "offsets": [c.offset for c in res.chunks]})
-
-    def _commit(self, meta: dict[str, Any], payload_len: int) -> None:
-        res = self.reserved.pop(meta.get("rid"), None)
-        if res is None or payload_len:
-            raise BadMessage(f"commit: no reservation {meta.get('rid')!r} on this connection")
-        self.state.commit(res)
-        send_frame(self.sock, {})
+        send_frame(self.sock, {"offset": self.slab.offset, "size": self.slab.end - self.slab.offset})
 
     def _has(self, meta: dict[str, Any], payload_len: int) -> None:
         if payload_len:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from llmesh.messages import KvStats
 
-from .store import ChunkStore, Read, Reservation
+from .store import ChunkStore, Read, Reservation, Slab
 
 
 class ShardState:
@@ -38,6 +38,22 @@ class ShardState:
     def abort(self, res: Reservation) -> None:
         with self.lock:
             self.store.abort(res)
+
+    def grant(self, size: int) -> Slab:
+        with self.lock:
+            return self.store.grant(size)
+
+    def adopt(self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int],
+              pin_s: float) -> None:
+        with self.lock:
+            self.bytes_put += sum(sizes)
+            self.store.adopt(slab, keys, sizes, offsets, pin_s)
+        if self.on_put is not None:
+            self.on_put(list(zip(keys, sizes)))
+
+    def release_slab(self, slab: Slab) -> None:
+        with self.lock:
+            self.store.release_slab(slab)
 
     def get_many(self, keys: Sequence[str], pin_s: float) -> Read:
         with self.lock:

@@ -23,8 +23,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from llmesh.errors import KVStoreFull
+from llmesh.errors import BadMessage, KVStoreFull
 from llmesh.messages import KvStats
+
+from llmesh.kvwire import footprint
 
 from .arena import Arena
 from .ssd import SsdTier
@@ -45,6 +47,16 @@ class Reservation:
     keys: list[str]
     chunks: list[_Chunk]
     views: list[memoryview]
+
+
+@dataclass
+class Slab:
+    """Arena space granted to one client connection, which lays values out in it from the
+    front (`cursor`) and has them adopted as chunks (`adopt`)."""
+
+    offset: int
+    end: int
+    cursor: int
 
 
 @dataclass
@@ -115,6 +127,34 @@ class ChunkStore:
         for chunk in res.chunks:
             self._free(chunk)
         res.chunks.clear()
+
+    def grant(self, size: int) -> Slab:
+        size = footprint(size)
+        offset = self._alloc(size)
+        self._bytes += size
+        return Slab(offset, offset + size, offset)
+
+    def adopt(self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int],
+              pin_s: float) -> None:
+        """Make values a client wrote into its slab, in order from the cursor, chunks."""
+        pos = slab.cursor
+        for size, offset in zip(sizes, offsets):
+            if offset != pos or pos + footprint(size) > slab.end:
+                raise BadMessage(f"values must follow each other from offset {pos} within the granted space")
+            pos += footprint(size)
+        pinned_until = self._clock() + pin_s
+        res = Reservation(list(keys), [], [])
+        for size, offset in zip(sizes, offsets):
+            res.chunks.append(_Chunk(offset, size, pinned_until))
+            self._bytes -= footprint(size) - size  # granted space becomes the chunk's
+        slab.cursor = pos
+        self.commit(res)
+
+    def release_slab(self, slab: Slab) -> None:
+        if slab.end > slab.cursor:
+            self.arena.free(slab.cursor, slab.end - slab.cursor)
+            self._bytes -= slab.end - slab.cursor
+        slab.cursor = slab.end
 
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], pin_s: float) -> None:
         res = self.reserve([k for k, _ in items], [len(v) for _, v in items], pin_s)

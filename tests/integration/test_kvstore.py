@@ -82,29 +82,29 @@ async def test_put_get_round_trip_and_miss(nats_url, use_shm):
         pool._idle.put(conn)
 
 
-async def test_staged_puts_write_into_the_shards_shared_arena(nats_url):
-    async with shard(nats_url, "arena", shared_arena=True) as plane, client(nats_url) as kv:
+async def test_puts_are_written_in_place_into_the_shards_shared_arena(nats_url):
+    async with shard(nats_url, "arena", shared_arena=True) as plane:
         big, small = os.urandom(3 * 1024**2), os.urandom(1000)
+        async with client(nats_url) as kv:
+            def staged():
+                with kv.staged_put(["big", "small"], [len(big), len(small)], pin_s=5) as views:
+                    assert views[0].obj is views[1].obj  # both in one mapping: the shard's arena
+                    views[0][:], views[1][:] = big, small
+                kv.put(["copied"], [small])  # a plain put goes the same way, after one copy
+                with pytest.raises(RuntimeError):  # a producer failing mid-way stores nothing
+                    with kv.staged_put(["lost"], [len(big)]) as views:
+                        views[0][:10] = b"x" * 10
+                        raise RuntimeError("producer failed")
 
-        def staged():
-            with kv.staged_put(["big", "small"], [len(big), len(small)], pin_s=5) as views:
-                views[0][:], views[1][:] = big, small
-            conn = next(iter(kv._pools.values()))._idle.get_nowait()
-            assert conn.arena is not None and conn.arena.name == plane.state.store.arena.name
-            kv._pools[next(iter(kv._pools))]._idle.put(conn)
-            with pytest.raises(RuntimeError):  # a producer failing mid-way stores nothing
-                with kv.staged_put(["lost"], [len(big)]) as views:
-                    views[0][:10] = b"x" * 10
-                    raise RuntimeError("producer failed")
-
-        bytes_before = plane.state.snapshot().bytes
-        await asyncio.to_thread(staged)
-        assert await get(kv, ["big", "small", "lost"]) == [big, small, None]
-        for _ in range(50):  # the dropped connection's reservation is released
-            if plane.state.snapshot().bytes == bytes_before + len(big) + len(small):
+            await asyncio.to_thread(staged)
+            assert await get(kv, ["big", "small", "copied", "lost"]) == [big, small, small, None]
+            stats = plane.state.snapshot()
+            assert stats.chunks == 3 and stats.bytes_put == len(big) + 2 * len(small)
+        for _ in range(50):  # the client closed: the arena space granted to it but unused is back
+            if plane.state.snapshot().bytes == len(big) + 2 * len(small):
                 break
             await asyncio.sleep(0.05)
-        assert plane.state.snapshot().bytes == bytes_before + len(big) + len(small)
+        assert plane.state.snapshot().bytes == len(big) + 2 * len(small)
 
 
 async def test_keys_spread_over_live_shards_by_rendezvous_hashing(nats_url):
@@ -230,3 +230,21 @@ async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path)
                      'llmesh_kv_get_bytes_total{shard="metrics"} 1000.0',
                      'llmesh_kv_ssd_enabled{shard="metrics"} 1.0']:
             assert line in text, line
+
+
+async def test_puts_in_place_span_several_grants_of_arena_space(nats_url):
+    async with shard(nats_url, "grants", capacity=64 * 1024**2, shared_arena=True), client(nats_url) as kv:
+        # Grants here are 1 MiB (1/64 of the arena): these puts need several, some of them within one
+        # put, while other connections take arena space in between.
+        values = {f"v{i}": os.urandom(300_000 * (1 + i % 3)) for i in range(48)}
+        keys = list(values)
+
+        def put_all(mine: list[str]):
+            for i in range(0, len(mine), 3):
+                batch = mine[i : i + 3]
+                with kv.staged_put(batch, [len(values[k]) for k in batch]) as views:
+                    for view, k in zip(views, batch):
+                        view[:] = values[k]
+
+        await asyncio.gather(*(asyncio.to_thread(put_all, keys[i::4]) for i in range(4)))
+        assert await get(kv, keys) == [values[k] for k in keys]
