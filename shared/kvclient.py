@@ -129,7 +129,7 @@ class DirectConnection:
         self.shm: ShmSegment | None = None
         self._use_shm = use_shm
         self.broken = False
-        self._staged: tuple[Any, Any] | None = None  # ("arena", rid) or (buffer, in our segment)
+        self._staged: tuple[Any, Any] | None = None  # ("arena", offsets) or (buffer, in our segment)
         self.arena: ShmSegment | None = None  # the shard's shared arena, mapped here
         self._slab = (0, 0)  # the part of it granted to this connection and not yet used: [start, end)
         self.reused = False  # handed out again by its pool (the shard may have restarted since)
@@ -460,37 +460,36 @@ class KvClient:
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held (in any tier), without reading it."""
         found = [False] * len(keys)
-        groups = self._by_shard(keys)
-        for round_ in (0, 1):  # owners first, then where the index says the rest are
-            for pool, idx in groups.items():
-                conn, got = self._run(pool, lambda c: c.contains([keys[i] for i in idx]))
-                pool.release(conn)
-                for i, f in zip(idx, got):
-                    found[i] = f
-            if round_ == 0:
-                groups = self._elsewhere(keys, [i for i, f in enumerate(found) if not f])
+        for pool, idx in self._owners_then_elsewhere(keys, lambda: [i for i, f in enumerate(found) if not f]):
+            conn, got = self._run(pool, lambda c: c.contains([keys[i] for i in idx]))
+            pool.release(conn)
+            for i, f in zip(idx, got):
+                found[i] = f
         return found
 
     def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
         values: list[memoryview | None] = [None] * len(keys)
         held: list[tuple[_Pool, DirectConnection]] = []
         try:
-            groups = self._by_shard(keys)
-            for round_ in (0, 1):  # owners first, then where the index says the rest are
-                for pool, idx in groups.items():
-                    conn, (got, in_shm) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
-                    if in_shm:  # the values live in the connection's segment until released
-                        held.append((pool, conn))
-                    else:
-                        pool.release(conn)
-                    for i, v in zip(idx, got):
-                        values[i] = v
-                if round_ == 0:
-                    groups = self._elsewhere(keys, [i for i, v in enumerate(values) if v is None])
+            for pool, idx in self._owners_then_elsewhere(keys, lambda: [i for i, v in enumerate(values) if v is None]):
+                conn, (got, in_shm) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
+                if in_shm:  # the values live in the connection's segment until released
+                    held.append((pool, conn))
+                else:
+                    pool.release(conn)
+                for i, v in zip(idx, got):
+                    values[i] = v
         except BaseException:
             Fetched([], held).release()
             raise
         return Fetched(values, held)
+
+    def _owners_then_elsewhere(self, keys: Sequence[str],
+                               missing: Callable[[], list[int]]) -> Iterator[tuple[_Pool, list[int]]]:
+        """(pool, key indices) to ask: each key's owner first, then, for the keys still `missing()`,
+        the shard the chunk index places them on."""
+        yield from self._by_shard(keys).items()
+        yield from self._elsewhere(keys, missing()).items()
 
     def close(self) -> None:
         with self._lock:

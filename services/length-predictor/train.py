@@ -190,11 +190,9 @@ def main() -> None:
     parser.add_argument("--limit-prompts", type=int, default=None, help="train on a slice: this many prompts")
     parser.add_argument("--out", type=Path, default=None, help="write the artifact (adapter, head, medians) here")
     args = parser.parse_args()
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
-    results = run(args.family, epochs=args.epochs, seed=args.seed, limit_prompts=args.limit_prompts, out=args.out)
+    run(args.family, epochs=args.epochs, seed=args.seed, limit_prompts=args.limit_prompts, out=args.out)
     if args.out is not None:
         print(json.dumps({"artifact": str(args.out)}))
-    _ = results
 
 
 if __name__ == "__main__":
