@@ -4,12 +4,13 @@ from pathlib import Path
 
 from llmesh.config import CommonSettings, WorkerSettings
 from llmesh_kvstore.settings import KvStoreSettings
+from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_router.settings import RouterSettings
 
 TARGET = Path(__file__).with_name("configuration.md")
 SECTIONS = [("Every service", CommonSettings), ("prefill-worker and decode-worker", WorkerSettings),
-            ("router", RouterSettings), ("kv-store", KvStoreSettings)]
-MACHINE_DEPENDENT = {"model_dir": "~/.cache/llmesh"}
+            ("router", RouterSettings), ("kv-store", KvStoreSettings), ("length-predictor", LengthPredictorSettings)]
+MACHINE_DEPENDENT = {"model_dir": "~/.cache/llmesh", "length_artifact_dir": "services/length-predictor/artifact"}
 
 
 def render() -> str:

@@ -146,13 +146,16 @@ def start_redis(port: int | None = None, log_path: Path | None = None) -> tuple[
 
 SERVICES = {
     "kv-store": "llmesh_kvstore",
+    "length-predictor": "llmesh_lengthpred",
     "prefill-worker": "llmesh_prefill",
     "decode-worker": "llmesh_decode",
     "router": "llmesh_router",
 }
 
 
-ESSENTIAL = {"nats", "router"}  # redis is not: the mesh serves on without shared metadata  # without these the launcher stops everything
+# Without these the launcher stops everything. Redis and the length predictor are not: the mesh
+# serves on without shared metadata or predictions.
+ESSENTIAL = {"nats", "router"}
 
 
 def start_service(service: str, env: dict[str, str], log_path: Path | None = None) -> Child:
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         for shard in range(args.kv_shards):
             children.append(start_service("kv-store", env | {"MESH_KV_SHARD": str(shard)}, log(f"kv-store-{shard}")))
         cores = engine_cores()
-        for service in ("prefill-worker", "decode-worker", "router"):
+        for service in ("length-predictor", "prefill-worker", "decode-worker", "router"):
             children.append(start_service(service, env | cores.get(service, {}), log(service)))
         url = f"http://{args.host}:{args.port}"
         print(f"llmesh: starting (nats {nats_url}); engines take about a minute to load...", flush=True)

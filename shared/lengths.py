@@ -5,6 +5,9 @@ Shared by the length predictor, which tags requests with a bucket, and by whoeve
 
 from __future__ import annotations
 
+import math
+import statistics
+
 EDGES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # upper bounds of the bounded buckets
 NUM_BUCKETS = len(EDGES) + 1
 
@@ -19,3 +22,27 @@ def bucket_of(tokens: int) -> int:
 def bucket_label(bucket: int) -> str:
     low = 0 if bucket == 0 else EDGES[bucket - 1]
     return f">={low}" if bucket == len(EDGES) else f"[{low},{EDGES[bucket]})"
+
+
+MAX_PROMPT_CHARS = 32768  # a prompt is sent to the predictor cut to this many characters
+
+
+def cut_prompt(text: str) -> tuple[str, int]:
+    """The part of `text` a predictor reads, and the full length in characters."""
+    return text[:MAX_PROMPT_CHARS], len(text)
+
+
+def bucket_medians(lengths: list[int], fallback: list[float] | None = None, min_count: int = 1) -> list[float]:
+    """Median length in each bucket; where fewer than `min_count` lengths fall in one, the
+    `fallback` value or else the bucket's geometric middle."""
+    out = []
+    for b in range(NUM_BUCKETS):
+        inside = [n for n in lengths if bucket_of(n) == b]
+        if len(inside) >= min_count:
+            out.append(float(statistics.median(inside)))
+        elif fallback is not None:
+            out.append(fallback[b])
+        else:
+            low, high = (EDGES[b - 1] if b else 1), (EDGES[b] if b < len(EDGES) else 2 * EDGES[-1])
+            out.append(math.sqrt(low * high))
+    return out

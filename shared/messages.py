@@ -75,6 +75,13 @@ class WorkerInfo(Message):
     heartbeat_s: float
 
 
+class LengthHead(Message):
+    """An accepted refit, published to every replica; the head itself is the blob."""
+
+    base_version: str  # the artifact it was fitted on (its encoder): others ignore it
+    version: str
+
+
 # ---- request path ---------------------------------------------------------------------
 
 
@@ -91,6 +98,93 @@ class SamplingOptions(Message):
     seed: int | None = None
 
 
+# ---- output-length prediction ----------------------------------------------------------
+
+
+class LengthPredictRequest(Message):
+    """Predict a request's output length from its prompt text (chat: the user's turns).
+
+    A sender may cut a long prompt (`llmesh.lengths.cut_prompt`) and give its full length in
+    `prompt_chars`; the predictor cuts anything longer itself.
+    """
+
+    request_id: str = ""  # names the prediction in the decode worker's LengthObserved report
+    prompt: str
+    prompt_chars: int | None = Field(default=None, ge=0)
+
+
+class LengthPrediction(Message):
+    bucket: int  # index into llmesh.lengths buckets
+    label: str  # e.g. "[64,128)"
+    expected_tokens: float  # probability-weighted median length of the buckets
+    confidence: float  # probability of `bucket`
+    truncated: bool  # the model read only the prompt's first MAX_PROMPT_TOKENS tokens (and its length)
+    model_version: str
+    replica: str  # the predictor replica that answered; LengthObserved goes back to it
+
+
+class LengthObserved(Message):
+    """A worker's report when a request carrying a prediction finishes."""
+
+    request_id: str
+    predicted: LengthPrediction
+    actual_tokens: int  # completion tokens, the first (from prefill) included
+    finish_reason: str  # "length": the cap cut it, so the natural length is at least actual_tokens
+
+
+class LengthStatsRequest(Message):
+    pass
+
+
+class LengthBucketStats(Message):
+    bucket: int
+    label: str
+    observed: int  # finished naturally ("stop") with this bucket predicted
+    exact: int  # ... whose actual length fell in it
+    within_one: int  # ... or in a neighbouring bucket
+    abs_error_tokens: float  # sum of |expected_tokens - actual_tokens|
+
+
+class LengthStats(Message):
+    """Prediction against actual, per predicted bucket, since the replica started."""
+
+    replica: str
+    model_version: str
+    predictions: int
+    censored: int  # observations cut by max_tokens: not scored, not used to refit
+    samples: int  # (prompt, actual length) pairs available to a refit
+    buckets: list[LengthBucketStats]
+
+
+class LengthRefit(Message):
+    """Refit the head on recent (prompt, actual length) pairs; keep the current model unless the
+    refit has a lower log loss on the held-out part (split by prompt)."""
+
+    min_samples: int = Field(default=50, ge=2)
+    holdout_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    epochs: int = Field(default=200, ge=1)
+
+
+class LengthRefitResult(Message):
+    accepted: bool
+    reason: str
+    samples: int
+    held_out: int
+    before: dict[str, float]  # held-out log_loss, exact, within_one, mae_tokens of the current model
+    after: dict[str, float]  # ... of the refit
+    model_version: str  # the version serving now
+
+
+class LengthHead(Message):
+    """An accepted refit, published to every replica; the head itself is the blob."""
+
+    base_version: str  # the artifact it was fitted on (its encoder): others ignore it
+    version: str
+
+
+# ---- request path ---------------------------------------------------------------------
+
+
 class PrefillRequest(Message):
     request_id: str
     model: str
@@ -99,6 +193,7 @@ class PrefillRequest(Message):
     messages: list[ChatMessage] | None = None  # chat; the worker applies the chat template
     sampling: SamplingOptions  # the first token is sampled here, as a monolithic engine would
     deadline: float  # unix time
+    predicted_length: LengthPrediction | None = None
 
 
 class TokenDelta(Message):
@@ -136,6 +231,7 @@ class DecodeRequest(Message):
     kv_transfer_params: dict[str, Any] | None = None
     fingerprint: str  # the prefill worker's; decode refuses a mismatch
     deadline: float
+    predicted_length: LengthPrediction | None = None
 
 
 class AbortRequest(Message):
@@ -196,10 +292,13 @@ class KvStats(Message):
 
 
 def encode(msg: Message, blob: bytes | bytearray | memoryview = b"") -> bytes:
-    header = msgpack.packb(
-        {"v": SCHEMA_VERSION, "t": type(msg).__name__, "d": msg.model_dump(mode="python")},
-        use_bin_type=True,
-    )
+    try:
+        header = msgpack.packb(
+            {"v": SCHEMA_VERSION, "t": type(msg).__name__, "d": msg.model_dump(mode="python")},
+            use_bin_type=True,
+        )
+    except UnicodeEncodeError as exc:  # a lone surrogate: not representable in UTF-8
+        raise BadMessage(f"{type(msg).__name__} holds text that is not valid Unicode: {exc.reason}") from None
     return b"".join((len(header).to_bytes(_HEADER_LEN, "big"), header, blob))
 
 
@@ -244,6 +343,17 @@ class Subjects:
     HEARTBEAT: ClassVar[str] = "mesh.heartbeat"
     KV_SHARDS: ClassVar[str] = "mesh.kv.shards"
     KV_DISCOVER: ClassVar[str] = "mesh.kv.discover"
+    LENGTH_PREDICT: ClassVar[str] = "mesh.length.predict"  # queue group: one replica answers
+    LENGTH_REFIT: ClassVar[str] = "mesh.length.refit"  # queue group
+    LENGTH_HEAD: ClassVar[str] = "mesh.length.head"  # an accepted refit, to every replica
+
+    @staticmethod
+    def length_observed(replica: str) -> str:
+        return f"mesh.length.observed.{replica}"
+
+    @staticmethod
+    def length_stats(replica: str) -> str:
+        return f"mesh.length.stats.{replica}"
 
     @staticmethod
     def worker(role: str, worker_id: str) -> str:

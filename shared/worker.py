@@ -21,7 +21,14 @@ from llmesh.bus import Bus
 from llmesh.config import WorkerSettings
 from llmesh.errors import ModelNotFound, ServiceUnavailable, Timeout
 from llmesh.kvkeys import fingerprint, kv_layout
-from llmesh.messages import AbortRequest, SamplingOptions, Subjects, WorkerInfo
+from llmesh.messages import (
+    AbortRequest,
+    LengthObserved,
+    LengthPrediction,
+    SamplingOptions,
+    Subjects,
+    WorkerInfo,
+)
 from llmesh.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -154,6 +161,17 @@ class EngineWorker:
             capacity=self.settings.capacity,
             heartbeat_s=self.settings.heartbeat_s,
         )
+
+    async def report_length(self, request_id: str, predicted: LengthPrediction | None, actual_tokens: int,
+                            finish_reason: str) -> None:
+        """Tell the predictor replica that tagged a finished request how long it really was."""
+        if predicted is None:
+            return
+        try:
+            await self.bus.publish(Subjects.length_observed(predicted.replica), LengthObserved(
+                request_id=request_id, predicted=predicted, actual_tokens=actual_tokens, finish_reason=finish_reason))
+        except Exception as exc:  # a lost report only costs the predictor one sample
+            log.warning("could not report the length of %s: %s", request_id, exc)
 
     async def _heartbeats(self) -> None:
         while True:

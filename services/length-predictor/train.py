@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import time
@@ -25,10 +24,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from llmesh.lengths import EDGES, NUM_BUCKETS, bucket_of
+from llmesh.lengths import NUM_BUCKETS, bucket_medians, bucket_of
 
 from . import data
-from .model import LengthModel, encode, load_encoder, load_tokenizer, save
+from .model import MAX_PROMPT_TOKENS, LengthModel, encode, load_encoder, load_tokenizer, save
 
 
 @dataclass
@@ -39,16 +38,6 @@ class Scores:
     mae_tokens: float
     confidence: float | None  # mean probability of the predicted bucket
     ece: float | None
-
-
-def bucket_medians(lengths: list[int]) -> list[float]:
-    """Median length of each bucket in training data (its geometric middle where it has none)."""
-    out = []
-    for b in range(NUM_BUCKETS):
-        inside = [n for n in lengths if bucket_of(n) == b]
-        low, high = (EDGES[b - 1] if b else 1), (EDGES[b] if b < len(EDGES) else 2 * EDGES[-1])
-        out.append(float(statistics.median(inside)) if inside else math.sqrt(low * high))
-    return out
 
 
 def score(name: str, probs: np.ndarray | None, buckets: np.ndarray, expected: np.ndarray,
@@ -75,17 +64,18 @@ def embed(model: LengthModel, batches: list[dict[str, torch.Tensor]]) -> np.ndar
         return torch.cat([model.features(b) for b in batches]).numpy()
 
 
-def batches_of(tokenizer, examples: list[data.Example], size: int) -> list[dict[str, torch.Tensor]]:
+def batches_of(tokenizer, examples: list[data.Example], size: int, max_tokens: int) -> list[dict[str, torch.Tensor]]:
     out = []
     for i in range(0, len(examples), size):
         chunk = examples[i : i + size]
-        batch = encode(tokenizer, [e.prompt for e in chunk])
+        batch = encode(tokenizer, [e.prompt for e in chunk], max_tokens)
         batch["label"] = torch.tensor([bucket_of(e.output_tokens) for e in chunk])
         out.append(batch)
     return out
 
 
-def prompt_batches(tokenizer, examples: list[data.Example], size: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def prompt_batches(tokenizer, examples: list[data.Example], size: int, seed: int,
+                   max_tokens: int) -> list[dict[str, torch.Tensor]]:
     """One row per prompt whose target is the distribution of buckets over the family's responses
     to it: the models of a family answer the same prompt at different lengths, and that spread
     is what a prompt-only predictor can learn."""
@@ -97,7 +87,7 @@ def prompt_batches(tokenizer, examples: list[data.Example], size: int, seed: int
     out = []
     for i in range(0, len(prompts), size):
         chunk = prompts[i : i + size]
-        batch = encode(tokenizer, chunk)
+        batch = encode(tokenizer, chunk, max_tokens)
         target = torch.zeros(len(chunk), NUM_BUCKETS)
         for row, prompt in enumerate(chunk):
             for b in by_prompt[prompt]:
@@ -108,7 +98,8 @@ def prompt_batches(tokenizer, examples: list[data.Example], size: int, seed: int
 
 
 def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | None = None, out: Path | None = None,
-        batch_size: int = 16, lr: float = 1e-3, quiet: bool = False) -> list[Scores]:
+        batch_size: int = 16, lr: float = 1e-3, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+        quiet: bool = False) -> list[Scores]:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -131,7 +122,8 @@ def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | Non
     results.append(score("always the median", None, np.full(len(test), bucket_of(int(median))),
                          np.full(len(test), median), actual))
     # baseline 2: log-log regression on prompt length
-    train_batches, test_batches = batches_of(tokenizer, train, batch_size), batches_of(tokenizer, test, 64)
+    train_batches = batches_of(tokenizer, train, batch_size, max_prompt_tokens)
+    test_batches = batches_of(tokenizer, test, 64, max_prompt_tokens)
     x_train = np.log1p(torch.cat([b["prompt_tokens"] for b in train_batches]).numpy())
     x_test = np.log1p(torch.cat([b["prompt_tokens"] for b in test_batches]).numpy())
     slope, intercept = np.polyfit(x_train, np.log1p(train_lengths), 1)
@@ -151,7 +143,7 @@ def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | Non
     # the predictor: LoRA adapters and the head, fine-tuned
     model = LengthModel(load_encoder(lora=True))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    per_prompt = prompt_batches(tokenizer, train, batch_size, seed)
+    per_prompt = prompt_batches(tokenizer, train, batch_size, seed, max_prompt_tokens)
     started = time.monotonic()
     for epoch in range(epochs):
         model.train()
@@ -165,7 +157,8 @@ def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | Non
         probs = torch.cat([torch.softmax(model(b), 1) for b in test_batches]).numpy()
     results.append(from_probs("MiniLM + LoRA, fine-tuned", probs, medians, actual))
     if out is not None:
-        save(model, medians, {"family": family, "seed": seed, "epochs": epochs, "train_responses": len(train),
+        save(model, medians, {"family": family, "seed": seed, "epochs": epochs, "max_prompt_tokens": max_prompt_tokens,
+                              "train_responses": len(train),
                               "scores": [vars(r) for r in results], "train_s": time.monotonic() - started}, out)
     if not quiet:
         print(table(family, len(test), results))
@@ -188,9 +181,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit-prompts", type=int, default=None, help="train on a slice: this many prompts")
+    parser.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
+                        help="the encoder reads this many leading tokens of a prompt (and its full length)")
     parser.add_argument("--out", type=Path, default=None, help="write the artifact (adapter, head, medians) here")
     args = parser.parse_args()
-    run(args.family, epochs=args.epochs, seed=args.seed, limit_prompts=args.limit_prompts, out=args.out)
+    run(args.family, epochs=args.epochs, seed=args.seed, limit_prompts=args.limit_prompts, out=args.out,
+        max_prompt_tokens=args.max_prompt_tokens)
     if args.out is not None:
         print(json.dumps({"artifact": str(args.out)}))
 

@@ -68,9 +68,13 @@ class PrefillService:
             # "stop" (EOS or a stop string) ends the request here; "length" only if 1 token was asked for.
             finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
             kv_params = final.kv_transfer_params or {}
-            trace.get_current_span().set_attributes({
-                "prompt.tokens": len(token_ids), "prefill.seconds": time.monotonic() - started,
-                "kv.blocks": len(kv_params.get("block_hashes", []))})
+            span = trace.get_current_span()
+            span.set_attributes({"prompt.tokens": len(token_ids), "prefill.seconds": time.monotonic() - started,
+                                 "kv.blocks": len(kv_params.get("block_hashes", []))})
+            if req.predicted_length is not None:
+                span.set_attribute("length.bucket", req.predicted_length.label)
+            if finish is not None:  # no decode follows
+                await self.worker.report_length(req.request_id, req.predicted_length, len(o.token_ids), finish)
             return PrefillResult(
                 prompt_token_ids=token_ids,
                 max_tokens=max_tokens,

@@ -39,7 +39,8 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
-    app = create_app(Dispatcher(bus, registry, metrics), registry, metrics, settings.request_timeout_s)
+    dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s)
+    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     serving = asyncio.create_task(server.serve())

@@ -18,11 +18,14 @@ from opentelemetry import context, trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.errors import MeshError, Timeout
+from llmesh.errors import MeshError, ServiceUnavailable, Timeout
+from llmesh.lengths import cut_prompt
 from llmesh.messages import (
     AbortRequest,
     ChatMessage,
     DecodeRequest,
+    LengthPrediction,
+    LengthPredictRequest,
     PrefillRequest,
     PrefillResult,
     SamplingOptions,
@@ -48,11 +51,52 @@ class Generation:
     sampling: SamplingOptions  # max_tokens None: the rest of the context
     deadline: float
 
+    @property
+    def length_prompt(self) -> str | None:
+        """What the length predictor reads: the prompt text, or a chat's user turns (None for token ids)."""
+        if self.messages is not None:
+            return "\n".join(m.content for m in self.messages if m.role == "user")
+        return self.prompt
+
 
 class Dispatcher:
-    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics):
+    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float = 0.05):
         self.bus, self.registry, self.metrics = bus, registry, metrics
+        self.length_timeout_s = length_timeout_s
         self._tracer = telemetry.tracer("llmesh.router")
+
+    async def predict_length(self, gen: Generation, parent: context.Context) -> LengthPrediction | None:
+        """The length predictor's tag for `gen`, or None if it is absent, slow or failing (counted
+        by outcome, and noted on the request's span): a request never waits long for it."""
+        span = trace.get_current_span(parent)
+        text = gen.length_prompt
+        if not text or not text.strip():
+            outcome, prediction = "skipped", None
+        else:
+            prompt, chars = cut_prompt(text)
+            try:
+                with self._tracer.start_as_current_span("router.length", context=parent):
+                    prediction, _ = await self.bus.request(
+                        Subjects.LENGTH_PREDICT,
+                        LengthPredictRequest(request_id=gen.request_id, prompt=prompt, prompt_chars=chars),
+                        LengthPrediction, timeout=min(self.length_timeout_s, gen.deadline - time.time()))
+                outcome = "ok"
+            except Timeout:
+                outcome, prediction = "timeout", None
+            except ServiceUnavailable:
+                outcome, prediction = "unavailable", None
+            except MeshError as exc:
+                log.warning("length prediction for %s failed: %s: %s", gen.request_id, exc.code, exc.message)
+                outcome, prediction = "error", None
+        self.metrics.length_predictions.labels(outcome).inc()
+        if prediction is None:
+            span.set_attribute("length.prediction", outcome)
+        else:
+            span.set_attributes({"length.prediction": outcome, "length.bucket": prediction.label,
+                                 "length.expected_tokens": prediction.expected_tokens,
+                                 "length.confidence": prediction.confidence,
+                                 "length.model_version": prediction.model_version})
+        return prediction
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
         """Token deltas of `gen`; spans are children of `parent`.
@@ -61,6 +105,7 @@ class Dispatcher:
         from another task, where detaching a context attached here would fail.
         """
         prefill = self.registry.pick("prefill", gen.model)
+        predicted = await self.predict_length(gen, parent)
         active = prefill.worker_id
         finished = False
         try:
@@ -71,7 +116,7 @@ class Dispatcher:
                     Subjects.worker("prefill", prefill.worker_id),
                     PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                    prompt_token_ids=gen.prompt_token_ids, messages=gen.messages,
-                                   sampling=gen.sampling, deadline=gen.deadline),
+                                   sampling=gen.sampling, deadline=gen.deadline, predicted_length=predicted),
                     PrefillResult,
                     timeout=gen.deadline - time.time(),
                 ))
@@ -96,7 +141,8 @@ class Dispatcher:
                                       prompt_token_ids=result.prompt_token_ids,
                                       first_token=result.first.token_ids[0], sampling=sampling,
                                       kv_transfer_params=result.kv_transfer_params,
-                                      fingerprint=result.fingerprint, deadline=gen.deadline),
+                                      fingerprint=result.fingerprint, deadline=gen.deadline,
+                                      predicted_length=predicted),
                         deadline=gen.deadline,
                     )
                 with self.registry.watch(decode.worker_id, replies.fail):

@@ -22,4 +22,7 @@ class RouterMetrics:
         self.prefill_seconds = Histogram("llmesh_prefill_seconds", "Prefill round trip", buckets=LATENCY_BUCKETS,
                                          registry=r)
         self.tokens = Counter("llmesh_generated_tokens", "Completion tokens streamed", registry=r)
+        self.length_predictions = Counter(
+            "llmesh_request_length_predictions", "Requests by length-prediction outcome (ok, timeout, unavailable, "
+            "error; skipped: no prompt text)", ["outcome"], registry=r)
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

@@ -26,6 +26,26 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: completion token ids in each choice
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may escape lone surrogates ("\\ud800"), which no UTF-8 text (nor any engine) can hold."""
+        def check(value: Any) -> None:
+            if isinstance(value, str):
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+            elif isinstance(value, dict):
+                for item in value.values():
+                    check(item)
+            elif isinstance(value, list):
+                for item in value:
+                    check(item)
+
+        check(data)
+        return data
+
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, n: int) -> int:

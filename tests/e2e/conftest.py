@@ -57,6 +57,7 @@ def mesh(tmp_path_factory, model_dir, model_path):
         "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_REQUEST_TIMEOUT_S": "120",
+        "MESH_LENGTH_PREDICT_TIMEOUT_S": "10",  # the predictor shares 2 cores with two engines here
     }
     # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
     launcher = Child("make run", ["make", "--no-print-directory", "-C", str(ROOT), "run"], env=env,

@@ -24,6 +24,10 @@ from llmesh.messages import (
     KvFlush,
     KvStats,
     KvStatsRequest,
+    LengthPrediction,
+    LengthPredictRequest,
+    LengthStats,
+    LengthStatsRequest,
     PrefillRequest,
     PrefillResult,
     SamplingOptions,
@@ -241,6 +245,45 @@ def test_one_trace_spans_router_prefill_kvstore_decode(mesh):
             assert chain[0] == "decode-worker" and "router" in chain
     names = {s["name"] for s in spans}
     assert {"router request", "router.prefill", "router.decode", "kv-store put", "kv-store get", "kv.load"} <= names
+
+
+async def length_stats(mesh) -> LengthStats:
+    """The stats of the length-predictor replica `make run` started (a prediction names it)."""
+    bus = await Bus.connect(mesh.nats_url, "test-length")
+    try:
+        probe, _ = await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt="probe"), LengthPrediction,
+                                     timeout=30)
+        stats, _ = await bus.request(Subjects.length_stats(probe.replica), LengthStatsRequest(), LengthStats,
+                                     timeout=30)
+        return stats
+    finally:
+        await bus.close()
+
+
+def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(mesh):
+    before = asyncio.run(length_stats(mesh))
+    trace_id = "%032x" % random.getrandbits(128)
+    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01"},
+                      json={"model": MODEL, "prompt": "Write a short poem about the sea.", "max_tokens": 6})
+    resp.raise_for_status()
+    time.sleep(1)
+    spans = {s["name"]: s for s in mesh.spans() if s["context"]["trace_id"] == f"0x{trace_id}"}
+    router = spans["router request"]["attributes"]
+    assert router["length.prediction"] == "ok", router
+    assert spans["prefill-worker prefill"]["attributes"]["length.bucket"] == router["length.bucket"]
+    assert spans["length-predictor predict"]["attributes"]["length.bucket"] == router["length.bucket"]
+    # The worker that finished it reported its actual length back to the predictor.
+    give_up = time.monotonic() + 10
+    while True:
+        after = asyncio.run(length_stats(mesh))
+        reports = lambda s: s.censored + sum(b.observed for b in s.buckets)  # noqa: E731
+        if reports(after) == reports(before) + 1 or time.monotonic() > give_up:
+            break
+        time.sleep(0.2)
+    assert reports(after) == reports(before) + 1
+    finish = resp.json()["choices"][0]["finish_reason"]
+    assert after.censored == before.censored + (finish == "length")
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------

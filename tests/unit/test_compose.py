@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings
 from llmesh.config import WorkerSettings
 from llmesh.launcher import SERVICES
 from llmesh_kvstore.settings import KvStoreSettings
+from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +30,7 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
 SETTINGS: dict[str, type[BaseSettings]] = {
     "kv-store": KvStoreSettings,
+    "length-predictor": LengthPredictorSettings,
     "prefill-worker": WorkerSettings,
     "decode-worker": WorkerSettings,
     "router": RouterSettings,

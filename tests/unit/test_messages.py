@@ -1,7 +1,16 @@
 import pytest
 
 from llmesh.errors import BadMessage, ContextLengthExceeded
-from llmesh.messages import ErrorReply, KvShardInfo, PrefillRequest, TokenDelta, decode, decode_any, encode
+from llmesh.messages import (
+    ErrorReply,
+    KvShardInfo,
+    LengthPredictRequest,
+    PrefillRequest,
+    TokenDelta,
+    decode,
+    decode_any,
+    encode,
+)
 
 
 def test_round_trip_with_blob():
@@ -43,3 +52,8 @@ def test_other_schema_versions_are_refused():
     header = msgpack.packb({"v": 99, "t": "Ack", "d": {}})
     with pytest.raises(BadMessage, match="schema version 99"):
         decode_any(len(header).to_bytes(4, "big") + header)
+
+
+def test_text_that_is_not_unicode_cannot_be_sent():
+    with pytest.raises(BadMessage, match="not valid Unicode"):
+        encode(LengthPredictRequest(prompt="lone \ud800 surrogate"))

@@ -1,0 +1,155 @@
+"""Length-predictor latency and throughput over NATS, against the model called in-process and
+against the same service with batching off, side by side in one run.
+
+    .venv/bin/python bench/length_predictor.py [--requests 300] [--rounds 30] [--seconds 10]
+
+Starts nats-server and the service (`python -m llmesh_lengthpred`, the committed model) as
+separate processes, and asks with real AlpacaEval prompts from ../shared/data:
+- single: one request at a time; p50/p99 of each round trip (the client's view);
+- batch of 32: 32 requests sent at once; p50/p99 of the time until all 32 are answered;
+- throughput: 64 requests kept in flight for `--seconds`; predictions per second.
+The in-process rows time `Predictor.predict` directly (no NATS, no queue). The last service
+runs with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from llmesh.bus import Bus
+from llmesh.launcher import Child, start_nats, start_service
+from llmesh.lengths import cut_prompt
+from llmesh.messages import LengthPrediction, LengthPredictRequest, Subjects
+
+IN_FLIGHT = 64
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def row(name: str, single: list[float], batch: list[float], throughput: float) -> str:
+    ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+    return (f"| {name} | {ms(percentile(single, .5))} | {ms(percentile(single, .99))} | "
+            f"{ms(percentile(batch, .5))} | {ms(percentile(batch, .99))} | {throughput:.0f} |")
+
+
+def prompts() -> list[str]:
+    from llmesh_lengthpred import data
+
+    return sorted({e.prompt for e in data.load("llama", len)})
+
+
+def in_process(texts: list[str], args) -> str:
+    from llmesh_lengthpred.predictor import Predictor
+
+    predictor = Predictor()
+    call = lambda batch: predictor.predict(*zip(*[cut_prompt(t) for t in batch]))  # noqa: E731
+    call(texts[:32])  # warm-up
+    single = []
+    for i in range(args.requests):
+        started = time.perf_counter()
+        call([texts[i % len(texts)]])
+        single.append(time.perf_counter() - started)
+    batch = []
+    for r in range(args.rounds):
+        chunk = [texts[(r * 32 + j) % len(texts)] for j in range(32)]
+        started = time.perf_counter()
+        call(chunk)
+        batch.append(time.perf_counter() - started)
+    return row("in-process model call", single, batch, 32 / statistics.median(batch))
+
+
+async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float], list[float], float]:
+    bus = await Bus.connect(nats_url, "bench-length")
+
+    async def ask(text: str) -> None:
+        await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt=cut_prompt(text)[0]), LengthPrediction,
+                          timeout=30)
+
+    try:
+        for text in texts[:32]:  # warm-up
+            await ask(text)
+        single = []
+        for i in range(args.requests):
+            started = time.perf_counter()
+            await ask(texts[i % len(texts)])
+            single.append(time.perf_counter() - started)
+        batch = []
+        for r in range(args.rounds):
+            started = time.perf_counter()
+            await asyncio.gather(*(ask(texts[(r * 32 + j) % len(texts)]) for j in range(32)))
+            batch.append(time.perf_counter() - started)
+        answered = 0
+        stop_at = time.perf_counter() + args.seconds
+
+        async def client(k: int) -> None:
+            nonlocal answered
+            while time.perf_counter() < stop_at:
+                await ask(texts[(k * 7 + answered) % len(texts)])
+                answered += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(k) for k in range(IN_FLIGHT)))
+        return single, batch, answered / (time.perf_counter() - started)
+    finally:
+        await bus.close()
+
+
+def service_run(workdir: Path, nats_url: str, max_batch: int, texts: list[str], args) -> tuple:
+    env = {"MESH_NATS_URL": nats_url, "MESH_LENGTH_MAX_BATCH": str(max_batch), "MESH_LOG_LEVEL": "WARNING"}
+    child: Child = start_service("length-predictor", env, workdir / f"svc-{max_batch}.log")
+    try:
+        async def ready() -> None:
+            bus = await Bus.connect(nats_url, "bench-wait")
+            try:
+                for _ in range(600):
+                    try:
+                        await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt="hi"), LengthPrediction,
+                                          timeout=1)
+                        return
+                    except Exception:
+                        await asyncio.sleep(0.2)
+                raise TimeoutError("the length predictor did not start")
+            finally:
+                await bus.close()
+
+        asyncio.run(ready())
+        return asyncio.run(over_nats(nats_url, texts, args))
+    finally:
+        child.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=300, help="single requests timed")
+    parser.add_argument("--rounds", type=int, default=30, help="batches of 32 timed")
+    parser.add_argument("--seconds", type=float, default=10, help="throughput run length")
+    args = parser.parse_args()
+    texts = prompts()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-length-"))
+    nats, nats_url = start_nats(workdir)
+    try:
+        batched = service_run(workdir, nats_url, 32, texts, args)
+        unbatched = service_run(workdir, nats_url, 1, texts, args)
+    finally:
+        nats.stop()
+    lines = ["| path | single p50 ms | single p99 ms | batch of 32 p50 ms | batch of 32 p99 ms | predictions/s |",
+             "|---|---|---|---|---|---|",
+             in_process(texts, args),
+             row("service over NATS (batches up to 32)", *batched),
+             row("service over NATS, batching off", *unbatched)]
+    print(f"{len(texts)} distinct AlpacaEval prompts; {args.requests} single requests, {args.rounds} batches of 32, "
+          f"{IN_FLIGHT} in flight for {args.seconds:.0f} s\n")
+    print("\n".join(lines))
+    print(f"\nthroughput, batching on / off: {batched[2] / unbatched[2]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Refit the deployed length predictor on what it observed:
+
+    .venv/bin/python -m llmesh_lengthpred.refit [--min-samples 50] [--holdout 0.2] [--epochs 200]
+
+One replica fits a new head on the recent (prompt, actual length) pairs the workers reported
+(requests that ended by themselves, not at max_tokens), split by prompt; it keeps the current
+head unless the new one has the lower log loss on the held-out prompts. Prints the outcome as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+
+from llmesh.bus import Bus
+from llmesh.messages import LengthRefit, LengthRefitResult, Subjects
+
+TIMEOUT_S = 600.0
+
+
+async def refit(nats_url: str, request: LengthRefit, timeout: float = TIMEOUT_S) -> LengthRefitResult:
+    bus = await Bus.connect(nats_url, "length-refit")
+    try:
+        result, _ = await bus.request(Subjects.LENGTH_REFIT, request, LengthRefitResult, timeout=timeout)
+        return result
+    finally:
+        await bus.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nats-url", default=os.environ.get("MESH_NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--min-samples", type=int, default=LengthRefit().min_samples)
+    parser.add_argument("--holdout", type=float, default=LengthRefit().holdout_fraction)
+    parser.add_argument("--epochs", type=int, default=LengthRefit().epochs)
+    args = parser.parse_args()
+    result = asyncio.run(refit(args.nats_url, LengthRefit(min_samples=args.min_samples,
+                                                          holdout_fraction=args.holdout, epochs=args.epochs)))
+    print(json.dumps(result.model_dump(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""The length-predictor service on NATS.
+
+- `mesh.length.predict` (queue group, so replicas share the load): LengthPredictRequest ->
+  LengthPrediction. Requests that arrive while a batch runs form the next batch.
+- `mesh.length.observed.<replica>`: workers' LengthObserved reports. Each is scored against its
+  prediction (running accuracy and error per predicted bucket), and with the prompt this replica
+  kept it becomes a refit sample.
+- `mesh.length.stats.<replica>`: LengthStats.
+- `mesh.length.refit` (queue group): LengthRefit -> LengthRefitResult. An accepted head goes out
+  on `mesh.length.head` to every replica and into Redis for replicas that start later.
+
+Bad input: an empty prompt is an `invalid_request` error. A prompt longer than
+MAX_PROMPT_CHARS characters is cut; the model reads the first MAX_PROMPT_TOKENS tokens and the
+full length, and the prediction says `truncated`. An undecodable message (text that is not
+UTF-8, wrong fields) is answered with a `bad_message` error by the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions
+import torch
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from llmesh.bus import Bus
+from llmesh.errors import InvalidRequest
+from llmesh.lengths import NUM_BUCKETS, bucket_label, bucket_of, cut_prompt
+from llmesh.messages import (
+    LengthBucketStats,
+    LengthHead,
+    LengthObserved,
+    LengthPrediction,
+    LengthPredictRequest,
+    LengthRefit,
+    LengthRefitResult,
+    LengthStats,
+    LengthStatsRequest,
+    Subjects,
+)
+
+from . import data
+from .predictor import Head, Predictor, refit_split
+from .settings import LengthPredictorSettings
+
+log = logging.getLogger(__name__)
+I, R = TypeVar("I"), TypeVar("R")
+
+QUEUE = "length-predictor"
+SAMPLES_KEY = "llmesh:length:samples"
+HEAD_KEY = "llmesh:length:head:{base}"
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+REFIT_CHUNK = 32  # prompts per model-thread job while a refit computes features
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+class Batcher(Generic[I, R]):
+    """Runs `fn` in `executor` on batches of the items submitted while the previous batch ran."""
+
+    def __init__(self, fn: Callable[[list[I]], list[R]], max_batch: int, executor: ThreadPoolExecutor):
+        self._fn, self._max, self._executor = fn, max_batch, executor
+        self._queue: asyncio.Queue[tuple[I, asyncio.Future[R]]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, item: I) -> R:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((item, future))
+        return await future
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._max and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            batch = [(item, future) for item, future in batch if not future.done()]  # callers that gave up
+            if not batch:
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self._fn, [item for item, _ in batch])
+            except Exception as exc:
+                log.exception("a batch of %d failed", len(batch))
+                results = [exc] * len(batch)
+            for (_, future), result in zip(batch, results):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+
+@dataclass
+class _BucketScore:
+    observed: int = 0
+    exact: int = 0
+    within_one: int = 0
+    abs_error_tokens: float = 0.0
+
+
+class Calibration:
+    """Predictions against actual lengths, per predicted bucket. Requests cut by max_tokens are
+    counted apart: their natural length is unknown."""
+
+    def __init__(self) -> None:
+        self.scores = [_BucketScore() for _ in range(NUM_BUCKETS)]
+        self.censored = 0
+
+    def record(self, predicted: LengthPrediction, actual_tokens: int, finish_reason: str) -> bool:
+        """Score one finished request; False if it was cut short (not scored)."""
+        if finish_reason != "stop":
+            self.censored += 1
+            return False
+        truth, score = bucket_of(actual_tokens), self.scores[predicted.bucket]
+        score.observed += 1
+        score.exact += truth == predicted.bucket
+        score.within_one += abs(truth - predicted.bucket) <= 1
+        score.abs_error_tokens += abs(predicted.expected_tokens - actual_tokens)
+        return True
+
+    def buckets(self) -> list[LengthBucketStats]:
+        return [LengthBucketStats(bucket=b, label=bucket_label(b), observed=s.observed, exact=s.exact,
+                                  within_one=s.within_one, abs_error_tokens=s.abs_error_tokens)
+                for b, s in enumerate(self.scores)]
+
+
+class _CalibrationCollector:
+    def __init__(self, calibration: Calibration):
+        self.calibration = calibration
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "observed": CounterMetricFamily("llmesh_length_observed", "Finished requests scored, by predicted "
+                                            "bucket", labels=["bucket"]),
+            "exact": CounterMetricFamily("llmesh_length_exact", "Scored requests whose actual length fell in the "
+                                         "predicted bucket", labels=["bucket"]),
+            "within_one": CounterMetricFamily("llmesh_length_within_one", "Scored requests whose actual length "
+                                              "fell in the predicted bucket or a neighbour", labels=["bucket"]),
+            "abs_error_tokens": CounterMetricFamily("llmesh_length_abs_error_tokens", "Sum of |expected - actual| "
+                                                    "tokens", labels=["bucket"]),
+        }
+        accuracy = GaugeMetricFamily("llmesh_length_accuracy", "Running exact-bucket accuracy", labels=["bucket"])
+        mae = GaugeMetricFamily("llmesh_length_mae_tokens", "Running mean absolute error", labels=["bucket"])
+        for stats in self.calibration.buckets():
+            for field, family in families.items():
+                family.add_metric([stats.label], float(getattr(stats, field)))
+            if stats.observed:
+                accuracy.add_metric([stats.label], stats.exact / stats.observed)
+                mae.add_metric([stats.label], stats.abs_error_tokens / stats.observed)
+        yield from families.values()
+        yield accuracy
+        yield mae
+        yield CounterMetricFamily("llmesh_length_censored", "Reports of requests cut by max_tokens (not scored)",
+                                  value=self.calibration.censored)
+
+
+class SharedState:
+    """Recent (prompt, actual length) samples and the accepted head: in Redis, shared by the
+    replicas, when a URL is given; else in this process. A Redis outage keeps samples locally."""
+
+    def __init__(self, redis_url: str, limit: int):
+        self.limit = limit
+        self._local: deque[tuple[str, int]] = deque(maxlen=limit)
+        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) \
+            if redis_url else None
+
+    async def add_sample(self, prompt: str, tokens: int) -> None:
+        if self._redis is not None:
+            try:
+                await self._redis.pipeline().lpush(SAMPLES_KEY, json.dumps([prompt, tokens])) \
+                    .ltrim(SAMPLES_KEY, 0, self.limit - 1).execute()
+                return
+            except REDIS_ERRORS as exc:
+                log.warning("Redis is unreachable (%s): keeping the sample in memory", exc)
+        self._local.append((prompt, tokens))
+
+    async def samples(self) -> list[data.Example]:
+        pairs = list(self._local)
+        if self._redis is not None:
+            try:
+                pairs += [json.loads(item) for item in await self._redis.lrange(SAMPLES_KEY, 0, self.limit - 1)]
+            except REDIS_ERRORS as exc:
+                log.warning("Redis is unreachable (%s): refitting on this replica's samples only", exc)
+        return [data.Example(prompt, tokens, "deployment") for prompt, tokens in pairs]
+
+    async def save_head(self, base_version: str, blob: bytes) -> None:
+        if self._redis is not None:
+            try:
+                await self._redis.set(HEAD_KEY.format(base=base_version), blob)
+            except REDIS_ERRORS as exc:
+                log.warning("Redis is unreachable (%s): replicas that start later will not load the refit", exc)
+
+    async def load_head(self, base_version: str) -> bytes | None:
+        if self._redis is None:
+            return None
+        try:
+            return await self._redis.get(HEAD_KEY.format(base=base_version))
+        except REDIS_ERRORS as exc:
+            log.warning("Redis is unreachable (%s): serving the artifact's head", exc)
+            return None
+
+    async def close(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+
+
+class LengthPredictorService:
+    """Build with `await LengthPredictorService.create(...)`: the model is loaded in the one thread
+    that runs it (see llmesh_lengthpred.predictor)."""
+
+    def __init__(self, bus: Bus, predictor: Predictor, settings: LengthPredictorSettings, shared: SharedState,
+                 model_thread: ThreadPoolExecutor):
+        self.bus, self.predictor, self.settings, self.shared = bus, predictor, settings, shared
+        self.model_thread = model_thread
+        self.replica = predictor.replica
+        self.calibration = Calibration()
+        self.batcher: Batcher[tuple[str, int], LengthPrediction] = Batcher(
+            self._predict_batch, settings.length_max_batch, model_thread)
+        self._prompts: OrderedDict[str, str] = OrderedDict()  # request id -> prompt, until its report
+        self._refit_lock = asyncio.Lock()
+        self.answered = 0
+        self.registry = CollectorRegistry()
+        self.predictions = Counter("llmesh_length_predictions", "Predictions answered", registry=self.registry)
+        self.latency = Histogram("llmesh_length_predict_seconds", "From a request's arrival to its answer",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("llmesh_length_batch_size", "Prompts per model call",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.refits = Counter("llmesh_length_refits", "Refits by outcome", ["outcome"], registry=self.registry)
+        self.registry.register(_CalibrationCollector(self.calibration))
+
+    @classmethod
+    async def create(cls, bus: Bus, settings: LengthPredictorSettings, replica: str) -> LengthPredictorService:
+        model_thread = ThreadPoolExecutor(1, thread_name_prefix="length-model")
+        try:
+            predictor = await asyncio.get_running_loop().run_in_executor(
+                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_torch_threads))
+        except BaseException:
+            model_thread.shutdown(wait=False)
+            raise
+        return cls(bus, predictor, settings, SharedState(settings.redis_url, settings.length_recent_samples),
+                   model_thread)
+
+    async def _in_model_thread(self, fn: Callable[..., R], *args: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, partial(fn, *args))
+
+    async def start(self) -> None:
+        saved = await self.shared.load_head(self.predictor.base_version)
+        if saved is not None:
+            self._install(Head.from_bytes(saved, self.predictor.head.linear), "Redis")
+        await self.bus.serve(Subjects.LENGTH_PREDICT, self.predict, queue=QUEUE, span="length-predictor predict")
+        await self.bus.serve(Subjects.length_observed(self.replica), self.observe, traced=False)
+        await self.bus.serve(Subjects.length_stats(self.replica), self.stats, traced=False)
+        await self.bus.serve(Subjects.LENGTH_REFIT, self.refit, queue=QUEUE, span="length-predictor refit")
+        await self.bus.serve(Subjects.LENGTH_HEAD, self.on_head, traced=False)
+        log.info("%s ready: model %s (%s family), batches of up to %d", self.replica, self.predictor.version,
+                 self.predictor.meta.get("family", "?"), self.settings.length_max_batch)
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        await self.shared.close()
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _predict_batch(self, items: list[tuple[str, int]]) -> list[LengthPrediction]:
+        self.batch_size.observe(len(items))
+        return self.predictor.predict([text for text, _ in items], [chars for _, chars in items])
+
+    async def predict(self, req: LengthPredictRequest, blob: memoryview) -> LengthPrediction:
+        if not isinstance(req, LengthPredictRequest):
+            raise InvalidRequest(f"expected LengthPredictRequest, got {type(req).__name__}")
+        if not req.prompt.strip():
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        started = time.monotonic()
+        text, chars = cut_prompt(req.prompt)
+        prediction = await self.batcher.submit((text, max(chars, req.prompt_chars or 0)))
+        self.latency.observe(time.monotonic() - started)
+        self.predictions.inc()
+        self.answered += 1
+        if req.request_id:
+            self._prompts[req.request_id] = text
+            while len(self._prompts) > self.settings.length_pending_predictions:
+                self._prompts.popitem(last=False)
+        trace.get_current_span().set_attributes({"length.bucket": prediction.label,
+                                                 "length.expected_tokens": prediction.expected_tokens,
+                                                 "length.truncated": prediction.truncated})
+        return prediction
+
+    async def observe(self, report: LengthObserved, blob: memoryview) -> None:
+        prompt = self._prompts.pop(report.request_id, None)
+        if self.calibration.record(report.predicted, report.actual_tokens, report.finish_reason) and prompt:
+            await self.shared.add_sample(prompt, report.actual_tokens)
+
+    async def stats(self, req: LengthStatsRequest, blob: memoryview) -> LengthStats:
+        return LengthStats(replica=self.replica, model_version=self.predictor.version,
+                           predictions=self.answered, censored=self.calibration.censored,
+                           samples=len(await self.shared.samples()), buckets=self.calibration.buckets())
+
+    async def refit(self, req: LengthRefit, blob: memoryview) -> LengthRefitResult:
+        if not isinstance(req, LengthRefit):
+            raise InvalidRequest(f"expected LengthRefit, got {type(req).__name__}")
+        async with self._refit_lock:
+            samples = await self.shared.samples()
+            current = self.predictor.version
+            result = dict(samples=len(samples), held_out=0, before={}, after={}, model_version=current)
+            if len(samples) < req.min_samples:
+                self.refits.labels("skipped").inc()
+                return LengthRefitResult(accepted=False, reason=f"{len(samples)} samples; the refit asks for at "
+                                         f"least {req.min_samples}", **result)
+            try:
+                fit, held = refit_split(samples, req.holdout_fraction)
+            except ValueError as exc:
+                self.refits.labels("skipped").inc()
+                return LengthRefitResult(accepted=False, reason=str(exc), **result)
+            x_fit = await self._features([s.prompt for s in fit])
+            x_held = await self._features([s.prompt for s in held])
+            head, before, after = await self._in_model_thread(
+                self.predictor.refit_head, x_fit, [s.output_tokens for s in fit], x_held,
+                [s.output_tokens for s in held], req.epochs)
+            result.update(held_out=len(held), before=before, after=after)
+            change = f"held-out log loss {before['log_loss']:.3f} -> {after['log_loss']:.3f}"
+            if head is None:
+                self.refits.labels("rejected").inc()
+                log.info("refit rejected (%s): keeping %s", change, current)
+                return LengthRefitResult(accepted=False, reason=f"{change}: not better, kept {current}", **result)
+            self._install(head, "refit")
+            blob_out = head.to_bytes()
+            await self.shared.save_head(self.predictor.base_version, blob_out)
+            await self.bus.publish(Subjects.LENGTH_HEAD, LengthHead(base_version=self.predictor.base_version,
+                                                                    version=head.version), blob_out)
+            self.refits.labels("accepted").inc()
+            return LengthRefitResult(accepted=True, reason=f"{change}: now serving {head.version}",
+                                     **(result | {"model_version": head.version}))
+
+    async def _features(self, prompts: list[str]) -> torch.Tensor:
+        """Encoder features of many prompts, a few at a time, so that predictions go on in between."""
+        parts = [(await self._in_model_thread(self.predictor.features, prompts[i : i + REFIT_CHUNK]))[0]
+                 for i in range(0, len(prompts), REFIT_CHUNK)]
+        return torch.cat(parts)
+
+    async def on_head(self, msg: LengthHead, blob: memoryview) -> None:
+        if not isinstance(msg, LengthHead) or msg.version == self.predictor.version:
+            return
+        if msg.base_version != self.predictor.base_version:
+            log.warning("ignoring head %s: fitted on artifact %s, this replica runs %s", msg.version,
+                        msg.base_version, self.predictor.base_version)
+            return
+        try:
+            head = Head.from_bytes(bytes(blob), self.predictor.head.linear)
+        except Exception as exc:  # torch.load raises several types on bad bytes
+            log.warning("ignoring head %s: unreadable (%s)", msg.version, exc)
+            return
+        if head.version != msg.version:
+            log.warning("ignoring head announced as %s: its content is %s", msg.version, head.version)
+            return
+        self._install(head, "another replica's refit")
+
+    def _install(self, head: Head, source: str) -> None:
+        previous, self.predictor.head = self.predictor.version, head
+        log.info("serving head %s from %s (was %s)", head.version, source, previous)

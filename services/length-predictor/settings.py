@@ -1,0 +1,32 @@
+from pathlib import Path
+
+from pydantic import Field
+
+from llmesh.config import CommonSettings
+
+ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact"
+
+
+class LengthPredictorSettings(CommonSettings):
+    """Named `length_*`: `make run` gives every service the same environment."""
+
+    length_replica: str = Field(
+        "", description="This replica's name (predictions name it, so that reports of actual lengths come back "
+        "to it); default: length-<host>-<pid>.")
+    length_artifact_dir: Path = Field(
+        ARTIFACT_DIR, description="The trained model (LoRA adapter, head, bucket medians); the default is the "
+        "one committed with the service (rebuilt by `python -m llmesh_lengthpred.train --family llama --out DIR`).")
+    length_max_batch: int = Field(
+        32, ge=1, description="Most prompts run through the model at once; requests that arrive while a batch "
+        "runs form the next one.")
+    length_torch_threads: int = Field(0, ge=0, description="CPU threads for inference; 0: torch's default.")
+    length_pending_predictions: int = Field(
+        10000, ge=1, description="Prompts kept until the worker reports the request's actual length (the oldest "
+        "are forgotten first).")
+    length_recent_samples: int = Field(
+        5000, ge=1, description="Most (prompt, actual length) pairs kept for a refit (in Redis when `redis_url` "
+        "is set, shared by the replicas; else in memory).")
+    length_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
+    length_metrics_port: int = Field(
+        0, ge=0, description="Serve Prometheus /metrics on this port; 0: no HTTP endpoint (the same numbers "
+        "answer on NATS at mesh.length.stats.<replica>).")
