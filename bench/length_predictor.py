@@ -1,11 +1,13 @@
 """Length-predictor latency and throughput over NATS, against the model called in-process and
 against the same service with batching off, side by side in one run.
 
-    .venv/bin/python bench/length_predictor.py [--requests 300] [--rounds 30] [--seconds 10]
+    .venv/bin/python bench/length_predictor.py [--requests 300] [--rounds 30] [--seconds 10] [--idle 20]
 
 Starts nats-server and the service (`python -m llmesh_lengthpred`, the committed model) as
 separate processes, and asks with real AlpacaEval prompts from ../shared/data:
-- single: one request at a time; p50/p99 of each round trip (the client's view);
+- single: one request at a time, back to back; p50/p99 of each round trip (the client's view);
+- after idle: single requests 1 s apart, as a lightly used router sends them (the model's
+  weights have left the CPU caches by then);
 - batch of 32: 32 requests sent at once; p50/p99 of the time until all 32 are answered;
 - throughput: 64 requests kept in flight for `--seconds`; predictions per second.
 The in-process rows time `Predictor.predict` directly (no NATS, no queue). The last service
@@ -27,6 +29,7 @@ from llmesh.lengths import cut_prompt
 from llmesh.messages import LengthPrediction, LengthPredictRequest, Subjects
 
 IN_FLIGHT = 64
+IDLE_GAP_S = 1.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,7 +69,7 @@ def in_process(texts: list[str], args) -> str:
     return row("in-process model call", single, batch, 32 / statistics.median(batch))
 
 
-async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float], list[float], float]:
+async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float], list[float], float, list[float]]:
     bus = await Bus.connect(nats_url, "bench-length")
 
     async def ask(text: str) -> None:
@@ -81,6 +84,12 @@ async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float],
             started = time.perf_counter()
             await ask(texts[i % len(texts)])
             single.append(time.perf_counter() - started)
+        after_idle = []
+        for i in range(args.idle):
+            await asyncio.sleep(IDLE_GAP_S)
+            started = time.perf_counter()
+            await ask(texts[i % len(texts)])
+            after_idle.append(time.perf_counter() - started)
         batch = []
         for r in range(args.rounds):
             started = time.perf_counter()
@@ -97,7 +106,7 @@ async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float],
 
         started = time.perf_counter()
         await asyncio.gather(*(client(k) for k in range(IN_FLIGHT)))
-        return single, batch, answered / (time.perf_counter() - started)
+        return single, batch, answered / (time.perf_counter() - started), after_idle
     finally:
         await bus.close()
 
@@ -131,6 +140,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="single requests timed")
     parser.add_argument("--rounds", type=int, default=30, help="batches of 32 timed")
     parser.add_argument("--seconds", type=float, default=10, help="throughput run length")
+    parser.add_argument("--idle", type=int, default=20, help=f"single requests timed {IDLE_GAP_S:.0f} s apart")
     args = parser.parse_args()
     texts = prompts()
     workdir = Path(tempfile.mkdtemp(prefix="bench-length-"))
@@ -143,11 +153,17 @@ def main() -> None:
     lines = ["| path | single p50 ms | single p99 ms | batch of 32 p50 ms | batch of 32 p99 ms | predictions/s |",
              "|---|---|---|---|---|---|",
              in_process(texts, args),
-             row("service over NATS (batches up to 32)", *batched),
-             row("service over NATS, batching off", *unbatched)]
+             row("service over NATS (batches up to 32)", *batched[:3]),
+             row("service over NATS, batching off", *unbatched[:3])]
     print(f"{len(texts)} distinct AlpacaEval prompts; {args.requests} single requests, {args.rounds} batches of 32, "
           f"{IN_FLIGHT} in flight for {args.seconds:.0f} s\n")
     print("\n".join(lines))
+    for name, run in (("batches up to 32", batched), ("batching off", unbatched)):
+        idle = [1000 * t for t in run[3]]
+        if idle:
+            print(f"\nsingle request after {IDLE_GAP_S:.0f} s idle, service ({name}): p50 {percentile(idle, .5):.1f} ms, "
+                  f"p99 {percentile(idle, .99):.1f} ms, max {max(idle):.1f} ms", end="")
+    print()
     print(f"\nthroughput, batching on / off: {batched[2] / unbatched[2]:.2f}x")
 
 

@@ -109,18 +109,21 @@ class Bus:
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 30.0) -> Bus:
         """Connect within `connect_timeout` (nats-py retries meanwhile); afterwards reconnect forever."""
 
+        nc = nats.NATS()
+
         async def on_error(exc: Exception) -> None:
             log.warning("nats error (%s): %s", name, exc)
 
         async def on_disconnect() -> None:
-            log.warning("nats disconnected (%s)", name)
+            if not nc.is_closed:  # not our own close
+                log.warning("nats disconnected (%s)", name)
 
         async def on_reconnect() -> None:
             log.info("nats reconnected (%s)", name)
 
         try:
             # With unlimited reconnects nats-py retries the first connection forever too: bound it.
-            nc = await asyncio.wait_for(nats.connect(
+            await asyncio.wait_for(nc.connect(
                 servers=url.split(","),
                 name=name,
                 connect_timeout=2,
@@ -151,6 +154,11 @@ class Bus:
                 await self.nc.flush(timeout=1)
             except (nats.errors.Error, TimeoutError):
                 pass
+            except asyncio.CancelledError:
+                # nats-py cancels its pending flush when the server goes away meanwhile; only a
+                # cancellation of this task itself propagates.
+                if asyncio.current_task().cancelling():
+                    raise
         await self.nc.close()
 
     # ---- client side ----------------------------------------------------------------

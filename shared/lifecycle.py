@@ -42,6 +42,6 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         try:
             await task
         except asyncio.CancelledError:
-            logging.getLogger(__name__).warning("stopped before finishing its shutdown")
+            logging.getLogger(__name__).warning("stopped before finishing its shutdown", exc_info=True)
 
     asyncio.run(runner())

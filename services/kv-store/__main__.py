@@ -42,16 +42,18 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
             serve_metrics(state.snapshot, settings.kv_shard, settings.metrics_port, settings.metrics_host)
         await stop.wait()
     finally:
-        if lmcache is not None:
-            lmcache.close()
-        if index is not None:
-            index_task.cancel()
-            await index.close()
-        await service.stop()
-        state.stop()
-        data_plane.close()
-        state.store.arena.close()
-        await bus.close()
+        try:
+            if lmcache is not None:
+                lmcache.close()
+            if index is not None:
+                index_task.cancel()
+                await index.close()
+            await service.stop()
+            await bus.close()
+        finally:  # local resources go even if the network part of the shutdown was cut short
+            state.stop()
+            data_plane.close()
+            state.store.arena.close()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class Predictor:
         self.max_prompt_tokens = int(self.meta.get("max_prompt_tokens", model.MAX_PROMPT_TOKENS))
         self.head = Head(loaded.head, medians)
         self.base_version = self.head.version  # the artifact's: refits are only valid on its encoder
+        self.predict(["warm-up"], [7])  # torch's first call sets up its kernels: not on a request's clock
 
     @property
     def version(self) -> str:

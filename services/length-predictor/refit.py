@@ -13,8 +13,12 @@ import argparse
 import asyncio
 import json
 import os
+import sys
+
+from pydantic import ValidationError
 
 from llmesh.bus import Bus
+from llmesh.errors import MeshError
 from llmesh.messages import LengthRefit, LengthRefitResult, Subjects
 
 TIMEOUT_S = 600.0
@@ -36,8 +40,14 @@ def main() -> None:
     parser.add_argument("--holdout", type=float, default=LengthRefit().holdout_fraction)
     parser.add_argument("--epochs", type=int, default=LengthRefit().epochs)
     args = parser.parse_args()
-    result = asyncio.run(refit(args.nats_url, LengthRefit(min_samples=args.min_samples,
-                                                          holdout_fraction=args.holdout, epochs=args.epochs)))
+    try:
+        request = LengthRefit(min_samples=args.min_samples, holdout_fraction=args.holdout, epochs=args.epochs)
+    except ValidationError as exc:
+        parser.error("; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors()))
+    try:
+        result = asyncio.run(refit(args.nats_url, request))
+    except (MeshError, OSError) as exc:
+        sys.exit(f"refit failed: {exc}")
     print(json.dumps(result.model_dump(), indent=2))
 
 

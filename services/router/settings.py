@@ -10,5 +10,5 @@ class RouterSettings(CommonSettings):
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
     dispatch_policy: str = Field("least_loaded", description="Policy in llmesh.policies.POLICIES.")
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
-    length_predict_timeout_s: float = Field(0.05, gt=0, description="How long a request waits for the length "
+    length_predict_timeout_s: float = Field(0.1, gt=0, description="How long a request waits for the length "
                                             "predictor; past it, it is dispatched without a prediction.")
