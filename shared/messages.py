@@ -75,29 +75,6 @@ class WorkerInfo(Message):
     heartbeat_s: float
 
 
-class LengthHead(Message):
-    """An accepted refit, published to every replica; the head itself is the blob."""
-
-    base_version: str  # the artifact it was fitted on (its encoder): others ignore it
-    version: str
-
-
-# ---- request path ---------------------------------------------------------------------
-
-
-class ChatMessage(Message):
-    role: str
-    content: str
-
-
-class SamplingOptions(Message):
-    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: list[str] = []
-    seed: int | None = None
-
-
 # ---- output-length prediction ----------------------------------------------------------
 
 
@@ -183,6 +160,19 @@ class LengthHead(Message):
 
 
 # ---- request path ---------------------------------------------------------------------
+
+
+class ChatMessage(Message):
+    role: str
+    content: str
+
+
+class SamplingOptions(Message):
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] = []
+    seed: int | None = None
 
 
 class PrefillRequest(Message):

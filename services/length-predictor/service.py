@@ -238,8 +238,8 @@ class LengthPredictorService:
         self._refit_lock = asyncio.Lock()
         self.answered = 0
         self.registry = CollectorRegistry()
-        self.predictions = Counter("llmesh_length_predictions", "Predictions answered", registry=self.registry)
-        self.latency = Histogram("llmesh_length_predict_seconds", "From a request's arrival to its answer",
+        self.latency = Histogram("llmesh_length_predict_seconds", "From a request's arrival to its answer (its "
+                                 "_count: the predictions answered)",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.batch_size = Histogram("llmesh_length_batch_size", "Prompts per model call",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
@@ -291,7 +291,6 @@ class LengthPredictorService:
         text, chars = cut_prompt(req.prompt)
         prediction = await self.batcher.submit((text, max(chars, req.prompt_chars or 0)))
         self.latency.observe(time.monotonic() - started)
-        self.predictions.inc()
         self.answered += 1
         if req.request_id:
             self._prompts[req.request_id] = text

@@ -60,7 +60,7 @@ class Generation:
 
 
 class Dispatcher:
-    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float = 0.05):
+    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float):
         self.bus, self.registry, self.metrics = bus, registry, metrics
         self.length_timeout_s = length_timeout_s
         self._tracer = telemetry.tracer("llmesh.router")

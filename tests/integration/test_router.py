@@ -27,7 +27,7 @@ def info(worker_id, role="prefill", fingerprint="f" * 32, model="m"):
 async def _client(nats_url, registry):
     bus = await Bus.connect(nats_url, "router-test")
     metrics = RouterMetrics()
-    app = create_app(Dispatcher(bus, registry, metrics), registry, metrics, request_timeout_s=5)
+    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s=0.1), registry, metrics, request_timeout_s=5)
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
