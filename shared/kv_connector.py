@@ -9,7 +9,8 @@ step's puts; `request_finished` returns the block hashes in `kv_transfer_params`
 that, `get_num_new_matched_tokens` asks the kv-store which of the prompt's leading full
 blocks any instance already stored (every layer): those are loaded, not recomputed, and not
 saved again (prefix reuse across instances; keys depend only on fingerprint, token-block
-hash chain and layer).
+hash chain and layer; the chain starts from the request's cache salt and LoRA adapter too,
+so tenants and adapters never share a chunk).
 
 Consumer (decode): `get_num_new_matched_tokens` reports the prompt tokens whose blocks the
 prefill saved, at most all but the last (re-hashed from our own prompt tokens, so a
@@ -50,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from llmesh import telemetry
 from llmesh.errors import MeshError
 from llmesh.kvclient import ThreadedKvClient
-from llmesh.kvkeys import block_hashes, chunk_key, fingerprint, kv_layout
+from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -135,6 +136,8 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._reused_blocks: dict[str, int] = {}  # prefill: leading blocks loaded, so not saved again
         self._write_behind = self._is_consumer and bool(extra.get("write_behind", True))
         self._requests: dict[str, Request] = {}  # decode, for write-behind: live requests by id
+        self._seeds: dict[str, str] = {}  # request id -> the start of its block-hash chain
+        self._adapters: dict[str, str] = {}  # LoRA adapter path -> its content digest
         self._planned_loads: list[BlockTransfer] = []
         self._saves: dict[str, _SaveState] = {}
         # worker side
@@ -161,7 +164,21 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     # ==== scheduler side ===================================================================
 
+    def _seed(self, request: Request) -> str:
+        """The request's chain seed: the fingerprint, its cache salt and its LoRA adapter's content."""
+        seed = self._seeds.get(request.request_id)
+        if seed is None:
+            lora = request.lora_request
+            adapter = None
+            if lora is not None:
+                adapter = self._adapters.get(lora.lora_path)
+                if adapter is None:
+                    adapter = self._adapters[lora.lora_path] = directory_digest(lora.lora_path)
+            seed = self._seeds[request.request_id] = chain_seed(self._fingerprint, request.cache_salt, adapter)
+        return seed
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._seed(request)  # build_connector_meta sees only the request's scheduling data
         params = request.kv_transfer_params or {}
         if self._is_consumer and params.get("block_hashes"):
             return self._match_prefill(request, params, num_computed_tokens)
@@ -178,7 +195,7 @@ class MeshKVConnector(KVConnectorBase_V1):
             return 0, False
         # vLLM must compute at least the last prompt token itself.
         loadable = (request.prompt_token_ids or [])[:-1]
-        ours = block_hashes(self._fingerprint, loadable, self._block_size, partial=True)
+        ours = block_hashes(self._seed(request), loadable, self._block_size, partial=True)
         matched = 0
         while matched < min(len(ours), len(remote)) and ours[matched] == remote[matched]:
             matched += 1
@@ -188,7 +205,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         """Prefill: the prompt's leading full blocks that any instance already stored (every
         layer of them): loaded instead of recomputed."""
         assert self._lookup is not None
-        hashes = block_hashes(self._fingerprint, (request.prompt_token_ids or [])[:-1], self._block_size)
+        hashes = block_hashes(self._seed(request), (request.prompt_token_ids or [])[:-1], self._block_size)
         first = num_computed_tokens // self._block_size
         if first >= len(hashes):
             return 0, False
@@ -212,6 +229,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         return new_tokens, self._async_load
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._seed(request)
         if self._write_behind:
             self._requests[request.request_id] = request  # its token ids grow as it decodes
         plan = self._load_plans.pop(request.request_id, None)
@@ -235,7 +253,7 @@ class MeshKVConnector(KVConnectorBase_V1):
             prompt = new.prompt_token_ids or []
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
             if self._is_producer:  # the whole prompt, its partial last block included
-                hashes, saved = block_hashes(self._fingerprint, prompt, self._block_size, partial=True), \
+                hashes, saved = block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True), \
                     self._reused_blocks.pop(new.req_id, 0)
             else:  # decode: full blocks beyond what the prefill saved, as generation fills them
                 hashes, saved = [], (len(prompt) - 1) // self._block_size
@@ -265,7 +283,7 @@ class MeshKVConnector(KVConnectorBase_V1):
             ready = tokens_done // self._block_size
             request = self._requests.get(req_id)
             if ready > state.saved and request is not None and len(state.hashes) < ready:
-                state.hashes = block_hashes(self._fingerprint, request.all_token_ids[: ready * self._block_size],
+                state.hashes = block_hashes(self._seed(request), request.all_token_ids[: ready * self._block_size],
                                             self._block_size)
             ready = min(ready, len(state.hashes))
         complete = min(ready, len(state.block_ids))
@@ -277,6 +295,7 @@ class MeshKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._saves.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
+        self._seeds.pop(request.request_id, None)
         self._load_plans.pop(request.request_id, None)
         self._reused_blocks.pop(request.request_id, None)
         if not self._is_producer or state is None:

@@ -3,19 +3,102 @@
 A chunk is one KV block of one layer. Its key depends only on the fingerprint, the chain
 of token-block hashes up to that block, and the layer, so equal prefixes give equal keys
 on every instance and KV from a different layout can never be mistaken for ours.
+
+The fingerprint covers the checkpoint's content (weights, config, tokenizer), not only its
+name and shapes: a new fine-tune at the same path never reads the old one's KV, even from a
+store that outlived the restart. A request's chain is further seeded with its `cache_salt`
+and LoRA adapter (`chain_seed`), so prefixes are shared only within a salt and an adapter.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import re
 from array import array
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from llmesh.errors import KVFingerprintMismatch
 
-LAYOUT_VERSION = 1  # bump when the byte layout of a chunk changes
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 2  # bump when the byte layout of a chunk or the key derivation changes
+_BLOB_NAME = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")  # a hub cache blob is named by its content hash
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmesh" / "digests"
+
+
+def file_digest(path: Path) -> str:
+    """Content digest of one file. A hub cache's symlink names its blob's hash, which is used as
+    is; other files are hashed once and remembered by (device, inode, size, mtime, ctime): any
+    write changes ctime, which no user can set back."""
+    if path.is_symlink():
+        target = Path(os.readlink(path))
+        if target.parent.name == "blobs" and _BLOB_NAME.match(target.name):
+            return f"blob:{target.name}"
+    st = path.stat()
+    stamp = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    entry = _cache_dir() / hashlib.blake2b(str(path.resolve()).encode(), digest_size=16).hexdigest()
+    try:
+        cached_stamp, cached = entry.read_text().split()
+        if cached_stamp == stamp:
+            return cached
+    except (OSError, ValueError):
+        pass
+    with open(path, "rb") as f:
+        digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}")
+        tmp.write_text(f"{stamp} {digest}")
+        tmp.replace(entry)
+    except OSError as exc:  # a read-only home only costs hashing again next start
+        log.debug("cannot cache the digest of %s: %s", path, exc)
+    return digest
+
+
+def directory_digest(path: str | Path) -> str:
+    """Digest of every regular top-level file of a model or adapter folder (weights, config,
+    tokenizer, ...), names included; hidden files and subfolders are not part of it."""
+    folder = Path(path)
+    digest = hashlib.blake2b(digest_size=16)
+    for file in sorted(folder.iterdir()):
+        if file.name.startswith(".") or not file.is_file():
+            continue
+        digest.update(f"{file.name}={file_digest(file)}\n".encode())
+    return digest.hexdigest()
+
+
+def local_folder(name: str, revision: str | None) -> Path:
+    """The folder a model or tokenizer was loaded from: a path, or a hub name's local snapshot."""
+    if os.path.isdir(name):
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception as exc:
+        raise RuntimeError(f"cannot identify the checkpoint {name!r} (revision {revision}): it is neither a folder "
+                           f"nor in the local hub cache ({exc}); KV from unknown weights is never shared, so "
+                           "give the model as a local path") from None
+
+
+def checkpoint_identity(model: str, revision: str | None, tokenizer: str | None = None,
+                        tokenizer_revision: str | None = None) -> str:
+    """Content identity of the weights, config and tokenizer an engine serves."""
+    model_dir = local_folder(model, revision)
+    parts = [directory_digest(model_dir)]
+    if tokenizer and tokenizer != model:
+        tokenizer_dir = local_folder(tokenizer, tokenizer_revision)
+        if tokenizer_dir.resolve() != model_dir.resolve():
+            parts.append(directory_digest(tokenizer_dir))
+    return ":".join(parts)
 
 
 def kv_layout(vllm_config: Any) -> dict[str, Any]:
@@ -27,6 +110,7 @@ def kv_layout(vllm_config: Any) -> dict[str, Any]:
     return {
         "layout_version": LAYOUT_VERSION,
         "model": model.served_model_name or model.model,
+        "checkpoint": checkpoint_identity(model.model, model.revision, model.tokenizer, model.tokenizer_revision),
         "architecture": (model.architectures or ["?"])[0],
         "hidden_size": hf.hidden_size,
         "vocab_size": hf.vocab_size,
@@ -54,8 +138,16 @@ def check_same_layout(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     raise KVFingerprintMismatch("KV layouts differ between prefill and decode (" + "; ".join(diffs) + ")")
 
 
+def chain_seed(fp: str, cache_salt: str | None = None, adapter: str | None = None) -> str:
+    """What a request's block-hash chain starts from: the fingerprint, plus its cache salt and
+    the identity of its LoRA adapter when it has them (tenants and adapters never share KV)."""
+    if not cache_salt and not adapter:
+        return fp
+    return hashlib.blake2b(json.dumps([fp, cache_salt or "", adapter or ""]).encode(), digest_size=16).hexdigest()
+
+
 def block_hashes(fp: str, token_ids: Sequence[int], block_size: int, *, partial: bool = False) -> list[str]:
-    """Hash chain over the blocks of `token_ids`, seeded with the fingerprint.
+    """Hash chain over the blocks of `token_ids`, seeded with `fp` (the fingerprint or a `chain_seed`).
 
     Full blocks only, unless `partial`: then a trailing partial block gets a hash too (its
     token count is part of what is hashed, so it never equals a longer block's).

@@ -173,6 +173,7 @@ class SamplingOptions(Message):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] = []
     seed: int | None = None
+    ignore_eos: bool = False  # generate up to max_tokens even past the end-of-sequence token
 
 
 class PrefillRequest(Message):
@@ -184,6 +185,7 @@ class PrefillRequest(Message):
     sampling: SamplingOptions  # the first token is sampled here, as a monolithic engine would
     deadline: float  # unix time
     predicted_length: LengthPrediction | None = None
+    cache_salt: str | None = None  # KV prefixes are shared only between requests with the same salt
 
 
 class TokenDelta(Message):
@@ -222,6 +224,7 @@ class DecodeRequest(Message):
     fingerprint: str  # the prefill worker's; decode refuses a mismatch
     deadline: float
     predicted_length: LengthPrediction | None = None
+    cache_salt: str | None = None  # the prefill's: decode re-derives the same block hashes
 
 
 class AbortRequest(Message):

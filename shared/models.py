@@ -84,7 +84,8 @@ def build_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def build_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> None:
+def build_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                seed: int = SEED) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -103,6 +104,6 @@ def build_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int,
         eos_token_id=2,
         pad_token_id=2,
     )
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)

@@ -48,9 +48,21 @@ def sampling_params(options: SamplingOptions, *, max_tokens: int, kv_transfer_pa
         top_p=options.top_p,
         stop=options.stop or None,
         seed=options.seed,
+        ignore_eos=options.ignore_eos,
         extra_args={"kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()}},
         **extra,
     )
+
+
+def tokens_prompt(token_ids: list[int], cache_salt: str | None) -> Any:
+    """The engine's input: token ids, salted so vLLM's own prefix cache (like the kv-store's keys)
+    is shared only within the salt."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=token_ids)
+    if cache_salt:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 def engine_args(settings: WorkerSettings, role: Role) -> Any:

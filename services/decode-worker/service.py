@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch
 from llmesh.kvkeys import check_same_layout
 from llmesh.messages import DecodeRequest, TokenDelta
-from llmesh.worker import EngineWorker, sampling_params
+from llmesh.worker import EngineWorker, sampling_params, tokens_prompt
 
 
 class DecodeService:
@@ -36,7 +35,7 @@ class DecodeService:
         finish_reason = None
         async with self.worker.admit(req.request_id, req.model, req.deadline, total):
             async for out in self.worker.engine.generate(
-                TokensPrompt(prompt_token_ids=[*req.prompt_token_ids, req.first_token]), params,
+                tokens_prompt([*req.prompt_token_ids, req.first_token], req.cache_salt), params,
                 request_id=f"decode-{req.request_id}",
             ):
                 o = out.outputs[0]

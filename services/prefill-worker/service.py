@@ -8,11 +8,9 @@ from __future__ import annotations
 import time
 
 from opentelemetry import trace
-from vllm.inputs import TokensPrompt
-
 from llmesh.errors import ContextLengthExceeded, InvalidRequest
 from llmesh.messages import PrefillRequest, PrefillResult, TokenDelta
-from llmesh.worker import EngineWorker, sampling_params
+from llmesh.worker import EngineWorker, sampling_params, tokens_prompt
 
 
 class PrefillService:
@@ -60,7 +58,7 @@ class PrefillService:
             final = None
             started = time.monotonic()
             async for out in self.worker.engine.generate(
-                TokensPrompt(prompt_token_ids=token_ids), params, request_id=f"prefill-{req.request_id}"
+                tokens_prompt(token_ids, req.cache_salt), params, request_id=f"prefill-{req.request_id}"
             ):
                 final = out
             assert final is not None

@@ -50,6 +50,7 @@ class Generation:
     messages: list[ChatMessage] | None
     sampling: SamplingOptions  # max_tokens None: the rest of the context
     deadline: float
+    cache_salt: str | None = None
 
     @property
     def length_prompt(self) -> str | None:
@@ -116,7 +117,8 @@ class Dispatcher:
                     Subjects.worker("prefill", prefill.worker_id),
                     PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                    prompt_token_ids=gen.prompt_token_ids, messages=gen.messages,
-                                   sampling=gen.sampling, deadline=gen.deadline, predicted_length=predicted),
+                                   sampling=gen.sampling, deadline=gen.deadline, predicted_length=predicted,
+                                   cache_salt=gen.cache_salt),
                     PrefillResult,
                     timeout=gen.deadline - time.time(),
                 ))
@@ -142,7 +144,7 @@ class Dispatcher:
                                       first_token=result.first.token_ids[0], sampling=sampling,
                                       kv_transfer_params=result.kv_transfer_params,
                                       fingerprint=result.fingerprint, deadline=gen.deadline,
-                                      predicted_length=predicted),
+                                      predicted_length=predicted, cache_salt=gen.cache_salt),
                         deadline=gen.deadline,
                     )
                 with self.registry.watch(decode.worker_id, replies.fail):

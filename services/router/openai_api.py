@@ -25,6 +25,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: completion token ids in each choice
+    cache_salt: str | None = None  # vLLM extension: prefix-cache isolation between tenants
+    ignore_eos: bool = False  # vLLM extension: generate max_tokens even past EOS (benchmarks use it)
 
     @model_validator(mode="before")
     @classmethod
@@ -53,6 +55,14 @@ class _Common(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, salt: str | None) -> str | None:
+        """vLLM's rules, so a client moving between vLLM and the mesh sees the same errors."""
+        if salt is not None and (not salt or len(salt) > 128 or any(c in "@/\\\0" for c in salt)):
+            raise ValueError("cache_salt must be 1 to 128 characters and must not contain '@', '/', '\\' or NUL")
+        return salt
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -63,7 +73,7 @@ class _Common(BaseModel):
     def sampling(self) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingOptions(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                               stop=stop, seed=self.seed)
+                               stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:

@@ -103,6 +103,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             messages=[m.to_message() for m in body.messages] if chat else None,  # type: ignore[union-attr]
             sampling=body.sampling(),
             deadline=time.time() + request_timeout_s,
+            cache_salt=body.cache_salt,
         )
         shape = ResponseShape(chat, request_id, body.model)
         deltas = dispatcher.generate(gen, parent)

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,9 +44,9 @@ def model_path(model_dir) -> str:
     return resolve_model(EMBEDDED_MODEL, model_dir)  # built once, before any process needs it
 
 
-@pytest.fixture(scope="session")
-def mesh(tmp_path_factory, model_dir, model_path):
-    work = tmp_path_factory.mktemp("mesh")
+@contextmanager
+def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) -> Iterator[Mesh]:
+    """A whole mesh started by `command` (the launcher) with its state under `work`."""
     port, nats_port, redis_port = free_port(), free_port(), free_port()
     env = {
         "MESH_PORT": str(port),
@@ -58,15 +60,22 @@ def mesh(tmp_path_factory, model_dir, model_path):
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_REQUEST_TIMEOUT_S": "120",
         "MESH_LENGTH_PREDICT_TIMEOUT_S": "10",  # the predictor shares 2 cores with two engines here
-    }
-    # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
-    launcher = Child("make run", ["make", "--no-print-directory", "-C", str(ROOT), "run"], env=env,
-                     log_path=work / "launcher.log")
+    } | env
+    work.mkdir(parents=True, exist_ok=True)
+    launcher = Child("mesh", command, env=env, log_path=work / "launcher.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", STARTUP_S, [launcher])
         yield Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work, launcher)
     finally:
         launcher.stop(30)
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory, model_dir, model_path):
+    # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
+    with running_mesh(tmp_path_factory.mktemp("mesh"), model_dir,
+                      ["make", "--no-print-directory", "-C", str(ROOT), "run"]) as mesh:
+        yield mesh
 
 
 class Reference:
@@ -87,9 +96,9 @@ class Reference:
         return json.loads(self.proc.stdout.readline())
 
 
-@pytest.fixture(scope="session")
-def reference(model_path, tmp_path_factory):
-    log = open(tmp_path_factory.mktemp("reference") / "reference.log", "w")
+@contextmanager
+def reference_engine(model_path: str, log_dir: Path) -> Iterator[Reference]:
+    log = open(log_dir / "reference.log", "w")
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reference_engine.py")), model_path,
                              str(MAX_MODEL_LEN), str(BLOCK_SIZE)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -104,3 +113,9 @@ def reference(model_path, tmp_path_factory):
             os.killpg(proc.pid, 9)
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def reference(model_path, tmp_path_factory):
+    with reference_engine(model_path, tmp_path_factory.mktemp("reference")) as engine:
+        yield engine

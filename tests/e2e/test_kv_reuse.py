@@ -62,6 +62,20 @@ def test_prefix_stored_by_one_prefill_worker_is_loaded_by_another(mesh, referenc
     assert stored == 2 * NUM_LAYERS  # only what it computed: block 4 and the partial block 5
 
 
+def test_stored_prefixes_are_shared_only_within_a_cache_salt(mesh, reference, first_prefill_worker,
+                                                             second_prefill_worker):
+    ids = token_prompt(600, seed=6161)  # blocks 0-3 full, block 4 partial
+    expected = reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    tokens, loaded, stored = prefill_loads(mesh, ids, prefill_worker=first_prefill_worker, cache_salt="tenant-a")
+    assert tokens == expected and loaded == 0 and stored == 5 * NUM_LAYERS
+    # The same prompt from another tenant, on the worker that never saw it: nothing is shared.
+    tokens, loaded, stored = prefill_loads(mesh, ids, prefill_worker=second_prefill_worker, cache_salt="tenant-b")
+    assert tokens == expected and loaded == 0 and stored == 5 * NUM_LAYERS
+    # The first tenant again, on that worker: its 4 full blocks come from the store.
+    tokens, loaded, stored = prefill_loads(mesh, ids, prefill_worker=second_prefill_worker, cache_salt="tenant-a")
+    assert tokens == expected and loaded == 4 * NUM_LAYERS and stored == NUM_LAYERS
+
+
 def test_decode_writes_generated_kv_back_for_the_next_turn(mesh, reference, first_prefill_worker,
                                                           second_prefill_worker):
     turn1 = token_prompt(370, seed=5151)  # blocks 0-1 full; generation completes block 2

@@ -302,6 +302,9 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
     ("/v1/completions", {"model": MODEL, "prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}, 400,
      "context_length_exceeded"),
     ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "cache_salt": "a/b"}, 400, "invalid_request"),
 ])
 def test_bad_input_gets_openai_error(mesh, path, body, status, code):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -360,7 +363,7 @@ def async_decode_worker(mesh, model_dir):
 
 
 async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worker: str | None = None,
-                        between=None, prefill_worker: str | None = None) -> list[int]:
+                        between=None, prefill_worker: str | None = None, cache_salt: str | None = None) -> list[int]:
     """Prefill then decode over the bus, as the router does, with `between()` run in the middle."""
     prefill_worker = prefill_worker or (await live_worker(mesh, "prefill")).worker_id
     decode_worker = decode_worker or (await live_worker(mesh, "decode")).worker_id
@@ -370,15 +373,15 @@ async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worke
         deadline = time.time() + 60
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=0)
         result, _ = await bus.request(Subjects.worker("prefill", prefill_worker), PrefillRequest(
-            request_id=request_id, model=MODEL, prompt_token_ids=ids, sampling=sampling, deadline=deadline),
-            PrefillResult, timeout=60)
+            request_id=request_id, model=MODEL, prompt_token_ids=ids, sampling=sampling, deadline=deadline,
+            cache_salt=cache_salt), PrefillResult, timeout=60)
         if between is not None:
             await between()
         tokens = list(result.first.token_ids)
         replies = await bus.stream(Subjects.worker("decode", decode_worker), DecodeRequest(
             request_id=request_id, model=MODEL, prompt_token_ids=result.prompt_token_ids, first_token=tokens[0],
             sampling=sampling, kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
-            deadline=deadline), deadline=deadline)
+            deadline=deadline, cache_salt=cache_salt), deadline=deadline)
         async for delta, _ in replies:
             tokens += delta.token_ids
         return tokens
