@@ -24,7 +24,9 @@ def bucket_label(bucket: int) -> str:
     return f">={low}" if bucket == len(EDGES) else f"[{low},{EDGES[bucket]})"
 
 
-MAX_PROMPT_CHARS = 32768  # a prompt is sent to the predictor cut to this many characters
+# A prompt is sent to the predictor cut to this many characters: the model reads its first tokens
+# and the full length (counted in the part at hand, extrapolated by characters beyond it).
+MAX_PROMPT_CHARS = 4096
 
 
 def cut_prompt(text: str) -> tuple[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch
@@ -31,6 +32,8 @@ class DecodeService:
                                  param="max_tokens")
         params = sampling_params(req.sampling, max_tokens=total - 1, kv_transfer_params=kv_params,
                                  output_kind=RequestOutputKind.DELTA)
+        if req.predicted_length is not None:
+            trace.get_current_span().set_attribute("length.bucket", req.predicted_length.label)
         prompt_tokens, completion_tokens = len(req.prompt_token_ids), 1  # the first came from prefill
         finish_reason = None
         async with self.worker.admit(req.request_id, req.model, req.deadline, total):

@@ -65,13 +65,24 @@ class LengthModel(nn.Module):
         return self.head(self.features(batch))
 
 
+def quantized(encoder: nn.Module) -> nn.Module:
+    """The encoder with int8 linear layers (weights quantized once, activations per call)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's notice that torchao will replace it
+        return torch.ao.quantization.quantize_dynamic(encoder, {nn.Linear}, dtype=torch.qint8)
+
+
 def encode(tokenizer, prompts: list[str], max_tokens: int, chars: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Encoder input for `prompts`, cut to `max_tokens`, and each prompt's length in tokens.
 
     `chars`: the full length of prompts that were cut short (llmesh.lengths.cut_prompt); their
     token count is extrapolated from the part at hand.
     """
-    enc = tokenizer(prompts, truncation=True, max_length=max_tokens, padding=True, return_tensors="pt")
+    # max_tokens tokens lie well within 32 characters each: tokenize no more than that for the encoder
+    enc = tokenizer([p[: max_tokens * 32] for p in prompts], truncation=True, max_length=max_tokens, padding=True,
+                    return_tensors="pt")
     counts = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     if chars is not None:
         counts = [round(n * max(c, len(p)) / len(p)) if p else n for n, c, p in zip(counts, chars, prompts)]

@@ -19,7 +19,11 @@ class LengthPredictorSettings(CommonSettings):
     length_max_batch: int = Field(
         32, ge=1, description="Most prompts run through the model at once; requests that arrive while a batch "
         "runs form the next one.")
-    length_torch_threads: int = Field(0, ge=0, description="CPU threads for inference; 0: torch's default.")
+    length_torch_threads: int = Field(
+        1, ge=0, description="CPU threads for inference (0: torch's default). One: the mesh's engines need the "
+        "other cores more than a prediction needs to finish sooner, and batching is what scales.")
+    length_quantize: bool = Field(True, description="Run the encoder's linear layers in int8 (dynamic "
+                                  "quantization): about half the CPU time, accuracy unchanged (docs/benchmarks.md).")
     length_pending_predictions: int = Field(
         10000, ge=1, description="Prompts kept until the worker reports the request's actual length (the oldest "
         "are forgotten first).")

@@ -12,6 +12,7 @@ from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging
 from llmesh.messages import Subjects, WorkerInfo
+from llmesh.policies import NEEDS_PREDICTION
 
 from .dispatch import Dispatcher
 from .metrics import RouterMetrics
@@ -39,7 +40,9 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
-    dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s)
+    dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s,
+                            predict_before_dispatch=settings.dispatch_policy in NEEDS_PREDICTION,
+                            length_sample_fraction=settings.length_sample_fraction, seed=settings.seed)
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

@@ -3,12 +3,17 @@
 Every stage is bounded by the request's deadline and by the chosen worker's liveness (a
 worker that stops heart-beating fails the request at once, not at the deadline). If the
 caller goes away, the generator is closed and the worker in charge is told to abort.
+
+The length prediction is awaited before dispatch only when the dispatch policy reads it;
+otherwise a sample of requests is predicted beside the prefill (for the trace, the decode
+worker's report and the predictor's online scoring), never on the time to first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -61,10 +66,30 @@ class Generation:
 
 
 class Dispatcher:
-    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float):
+    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float, *,
+                 predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0):
         self.bus, self.registry, self.metrics = bus, registry, metrics
         self.length_timeout_s = length_timeout_s
+        self.predict_before_dispatch = predict_before_dispatch  # the dispatch policy reads predicted lengths
+        self.length_sample_fraction = length_sample_fraction  # else: requests predicted beside the prefill
+        self._sampler = random.Random(seed)
         self._tracer = telemetry.tracer("llmesh.router")
+
+    def _predict_beside(self, gen: Generation, parent: context.Context) -> asyncio.Task | None:
+        """A sampled prediction that runs while the prefill does (None if not sampled)."""
+        if self._sampler.random() >= self.length_sample_fraction:
+            self.metrics.length_predictions.labels("unsampled").inc()
+            return None
+        return asyncio.create_task(self.predict_length(gen, parent))
+
+    def _prediction_so_far(self, task: asyncio.Task | None) -> LengthPrediction | None:
+        """The sampled prediction if it is in; a late one is dropped (nothing waits for it)."""
+        if task is None or not task.done():
+            if task is not None:
+                task.cancel()
+                self.metrics.length_predictions.labels("late").inc()
+            return None
+        return task.result()
 
     async def predict_length(self, gen: Generation, parent: context.Context) -> LengthPrediction | None:
         """The length predictor's tag for `gen`, or None if it is absent, slow or failing (counted
@@ -106,7 +131,11 @@ class Dispatcher:
         from another task, where detaching a context attached here would fail.
         """
         prefill = self.registry.pick("prefill", gen.model)
-        predicted = await self.predict_length(gen, parent)
+        predicting = None
+        if self.predict_before_dispatch:
+            predicted = await self.predict_length(gen, parent)
+        else:
+            predicted, predicting = None, self._predict_beside(gen, parent)
         active = prefill.worker_id
         finished = False
         try:
@@ -130,6 +159,8 @@ class Dispatcher:
             yield first
             if finished:
                 return
+            if predicting is not None:
+                predicted, predicting = self._prediction_so_far(predicting), None
             decode = self.registry.pick("decode", gen.model, fingerprint=result.fingerprint)
             active = decode.worker_id
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
@@ -167,6 +198,9 @@ class Dispatcher:
             if not finished and (not isinstance(exc, MeshError) or isinstance(exc, Timeout)):
                 await self._abort(active, gen.request_id)
             raise
+        finally:
+            if predicting is not None and not predicting.done():
+                predicting.cancel()
         if not finished:
             raise MeshError("the decode worker ended the stream without a result")
 

@@ -24,5 +24,6 @@ class RouterMetrics:
         self.tokens = Counter("llmesh_generated_tokens", "Completion tokens streamed", registry=r)
         self.length_predictions = Counter(
             "llmesh_request_length_predictions", "Requests by length-prediction outcome (ok, timeout, unavailable, "
-            "error; skipped: no prompt text)", ["outcome"], registry=r)
+            "error; skipped: no prompt text; unsampled: not predicted (MESH_LENGTH_SAMPLE_FRACTION); late: "
+            "answered after the prefill, dropped)", ["outcome"], registry=r)
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

@@ -1,6 +1,7 @@
 from pydantic import Field
 
 from llmesh.config import CommonSettings
+from llmesh.policies import POLICIES
 
 
 class RouterSettings(CommonSettings):
@@ -8,7 +9,12 @@ class RouterSettings(CommonSettings):
     port: int = Field(8000, description="HTTP port.")
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
-    dispatch_policy: str = Field("least_loaded", description="Policy in llmesh.policies.POLICIES.")
+    dispatch_policy: str = Field("least_loaded", description="Policy in llmesh.policies.POLICIES: "
+                                 + ", ".join(POLICIES) + ".")
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
+    length_sample_fraction: float = Field(
+        0.1, ge=0, le=1, description="Fraction of requests whose output length is predicted when the dispatch "
+        "policy does not read predictions (beside the prefill, never delaying it): for traces, the predictor's "
+        "online scoring and refit samples. Policies that read them get every request predicted before dispatch.")
     length_predict_timeout_s: float = Field(0.1, gt=0, description="How long a request waits for the length "
                                             "predictor; past it, it is dispatched without a prediction.")

@@ -7,5 +7,6 @@ router, the placement service and any simulator call the same code and tests are
 from llmesh.policies.load import WorkerSnapshot, least_loaded
 
 POLICIES = {"least_loaded": least_loaded}
+NEEDS_PREDICTION: set[str] = set()  # policies that read a request's predicted output length
 
-__all__ = ["POLICIES", "WorkerSnapshot", "least_loaded"]
+__all__ = ["NEEDS_PREDICTION", "POLICIES", "WorkerSnapshot", "least_loaded"]

@@ -263,13 +263,16 @@ def heartbeat(worker_id: str, role: str):
                       running=0, queued_tokens=0, capacity=4, heartbeat_s=1.0)
 
 
-async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: float = 5.0):
-    """The router app in-process, and prefill/decode doubles on the bus that record what they get."""
+async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: float = 5.0, prefill_s: float = 0.0,
+                                   **dispatcher):
+    """The router app in-process, and prefill/decode doubles on the bus that record what they get
+    (the prefill takes `prefill_s`)."""
     bus = await Bus.connect(nats_url, f"router-{name}")
     seen: list[PrefillRequest | DecodeRequest] = []
 
     async def prefill(req, blob):
         seen.append(req)
+        await asyncio.sleep(prefill_s)
         return PrefillResult(prompt_token_ids=[1, 2, 3], max_tokens=4, kv_transfer_params={}, fingerprint="f" * 32,
                              first=TokenDelta(text="a", token_ids=[7], prompt_tokens=3, completion_tokens=1))
 
@@ -283,13 +286,14 @@ async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: f
     registry.on_heartbeat(heartbeat(f"p-{name}", "prefill"))
     registry.on_heartbeat(heartbeat(f"d-{name}", "decode"))
     metrics = RouterMetrics()
-    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s), registry, metrics, request_timeout_s=30)
+    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s, **dispatcher), registry, metrics,
+                     request_timeout_s=30)
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router"), metrics, seen
 
 
 def outcomes(metrics: RouterMetrics) -> dict[str, float]:
     return {o: metrics.registry.get_sample_value("llmesh_request_length_predictions_total", {"outcome": o}) or 0
-            for o in ("ok", "timeout", "unavailable", "error", "skipped")}
+            for o in ("ok", "timeout", "unavailable", "error", "skipped", "unsampled", "late")}
 
 
 def router_span(spans: InMemorySpanExporter) -> dict:
@@ -298,8 +302,8 @@ def router_span(spans: InMemorySpanExporter) -> dict:
     return dict(found[-1].attributes)
 
 
-async def test_router_puts_the_prediction_on_the_request_and_in_the_trace(service, client, nats_url, spans):
-    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "with-predictor")
+async def test_a_policy_that_reads_predictions_gets_them_before_dispatch(service, client, nats_url, spans):
+    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "with-predictor", predict_before_dispatch=True)
     try:
         resp = await http.post("/v1/chat/completions", json={
             "model": "m", "messages": [{"role": "system", "content": "Be brief."},
@@ -329,11 +333,54 @@ async def test_router_puts_the_prediction_on_the_request_and_in_the_trace(servic
         await bus.close()
 
 
+async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying_it(service, client, nats_url,
+                                                                                    spans):
+    # The prediction (tens of ms) is in before this prefill ends: decode carries it, prefill did not wait.
+    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "beside", prefill_s=1.0)
+    try:
+        resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[2], "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        prefill, decode = seen
+        assert prefill.predicted_length is None and decode.predicted_length == await predict(client, PROMPTS[2])
+        assert outcomes(metrics)["ok"] == 1 and router_span(spans)["length.prediction"] == "ok"
+    finally:
+        await http.aclose()
+        await bus.close()
+    # A prefill that ends first does not wait: the prediction is late and dropped.
+    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "late")
+
+    async def slow(req, blob):
+        await asyncio.sleep(2)
+
+    await bus.serve(Subjects.LENGTH_PREDICT, slow, queue="length-predictor")
+    try:
+        started = time.monotonic()
+        for _ in range(3):  # the real replica or the slow one answers: never waited for
+            resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[1], "max_tokens": 4})
+            assert resp.status_code == 200, resp.text
+        assert time.monotonic() - started < 1.5 and all(r.predicted_length is None for r in seen)
+        assert outcomes(metrics)["late"] == 3
+    finally:
+        await http.aclose()
+        await bus.close()
+    # None sampled: the predictor is not asked at all.
+    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "unsampled", length_sample_fraction=0.0)
+    try:
+        before = (await stats(client, service.replica)).predictions
+        resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
+        assert resp.status_code == 200 and outcomes(metrics)["unsampled"] == 1
+        assert (await stats(client, service.replica)).predictions == before
+    finally:
+        await http.aclose()
+        await bus.close()
+
+
 async def test_router_serves_without_the_predictor_or_past_a_slow_one(tmp_path, spans):
     from llmesh.launcher import start_nats
 
     nats, url = start_nats(tmp_path)  # a mesh whose predictor is not running
-    bus, http, metrics, seen = await router_with_fake_workers(url, "alone", length_timeout_s=0.05)
+    bus, http, metrics, seen = await router_with_fake_workers(url, "alone", length_timeout_s=0.05,
+                                                              predict_before_dispatch=True)
     try:
         resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
         assert resp.status_code == 200, resp.text
