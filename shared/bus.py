@@ -2,7 +2,10 @@
 
 - `Bus.connect`: connects with retry and unlimited reconnects.
 - `Bus.request`: request/reply with a deadline; typed errors come back raised.
-- `Bus.stream`: a request answered by a stream of messages on a private inbox.
+- `Bus.stream`: a request answered by a stream of messages. All of a client's streams share
+  one subscription, and a server sends the replies it produces for one client within one turn
+  of its event loop as one NATS message (`StreamBatch`): a decode worker's engine step reaches
+  each router as one message, whatever the number of requests in it.
 - `Bus.serve`: handles a subject (optionally in a queue group); a handler returns a reply,
   an async iterator of replies (a stream), or None (events). Each message gets its own
   task and a span parented on the caller's trace context from the headers.
@@ -25,7 +28,16 @@ from opentelemetry import trace
 
 from llmesh import telemetry
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout
-from llmesh.messages import ErrorReply, Message, StreamEnd, decode, decode_any, encode
+from llmesh.messages import (
+    ErrorReply,
+    Message,
+    StreamBatch,
+    StreamEnd,
+    decode,
+    decode_any,
+    encode,
+    split_batch,
+)
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -35,10 +47,81 @@ Handler = Callable[[Message, memoryview], Awaitable[Reply | None] | AsyncIterato
 
 # Room left in a payload for the frame header and NATS headers.
 FRAME_OVERHEAD = 64 * 1024
+STREAM_HEADER = "Mesh-Stream"  # on a `Bus.stream` request: replies may go batched to `<reply's parent>.batch`
+_BATCH = "batch"
+_NO_RESPONDERS = object()
 
 
 def _is_no_responders(msg: Msg) -> bool:
     return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"
+
+
+class _StreamMux:
+    """Every reply stream of one client on one subscription to `<prefix>.>`: a stream's replies
+    come to `<prefix>.<stream id>` (NATS's no-responders notice too) or, several streams'
+    together, to `<prefix>.batch`."""
+
+    def __init__(self, bus: Bus):
+        self.prefix = f"{bus.nc.new_inbox()}.s"
+        self._streams: dict[str, ReplyStream] = {}
+        self._next = 0
+        self._bus = bus
+
+    async def start(self) -> None:
+        await self._bus.nc.subscribe(f"{self.prefix}.>", cb=self._on_msg)
+
+    def open(self, stream: ReplyStream) -> str:
+        self._next += 1
+        stream_id = f"{self._next:x}"
+        self._streams[stream_id] = stream
+        return stream_id
+
+    def close(self, stream_id: str) -> None:
+        self._streams.pop(stream_id, None)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        token = msg.subject[len(self.prefix) + 1:]
+        if token != _BATCH:
+            stream = self._streams.get(token)
+            if stream is not None:
+                stream.feed(_NO_RESPONDERS if _is_no_responders(msg) else msg.data)
+            return
+        try:
+            for stream_id, frame in split_batch(msg.data):
+                stream = self._streams.get(stream_id)
+                if stream is not None:
+                    stream.feed(frame)
+        except MeshError as exc:
+            log.warning("undecodable reply batch on %s: %s", msg.subject, exc.message)
+
+
+class _Outbox:
+    """Replies to one client's streams, sent as one `StreamBatch` per turn of the event loop."""
+
+    def __init__(self, bus: Bus, subject: str):
+        self._bus, self._subject = bus, subject
+        self._ids: list[str] = []
+        self._frames: list[bytes] = []
+        self._sending: asyncio.Task | None = None
+
+    def add(self, stream_id: str, frame: bytes) -> None:
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._ids.append(stream_id)
+        self._frames.append(frame)
+
+    def _flush(self) -> None:
+        batch = encode(StreamBatch(streams=self._ids, sizes=[len(f) for f in self._frames]), b"".join(self._frames))
+        self._ids, self._frames = [], []
+        self._sending = self._bus._spawn(self._send(batch, self._sending))  # in order, after the previous one
+
+    async def _send(self, batch: bytes, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await asyncio.wait({previous})
+        try:
+            await self._bus.nc.publish(self._subject, batch)
+        except nats.errors.Error as exc:
+            log.warning("could not send replies on %s: %s", self._subject, exc)
 
 
 class ReplyStream:
@@ -46,17 +129,20 @@ class ReplyStream:
 
     def __init__(self, bus: Bus, subject: str, deadline: float):
         self._bus, self._subject, self._deadline = bus, subject, deadline
-        self._queue: asyncio.Queue[Msg | BaseException] = asyncio.Queue()
-        self._sub: Any = None
+        self._queue: asyncio.Queue[bytes | memoryview | object | BaseException] = asyncio.Queue()
+        self._stream_id: str | None = None
         self._done = False
 
     async def _open(self, msg: Message, blob: bytes) -> None:
-        inbox = self._bus.nc.new_inbox()
-        self._sub = await self._bus.nc.subscribe(inbox, cb=self._on_msg)
-        await self._bus.nc.publish(self._subject, encode(msg, blob), reply=inbox, headers=telemetry.inject())
+        mux = await self._bus._stream_mux()
+        self._stream_id = mux.open(self)
+        headers = telemetry.inject()
+        headers[STREAM_HEADER] = "1"
+        await self._bus.nc.publish(self._subject, encode(msg, blob), reply=f"{mux.prefix}.{self._stream_id}",
+                                   headers=headers)
 
-    async def _on_msg(self, msg: Msg) -> None:
-        self._queue.put_nowait(msg)
+    def feed(self, item: bytes | memoryview | object) -> None:
+        self._queue.put_nowait(item)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc` (e.g. the producing worker was declared dead)."""
@@ -78,9 +164,9 @@ class ReplyStream:
                 raise Timeout(f"deadline passed waiting for {self._subject}") from None
             if isinstance(item, BaseException):
                 raise item
-            if _is_no_responders(item):
+            if item is _NO_RESPONDERS:
                 raise ServiceUnavailable(f"nothing is serving {self._subject}")
-            reply, blob = decode_any(item.data)
+            reply, blob = decode_any(item)
             if isinstance(reply, StreamEnd):
                 raise StopAsyncIteration
             return reply, blob
@@ -91,11 +177,8 @@ class ReplyStream:
     async def close(self) -> None:
         if not self._done:
             self._done = True
-            if self._sub is not None:
-                try:
-                    await self._sub.unsubscribe()
-                except nats.errors.Error:
-                    pass
+            if self._stream_id is not None and self._bus._mux is not None:
+                self._bus._mux.close(self._stream_id)
 
 
 class Bus:
@@ -104,6 +187,24 @@ class Bus:
         self.name = name
         self._tasks: set[asyncio.Task] = set()
         self._tracer = telemetry.tracer(f"llmesh.{name}")
+        self._mux: _StreamMux | None = None
+        self._mux_started: asyncio.Task | None = None
+        self._outboxes: dict[str, _Outbox] = {}
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _stream_mux(self) -> _StreamMux:
+        """The client side of every stream, subscribed on first use (once, however many wait)."""
+        if self._mux is None:
+            self._mux = _StreamMux(self)
+            self._mux_started = asyncio.ensure_future(self._mux.start())
+        assert self._mux_started is not None
+        await asyncio.shield(self._mux_started)
+        return self._mux
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 30.0) -> Bus:
@@ -196,9 +297,7 @@ class Bus:
         """
 
         async def on_msg(msg: Msg) -> None:
-            task = asyncio.create_task(self._handle(msg, handler, span or subject, traced))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._handle(msg, handler, span or subject, traced))
 
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         await self.nc.flush()  # the server knows the subscription once we return
@@ -237,6 +336,13 @@ class Bus:
         if not request.reply:
             return
         msg, blob = reply if isinstance(reply, tuple) else (reply, b"")
+        if request.headers and STREAM_HEADER in request.headers:  # batched with the client's other streams
+            parent, stream_id = request.reply.rsplit(".", 1)
+            outbox = self._outboxes.get(parent)
+            if outbox is None:
+                outbox = self._outboxes[parent] = _Outbox(self, f"{parent}.{_BATCH}")
+            outbox.add(stream_id, encode(msg, blob))
+            return
         try:
             await self.nc.publish(request.reply, encode(msg, blob))
         except nats.errors.Error as exc:

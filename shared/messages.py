@@ -58,6 +58,14 @@ class StreamEnd(Message):
     """Last message of a reply stream."""
 
 
+class StreamBatch(Message):
+    """Replies to several of one client's streams, sent together: the blob holds one frame per
+    stream id, `sizes` bytes each (`split_batch`)."""
+
+    streams: list[str]
+    sizes: list[int]
+
+
 # ---- discovery and load ------------------------------------------------------------
 
 
@@ -320,6 +328,18 @@ def decode_any(data: bytes | memoryview) -> tuple[Message, memoryview]:
     if isinstance(msg, ErrorReply):
         raise from_code(msg.code, msg.message, msg.param)
     return msg, view[_HEADER_LEN + n :]
+
+
+def split_batch(data: bytes | memoryview) -> list[tuple[str, memoryview]]:
+    """The (stream id, frame) pairs of a StreamBatch."""
+    batch, blob = decode(data, StreamBatch)
+    if len(batch.sizes) != len(batch.streams) or sum(batch.sizes) != len(blob) or min(batch.sizes, default=0) < 0:
+        raise BadMessage(f"a StreamBatch of {len(blob)} bytes does not hold frames of {batch.sizes}")
+    out, start = [], 0
+    for stream_id, size in zip(batch.streams, batch.sizes):
+        out.append((stream_id, blob[start : start + size]))
+        start += size
+    return out
 
 
 def decode(data: bytes | memoryview, expected: type[M]) -> tuple[M, memoryview]:

@@ -34,6 +34,7 @@ from llmesh.models import resolve_model
 log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
+CPU_ENGINE_SPIN_S = 0.02
 WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
 
 
@@ -120,6 +121,13 @@ class EngineWorker:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
         if settings.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
+        spin = settings.engine_spin_s
+        if spin is None:
+            from vllm.platforms import current_platform
+
+            spin = CPU_ENGINE_SPIN_S if current_platform.is_cpu() else None
+        if spin is not None:
+            os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.vllm_plugin in the engine's processes
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         try:

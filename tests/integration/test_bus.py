@@ -6,13 +6,14 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
 from llmesh.bus import Bus
 from llmesh.errors import Timeout
-from llmesh.messages import Ack, KvStatsRequest
+from llmesh.messages import Ack, KvStatsRequest, LengthPredictRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,3 +92,50 @@ async def test_connecting_to_a_dead_server_fails_within_its_timeout():
     with pytest.raises(ServiceUnavailable, match="cannot reach NATS"):
         await Bus.connect(f"nats://127.0.0.1:{free_port()}", "hopeless", connect_timeout=1.5)
     assert asyncio.get_running_loop().time() - started < 3
+
+
+async def test_streams_of_one_client_share_one_message_per_turn_and_each_gets_its_own_replies(nats_url):
+    from llmesh.errors import InvalidRequest, ServiceUnavailable
+    from llmesh.messages import TokenDelta
+
+    server, client = await Bus.connect(nats_url, "streamer"), await Bus.connect(nats_url, "reader")
+    steps = asyncio.Event()
+
+    async def generate(msg, blob):
+        for step in range(5):  # all streams advance on the same event, as an engine step wakes every request
+            await steps.wait()
+            yield TokenDelta(text=f"{msg.prompt}:{step}", token_ids=[step])
+        if msg.prompt == "s7":
+            raise InvalidRequest("stream 7 fails after its tokens")
+
+    try:
+        await server.serve("test.stream", generate)
+        streams = [await client.stream("test.stream", LengthPredictRequest(prompt=f"s{i}"),
+                                       deadline=time.time() + 10) for i in range(20)]
+        sent_before = server.nc.stats["out_msgs"]
+
+        async def read(i, stream):
+            texts = []
+            try:
+                async for delta, _ in stream:
+                    texts.append(delta.text)
+            except InvalidRequest:
+                texts.append("failed")
+            return texts
+
+        readers = asyncio.gather(*(read(i, s) for i, s in enumerate(streams)))
+        for _ in range(5):
+            await asyncio.sleep(0.05)
+            steps.set()
+            steps.clear()
+        results = await readers
+        for i, texts in enumerate(results):
+            assert texts == [f"s{i}:{step}" for step in range(5)] + (["failed"] if i == 7 else [])
+        sent = server.nc.stats["out_msgs"] - sent_before
+        assert sent <= 10, f"{sent} messages for 20 streams x 6 replies: not batched"
+        with pytest.raises(ServiceUnavailable):  # nothing serves it: NATS's notice reaches the stream
+            async for _ in await client.stream("test.nobody", Ack(), deadline=time.time() + 5):
+                pass
+    finally:
+        await client.close()
+        await server.close()

@@ -1,0 +1,457 @@
+"""The mesh under load, beside what users would run instead, measured with vLLM's own client.
+
+    .venv/bin/python bench/serve.py                # the full sweep (docs/serve/), under 30 minutes
+    .venv/bin/python bench/serve.py --quick --out /tmp/serve   # a few requests per deployment
+
+Deployments, all on this machine and model, started once and measured one at a time:
+- `mesh`: the whole mesh as `make run` starts it (`python -m llmesh.launcher`);
+- `vllm`: one plain vLLM OpenAI server (vLLM's default CPU layout: one core computes, one is left);
+- `vllm-router`: `vllm-router` (the vLLM project's Rust router, from PyPI) over two plain vLLM
+  servers pinned to one core each, with the policy that suits the workload (`--router-policy`).
+
+Workloads: `random` (vLLM's random dataset), `prefix` (vLLM's `prefix_repetition`: a few shared
+prefixes) and `trace` (the Azure LLM inference conversation trace, bench/data, replayed with its
+own arrival pattern through vLLM's `timed_trace` dataset, lengths scaled to this machine's model).
+For each repetition, workload and rate every deployment gets the same requests, in an order that
+rotates between repetitions. Each point records vLLM's metrics (TTFT, TPOT, ITL, throughput,
+goodput against `--slo-ttft-ms`/`--slo-tpot-ms`) and the CPU seconds each process of the deployment
+used. Writes results.json, serve.md (tables: medians over repetitions with their range) and
+serve.png (P99 TTFT and goodput against rate) into `--out`, and stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from llmesh.launcher import Child, free_port
+from llmesh.models import resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT / "bench" / "data" / "azure_conv_2023_first3000.csv"
+DEPLOYMENTS = ("mesh", "vllm", "vllm-router")
+WORKLOADS = ("random", "prefix", "trace")
+ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "power_of_two"}
+MAX_MODEL_LEN, BLOCK_SIZE = 2048, 128
+IDLE_S = 2.0  # a vLLM engine busy-polls for about a second after its last step
+TRACE_INPUT_SCALE, TRACE_OUTPUT_SCALE = 0.5, 0.25  # Azure conv: 1150 -> ~575 prompt tokens, 260 -> ~65 output
+SUMMARY = ("completed", "failed", "duration", "total_output_tokens", "request_throughput", "output_throughput",
+           "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
+
+
+# ---- processes and their CPU time -----------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, command name, CPU seconds) of a live process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            head, rest = f.read().rsplit(")", 1)
+    except OSError:
+        return None
+    fields = rest.split()
+    return int(fields[1]), head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _label(pid: int, comm: str) -> str:
+    """A process's name in the tables: the module a Python service runs, else its command."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        args = []
+    if comm.startswith("VLLM::"):  # an engine's scheduler (EngineCore) or model executor (Worker)
+        return "engine-" + comm.removeprefix("VLLM::").lower()
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1].removeprefix("llmesh_").removeprefix("vllm.entrypoints.openai.")
+    return Path(args[0]).name if args and args[0] else comm
+
+
+def cpu_by_process(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of every process under each root, keyed 'root/process'."""
+    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (ppid, _, _) in stats.items():
+        children[ppid].append(pid)
+    out: dict[str, float] = defaultdict(float)
+    for root_name, root in roots.items():
+        todo = [(root, root_name)]
+        while todo:
+            pid, owner = todo.pop()
+            if pid not in stats:
+                continue
+            label = _label(pid, stats[pid][1])
+            name = root_name if pid == root else label if owner == root_name else f"{owner}/{label}"
+            out[f"{root_name}:{name}" if pid != root else root_name] += stats[pid][2]
+            todo += [(child, name if pid != root else root_name) for child in children[pid]]
+    return dict(out)
+
+
+def is_engine(process: str) -> bool:
+    return process.rsplit("/", 1)[-1].rsplit(":", 1)[-1].startswith("engine-")
+
+
+# ---- deployments ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Deployment:
+    name: str
+    url: str  # what clients call ("" until vllm-router is started)
+    children: list[Child] = field(default_factory=list)
+    backends: list[str] = field(default_factory=list)  # vllm-router's servers
+
+    def roots(self) -> dict[str, int]:
+        return {child.name: child.pid for child in self.children}
+
+
+def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str) -> tuple[Child, str]:
+    port = free_port()
+    child = Child(name, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                         "--served-model-name", served, "--enforce-eager", "--dtype", "bfloat16",
+                         "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+                         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"],
+                  env={"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log_path=logs / f"{name}.log")
+    return child, f"http://127.0.0.1:{port}"
+
+
+def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
+    logs = work / "logs"
+    if name == "mesh":
+        port = free_port()
+        env = {"MESH_PORT": str(port), "MESH_NATS_PORT": str(free_port()), "MESH_REDIS_PORT": str(free_port()),
+               "MESH_MODEL": model, "MESH_MODEL_DIR": str(Path(model_path).parent), "MESH_LOG_DIR": str(logs / "mesh"),
+               "MESH_DATA_DIR": str(work / "mesh-kv"), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+               "MESH_BLOCK_SIZE": str(BLOCK_SIZE)}
+        return Deployment(name, f"http://127.0.0.1:{port}", [Child("mesh", [sys.executable, "-m", "llmesh.launcher"],
+                                                                   env=env, log_path=logs / "mesh.log")])
+    if name == "vllm":
+        child, url = vllm_server("vllm", model_path, model, logs)
+        return Deployment(name, url, [child])
+    servers = [vllm_server(f"vllm-{core}", model_path, model, logs, VLLM_CPU_OMP_THREADS_BIND=str(core))
+               for core in (0, 1)]
+    return Deployment(name, "", [child for child, _ in servers], [url for _, url in servers])  # router: per workload
+
+
+def start_router(deployment: Deployment, backends: list[str], policy: str, logs: Path) -> None:
+    """(Re)start vllm-router over `backends` with `policy`."""
+    for child in [c for c in deployment.children if c.name == "vllm-router"]:
+        child.stop()
+        deployment.children.remove(child)
+    port = free_port()
+    binary = Path(sys.executable).parent / "vllm-router"
+    deployment.children.append(Child("vllm-router", [str(binary), "--host", "127.0.0.1", "--port", str(port),
+                                                     "--policy", policy, "--worker-urls", *backends,
+                                                     "--log-level", "warning"],
+                                     log_path=logs / f"vllm-router-{policy}.log"))
+    deployment.url = f"http://127.0.0.1:{port}"
+    wait_ready(deployment, 60)
+
+
+def wait_ready(deployment: Deployment, timeout: float, model: str | None = None) -> None:
+    """Until a completion succeeds (the mesh's /health, a router's /v1/models say less)."""
+    give_up = time.monotonic() + timeout
+    while True:
+        for child in deployment.children:
+            if not child.alive():
+                raise RuntimeError(f"{deployment.name}: {child.name} exited with {child.proc.returncode}")
+        try:
+            resp = httpx.post(f"{deployment.url}/v1/completions", timeout=30, json={
+                "model": model or "", "prompt": "warm up", "max_tokens": 4, "temperature": 0})
+            if resp.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"{deployment.name} was not ready after {timeout:.0f}s")
+        time.sleep(1)
+
+
+# ---- workloads: vLLM's datasets and client ----------------------------------------------------------------------
+
+
+def client_args(argv: list[str]) -> argparse.Namespace:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+def trace_file(path: Path, requests: int, start: int, rate: float) -> Path:
+    """`requests` consecutive requests of the Azure trace from `start`, its gaps stretched to `rate`
+    on average, lengths scaled to the model, written as vLLM's timed_trace jsonl."""
+    rows = list(csv.DictReader(open(TRACE)))
+    rows = [rows[(start + i) % len(rows)] for i in range(requests)]
+    stamps = [datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in rows]
+    span = max(stamps[-1] - stamps[0], 1e-3)
+    stretch = (requests - 1) / rate / span if requests > 1 else 0.0
+    with open(path, "w") as f:
+        for i, (row, stamp) in enumerate(zip(rows, stamps)):
+            prompt = min(max(round(int(row["ContextTokens"]) * TRACE_INPUT_SCALE), 16), MAX_MODEL_LEN - 512)
+            output = min(max(round(int(row["GeneratedTokens"]) * TRACE_OUTPUT_SCALE), 1), 256)
+            hash_ids = [(start * 10_000 + i) * 1000 + j for j in range(math.ceil(prompt / 16))]  # unique: no sharing
+            f.write(json.dumps({"timestamp": (stamp - stamps[0]) * stretch, "input_length": prompt,
+                                "output_length": output, "hash_ids": hash_ids}) + "\n")
+    return path
+
+
+def workload_args(workload: str, requests: int, rate: float, point: int, model: str, model_path: str,
+                  work: Path) -> argparse.Namespace:
+    """vLLM client arguments of one point; `point` numbers the points of a workload, so that no two
+    share prompts (every deployment would find the earlier point's in its prefix cache)."""
+    common = ["--backend", "vllm", "--model", model_path, "--served-model-name", model, "--tokenizer", model_path,
+              "--num-prompts", str(requests), "--seed", str(1000 + point), "--ignore-eos", "--temperature", "0",
+              "--request-rate", str(rate)]
+    if workload == "random":
+        return client_args(common + ["--dataset-name", "random", "--random-input-len", "512",
+                                     "--random-output-len", "64"])
+    if workload == "prefix":
+        return client_args(common + ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "384",
+                                     "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
+                                     "--prefix-repetition-output-len", "64"])
+    path = trace_file(work / f"trace-{point}.jsonl", requests, start=point * 150, rate=rate)
+    return client_args(common + ["--dataset-name", "timed_trace", "--dataset-path", str(path)])
+
+
+def sample(args: argparse.Namespace, tokenizer) -> list:
+    import random
+
+    import numpy as np
+    from vllm.benchmarks.datasets import get_samples
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    return get_samples(args, tokenizer)
+
+
+async def run_point(args: argparse.Namespace, requests: list, tokenizer, url: str, slo: dict[str, float]) -> dict:
+    from vllm.benchmarks.serve import TaskType, benchmark
+
+    return await benchmark(
+        task_type=TaskType.GENERATION, endpoint_type="vllm", api_url=f"{url}/v1/completions", base_url=url,
+        model_id=args.model, model_name=args.served_model_name, tokenizer=tokenizer, input_requests=requests,
+        logprobs=None, request_rate=args.request_rate, burstiness=1.0, disable_tqdm=True, num_warmups=0,
+        profile=False, selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"], selected_percentiles=[50, 99],
+        ignore_eos=True, goodput_config_dict=slo, max_concurrency=None, lora_modules=None, extra_headers=None,
+        extra_body={"temperature": 0.0}, ready_check_timeout_sec=0,
+        self_timed=args.dataset_name == "timed_trace")
+
+
+# ---- results ----------------------------------------------------------------------------------------------------
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    """'median [min–max]' of repeated measurements."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+def tables(points: list[dict], slo: dict[str, float]) -> str:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for p in points:
+        groups[(p["workload"], p["rate"], p["deployment"])].append(p)
+    lines = [f"Goodput: requests with TTFT ≤ {slo['ttft']:.0f} ms and TPOT ≤ {slo['tpot']:.0f} ms, per second. "
+             "Cells: median over repetitions [min–max]; CPU: CPU-seconds per 1k output tokens, services "
+             "(everything but the engines' compute processes) + engines.", "",
+             "| workload | req/s | deployment | ok / failed | TTFT mean | TTFT P50 | TTFT P99 | TPOT mean | TPOT P50 "
+             "| TPOT P99 | ITL mean | ITL P99 | out tok/s | goodput req/s | CPU services | CPU engines |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (workload, rate, deployment), runs in sorted(groups.items(), key=lambda kv: (
+            WORKLOADS.index(kv[0][0]), kv[0][1], DEPLOYMENTS.index(kv[0][2]))):
+        col = lambda key: [r[key] or 0.0 for r in runs]  # noqa: E731
+        per_k = lambda engines: [1000 * sum(v for k, v in r["cpu"].items() if is_engine(k) == engines)  # noqa: E731
+                                 / max(r["total_output_tokens"], 1) for r in runs]
+        lines.append(
+            f"| {workload} | {rate:g} | {deployment} | {sum(col('completed')):.0f} / {sum(col('failed')):.0f} | "
+            f"{spread(col('mean_ttft_ms'))} | {spread(col('median_ttft_ms'))} | {spread(col('p99_ttft_ms'))} | "
+            f"{spread(col('mean_tpot_ms'), 1)} | {spread(col('median_tpot_ms'), 1)} | {spread(col('p99_tpot_ms'), 1)} | "
+            f"{spread(col('mean_itl_ms'), 1)} | {spread(col('p99_itl_ms'), 1)} | {spread(col('output_throughput'))} | "
+            f"{spread(col('request_goodput'), 2)} | {spread(per_k(False), 2)} | {spread(per_k(True), 2)} |")
+    lines += ["", "CPU-seconds per 1k output tokens by process (all points of a workload together):", "",
+              "| workload | deployment | process | CPU-s / 1k tokens |", "|---|---|---|---|"]
+    for workload in WORKLOADS:
+        for deployment in DEPLOYMENTS:
+            runs = [p for p in points if p["workload"] == workload and p["deployment"] == deployment]
+            tokens = sum(r["total_output_tokens"] for r in runs)
+            if not runs or not tokens:
+                continue
+            cpu: dict[str, float] = defaultdict(float)
+            for r in runs:
+                for process, seconds in r["cpu"].items():
+                    cpu[process] += seconds
+            for process, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
+                if seconds / tokens * 1000 >= 0.005:
+                    lines.append(f"| {workload} | {deployment} | {process} | {seconds / tokens * 1000:.3f} |")
+            client = sum(r["client_cpu"] for r in runs) / tokens * 1000
+            lines.append(f"| {workload} | {deployment} | (benchmark client) | {client:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 8), squeeze=False)
+    for col, workload in enumerate(WORKLOADS):
+        for row, (key, title) in enumerate((("p99_ttft_ms", "P99 TTFT (ms)"),
+                                            ("request_goodput", f"goodput (req/s, TTFT ≤ {slo['ttft']:.0f} ms, "
+                                                                f"TPOT ≤ {slo['tpot']:.0f} ms)"))):
+            ax = axes[row][col]
+            for deployment in DEPLOYMENTS:
+                by_rate: dict[float, list[float]] = defaultdict(list)
+                for p in points:
+                    if p["workload"] == workload and p["deployment"] == deployment:
+                        by_rate[p["rate"]].append(p[key] or 0.0)
+                if not by_rate:
+                    continue
+                rates = sorted(by_rate)
+                med = [statistics.median(by_rate[r]) for r in rates]
+                err = [[m - min(by_rate[r]) for r, m in zip(rates, med)], [max(by_rate[r]) - m for r, m in zip(rates, med)]]
+                ax.errorbar(rates, med, yerr=err, marker="o", capsize=3, label=deployment)
+            ax.set_title(f"{workload}: {title}", fontsize=9)
+            ax.set_xlabel("request rate (req/s)")
+            if row == 0:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llmesh/tiny-llama")
+    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, 3],
+                        help="requests per second; the default spans a plain vLLM server's saturation (about 1.5 "
+                        "req/s on random 512->64) on a 2-core AVX2 machine: scale it to yours")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0, help="arrivals per point span about this long")
+    parser.add_argument("--min-requests", type=int, default=6)
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--router-policy", nargs="*", default=[], metavar="WORKLOAD=POLICY",
+                        help=f"vllm-router's policy per workload (default {ROUTER_POLICY})")
+    parser.add_argument("--quick", action="store_true", help="one repetition of 4 requests per workload at 2 req/s")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
+    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "llmesh")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rates, args.reps, args.min_requests, args.seconds = [2.0], 1, 4, 0.0
+    policies = ROUTER_POLICY | dict(item.split("=", 1) for item in args.router_policy)
+    slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="llmesh-serve-"))
+    (work / "logs").mkdir()
+    model_path = resolve_model(args.model, args.model_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops every process
+    started = time.monotonic()
+    deployments: dict[str, Deployment] = {}
+    points: list[dict] = []
+    stack = contextlib.ExitStack()
+    try:
+        for name in args.deployments:
+            deployments[name] = start(name, args.model, model_path, work)
+        print(f"serve: starting {', '.join(deployments)} (engines take a minute or two)...", flush=True)
+        backends = [url for d in deployments.values() for url in d.backends]
+        for deployment in deployments.values():
+            for child, url in zip(deployment.children, deployment.backends):  # vllm-router's servers
+                wait_ready(Deployment(child.name, url, [child]), 600, args.model)
+            if deployment.url:
+                wait_ready(deployment, 600, args.model)
+        print(f"serve: all up after {time.monotonic() - started:.0f}s; work in {work}", flush=True)
+
+        from vllm.tokenizers import get_tokenizer
+
+        tokenizer = get_tokenizer(model_path)
+        log = stack.enter_context(open(work / "logs" / "client.log", "w"))
+        for rep in range(args.reps):
+            for workload in args.workloads:
+                if "vllm-router" in deployments:
+                    start_router(deployments["vllm-router"], backends, policies[workload], work / "logs")
+                    wait_ready(deployments["vllm-router"], 60, args.model)
+                if rep == 0:  # warm every deployment up on this workload's shapes (not recorded)
+                    client = workload_args(workload, 8, min(args.rates), -1, args.model, model_path, work)
+                    prompts = sample(client, tokenizer)
+                    for deployment in deployments.values():
+                        measure(deployment, client, prompts, tokenizer, slo, log)
+                for i, rate in enumerate(args.rates):
+                    requests = max(args.min_requests, round(rate * args.seconds))
+                    client = workload_args(workload, requests, rate, rep * len(args.rates) + i, args.model,
+                                           model_path, work)
+                    prompts = sample(client, tokenizer)
+                    order = list(deployments)[rep % len(deployments):] + list(deployments)[:rep % len(deployments)]
+                    for name in order:
+                        time.sleep(IDLE_S)
+                        points.append(measure(deployments[name], client, prompts, tokenizer, slo, log,
+                                              rep=rep, workload=workload, rate=rate))
+                        p = points[-1]
+                        print(f"serve: rep {rep} {workload} {rate:g} req/s {name}: {p['completed']} ok, "
+                              f"{p['failed']} failed, TTFT mean {p['mean_ttft_ms']:.0f} P99 {p['p99_ttft_ms']:.0f} "
+                              f"ms, TPOT {p['mean_tpot_ms']:.1f} ms, goodput {p['request_goodput']:.2f}/s "
+                              f"[{time.monotonic() - started:.0f}s]", flush=True)
+    finally:
+        stack.close()
+        for deployment in deployments.values():
+            for child in deployment.children:
+                child.terminate()
+        for deployment in deployments.values():
+            for child in deployment.children:
+                child.stop(30)
+    command = "bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (args.out / "results.json").write_text(json.dumps({"command": command, "slo": slo, "points": points}, indent=1))
+    (args.out / "serve.md").write_text(f"Command: `.venv/bin/python {command.strip()}`, "
+                                       f"{datetime.now():%Y-%m-%d}, {time.monotonic() - started:.0f} s.\n\n"
+                                       + tables(points, slo))
+    plot(points, args.out / "serve.png", slo)
+    print((args.out / "serve.md").read_text())
+    failed = sum(p["failed"] for p in points)
+    print(f"serve: {len(points)} points, {failed} failed requests, {time.monotonic() - started:.0f}s; "
+          f"results in {args.out}", flush=True)
+    return 1 if failed else 0
+
+
+def measure(deployment: Deployment, client: argparse.Namespace, prompts: list, tokenizer, slo: dict[str, float],
+            log: TextIO, **labels) -> dict:
+    """One point on one deployment (vLLM's client prints its report into `log`)."""
+    roots = deployment.roots()
+    cpu_before, client_before = cpu_by_process(roots), time.process_time()
+    with contextlib.redirect_stdout(log):
+        result = asyncio.run(run_point(client, prompts, tokenizer, deployment.url, slo))
+    cpu_after, client_cpu = cpu_by_process(roots), time.process_time() - client_before
+    errors = sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
+    return {"deployment": deployment.name, **labels, **{k: result.get(k) for k in SUMMARY},
+            "errors": errors, "client_cpu": client_cpu,
+            "cpu": {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
