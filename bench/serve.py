@@ -354,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per second; the default spans a plain vLLM server's saturation (about 1.5 "
                         "req/s on random 512->64) on a 2-core AVX2 machine: scale it to yours")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=8.0, help="arrivals per point span about this long")
-    parser.add_argument("--min-requests", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=6.0, help="arrivals per point span about this long")
+    parser.add_argument("--min-requests", type=int, default=5)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--router-policy", nargs="*", default=[], metavar="WORKLOAD=POLICY",
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                     start_router(deployments["vllm-router"], backends, policies[workload], work / "logs")
                     wait_ready(deployments["vllm-router"], 60, args.model)
                 if rep == 0:  # warm every deployment up on this workload's shapes (not recorded)
-                    client = workload_args(workload, 8, min(args.rates), -1, args.model, model_path, work)
+                    client = workload_args(workload, 4, 2.0, -1, args.model, model_path, work)
                     prompts = sample(client, tokenizer)
                     for deployment in deployments.values():
                         measure(deployment, client, prompts, tokenizer, slo, log)

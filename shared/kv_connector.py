@@ -255,8 +255,8 @@ class MeshKVConnector(KVConnectorBase_V1):
             if self._is_producer:  # the whole prompt, its partial last block included
                 hashes, saved = block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True), \
                     self._reused_blocks.pop(new.req_id, 0)
-            else:  # decode: full blocks beyond what the prefill saved, as generation fills them
-                hashes, saved = [], (len(prompt) - 1) // self._block_size
+            else:  # decode: full blocks beyond what the prefill saved (all, if it prefilled itself) as they fill
+                hashes, saved = [], 0 if (params or {}).get("save_prompt") else (len(prompt) - 1) // self._block_size
             self._saves[new.req_id] = _SaveState(hashes=hashes, num_tokens=len(prompt),
                                                  block_ids=list(new.block_ids[0]), saved=saved,
                                                  trace=dict((params or {}).get("trace") or {}))

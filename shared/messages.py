@@ -81,6 +81,8 @@ class WorkerInfo(Message):
     queued_tokens: int  # prompt tokens (prefill) or remaining output budget (decode) in flight
     capacity: int  # requests it accepts concurrently
     heartbeat_s: float
+    prefill_tokens_per_s: float = 0.0  # prompt tokens it computes per second of prefill work (0: not measured yet)
+    generates: bool = False  # decode workers: also runs whole requests (`Subjects.generate`), prefill included
 
 
 # ---- output-length prediction ----------------------------------------------------------
@@ -371,6 +373,11 @@ class Subjects:
     @staticmethod
     def worker(role: str, worker_id: str) -> str:
         return f"mesh.{role}.{worker_id}"
+
+    @staticmethod
+    def generate(worker_id: str) -> str:
+        """A whole request on one engine, prefill included (a decode worker, when prefill is backed up)."""
+        return f"mesh.generate.{worker_id}"
 
     @staticmethod
     def abort(worker_id: str) -> str:

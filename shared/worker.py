@@ -19,12 +19,13 @@ from typing import Any, Literal
 from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.config import WorkerSettings
-from llmesh.errors import ModelNotFound, ServiceUnavailable, Timeout
+from llmesh.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable, Timeout
 from llmesh.kvkeys import fingerprint, kv_layout
 from llmesh.messages import (
     AbortRequest,
     LengthObserved,
     LengthPrediction,
+    PrefillRequest,
     SamplingOptions,
     Subjects,
     WorkerInfo,
@@ -99,6 +100,39 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
     )
 
 
+class PrefillMeter:
+    """Prompt tokens computed per second while the engine has prefill work in flight (an EMA over
+    one-second windows): what the router weighs a prefill queue with."""
+
+    WINDOW_S = 1.0
+    SMOOTHING = 0.3
+
+    def __init__(self, clock: Any = time.monotonic):
+        self._clock = clock
+        self._active = 0
+        self._since = 0.0
+        self._busy = 0.0
+        self._tokens = 0
+        self.tokens_per_s = 0.0
+
+    def started(self) -> None:
+        if self._active == 0:
+            self._since = self._clock()
+        self._active += 1
+
+    def finished(self, tokens: int) -> None:
+        now = self._clock()
+        self._busy += now - self._since
+        self._since = now
+        self._active -= 1
+        self._tokens += tokens
+        if self._busy >= self.WINDOW_S:
+            rate = self._tokens / self._busy
+            self.tokens_per_s = rate if not self.tokens_per_s else \
+                self.SMOOTHING * rate + (1 - self.SMOOTHING) * self.tokens_per_s
+            self._busy, self._tokens = 0.0, 0
+
+
 class EngineWorker:
     """A started engine announced on the bus. Build with `await EngineWorker.create(...)`."""
 
@@ -112,6 +146,8 @@ class EngineWorker:
         self.tokenizer = engine.get_tokenizer()
         self._inflight: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task, queued tokens)
         self._heartbeat_task: asyncio.Task | None = None
+        self.prefill_meter = PrefillMeter()
+        self.generates = False  # set by a service that also serves whole requests
 
     @classmethod
     async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
@@ -153,9 +189,43 @@ class EngineWorker:
                                             request_id=f"warmup-{self.worker_id}"):
             pass
 
-    async def start(self, handler: Any) -> None:
-        """Serve `handler` on this worker's subject, listen for aborts, start heartbeats."""
-        await self.bus.serve(self.subject, handler, span=f"{self.role}-worker {self.role}")
+    def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
+        """The request's prompt as token ids: chat through the chat template, text tokenized, ids checked."""
+        tok = self.tokenizer
+        if req.messages is not None:
+            if not req.messages:
+                raise InvalidRequest("`messages` must not be empty", param="messages")
+            text = tok.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        if req.prompt_token_ids is not None:
+            vocab = len(tok)
+            if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+                raise InvalidRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            return list(req.prompt_token_ids)
+        if req.prompt is None:
+            raise InvalidRequest("either `prompt` or `messages` is required", param="prompt")
+        return tok.encode(req.prompt)
+
+    def max_tokens(self, req: PrefillRequest, prompt_len: int) -> int:
+        """The request's output budget, resolved against the context (an error if it does not fit)."""
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        limit = self.max_model_len
+        max_tokens = req.sampling.max_tokens or limit - prompt_len
+        if max_tokens < 1 or prompt_len + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, "
+                f"{max(max_tokens, 1)} for the completion).",
+                param="max_tokens" if req.sampling.max_tokens else "prompt",
+            )
+        return max_tokens
+
+    async def start(self, handlers: dict[str, Any]) -> None:
+        """Serve each handler on its subject, listen for aborts, start heartbeats."""
+        for subject, handler in handlers.items():
+            await self.bus.serve(subject, handler, span=f"{self.role}-worker {subject.split('.')[1]}")
         await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
         log.info("%s ready: model %s, fingerprint %s, subject %s", self.worker_id, self.settings.model_name,
@@ -180,6 +250,8 @@ class EngineWorker:
             queued_tokens=sum(tokens for _, tokens in self._inflight.values()),
             capacity=self.settings.capacity,
             heartbeat_s=self.settings.heartbeat_s,
+            prefill_tokens_per_s=self.prefill_meter.tokens_per_s,
+            generates=self.generates,
         )
 
     async def report_length(self, request_id: str, predicted: LengthPrediction | None, actual_tokens: int,
@@ -229,8 +301,9 @@ class EngineWorker:
             self._inflight.pop(request_id, None)
 
 
-def run_worker(role: Role, make_handler: Any) -> None:
-    """The whole `__main__` of a worker: settings, logging, engine, serve until signalled."""
+def run_worker(role: Role, make_handlers: Any) -> None:
+    """The whole `__main__` of a worker: settings, logging, engine, serve until signalled.
+    `make_handlers(worker)` gives {subject: handler}."""
     from llmesh.lifecycle import run_service, setup_logging
 
     settings = WorkerSettings()
@@ -239,7 +312,7 @@ def run_worker(role: Role, make_handler: Any) -> None:
     async def main(stop: asyncio.Event) -> None:
         worker = await EngineWorker.create(settings, role)
         try:
-            await worker.start(make_handler(worker))
+            await worker.start(make_handlers(worker))
             await stop.wait()
         finally:
             await worker.close()

@@ -5,4 +5,4 @@ from llmesh.worker import run_worker
 from .service import DecodeService
 
 if __name__ == "__main__":
-    run_worker("decode", lambda worker: DecodeService(worker).decode)
+    run_worker("decode", lambda worker: DecodeService(worker).handlers())

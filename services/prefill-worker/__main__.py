@@ -5,4 +5,4 @@ from llmesh.worker import run_worker
 from .service import PrefillService
 
 if __name__ == "__main__":
-    run_worker("prefill", lambda worker: PrefillService(worker).prefill)
+    run_worker("prefill", lambda worker: {worker.subject: PrefillService(worker).prefill})

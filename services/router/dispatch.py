@@ -4,6 +4,9 @@ Every stage is bounded by the request's deadline and by the chosen worker's live
 worker that stops heart-beating fails the request at once, not at the deadline). If the
 caller goes away, the generator is closed and the worker in charge is told to abort.
 
+The prompt is computed on a prefill worker and decoded elsewhere, unless the prefill queue is so
+long that a decode worker would answer sooner by running the whole request (policies.disagg).
+
 The length prediction is awaited before dispatch only when the dispatch policy reads it;
 otherwise a sample of requests is predicted beside the prefill (for the trace, the decode
 worker's report and the predictor's online scoring), never on the time to first token.
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,6 +31,7 @@ from llmesh.errors import MeshError, ServiceUnavailable, Timeout
 from llmesh.lengths import cut_prompt
 from llmesh.messages import (
     AbortRequest,
+    Message,
     ChatMessage,
     DecodeRequest,
     LengthPrediction,
@@ -36,7 +41,9 @@ from llmesh.messages import (
     SamplingOptions,
     Subjects,
     TokenDelta,
+    WorkerInfo,
 )
+from llmesh.policies.disagg import PrefillSite, prefill_locally
 
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
@@ -44,6 +51,7 @@ from .stops import StopFilter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,12 @@ class Generation:
 
 class Dispatcher:
     def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float, *,
-                 predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0):
+                 predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0,
+                 local_prefill_margin_s: float | None = 0.25):
         self.bus, self.registry, self.metrics = bus, registry, metrics
+        self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
+        self._backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
+        self._tokens_per_char = 0.25
         self.length_timeout_s = length_timeout_s
         self.predict_before_dispatch = predict_before_dispatch  # the dispatch policy reads predicted lengths
         self.length_sample_fraction = length_sample_fraction  # else: requests predicted beside the prefill
@@ -124,85 +136,139 @@ class Dispatcher:
                                  "length.model_version": prediction.model_version})
         return prediction
 
+    def estimate_prompt_tokens(self, gen: Generation) -> int:
+        """The prompt's length in tokens before a worker tokenizes it (from its characters, at the
+        ratio the workers' tokenizations have shown so far)."""
+        if gen.prompt_token_ids is not None:
+            return len(gen.prompt_token_ids)
+        if gen.messages is not None:
+            chars = sum(len(m.content) for m in gen.messages) + CHAT_TEMPLATE_CHARS * len(gen.messages)
+        else:
+            chars = len(gen.prompt or "")
+        return max(1, round(chars * self._tokens_per_char))
+
+    def _learn_tokens_per_char(self, gen: Generation, tokens: int) -> None:
+        if gen.prompt is not None and gen.prompt_token_ids is None and gen.prompt:
+            self._tokens_per_char += 0.1 * (tokens / len(gen.prompt) - self._tokens_per_char)
+
+    def _local_prefill_site(self, gen: Generation, prefill: WorkerInfo, tokens: int) -> WorkerInfo | None:
+        """A decode worker to run the whole request when the prefill queue would answer later
+        (llmesh.policies.disagg), else None."""
+        try:
+            local = self.registry.pick("decode", gen.model, generates=True, reserve=False)
+        except MeshError:
+            return None
+        remote = PrefillSite(max(self._backlog[prefill.worker_id], prefill.queued_tokens),
+                             prefill.prefill_tokens_per_s)
+        here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
+        return local if prefill_locally(tokens, remote, here, self.local_prefill_margin_s) else None
+
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
         """Token deltas of `gen`; spans are children of `parent`.
 
         Spans are never kept current across a `yield`: the consumer may resume this generator
         from another task, where detaching a context attached here would fail.
         """
-        prefill = self.registry.pick("prefill", gen.model)
+        prefill = self.registry.pick("prefill", gen.model, reserve=False)
         predicting = None
         if self.predict_before_dispatch:
             predicted = await self.predict_length(gen, parent)
         else:
             predicted, predicting = None, self._predict_beside(gen, parent)
-        active = prefill.worker_id
-        finished = False
+        tokens = self.estimate_prompt_tokens(gen)
+        local = self._local_prefill_site(gen, prefill, tokens)
+        request = PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
+                                 prompt_token_ids=gen.prompt_token_ids, messages=gen.messages, sampling=gen.sampling,
+                                 deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt)
+        stops = StopFilter(gen.sampling.stop)
         try:
-            with self._tracer.start_as_current_span("router.prefill", context=parent,
-                                                    attributes={"worker.id": prefill.worker_id}):
-                started = time.monotonic()
-                result, _ = await self._while_alive(prefill.worker_id, self.bus.request(
-                    Subjects.worker("prefill", prefill.worker_id),
-                    PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
-                                   prompt_token_ids=gen.prompt_token_ids, messages=gen.messages,
-                                   sampling=gen.sampling, deadline=gen.deadline, predicted_length=predicted,
-                                   cache_salt=gen.cache_salt),
-                    PrefillResult,
-                    timeout=gen.deadline - time.time(),
-                ))
-                self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
+                self.metrics.prefill_sites.labels("decode").inc()
+                self.registry.reserve(local.worker_id)
+                self._backlog[local.worker_id] += tokens
+                try:
+                    async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
+                                                   gen, stops, parent, "router.generate"):
+                        if tokens:  # the prompt is computed once the first token is out
+                            self._backlog[local.worker_id] -= tokens
+                            tokens = 0
+                        yield delta
+                finally:
+                    self._backlog[local.worker_id] -= tokens
+                return
+            self.metrics.prefill_sites.labels("prefill").inc()
+            self.registry.reserve(prefill.worker_id)
+            self._backlog[prefill.worker_id] += tokens
+            try:
+                with self._tracer.start_as_current_span("router.prefill", context=parent,
+                                                        attributes={"worker.id": prefill.worker_id}):
+                    started = time.monotonic()
+                    result, _ = await self._while_alive(prefill.worker_id, self.bus.request(
+                        Subjects.worker("prefill", prefill.worker_id), request, PrefillResult,
+                        timeout=gen.deadline - time.time()))
+                    self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            except BaseException as exc:
+                # The client left or the deadline passed: free the worker's slot. (A typed error
+                # from the worker itself means it already gave up on the request.)
+                if not isinstance(exc, MeshError) or isinstance(exc, Timeout):
+                    await self._abort(prefill.worker_id, gen.request_id)
+                raise
+            finally:
+                self._backlog[prefill.worker_id] -= tokens
+            self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
             # The first token comes from the prefill: the client sees it before decode starts.
-            stops = StopFilter(gen.sampling.stop)
             first = _filtered(result.first, stops)
-            finished = first.finish_reason is not None
             yield first
-            if finished:
+            if first.finish_reason is not None:
                 return
             if predicting is not None:
                 predicted, predicting = self._prediction_so_far(predicting), None
             decode = self.registry.pick("decode", gen.model, fingerprint=result.fingerprint)
-            active = decode.worker_id
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
-            span = self._tracer.start_span("router.decode", context=parent, attributes={"worker.id": decode.worker_id})
-            replies = None
-            try:
-                with trace.use_span(span, end_on_exit=False):
-                    replies = await self.bus.stream(
-                        Subjects.worker("decode", decode.worker_id),
-                        DecodeRequest(request_id=gen.request_id, model=gen.model,
-                                      prompt_token_ids=result.prompt_token_ids,
-                                      first_token=result.first.token_ids[0], sampling=sampling,
-                                      kv_transfer_params=result.kv_transfer_params,
-                                      fingerprint=result.fingerprint, deadline=gen.deadline,
-                                      predicted_length=predicted, cache_salt=gen.cache_salt),
-                        deadline=gen.deadline,
-                    )
-                with self.registry.watch(decode.worker_id, replies.fail):
-                    async for delta, _ in replies:
-                        assert isinstance(delta, TokenDelta)
-                        shown = _filtered(delta, stops)
-                        finished = shown.finish_reason is not None
-                        if finished and delta.finish_reason is None:
-                            await self._abort(active, gen.request_id)  # a stop string decode could not see
-                        yield shown
-                        if finished:
-                            break
-            finally:
-                if replies is not None:
-                    await replies.close()
-                span.end()
-        except BaseException as exc:
-            # The client left, the deadline passed, or a step broke: free the worker's slot.
-            # (A typed error from the worker itself means it already gave up on the request.)
-            if not finished and (not isinstance(exc, MeshError) or isinstance(exc, Timeout)):
-                await self._abort(active, gen.request_id)
-            raise
+            async for delta in self._relay(
+                    decode.worker_id, Subjects.worker("decode", decode.worker_id),
+                    DecodeRequest(request_id=gen.request_id, model=gen.model, prompt_token_ids=result.prompt_token_ids,
+                                  first_token=result.first.token_ids[0], sampling=sampling,
+                                  kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
+                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt),
+                    gen, stops, parent, "router.decode"):
+                yield delta
         finally:
             if predicting is not None and not predicting.done():
                 predicting.cancel()
-        if not finished:
-            raise MeshError("the decode worker ended the stream without a result")
+
+    async def _relay(self, worker_id: str, subject: str, request: Message, gen: Generation, stops: StopFilter,
+                     parent: context.Context, span_name: str) -> AsyncIterator[TokenDelta]:
+        """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes.
+
+        The worker is told to abort if the client leaves, the deadline passes, a stop string ends
+        the text early, or a step breaks (a typed error from the worker means it already gave up).
+        """
+        span = self._tracer.start_span(span_name, context=parent, attributes={"worker.id": worker_id})
+        replies = None
+        finished = False
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                replies = await self.bus.stream(subject, request, deadline=gen.deadline)
+            with self.registry.watch(worker_id, replies.fail):
+                async for delta, _ in replies:
+                    assert isinstance(delta, TokenDelta)
+                    shown = _filtered(delta, stops)
+                    finished = shown.finish_reason is not None
+                    if finished and delta.finish_reason is None:
+                        await self._abort(worker_id, gen.request_id)  # a stop string the worker could not see
+                    yield shown
+                    if finished:
+                        return
+            raise MeshError(f"{worker_id} ended the stream without a result")
+        except BaseException as exc:
+            if not finished and (not isinstance(exc, MeshError) or isinstance(exc, Timeout)):
+                await self._abort(worker_id, gen.request_id)
+            raise
+        finally:
+            if replies is not None:
+                await replies.close()
+            span.end()
 
     async def _while_alive(self, worker_id: str, work: Awaitable[T]) -> T:
         """Await `work`, failing with WorkerLost as soon as the worker is declared dead."""

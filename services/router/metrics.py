@@ -26,4 +26,7 @@ class RouterMetrics:
             "llmesh_request_length_predictions", "Requests by length-prediction outcome (ok, timeout, unavailable, "
             "error; skipped: no prompt text; unsampled: not predicted (MESH_LENGTH_SAMPLE_FRACTION); late: "
             "answered after the prefill, dropped)", ["outcome"], registry=r)
+        self.prefill_sites = Counter("llmesh_prefill_sites", "Requests by where their prompt was computed: "
+                                     "prefill (disaggregated) or decode (the whole request on a decode worker, "
+                                     "the prefill queue being longer)", ["site"], registry=r)
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

@@ -69,8 +69,11 @@ class WorkerRegistry:
     def live(self, role: str | None = None) -> list[WorkerInfo]:
         return [e.info for e in self._workers.values() if role is None or e.info.role == role]
 
-    def pick(self, role: str, model: str, fingerprint: str | None = None) -> WorkerInfo:
-        """Choose a live worker by the dispatch policy; raise a typed error when none fits."""
+    def pick(self, role: str, model: str, fingerprint: str | None = None, generates: bool = False,
+             reserve: bool = True) -> WorkerInfo:
+        """Choose a live worker by the dispatch policy (among those that run whole requests, if
+        `generates`) and count a request against it unless not `reserve`d; raise a typed error
+        when none fits."""
         if not self._workers:
             raise ServiceUnavailable("no live workers: the mesh is starting or its workers are down")
         if model not in self.models():
@@ -79,6 +82,8 @@ class WorkerRegistry:
         candidates = [e for e in self._workers.values() if e.info.role == role and e.info.model == model]
         if fingerprint is not None:
             candidates = [e for e in candidates if e.info.fingerprint == fingerprint]
+        if generates:
+            candidates = [e for e in candidates if e.info.generates]
         if not candidates:
             detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
             raise ServiceUnavailable(f"no live {role} worker for {model!r}{detail}")
@@ -87,9 +92,15 @@ class WorkerRegistry:
         chosen = self._policy(snapshots, self._rng)
         if chosen is None:
             raise ServiceUnavailable(f"every {role} worker for {model!r} is at capacity")
-        entry = self._workers[chosen.worker_id]
-        entry.assigned += 1
-        return entry.info
+        if reserve:
+            self.reserve(chosen.worker_id)
+        return self._workers[chosen.worker_id].info
+
+    def reserve(self, worker_id: str) -> None:
+        """Count a request sent to `worker_id` until its next heartbeat says how loaded it is."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.assigned += 1
 
     @contextmanager
     def watch(self, worker_id: str, notify: Callable[[BaseException], None]):

@@ -12,6 +12,9 @@ class RouterSettings(CommonSettings):
     dispatch_policy: str = Field("least_loaded", description="Policy in llmesh.policies.POLICIES: "
                                  + ", ".join(POLICIES) + ".")
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
+    local_prefill_margin_s: float | None = Field(
+        0.25, ge=0, description="Run a whole request on a decode worker when that computes its prompt sooner "
+        "than the prefill queue by more than this (llmesh.policies.disagg); empty: always disaggregate.")
     length_sample_fraction: float = Field(
         0.1, ge=0, le=1, description="Fraction of requests whose output length is predicted when the dispatch "
         "policy does not read predictions (beside the prefill, never delaying it): for traces, the predictor's "

@@ -391,6 +391,33 @@ async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worke
         await bus.close()
 
 
+async def generated_on_decode(mesh, ids: list[int], max_tokens: int = 16) -> list[int]:
+    """A whole request on the decode worker (what the router does when prefill is backed up)."""
+    decode_worker = (await live_worker(mesh, "decode")).worker_id
+    bus = await Bus.connect(mesh.nats_url, "test-generate")
+    try:
+        tokens = []
+        replies = await bus.stream(Subjects.generate(decode_worker), PrefillRequest(
+            request_id=f"whole-{random.getrandbits(32):x}", model=MODEL, prompt_token_ids=ids,
+            sampling=SamplingOptions(max_tokens=max_tokens, temperature=0), deadline=time.time() + 60),
+            deadline=time.time() + 60)
+        async for delta, _ in replies:
+            tokens += delta.token_ids
+        return tokens
+    finally:
+        await bus.close()
+
+
+def test_a_whole_request_on_the_decode_worker_is_exact_and_stores_its_prompt(mesh, reference):
+    ids = token_prompt(450, seed=4545)  # 3 full blocks
+    before = asyncio.run(kv_stats(mesh))
+    assert asyncio.run(generated_on_decode(mesh, ids)) == reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    give_up = time.monotonic() + 10  # written behind, not waited for
+    while (puts := asyncio.run(kv_stats(mesh)).puts - before.puts) < 3 * NUM_LAYERS and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert puts >= 3 * NUM_LAYERS  # its prompt's full blocks, for the next turn's prefill
+
+
 def test_async_load_mode_is_exact_too(mesh, reference, async_decode_worker):
     ids = token_prompt(700, seed=77)
     before = asyncio.run(kv_stats(mesh))

@@ -118,3 +118,60 @@ async def test_prefill_worker_that_dies_mid_request_fails_it_at_once(nats_url):
         await client.aclose()
         await worker_bus.close()
         await bus.close()
+
+
+async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_worker(nats_url):
+    """Prefill computes 100 tokens/s here, so a 100-token prompt queued behind another would wait
+    2 s; the decode worker (which also runs whole requests) answers in 1 s: it gets the request."""
+    from llmesh.messages import PrefillRequest, PrefillResult, Subjects, TokenDelta
+
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("slow-prefill").model_copy(update={"prefill_tokens_per_s": 100.0}))
+    registry.on_heartbeat(info("spare-decode", role="decode").model_copy(update={"generates": True}))
+    bus, client = await _client(nats_url, registry)
+    workers = await Bus.connect(nats_url, "fake-workers")
+    served: list[str] = []
+
+    async def prefill(req, blob):
+        served.append(f"prefill {req.request_id}")
+        await asyncio.sleep(1.0)
+        return PrefillResult(prompt_token_ids=req.prompt_token_ids, max_tokens=3, kv_transfer_params={},
+                             fingerprint="f" * 32, first=TokenDelta(text="a", token_ids=[7], prompt_tokens=100,
+                                                                    completion_tokens=1))
+
+    async def decode(req, blob):
+        served.append(f"decode {req.request_id}")
+        for i in (2, 3):
+            yield TokenDelta(text="b", token_ids=[8], finish_reason="length" if i == 3 else None,
+                             prompt_tokens=100, completion_tokens=i)
+
+    async def generate(req: PrefillRequest, blob):
+        served.append(f"generate {req.request_id}")
+        assert isinstance(req, PrefillRequest) and req.prompt_token_ids == list(range(1, 101))
+        for i in (1, 2, 3):
+            await asyncio.sleep(1.0 if i == 1 else 0.05)  # its prompt takes as long as on the prefill worker
+            yield TokenDelta(text="c", token_ids=[9], finish_reason="length" if i == 3 else None,
+                             prompt_tokens=100, completion_tokens=i)
+
+    await workers.serve(Subjects.worker("prefill", "slow-prefill"), prefill)
+    await workers.serve(Subjects.worker("decode", "spare-decode"), decode)
+    await workers.serve(Subjects.generate("spare-decode"), generate)
+    try:
+        async def complete():
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": list(range(1, 101)),
+                                                              "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["text"]
+
+        first = asyncio.create_task(complete())
+        await asyncio.sleep(0.2)  # the first prompt is on the prefill worker: 1 s to go, then this one's 1 s
+        second = asyncio.create_task(complete())
+        await asyncio.sleep(0.2)  # the decode worker is busy with the second: the prefill worker is as soon
+        third = asyncio.create_task(complete())
+        texts = await asyncio.gather(first, second, third)
+        assert texts == ["abb", "ccc", "abb"]
+        assert [s.split()[0] for s in served].count("generate") == 1
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()

@@ -31,3 +31,23 @@ def test_ties_are_broken_by_the_seeded_rng_and_spread():
     picks = [least_loaded(workers, random.Random(seed)).worker_id for seed in range(30)]
     assert picks == [least_loaded(workers, random.Random(seed)).worker_id for seed in range(30)]
     assert set(picks) == {"a", "b", "c"}
+
+
+from llmesh.policies.disagg import PrefillSite, prefill_locally  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "prompt, remote, local, margin, expected",
+    [
+        (512, PrefillSite(0, 1000), PrefillSite(0, 1000), 0.25, False),  # idle prefill worker: disaggregate
+        (512, PrefillSite(512, 1000), PrefillSite(0, 1000), 0.25, True),  # one prompt queued: 1.02 s vs 0.51 s
+        (512, PrefillSite(128, 1000), PrefillSite(0, 1000), 0.25, False),  # 0.64 s vs 0.51 s: within the margin
+        (512, PrefillSite(512, 1000), PrefillSite(512, 1000), 0.25, False),  # the decode worker is as busy
+        (512, PrefillSite(1024, 1000), PrefillSite(0, 300), 0.25, False),  # 1.54 s vs a slower local 1.71 s
+        (512, PrefillSite(2048, 1000), PrefillSite(0, 0), 0.25, True),  # unmeasured local: the remote's speed
+        (512, PrefillSite(4096, 0), PrefillSite(0, 0), 0.25, False),  # nothing measured yet
+        (512, PrefillSite(4096, 1000), PrefillSite(0, 1000), None, False),  # placement off
+    ],
+)
+def test_prefill_placement(prompt, remote, local, margin, expected):
+    assert prefill_locally(prompt, remote, local, margin) is expected
