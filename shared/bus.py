@@ -132,10 +132,14 @@ class ReplyStream:
         self._queue: asyncio.Queue[bytes | memoryview | object | BaseException] = asyncio.Queue()
         self._stream_id: str | None = None
         self._done = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     async def _open(self, msg: Message, blob: bytes) -> None:
         mux = await self._bus._stream_mux()
         self._stream_id = mux.open(self)
+        # One timer for the whole stream (not one per reply): it ends the stream at the deadline.
+        self._deadline_timer = asyncio.get_running_loop().call_later(
+            max(self._deadline - time.time(), 0), self.fail, Timeout(f"deadline passed waiting for {self._subject}"))
         headers = telemetry.inject()
         headers[STREAM_HEADER] = "1"
         await self._bus.nc.publish(self._subject, encode(msg, blob), reply=f"{mux.prefix}.{self._stream_id}",
@@ -155,13 +159,7 @@ class ReplyStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            remaining = self._deadline - time.time()
-            if remaining <= 0:
-                raise Timeout(f"deadline passed waiting for {self._subject}")
-            try:
-                item = await asyncio.wait_for(self._queue.get(), remaining)
-            except TimeoutError:
-                raise Timeout(f"deadline passed waiting for {self._subject}") from None
+            item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
             if item is _NO_RESPONDERS:
@@ -177,6 +175,8 @@ class ReplyStream:
     async def close(self) -> None:
         if not self._done:
             self._done = True
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
             if self._stream_id is not None and self._bus._mux is not None:
                 self._bus._mux.close(self._stream_id)
 

@@ -139,3 +139,26 @@ async def test_streams_of_one_client_share_one_message_per_turn_and_each_gets_it
     finally:
         await client.close()
         await server.close()
+
+
+async def test_a_stream_ends_with_a_typed_timeout_at_its_deadline_after_the_replies_that_came(nats_url):
+    from llmesh.messages import TokenDelta
+
+    server, client = await Bus.connect(nats_url, "stalls"), await Bus.connect(nats_url, "waits")
+
+    async def one_then_stall(msg, blob):
+        yield TokenDelta(text="first", token_ids=[1])
+        await asyncio.sleep(5)
+        yield TokenDelta(text="late", token_ids=[2])
+
+    try:
+        await server.serve("test.stall", one_then_stall)
+        received = []
+        started = time.monotonic()
+        with pytest.raises(Timeout):
+            async for delta, _ in await client.stream("test.stall", Ack(), deadline=time.time() + 0.5):
+                received.append(delta.text)
+        assert received == ["first"] and 0.4 < time.monotonic() - started < 2
+    finally:
+        await client.close()
+        await server.close()
