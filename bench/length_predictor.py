@@ -10,8 +10,10 @@ separate processes, and asks with real AlpacaEval prompts from ../shared/data:
   weights have left the CPU caches by then);
 - batch of 32: 32 requests sent at once; p50/p99 of the time until all 32 are answered;
 - throughput: 64 requests kept in flight for `--seconds`; predictions per second.
-The in-process rows time `Predictor.predict` directly (no NATS, no queue). The last service
-runs with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through the model).
+The in-process rows time `Predictor.predict` directly (no NATS, no queue), on one torch thread as
+the service runs it, with the fp32 encoder and with the int8 one the service uses by default;
+their CPU column is the process's CPU time per single prediction (p50). The last service runs
+with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through the model).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def row(name: str, single: list[float], batch: list[float], throughput: float) -> str:
+def row(name: str, single: list[float], batch: list[float], throughput: float, cpu: list[float] | None = None) -> str:
     ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
     return (f"| {name} | {ms(percentile(single, .5))} | {ms(percentile(single, .99))} | "
+            f"{ms(percentile(cpu, .5)) if cpu else '–'} | "
             f"{ms(percentile(batch, .5))} | {ms(percentile(batch, .99))} | {throughput:.0f} |")
 
 
@@ -49,24 +52,26 @@ def prompts() -> list[str]:
     return sorted({e.prompt for e in data.load("llama", len)})
 
 
-def in_process(texts: list[str], args) -> str:
+def in_process(texts: list[str], args, quantize: bool) -> str:
     from llmesh_lengthpred.predictor import Predictor
 
-    predictor = Predictor()
+    predictor = Predictor(threads=1, quantize=quantize)
     call = lambda batch: predictor.predict(*zip(*[cut_prompt(t) for t in batch]))  # noqa: E731
     call(texts[:32])  # warm-up
-    single = []
+    single, cpu = [], []
     for i in range(args.requests):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         call([texts[i % len(texts)]])
         single.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     batch = []
     for r in range(args.rounds):
         chunk = [texts[(r * 32 + j) % len(texts)] for j in range(32)]
         started = time.perf_counter()
         call(chunk)
         batch.append(time.perf_counter() - started)
-    return row("in-process model call", single, batch, 32 / statistics.median(batch))
+    name = "in-process model call, " + ("int8 (service default)" if quantize else "fp32")
+    return row(name, single, batch, 32 / statistics.median(batch), cpu)
 
 
 async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float], list[float], float, list[float]]:
@@ -150,9 +155,11 @@ def main() -> None:
         unbatched = service_run(workdir, nats_url, 1, texts, args)
     finally:
         nats.stop()
-    lines = ["| path | single p50 ms | single p99 ms | batch of 32 p50 ms | batch of 32 p99 ms | predictions/s |",
-             "|---|---|---|---|---|---|",
-             in_process(texts, args),
+    lines = ["| path | single p50 ms | single p99 ms | single CPU p50 ms | batch of 32 p50 ms | batch of 32 p99 ms "
+             "| predictions/s |",
+             "|---|---|---|---|---|---|---|",
+             in_process(texts, args, quantize=False),
+             in_process(texts, args, quantize=True),
              row("service over NATS (batches up to 32)", *batched[:3]),
              row("service over NATS, batching off", *unbatched[:3])]
     print(f"{len(texts)} distinct AlpacaEval prompts; {args.requests} single requests, {args.rounds} batches of 32, "
