@@ -2,6 +2,7 @@
 against the same service with batching off, side by side in one run.
 
     .venv/bin/python bench/length_predictor.py [--requests 300] [--rounds 30] [--seconds 10] [--idle 20]
+    .venv/bin/python bench/length_predictor.py --accuracy   # held-out scores, fp32 against int8
 
 Starts nats-server and the service (`python -m llmesh_lengthpred`, the committed model) as
 separate processes, and asks with real AlpacaEval prompts from ../shared/data:
@@ -140,13 +141,39 @@ def service_run(workdir: Path, nats_url: str, max_batch: int, texts: list[str], 
         child.stop()
 
 
+def accuracy() -> None:
+    """The committed artifact on its training run's held-out split (same seed), with the fp32 and
+    the int8 encoder: what quantizing costs in accuracy."""
+    import numpy as np
+
+    from llmesh_lengthpred import data, train
+    from llmesh_lengthpred.predictor import Predictor
+
+    results = []
+    for quantize in (False, True):
+        predictor = Predictor(threads=1, quantize=quantize)
+        meta = predictor.meta
+        count = lambda text: len(predictor.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        _, test = data.split_by_prompt(data.load(meta["family"], count), 0.2, meta["seed"])
+        prompts = sorted({e.prompt for e in test})
+        by_prompt = dict(zip(prompts, predictor.predict(*map(list, zip(*map(cut_prompt, prompts))))))
+        predictions = [by_prompt[e.prompt] for e in test]
+        results.append(train.score(f"MiniLM + LoRA, {'int8' if quantize else 'fp32'}", None,
+                                   np.array([p.bucket for p in predictions]),
+                                   np.array([p.expected_tokens for p in predictions]), [e.output_tokens for e in test]))
+    print(train.table(meta["family"], len(test), results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="single requests timed")
     parser.add_argument("--rounds", type=int, default=30, help="batches of 32 timed")
     parser.add_argument("--seconds", type=float, default=10, help="throughput run length")
     parser.add_argument("--idle", type=int, default=20, help=f"single requests timed {IDLE_GAP_S:.0f} s apart")
+    parser.add_argument("--accuracy", action="store_true", help="held-out accuracy of the fp32 and int8 encoders instead")
     args = parser.parse_args()
+    if args.accuracy:
+        return accuracy()
     texts = prompts()
     workdir = Path(tempfile.mkdtemp(prefix="bench-length-"))
     nats, nats_url = start_nats(workdir)
