@@ -22,9 +22,11 @@ class PrefillSite:
 
 def prefill_locally(prompt_tokens: int, remote: PrefillSite, local: PrefillSite, margin_s: float | None) -> bool:
     """True when the decode worker `local` would compute the prompt sooner than the prefill worker
-    `remote` by more than `margin_s` (None: never). An unmeasured speed is taken to equal the
-    other's (the same engine on the same hardware); with neither measured, disaggregate."""
-    if margin_s is None:
+    `remote` by more than `margin_s` (None: never). An idle prefill worker always takes the
+    prompt: this answers queueing, and without a queue the two measured speeds differ only by
+    the prefill side's KV saving and noise. An unmeasured speed is taken to equal the other's
+    (the same engine on the same hardware); with neither measured, disaggregate."""
+    if margin_s is None or remote.backlog_tokens == 0:
         return False
     remote_rate = remote.tokens_per_s or local.tokens_per_s
     local_rate = local.tokens_per_s or remote.tokens_per_s

@@ -40,6 +40,7 @@ from llmesh.policies.disagg import PrefillSite, prefill_locally  # noqa: E402
     "prompt, remote, local, margin, expected",
     [
         (512, PrefillSite(0, 1000), PrefillSite(0, 1000), 0.25, False),  # idle prefill worker: disaggregate
+        (2000, PrefillSite(0, 1000), PrefillSite(0, 2000), 0.25, False),  # idle, though local measured faster
         (512, PrefillSite(512, 1000), PrefillSite(0, 1000), 0.25, True),  # one prompt queued: 1.02 s vs 0.51 s
         (512, PrefillSite(128, 1000), PrefillSite(0, 1000), 0.25, False),  # 0.64 s vs 0.51 s: within the margin
         (512, PrefillSite(512, 1000), PrefillSite(512, 1000), 0.25, False),  # the decode worker is as busy
