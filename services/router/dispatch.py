@@ -158,8 +158,9 @@ class Dispatcher:
             local = self.registry.pick("decode", gen.model, generates=True, reserve=False)
         except MeshError:
             return None
-        remote = PrefillSite(max(self._backlog[prefill.worker_id], prefill.queued_tokens),
-                             prefill.prefill_tokens_per_s)
+        # This router's own account, not the heartbeat's queued tokens: those are up to a second old,
+        # and a finished prompt still counted there would send the next one to a decode worker at idle.
+        remote = PrefillSite(self._backlog[prefill.worker_id], prefill.prefill_tokens_per_s)
         here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
         return local if prefill_locally(tokens, remote, here, self.local_prefill_margin_s) else None
 

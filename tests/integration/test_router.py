@@ -126,7 +126,8 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
     from llmesh.messages import PrefillRequest, PrefillResult, Subjects, TokenDelta
 
     registry = WorkerRegistry()
-    registry.on_heartbeat(info("slow-prefill").model_copy(update={"prefill_tokens_per_s": 100.0}))
+    # A stale heartbeat still counts an earlier prompt: the first request must not go whole to decode for it.
+    registry.on_heartbeat(info("slow-prefill").model_copy(update={"prefill_tokens_per_s": 100.0, "queued_tokens": 10_000}))
     registry.on_heartbeat(info("spare-decode", role="decode").model_copy(update={"generates": True}))
     bus, client = await _client(nats_url, registry)
     workers = await Bus.connect(nats_url, "fake-workers")
