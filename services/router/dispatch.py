@@ -209,10 +209,7 @@ class Dispatcher:
                         timeout=gen.deadline - time.time()))
                     self.metrics.prefill_seconds.observe(time.monotonic() - started)
             except BaseException as exc:
-                # The client left or the deadline passed: free the worker's slot. (A typed error
-                # from the worker itself means it already gave up on the request.)
-                if not isinstance(exc, MeshError) or isinstance(exc, Timeout):
-                    await self._abort(prefill.worker_id, gen.request_id)
+                await self._abort_unless_given_up(prefill.worker_id, gen.request_id, exc)
                 raise
             finally:
                 self._backlog[prefill.worker_id] -= tokens
@@ -263,13 +260,19 @@ class Dispatcher:
                         return
             raise MeshError(f"{worker_id} ended the stream without a result")
         except BaseException as exc:
-            if not finished and (not isinstance(exc, MeshError) or isinstance(exc, Timeout)):
-                await self._abort(worker_id, gen.request_id)
+            if not finished:
+                await self._abort_unless_given_up(worker_id, gen.request_id, exc)
             raise
         finally:
             if replies is not None:
                 await replies.close()
             span.end()
+
+    async def _abort_unless_given_up(self, worker_id: str, request_id: str, exc: BaseException) -> None:
+        """Free the worker's slot after `exc` (the client left, the deadline passed, a step broke),
+        unless it is a typed error from the worker itself, which means it already gave up."""
+        if not isinstance(exc, MeshError) or isinstance(exc, Timeout):
+            await self._abort(worker_id, request_id)
 
     async def _while_alive(self, worker_id: str, work: Awaitable[T]) -> T:
         """Await `work`, failing with WorkerLost as soon as the worker is declared dead."""
