@@ -43,7 +43,8 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s,
                             predict_before_dispatch=settings.dispatch_policy in NEEDS_PREDICTION,
                             length_sample_fraction=settings.length_sample_fraction, seed=settings.seed,
-                            local_prefill_margin_s=settings.local_prefill_margin_s)
+                            local_prefill_margin_s=settings.local_prefill_margin_s,
+                            local_prefill_max_stall_s=settings.local_prefill_max_stall_s)
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

@@ -76,9 +76,10 @@ class Generation:
 class Dispatcher:
     def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float, *,
                  predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0,
-                 local_prefill_margin_s: float | None = 0.25):
+                 local_prefill_margin_s: float | None = 0.25, local_prefill_max_stall_s: float = 0.6):
         self.bus, self.registry, self.metrics = bus, registry, metrics
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
+        self.local_prefill_max_stall_s = local_prefill_max_stall_s
         self._backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
         self._tokens_per_char = 0.25
         self.length_timeout_s = length_timeout_s
@@ -162,7 +163,8 @@ class Dispatcher:
         # and a finished prompt still counted there would send the next one to a decode worker at idle.
         remote = PrefillSite(self._backlog[prefill.worker_id], prefill.prefill_tokens_per_s)
         here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
-        return local if prefill_locally(tokens, remote, here, self.local_prefill_margin_s) else None
+        chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, self.local_prefill_max_stall_s)
+        return local if chosen else None
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
         """Token deltas of `gen`; spans are children of `parent`.

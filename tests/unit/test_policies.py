@@ -52,3 +52,16 @@ from llmesh.policies.disagg import PrefillSite, prefill_locally  # noqa: E402
 )
 def test_prefill_placement(prompt, remote, local, margin, expected):
     assert prefill_locally(prompt, remote, local, margin) is expected
+
+
+@pytest.mark.parametrize(
+    "prompt, local_backlog, expected",
+    [
+        (512, 0, True),  # 0.51 s of stall: within 0.6 s
+        (1200, 0, False),  # a long prompt would stall the decode streams 1.2 s: it waits for the prefill queue
+        (512, 256, False),  # 0.77 s with the prompt already queued there
+    ],
+)
+def test_prefill_placement_bounds_the_decode_stall(prompt, local_backlog, expected):
+    remote, local = PrefillSite(8192, 1000), PrefillSite(local_backlog, 1000)
+    assert prefill_locally(prompt, remote, local, 0.25, max_stall_s=0.6) is expected
