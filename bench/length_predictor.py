@@ -2,7 +2,7 @@
 against the same service with batching off, side by side in one run.
 
     .venv/bin/python bench/length_predictor.py [--requests 300] [--rounds 30] [--seconds 10] [--idle 20]
-    .venv/bin/python bench/length_predictor.py --accuracy   # held-out scores, fp32 against int8
+    .venv/bin/python bench/length_predictor.py --accuracy   # held-out scores in each runtime
 
 Starts nats-server and the service (`python -m llmesh_lengthpred`, the committed model) as
 separate processes, and asks with real AlpacaEval prompts from ../shared/data:
@@ -11,9 +11,9 @@ separate processes, and asks with real AlpacaEval prompts from ../shared/data:
   weights have left the CPU caches by then);
 - batch of 32: 32 requests sent at once; p50/p99 of the time until all 32 are answered;
 - throughput: 64 requests kept in flight for `--seconds`; predictions per second.
-The in-process rows time `Predictor.predict` directly (no NATS, no queue), on one torch thread as
-the service runs it, with the fp32 encoder and with the int8 one the service uses by default;
-their CPU column is the process's CPU time per single prediction (p50). The last service runs
+The in-process rows time `Predictor.predict` directly (no NATS, no queue), on one thread as the
+service runs it, with the encoder in each runtime (`MESH_LENGTH_RUNTIME`: torch fp32, torch int8,
+ONNX Runtime int8, the service's default); their CPU column is the process's CPU time per single prediction (p50). The last service runs
 with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through the model).
 """
 
@@ -30,6 +30,7 @@ from llmesh.bus import Bus
 from llmesh.launcher import Child, start_nats, start_service
 from llmesh.lengths import cut_prompt
 from llmesh.messages import LengthPrediction, LengthPredictRequest, Subjects
+from llmesh_lengthpred.settings import ARTIFACT_DIR
 
 IN_FLIGHT = 64
 IDLE_GAP_S = 1.0
@@ -53,10 +54,13 @@ def prompts() -> list[str]:
     return sorted({e.prompt for e in data.load("llama", len)})
 
 
-def in_process(texts: list[str], args, quantize: bool) -> str:
+RUNTIMES = ("torch", "torch-int8", "onnx-int8")  # MESH_LENGTH_RUNTIME's values; the last is the service's default
+
+
+def in_process(texts: list[str], args, runtime: str) -> str:
     from llmesh_lengthpred.predictor import Predictor
 
-    predictor = Predictor(threads=1, quantize=quantize)
+    predictor = Predictor(args.artifact, threads=1, runtime=runtime)
     call = lambda batch: predictor.predict(*zip(*[cut_prompt(t) for t in batch]))  # noqa: E731
     call(texts[:32])  # warm-up
     single, cpu = [], []
@@ -71,7 +75,7 @@ def in_process(texts: list[str], args, quantize: bool) -> str:
         started = time.perf_counter()
         call(chunk)
         batch.append(time.perf_counter() - started)
-    name = "in-process model call, " + ("int8 (service default)" if quantize else "fp32")
+    name = f"in-process model call, {runtime}" + (" (service default)" if runtime == RUNTIMES[-1] else "")
     return row(name, single, batch, 32 / statistics.median(batch), cpu)
 
 
@@ -141,24 +145,24 @@ def service_run(workdir: Path, nats_url: str, max_batch: int, texts: list[str], 
         child.stop()
 
 
-def accuracy() -> None:
-    """The committed artifact on its training run's held-out split (same seed), with the fp32 and
-    the int8 encoder: what quantizing costs in accuracy."""
+def accuracy(artifact: Path) -> None:
+    """An artifact on its training run's held-out split (same seed), with the encoder in each
+    runtime: what quantizing costs in accuracy."""
     import numpy as np
 
     from llmesh_lengthpred import data, train
     from llmesh_lengthpred.predictor import Predictor
 
     results = []
-    for quantize in (False, True):
-        predictor = Predictor(threads=1, quantize=quantize)
+    for runtime in RUNTIMES:
+        predictor = Predictor(artifact, threads=1, runtime=runtime)
         meta = predictor.meta
         count = lambda text: len(predictor.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
         _, test = data.split_by_prompt(data.load(meta["family"], count), 0.2, meta["seed"])
         prompts = sorted({e.prompt for e in test})
         by_prompt = dict(zip(prompts, predictor.predict(*map(list, zip(*map(cut_prompt, prompts))))))
         predictions = [by_prompt[e.prompt] for e in test]
-        results.append(train.score(f"MiniLM + LoRA, {'int8' if quantize else 'fp32'}", None,
+        results.append(train.score(f"MiniLM + LoRA, {runtime}", None,
                                    np.array([p.bucket for p in predictions]),
                                    np.array([p.expected_tokens for p in predictions]), [e.output_tokens for e in test]))
     print(train.table(meta["family"], len(test), results))
@@ -170,10 +174,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="batches of 32 timed")
     parser.add_argument("--seconds", type=float, default=10, help="throughput run length")
     parser.add_argument("--idle", type=int, default=20, help=f"single requests timed {IDLE_GAP_S:.0f} s apart")
-    parser.add_argument("--accuracy", action="store_true", help="held-out accuracy of the fp32 and int8 encoders instead")
+    parser.add_argument("--accuracy", action="store_true", help="held-out accuracy in each runtime instead")
+    parser.add_argument("--artifact", type=Path, default=ARTIFACT_DIR, help="the model (default: the committed one; "
+                        "the service rows always run the committed one)")
     args = parser.parse_args()
     if args.accuracy:
-        return accuracy()
+        return accuracy(args.artifact)
     texts = prompts()
     workdir = Path(tempfile.mkdtemp(prefix="bench-length-"))
     nats, nats_url = start_nats(workdir)
@@ -185,8 +191,7 @@ def main() -> None:
     lines = ["| path | single p50 ms | single p99 ms | single CPU p50 ms | batch of 32 p50 ms | batch of 32 p99 ms "
              "| predictions/s |",
              "|---|---|---|---|---|---|---|",
-             in_process(texts, args, quantize=False),
-             in_process(texts, args, quantize=True),
+             *(in_process(texts, args, runtime) for runtime in RUNTIMES),
              row("service over NATS (batches up to 32)", *batched[:3]),
              row("service over NATS, batching off", *unbatched[:3])]
     print(f"{len(texts)} distinct AlpacaEval prompts; {args.requests} single requests, {args.rounds} batches of 32, "

@@ -68,13 +68,12 @@ class Head:
 
 class Predictor:
     def __init__(self, artifact: Path = ARTIFACT_DIR, replica: str = "local", threads: int = 0,
-                 quantize: bool = False):
+                 runtime: str = "torch"):
         if threads:
             torch.set_num_threads(threads)
         loaded, medians, self.meta = model.load(artifact)
         loaded.encoder = loaded.encoder.merge_and_unload()  # LoRA folded into the weights: ~15% faster
-        if quantize:
-            loaded.encoder = model.quantized(loaded.encoder)
+        loaded.encoder = model.compiled(loaded.encoder, runtime, threads)
         self.tokenizer = model.load_tokenizer()
         self.model, self.replica = loaded, replica
         self.max_prompt_tokens = int(self.meta.get("max_prompt_tokens", model.MAX_PROMPT_TOKENS))

@@ -251,8 +251,8 @@ class LengthPredictorService:
         model_thread = ThreadPoolExecutor(1, thread_name_prefix="length-model")
         try:
             predictor = await asyncio.get_running_loop().run_in_executor(
-                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_torch_threads,
-                                      settings.length_quantize))
+                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_threads,
+                                      settings.length_runtime))
         except BaseException:
             model_thread.shutdown(wait=False)
             raise

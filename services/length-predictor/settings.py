@@ -1,4 +1,5 @@
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -19,12 +20,13 @@ class LengthPredictorSettings(CommonSettings):
     length_max_batch: int = Field(
         32, ge=1, description="Most prompts run through the model at once; requests that arrive while a batch "
         "runs form the next one.")
-    length_torch_threads: int = Field(
-        1, ge=0, description="CPU threads for inference (0: torch's default). One: the mesh's engines need the "
-        "other cores more than a prediction needs to finish sooner, and batching is what scales.")
-    length_quantize: bool = Field(True, description="Run the encoder's linear layers in int8 (dynamic "
-                                  "quantization): about half the CPU time, the same held-out accuracy (docs/benchmarks.md); a prompt's "
-                                  "answer then moves by a few percent with the prompts batched beside it.")
+    length_threads: int = Field(
+        1, ge=0, description="CPU threads for inference (0: the runtime's default). One: the mesh's engines need "
+        "the other cores more than a prediction needs to finish sooner, and batching is what scales.")
+    length_runtime: Literal["onnx-int8", "torch-int8", "torch"] = Field(
+        "onnx-int8", description="How the encoder runs: onnx-int8 (ONNX Runtime, int8 linear layers; the least "
+        "CPU), torch-int8 or torch (fp32, as trained). The int8 ones hold held-out accuracy (docs/benchmarks.md); a "
+        "prompt's answer then moves by a few percent with the prompts batched beside it.")
     length_pending_predictions: int = Field(
         10000, ge=1, description="Prompts kept until the worker reports the request's actual length (the oldest "
         "are forgotten first).")

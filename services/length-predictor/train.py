@@ -99,7 +99,7 @@ def prompt_batches(tokenizer, examples: list[data.Example], size: int, seed: int
 
 def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | None = None, out: Path | None = None,
         batch_size: int = 16, lr: float = 1e-3, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-        quiet: bool = False) -> list[Scores]:
+        layers: int | None = None, quiet: bool = False) -> list[Scores]:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -141,7 +141,7 @@ def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | Non
     results.append(from_probs("encoder, not fine-tuned, linear head", probs, medians, actual))
 
     # the predictor: LoRA adapters and the head, fine-tuned
-    model = LengthModel(load_encoder(lora=True))
+    model = LengthModel(load_encoder(lora=True, layers=layers))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     per_prompt = prompt_batches(tokenizer, train, batch_size, seed, max_prompt_tokens)
     started = time.monotonic()
@@ -158,6 +158,7 @@ def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | Non
     results.append(from_probs("MiniLM + LoRA, fine-tuned", probs, medians, actual))
     if out is not None:
         save(model, medians, {"family": family, "seed": seed, "epochs": epochs, "max_prompt_tokens": max_prompt_tokens,
+                              "layers": layers,
                               "train_responses": len(train),
                               "scores": [vars(r) for r in results], "train_s": time.monotonic() - started}, out)
     if not quiet:
@@ -183,10 +184,12 @@ def main() -> None:
     parser.add_argument("--limit-prompts", type=int, default=None, help="train on a slice: this many prompts")
     parser.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
                         help="the encoder reads this many leading tokens of a prompt (and its full length)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the encoder's first this many transformer layers (default: all six)")
     parser.add_argument("--out", type=Path, default=None, help="write the artifact (adapter, head, medians) here")
     args = parser.parse_args()
     run(args.family, epochs=args.epochs, seed=args.seed, limit_prompts=args.limit_prompts, out=args.out,
-        max_prompt_tokens=args.max_prompt_tokens)
+        max_prompt_tokens=args.max_prompt_tokens, layers=args.layers)
     if args.out is not None:
         print(json.dumps({"artifact": str(args.out)}))
 

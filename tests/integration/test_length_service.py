@@ -67,7 +67,7 @@ async def service(nats_url, redis_url):
     # fp32: int8's activation scales are per batch, so a prompt's answer moves a little with its
     # batch-mates, and the batching test below compares answers to solo ones exactly.
     settings = LengthPredictorSettings(_env_file=None, redis_url=redis_url, length_max_batch=32,
-                                       length_recent_samples=1000, length_quantize=False)
+                                       length_recent_samples=1000, length_runtime="torch")
     svc = await LengthPredictorService.create(bus, settings, "length-test")
     await svc.start()
     try:
