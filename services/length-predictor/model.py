@@ -101,7 +101,7 @@ class OnnxEncoder(nn.Module):
     a prompt of a few dozen tokens, about half the CPU time of torch's int8 (ORT's graph
     optimizations, no per-operator dispatch from Python; docs/benchmarks.md)."""
 
-    def __init__(self, encoder: nn.Module, threads: int = 0):
+    def __init__(self, encoder: nn.Module, threads: int = 0, int8: bool = True):
         super().__init__()
         import onnxruntime
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -112,20 +112,22 @@ class OnnxEncoder(nn.Module):
         example = (torch.ones(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long))
         axes = {0: "batch", 1: "tokens"}
         with tempfile.TemporaryDirectory() as work, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's notes on traced shape checks (exact here: tested)
-            fp32, int8 = Path(work) / "encoder.onnx", Path(work) / "encoder-int8.onnx"
+            warnings.simplefilter("ignore")  # the exporter's notes on traced shape checks (exact here: tests/integration)
+            fp32, quantized = Path(work) / "encoder.onnx", Path(work) / "encoder-int8.onnx"
             torch.onnx.export(_HiddenStates(encoder).eval(), example, fp32, input_names=["input_ids", "attention_mask"],
                               output_names=["hidden"], dynamic_axes=dict.fromkeys(("input_ids", "attention_mask", "hidden"), axes),
                               opset_version=17, dynamo=False)
-            quiet = logging.getLogger().level
-            logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic's advice to pre-process: not needed here
-            try:
-                quantize_dynamic(fp32, int8, weight_type=QuantType.QInt8)
-            finally:
-                logging.getLogger().setLevel(quiet)
+            if int8:
+                quiet = logging.getLogger().level
+                logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic's advice to pre-process: not needed
+                try:
+                    quantize_dynamic(fp32, quantized, weight_type=QuantType.QInt8)
+                finally:
+                    logging.getLogger().setLevel(quiet)
             options = onnxruntime.SessionOptions()
             options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-            self.session = onnxruntime.InferenceSession(str(int8), options, providers=["CPUExecutionProvider"])
+            self.session = onnxruntime.InferenceSession(str(quantized if int8 else fp32), options,
+                                                        providers=["CPUExecutionProvider"])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         hidden, = self.session.run(None, {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})

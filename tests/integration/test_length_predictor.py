@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llmesh.lengths import EDGES, NUM_BUCKETS, bucket_label, bucket_of
-from llmesh_lengthpred import data
+from llmesh_lengthpred import data, model
 from llmesh_lengthpred.train import run
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,3 +33,23 @@ def test_training_on_a_slice_beats_always_the_median(tmp_path):
     tuned, median = scores["MiniLM + LoRA, fine-tuned"], scores["always the median"]
     assert tuned.exact > median.exact and tuned.mae_tokens < median.mae_tokens
     assert (tmp_path / "model" / "adapter").is_dir() and (tmp_path / "model" / "head.pt").is_file()
+
+
+def test_onnx_export_computes_what_torch_computes():
+    """The ONNX graph is traced from one example's shapes: it must hold for other lengths and for
+    padded batches (dynamic axes), before int8 changes anything."""
+    import torch
+
+    from llmesh_lengthpred.settings import ARTIFACT_DIR
+
+    encoder = model.load(ARTIFACT_DIR)[0].encoder.merge_and_unload().eval()
+    exported = model.OnnxEncoder(encoder, threads=1, int8=False)
+    tokenizer = model.load_tokenizer()
+    for prompts in (["Hi"], ["Write a haiku about autumn leaves falling on a quiet pond."],
+                    ["short", "a longer prompt, padded beside the short one " * 4], ["word " * 300]):
+        batch = model.encode(tokenizer, prompts, 64)
+        with torch.no_grad():
+            expected = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        got = exported(batch["input_ids"], batch["attention_mask"]).last_hidden_state
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=1e-4), float((got - expected).abs().max())
