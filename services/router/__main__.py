@@ -44,7 +44,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
                             predict_before_dispatch=settings.dispatch_policy in NEEDS_PREDICTION,
                             length_sample_fraction=settings.length_sample_fraction, seed=settings.seed,
                             local_prefill_margin_s=settings.local_prefill_margin_s,
-                            local_prefill_max_stall_s=settings.local_prefill_max_stall_s)
+                            tpot_slo_s=settings.slo_tpot_ms / 1000)
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

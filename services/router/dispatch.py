@@ -19,7 +19,8 @@ import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -43,7 +44,7 @@ from llmesh.messages import (
     TokenDelta,
     WorkerInfo,
 )
-from llmesh.policies.disagg import PrefillSite, prefill_locally
+from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
@@ -52,6 +53,23 @@ from .stops import StopFilter
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
+
+
+@dataclass
+class _Progress:
+    """A stream's progress as its client sees it (for llmesh.policies.disagg.stall_budget)."""
+
+    budget: int  # most tokens in all (0: unknown)
+    first_at: float = 0.0
+    tokens: int = 0
+
+    def seen(self, delta: TokenDelta) -> None:
+        if not self.tokens:
+            self.first_at = time.monotonic()
+        self.tokens += len(delta.token_ids)
+
+    def snapshot(self, now: float) -> StreamProgress:
+        return StreamProgress(now - self.first_at, self.tokens, max(self.budget - self.tokens, 0))
 
 
 @dataclass(frozen=True)
@@ -76,10 +94,11 @@ class Generation:
 class Dispatcher:
     def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float, *,
                  predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0,
-                 local_prefill_margin_s: float | None = 0.25, local_prefill_max_stall_s: float = 0.6):
+                 local_prefill_margin_s: float | None = 0.25, tpot_slo_s: float = 0.05):
         self.bus, self.registry, self.metrics = bus, registry, metrics
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
-        self.local_prefill_max_stall_s = local_prefill_max_stall_s
+        self.tpot_slo_s = tpot_slo_s
+        self._streams: dict[str, dict[str, _Progress]] = defaultdict(dict)  # worker id -> request id -> progress
         self._backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
         self._tokens_per_char = 0.25
         self.length_timeout_s = length_timeout_s
@@ -163,8 +182,19 @@ class Dispatcher:
         # and a finished prompt still counted there would send the next one to a decode worker at idle.
         remote = PrefillSite(self._backlog[prefill.worker_id], prefill.prefill_tokens_per_s)
         here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
-        chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, self.local_prefill_max_stall_s)
+        now = time.monotonic()
+        streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
+        chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, stall_budget(streams, self.tpot_slo_s))
         return local if chosen else None
+
+    @contextmanager
+    def _decoding(self, worker_id: str, request_id: str, progress: _Progress) -> Iterator[None]:
+        """Count `progress` among the streams `worker_id` decodes while the block runs."""
+        self._streams[worker_id][request_id] = progress
+        try:
+            yield
+        finally:
+            self._streams[worker_id].pop(request_id, None)
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
         """Token deltas of `gen`; spans are children of `parent`.
@@ -189,13 +219,16 @@ class Dispatcher:
                 self.metrics.prefill_sites.labels("decode").inc()
                 self.registry.reserve(local.worker_id)
                 self._backlog[local.worker_id] += tokens
+                progress = _Progress(gen.sampling.max_tokens or 0)
                 try:
-                    async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
-                                                   gen, stops, parent, "router.generate"):
-                        if tokens:  # the prompt is computed once the first token is out
-                            self._backlog[local.worker_id] -= tokens
-                            tokens = 0
-                        yield delta
+                    with self._decoding(local.worker_id, gen.request_id, progress):
+                        async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
+                                                       gen, stops, parent, "router.generate"):
+                            progress.seen(delta)
+                            if tokens:  # the prompt is computed once the first token is out
+                                self._backlog[local.worker_id] -= tokens
+                                tokens = 0
+                            yield delta
                 finally:
                     self._backlog[local.worker_id] -= tokens
                 return
@@ -225,14 +258,19 @@ class Dispatcher:
                 predicted, predicting = self._prediction_so_far(predicting), None
             decode = self.registry.pick("decode", gen.model, fingerprint=result.fingerprint)
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
-            async for delta in self._relay(
-                    decode.worker_id, Subjects.worker("decode", decode.worker_id),
-                    DecodeRequest(request_id=gen.request_id, model=gen.model, prompt_token_ids=result.prompt_token_ids,
-                                  first_token=result.first.token_ids[0], sampling=sampling,
-                                  kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
-                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt),
-                    gen, stops, parent, "router.decode"):
-                yield delta
+            progress = _Progress(result.max_tokens)
+            progress.seen(first)
+            with self._decoding(decode.worker_id, gen.request_id, progress):
+                async for delta in self._relay(
+                        decode.worker_id, Subjects.worker("decode", decode.worker_id),
+                        DecodeRequest(request_id=gen.request_id, model=gen.model,
+                                      prompt_token_ids=result.prompt_token_ids, first_token=result.first.token_ids[0],
+                                      sampling=sampling, kv_transfer_params=result.kv_transfer_params,
+                                      fingerprint=result.fingerprint, deadline=gen.deadline,
+                                      predicted_length=predicted, cache_salt=gen.cache_salt),
+                        gen, stops, parent, "router.decode"):
+                    progress.seen(delta)
+                    yield delta
         finally:
             if predicting is not None and not predicting.done():
                 predicting.cancel()

@@ -15,9 +15,10 @@ class RouterSettings(CommonSettings):
     local_prefill_margin_s: float | None = Field(
         0.25, ge=0, description="Run a whole request on a decode worker when that computes its prompt sooner "
         "than the prefill queue by more than this (llmesh.policies.disagg); empty: always disaggregate.")
-    local_prefill_max_stall_s: float = Field(
-        0.6, gt=0, description="The most prompt work, its queue included, a decode worker takes on as whole "
-        "requests: its streams stall that long (longer prompts wait for the prefill queue).")
+    slo_tpot_ms: float = Field(
+        50.0, gt=0, description="Time per output token the streams should stay within: a decode worker takes a "
+        "whole request only if the stall of computing its prompt leaves each of its streams within it "
+        "(llmesh.policies.disagg.stall_budget).")
     length_sample_fraction: float = Field(
         0.1, ge=0, le=1, description="Fraction of requests whose output length is predicted when the dispatch "
         "policy does not read predictions (beside the prefill, never delaying it): for traces, the predictor's "

@@ -6,13 +6,38 @@ one engine computes them, while the decode engines have room between their steps
 disaggregation (NVIDIA Dynamo's disaggregated router; BanaServe's load-aware dispatch between
 prefill and decode capacity): run the whole request on a decode worker when that answers
 sooner than the prefill queue by more than `margin_s`, the price being a stall of that worker's
-other requests for the length of one prompt: bounded by `max_stall_s`, since a long prompt taken
-whole would push every stream on the worker past its TPOT target.
+other requests for the length of one prompt: no longer than its streams can absorb within
+their time-per-output-token target (`stall_budget`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """A stream decoding on a worker, as its client sees it."""
+
+    elapsed_s: float  # since its first token
+    tokens: int  # sent so far
+    remaining: int  # still to come, at most (0: unknown)
+
+
+def stall_budget(streams: list[StreamProgress], tpot_slo_s: float) -> float:
+    """The longest stall every stream in `streams` absorbs and still ends within `tpot_slo_s` per
+    output token: each keeps its pace so far for its remaining tokens (streams without a pace yet
+    take the others' mean). A stream of unknown length is taken to end now, the case where a
+    stall weighs most. No streams: no limit."""
+    paces = [s.elapsed_s / (s.tokens - 1) for s in streams if s.tokens > 1]
+    default_pace = sum(paces) / len(paces) if paces else 0.0
+    budget = float("inf")
+    for s in streams:
+        pace = s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else default_pace
+        gaps = s.tokens + s.remaining - 1
+        if gaps > 0:
+            budget = min(budget, tpot_slo_s * gaps - s.elapsed_s - s.remaining * pace)
+    return max(budget, 0.0)
 
 
 @dataclass(frozen=True)
@@ -25,9 +50,9 @@ def prefill_locally(prompt_tokens: int, remote: PrefillSite, local: PrefillSite,
                     max_stall_s: float = float("inf")) -> bool:
     """True when the decode worker `local` would compute the prompt sooner than the prefill worker
     `remote` by more than `margin_s` (None: never), within `max_stall_s` of its own prefill work
-    (the queue before it included: its decode streams wait that long). An idle prefill worker always takes the
-    prompt: this answers queueing, and without a queue the two measured speeds differ only by
-    the prefill side's KV saving and noise. An unmeasured speed is taken to equal the other's
+    (the queue before it included: its decode streams wait that long; see `stall_budget`). An
+    idle prefill worker always takes the prompt: this answers queueing, and without a queue the
+    two measured speeds differ only by the prefill side's KV saving and noise. An unmeasured speed is taken to equal the other's
     (the same engine on the same hardware); with neither measured, disaggregate."""
     if margin_s is None or remote.backlog_tokens == 0:
         return False

@@ -33,7 +33,7 @@ def test_ties_are_broken_by_the_seeded_rng_and_spread():
     assert set(picks) == {"a", "b", "c"}
 
 
-from llmesh.policies.disagg import PrefillSite, prefill_locally  # noqa: E402
+from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -65,3 +65,19 @@ def test_prefill_placement(prompt, remote, local, margin, expected):
 def test_prefill_placement_bounds_the_decode_stall(prompt, local_backlog, expected):
     remote, local = PrefillSite(8192, 1000), PrefillSite(local_backlog, 1000)
     assert prefill_locally(prompt, remote, local, 0.25, max_stall_s=0.6) is expected
+
+
+@pytest.mark.parametrize(
+    "streams, expected",
+    [
+        ([], float("inf")),  # nothing decoding: nothing to stall
+        ([StreamProgress(0.6, 21, 43)], 1.26),  # 30 ms/token so far, 64 in all: 3.15 s allowed, 1.89 s planned
+        ([StreamProgress(0.3, 11, 0)], 0.2),  # unknown length: as if it ended now (10 gaps, 0.5 s allowed)
+        ([StreamProgress(1.2, 21, 43)], 0.0),  # 60 ms/token: already past the target
+        ([StreamProgress(0.6, 21, 43), StreamProgress(0.0, 1, 63)], 1.26),  # no pace yet: the others' (30 ms)
+        ([StreamProgress(0.6, 21, 43), StreamProgress(0.8, 21, 3)], 0.23),  # the tightest stream decides (1.15 - 0.8 - 0.12)
+        ([StreamProgress(0.0, 1, 0)], float("inf")),  # one token, no more known: no per-token time to keep
+    ],
+)
+def test_stall_budget_keeps_every_stream_within_its_tpot(streams, expected):
+    assert stall_budget(streams, tpot_slo_s=0.05) == pytest.approx(expected)
