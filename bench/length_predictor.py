@@ -13,7 +13,8 @@ separate processes, and asks with real AlpacaEval prompts from ../shared/data:
 - throughput: 64 requests kept in flight for `--seconds`; predictions per second.
 The in-process rows time `Predictor.predict` directly (no NATS, no queue), on one thread as the
 service runs it, with the encoder in each runtime (`MESH_LENGTH_RUNTIME`: torch fp32, torch int8,
-ONNX Runtime int8, the service's default); their CPU column is the process's CPU time per single prediction (p50). The last service runs
+ONNX Runtime int8, the service's default); their CPU column is the process's CPU time per single
+prediction (p50). The last service runs
 with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through the model).
 """
 
@@ -25,12 +26,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 from llmesh.bus import Bus
 from llmesh.launcher import Child, start_nats, start_service
 from llmesh.lengths import cut_prompt
 from llmesh.messages import LengthPrediction, LengthPredictRequest, Subjects
-from llmesh_lengthpred.settings import ARTIFACT_DIR
+from llmesh_lengthpred.settings import ARTIFACT_DIR, LengthPredictorSettings
 
 IN_FLIGHT = 64
 IDLE_GAP_S = 1.0
@@ -54,7 +56,8 @@ def prompts() -> list[str]:
     return sorted({e.prompt for e in data.load("llama", len)})
 
 
-RUNTIMES = ("torch", "torch-int8", "onnx-int8")  # MESH_LENGTH_RUNTIME's values; the last is the service's default
+# MESH_LENGTH_RUNTIME's values, the service's default last
+RUNTIMES = get_args(LengthPredictorSettings.model_fields["length_runtime"].annotation)[::-1]
 
 
 def in_process(texts: list[str], args, runtime: str) -> str:

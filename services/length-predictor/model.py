@@ -112,11 +112,12 @@ class OnnxEncoder(nn.Module):
         example = (torch.ones(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long))
         axes = {0: "batch", 1: "tokens"}
         with tempfile.TemporaryDirectory() as work, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's notes on traced shape checks (exact here: tests/integration)
+            warnings.simplefilter("ignore")  # the exporter's notes on traced shape checks (tests/integration: exact)
             fp32, quantized = Path(work) / "encoder.onnx", Path(work) / "encoder-int8.onnx"
-            torch.onnx.export(_HiddenStates(encoder).eval(), example, fp32, input_names=["input_ids", "attention_mask"],
-                              output_names=["hidden"], dynamic_axes=dict.fromkeys(("input_ids", "attention_mask", "hidden"), axes),
-                              opset_version=17, dynamo=False)
+            names = ("input_ids", "attention_mask", "hidden")
+            torch.onnx.export(_HiddenStates(encoder).eval(), example, fp32, input_names=list(names[:2]),
+                              output_names=[names[2]], dynamic_axes=dict.fromkeys(names, axes), opset_version=17,
+                              dynamo=False)
             if int8:
                 quiet = logging.getLogger().level
                 logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic's advice to pre-process: not needed

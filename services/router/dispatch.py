@@ -184,7 +184,8 @@ class Dispatcher:
         here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
         now = time.monotonic()
         streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
-        chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, stall_budget(streams, self.tpot_slo_s))
+        max_stall_s = stall_budget(streams, self.tpot_slo_s)
+        chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, max_stall_s)
         return local if chosen else None
 
     @contextmanager
@@ -219,16 +220,14 @@ class Dispatcher:
                 self.metrics.prefill_sites.labels("decode").inc()
                 self.registry.reserve(local.worker_id)
                 self._backlog[local.worker_id] += tokens
-                progress = _Progress(gen.sampling.max_tokens or 0)
                 try:
-                    with self._decoding(local.worker_id, gen.request_id, progress):
-                        async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
-                                                       gen, stops, parent, "router.generate"):
-                            progress.seen(delta)
-                            if tokens:  # the prompt is computed once the first token is out
-                                self._backlog[local.worker_id] -= tokens
-                                tokens = 0
-                            yield delta
+                    async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
+                                                   gen, stops, parent, "router.generate",
+                                                   _Progress(gen.sampling.max_tokens or 0)):
+                        if tokens:  # the prompt is computed once the first token is out
+                            self._backlog[local.worker_id] -= tokens
+                            tokens = 0
+                        yield delta
                 finally:
                     self._backlog[local.worker_id] -= tokens
                 return
@@ -260,24 +259,22 @@ class Dispatcher:
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
             progress = _Progress(result.max_tokens)
             progress.seen(first)
-            with self._decoding(decode.worker_id, gen.request_id, progress):
-                async for delta in self._relay(
-                        decode.worker_id, Subjects.worker("decode", decode.worker_id),
-                        DecodeRequest(request_id=gen.request_id, model=gen.model,
-                                      prompt_token_ids=result.prompt_token_ids, first_token=result.first.token_ids[0],
-                                      sampling=sampling, kv_transfer_params=result.kv_transfer_params,
-                                      fingerprint=result.fingerprint, deadline=gen.deadline,
-                                      predicted_length=predicted, cache_salt=gen.cache_salt),
-                        gen, stops, parent, "router.decode"):
-                    progress.seen(delta)
-                    yield delta
+            async for delta in self._relay(
+                    decode.worker_id, Subjects.worker("decode", decode.worker_id),
+                    DecodeRequest(request_id=gen.request_id, model=gen.model, prompt_token_ids=result.prompt_token_ids,
+                                  first_token=result.first.token_ids[0], sampling=sampling,
+                                  kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
+                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt),
+                    gen, stops, parent, "router.decode", progress):
+                yield delta
         finally:
             if predicting is not None and not predicting.done():
                 predicting.cancel()
 
     async def _relay(self, worker_id: str, subject: str, request: Message, gen: Generation, stops: StopFilter,
-                     parent: context.Context, span_name: str) -> AsyncIterator[TokenDelta]:
-        """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes.
+                     parent: context.Context, span_name: str, progress: _Progress) -> AsyncIterator[TokenDelta]:
+        """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes;
+        meanwhile `progress` counts among the streams the worker decodes (for the stall bound).
 
         The worker is told to abort if the client leaves, the deadline passes, a stop string ends
         the text early, or a step breaks (a typed error from the worker means it already gave up).
@@ -288,9 +285,10 @@ class Dispatcher:
         try:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
-            with self.registry.watch(worker_id, replies.fail):
+            with self.registry.watch(worker_id, replies.fail), self._decoding(worker_id, gen.request_id, progress):
                 async for delta, _ in replies:
                     assert isinstance(delta, TokenDelta)
+                    progress.seen(delta)
                     shown = _filtered(delta, stops)
                     finished = shown.finish_reason is not None
                     if finished and delta.finish_reason is None:

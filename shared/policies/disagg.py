@@ -29,11 +29,12 @@ def stall_budget(streams: list[StreamProgress], tpot_slo_s: float) -> float:
     output token: each keeps its pace so far for its remaining tokens (streams without a pace yet
     take the others' mean). A stream of unknown length is taken to end now, the case where a
     stall weighs most. No streams: no limit."""
-    paces = [s.elapsed_s / (s.tokens - 1) for s in streams if s.tokens > 1]
-    default_pace = sum(paces) / len(paces) if paces else 0.0
+    paces = [s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else None for s in streams]
+    known = [p for p in paces if p is not None]
+    default_pace = sum(known) / len(known) if known else 0.0
     budget = float("inf")
-    for s in streams:
-        pace = s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else default_pace
+    for s, pace in zip(streams, paces):
+        pace = default_pace if pace is None else pace
         gaps = s.tokens + s.remaining - 1
         if gaps > 0:
             budget = min(budget, tpot_slo_s * gaps - s.elapsed_s - s.remaining * pace)
@@ -52,8 +53,9 @@ def prefill_locally(prompt_tokens: int, remote: PrefillSite, local: PrefillSite,
     `remote` by more than `margin_s` (None: never), within `max_stall_s` of its own prefill work
     (the queue before it included: its decode streams wait that long; see `stall_budget`). An
     idle prefill worker always takes the prompt: this answers queueing, and without a queue the
-    two measured speeds differ only by the prefill side's KV saving and noise. An unmeasured speed is taken to equal the other's
-    (the same engine on the same hardware); with neither measured, disaggregate."""
+    two measured speeds differ only by the prefill side's KV saving and noise. An unmeasured
+    speed is taken to equal the other's (the same engine on the same hardware); with neither
+    measured, disaggregate."""
     if margin_s is None or remote.backlog_tokens == 0:
         return False
     remote_rate = remote.tokens_per_s or local.tokens_per_s
