@@ -18,7 +18,8 @@ import asyncio
 import logging
 import random
 import time
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from .stops import StopFilter
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
+STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
 
 
 @dataclass
@@ -61,11 +63,13 @@ class _Progress:
 
     budget: int  # most tokens in all (0: unknown)
     first_at: float = 0.0
+    last_at: float = 0.0
     tokens: int = 0
 
     def seen(self, delta: TokenDelta) -> None:
+        self.last_at = time.monotonic()
         if not self.tokens:
-            self.first_at = time.monotonic()
+            self.first_at = self.last_at
         self.tokens += len(delta.token_ids)
 
     def snapshot(self, now: float) -> StreamProgress:
@@ -99,6 +103,9 @@ class Dispatcher:
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
         self.tpot_slo_s = tpot_slo_s
         self._streams: dict[str, dict[str, _Progress]] = defaultdict(dict)  # worker id -> request id -> progress
+        # worker id -> recent gaps between a stream's tokens; the median is its step time, whatever stalls the
+        # last few steps had (a stall lengthens one gap per stream)
+        self._token_gaps: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=STEP_SAMPLES))
         self._backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
         self._tokens_per_char = 0.25
         self.length_timeout_s = length_timeout_s
@@ -184,7 +191,8 @@ class Dispatcher:
         here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
         now = time.monotonic()
         streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
-        max_stall_s = stall_budget(streams, self.tpot_slo_s)
+        gaps = self._token_gaps[local.worker_id]
+        max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
         chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, max_stall_s)
         return local if chosen else None
 
@@ -286,9 +294,13 @@ class Dispatcher:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
             with self.registry.watch(worker_id, replies.fail), self._decoding(worker_id, gen.request_id, progress):
+                previous_at = None  # of this relay's previous delta (its first follows a prompt or a KV load)
                 async for delta, _ in replies:
                     assert isinstance(delta, TokenDelta)
                     progress.seen(delta)
+                    if previous_at is not None and delta.token_ids:
+                        self._token_gaps[worker_id].append((progress.last_at - previous_at) / len(delta.token_ids))
+                    previous_at = progress.last_at
                     shown = _filtered(delta, stops)
                     finished = shown.finish_reason is not None
                     if finished and delta.finish_reason is None:

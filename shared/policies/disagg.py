@@ -24,21 +24,28 @@ class StreamProgress:
     remaining: int  # still to come, at most (0: unknown)
 
 
-def stall_budget(streams: list[StreamProgress], tpot_slo_s: float) -> float:
-    """The longest stall every stream in `streams` absorbs and still ends within `tpot_slo_s` per
-    output token: each keeps its pace so far for its remaining tokens (streams without a pace yet
-    take the others' mean). A stream of unknown length is taken to end now, the case where a
-    stall weighs most. No streams: no limit."""
-    paces = [s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else None for s in streams]
-    known = [p for p in paces if p is not None]
-    default_pace = sum(known) / len(known) if known else 0.0
+def stall_budget(streams: list[StreamProgress], tpot_slo_s: float, step_s: float | None = None) -> float:
+    """The longest stall after which every stream in `streams` that can still meet `tpot_slo_s` per
+    output token does: its remaining tokens each take `step_s`, the worker's time per decode step
+    now (None: the stream's pace so far, or the others' mean for a stream without one yet; a
+    pace carries the stream's earlier waits, a KV load or another stall, into its future).
+
+    Streams past the target even without a stall are left out: a stall cannot cost their goodput,
+    and counting them would keep every prompt off a busy worker. A stream of unknown length is
+    taken to end now, the case where a stall weighs most. No streams: no limit."""
+    if step_s is None:
+        paces = [s.elapsed_s / (s.tokens - 1) for s in streams if s.tokens > 1]
+        default_pace = sum(paces) / len(paces) if paces else 0.0
     budget = float("inf")
-    for s, pace in zip(streams, paces):
-        pace = default_pace if pace is None else pace
+    for s in streams:
         gaps = s.tokens + s.remaining - 1
-        if gaps > 0:
-            budget = min(budget, tpot_slo_s * gaps - s.elapsed_s - s.remaining * pace)
-    return max(budget, 0.0)
+        if gaps <= 0:
+            continue
+        step = step_s if step_s is not None else s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else default_pace
+        slack = tpot_slo_s * gaps - s.elapsed_s - s.remaining * step
+        if slack >= 0:
+            budget = min(budget, slack)
+    return budget
 
 
 @dataclass(frozen=True)

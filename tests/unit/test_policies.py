@@ -68,16 +68,19 @@ def test_prefill_placement_bounds_the_decode_stall(prompt, local_backlog, expect
 
 
 @pytest.mark.parametrize(
-    "streams, expected",
+    "streams, step_s, expected",
     [
-        ([], float("inf")),  # nothing decoding: nothing to stall
-        ([StreamProgress(0.6, 21, 43)], 1.26),  # 30 ms/token so far, 64 in all: 3.15 s allowed, 1.89 s planned
-        ([StreamProgress(0.3, 11, 0)], 0.2),  # unknown length: as if it ended now (10 gaps, 0.5 s allowed)
-        ([StreamProgress(1.2, 21, 43)], 0.0),  # 60 ms/token: already past the target
-        ([StreamProgress(0.6, 21, 43), StreamProgress(0.0, 1, 63)], 1.26),  # no pace yet: the others' (30 ms)
-        ([StreamProgress(0.6, 21, 43), StreamProgress(0.8, 21, 3)], 0.23),  # the tightest stream decides (1.15 - 0.8 - 0.12)
-        ([StreamProgress(0.0, 1, 0)], float("inf")),  # one token, no more known: no per-token time to keep
+        ([], None, float("inf")),  # nothing decoding: nothing to stall
+        ([StreamProgress(0.6, 21, 43)], None, 1.26),  # 30 ms/token so far, 64 in all: 3.15 s allowed, 1.89 s planned
+        ([StreamProgress(0.6, 21, 43)], 0.02, 1.69),  # at the worker's 20 ms steps: 0.6 + 0.86 s planned
+        ([StreamProgress(0.3, 11, 0)], None, 0.2),  # unknown length: as if it ended now (10 gaps, 0.5 s allowed)
+        ([StreamProgress(1.2, 21, 43)], None, float("inf")),  # 60 ms/token: past the target, a stall costs nothing
+        ([StreamProgress(1.2, 21, 43)], 0.02, 1.09),  # ... unless 20 ms steps bring it in: 3.15 - 1.2 - 0.86
+        ([StreamProgress(0.6, 21, 43), StreamProgress(0.0, 1, 63)], None, 1.26),  # no pace yet: the others' (30 ms)
+        ([StreamProgress(0.6, 21, 43), StreamProgress(0.8, 21, 3)], None, 0.23),  # the tightest decides (1.15-0.8-0.12)
+        ([StreamProgress(0.6, 21, 43), StreamProgress(1.2, 21, 3)], None, 1.26),  # a lost stream does not decide
+        ([StreamProgress(0.0, 1, 0)], None, float("inf")),  # one token, no more known: no per-token time to keep
     ],
 )
-def test_stall_budget_keeps_every_stream_within_its_tpot(streams, expected):
-    assert stall_budget(streams, tpot_slo_s=0.05) == pytest.approx(expected)
+def test_stall_budget_keeps_every_stream_that_can_within_its_tpot(streams, step_s, expected):
+    assert stall_budget(streams, tpot_slo_s=0.05, step_s=step_s) == pytest.approx(expected)
