@@ -141,14 +141,17 @@ def encode(tokenizer, prompts: list[str], max_tokens: int, chars: list[int] | No
     `chars`: the full length of prompts that were cut short (llmesh.lengths.cut_prompt); their
     token count is extrapolated from the part at hand.
     """
-    # max_tokens tokens lie well within 32 characters each: tokenize no more than that for the encoder
-    enc = tokenizer([p[: max_tokens * 32] for p in prompts], truncation=True, max_length=max_tokens, padding=True,
-                    return_tensors="pt")
-    counts = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # once: for the count and the encoder
+    counts = [len(i) for i in ids]
     if chars is not None:
         counts = [round(n * max(c, len(p)) / len(p)) if p else n for n, c, p in zip(counts, chars, prompts)]
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-            "prompt_tokens": torch.tensor(counts)}
+    rows = [[tokenizer.cls_token_id, *i[: max_tokens - 2], tokenizer.sep_token_id] for i in ids]  # as BERT's tokenizer
+    input_ids = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_token_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for k, row in enumerate(rows):
+        input_ids[k, : len(row)] = torch.tensor(row)
+        attention_mask[k, : len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "prompt_tokens": torch.tensor(counts)}
 
 
 def save(model: LengthModel, medians: list[float], meta: dict, out: Path) -> None:
