@@ -439,6 +439,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def per_request(result: dict) -> dict[str, list]:
+    """Each request's start (s after the point's first), prompt and output tokens, TTFT and TPOT
+    (ms; None where it failed): what a point's summary hides, such as which prompts were slow."""
+    starts = result.get("start_times") or []
+    first = min(starts, default=0.0)
+    ms = lambda v: round(v * 1000, 1) if v else None  # noqa: E731
+    return {"start_s": [round(t - first, 3) for t in starts], "prompt_tokens": result.get("input_lens", []),
+            "output_tokens": result.get("output_lens", []), "ttft_ms": [ms(t) for t in result.get("ttfts", [])],
+            "tpot_ms": [ms(sum(itl) / len(itl)) if itl else None for itl in result.get("itls", [])]}
+
+
 def measure(deployment: Deployment, client: argparse.Namespace, prompts: list, tokenizer, slo: dict[str, float],
             log: TextIO, **labels) -> dict:
     """One point on one deployment (vLLM's client prints its report into `log`)."""
@@ -449,7 +460,7 @@ def measure(deployment: Deployment, client: argparse.Namespace, prompts: list, t
     cpu_after, client_cpu = cpu_by_process(roots), time.process_time() - client_before
     errors = sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
     return {"deployment": deployment.name, **labels, **{k: result.get(k) for k in SUMMARY},
-            "errors": errors, "client_cpu": client_cpu,
+            "errors": errors, "client_cpu": client_cpu, "requests": per_request(result),
             "cpu": {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0}}
 
 
