@@ -14,8 +14,8 @@ separate processes, and asks with real AlpacaEval prompts from ../shared/data:
 The in-process rows time `Predictor.predict` directly (no NATS, no queue), on one thread as the
 service runs it, with the encoder in each runtime (`MESH_LENGTH_RUNTIME`: torch fp32, torch int8,
 ONNX Runtime int8, the service's default); their CPU column is the process's CPU time per single
-prediction (p50). The last service runs
-with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through the model).
+prediction (p50). The last service runs with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through
+the model).
 """
 
 from __future__ import annotations

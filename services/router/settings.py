@@ -17,8 +17,8 @@ class RouterSettings(CommonSettings):
         "than the prefill queue by more than this (llmesh.policies.disagg); empty: always disaggregate.")
     slo_tpot_ms: float = Field(
         50.0, gt=0, description="Time per output token the streams should stay within: a decode worker takes a "
-        "whole request only if the stall of computing its prompt leaves within it each of its streams that "
-        "still is, at the worker's current step time "
+        "whole request only if every stream on it that can still meet this (its remaining tokens at the "
+        "worker's current step time) still does after the stall of computing the prompt "
         "(llmesh.policies.disagg.stall_budget).")
     length_sample_fraction: float = Field(
         0.1, ge=0, le=1, description="Fraction of requests whose output length is predicted when the dispatch "

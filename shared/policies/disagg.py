@@ -33,15 +33,15 @@ def stall_budget(streams: list[StreamProgress], tpot_slo_s: float, step_s: float
     Streams past the target even without a stall are left out: a stall cannot cost their goodput,
     and counting them would keep every prompt off a busy worker. A stream of unknown length is
     taken to end now, the case where a stall weighs most. No streams: no limit."""
-    if step_s is None:
-        paces = [s.elapsed_s / (s.tokens - 1) for s in streams if s.tokens > 1]
-        default_pace = sum(paces) / len(paces) if paces else 0.0
+    paces = [s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else None for s in streams]
+    known = [p for p in paces if p is not None]
+    default_pace = sum(known) / len(known) if known else 0.0
     budget = float("inf")
-    for s in streams:
+    for s, pace in zip(streams, paces):
         gaps = s.tokens + s.remaining - 1
         if gaps <= 0:
             continue
-        step = step_s if step_s is not None else s.elapsed_s / (s.tokens - 1) if s.tokens > 1 else default_pace
+        step = step_s if step_s is not None else default_pace if pace is None else pace
         slack = tpot_slo_s * gaps - s.elapsed_s - s.remaining * step
         if slack >= 0:
             budget = min(budget, slack)
