@@ -358,4 +358,4 @@ def _filtered(delta: TokenDelta, stops: StopFilter) -> TokenDelta:
         return delta.model_copy(update={"text": text, "finish_reason": "stop"})
     if delta.finish_reason is not None:
         text += stops.flush()
-    return delta.model_copy(update={"text": text})
+    return delta if text == delta.text else delta.model_copy(update={"text": text})

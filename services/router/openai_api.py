@@ -162,9 +162,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseShape:
     """Builds the OpenAI objects of one endpoint, so the handler code is shared by both."""
 
+    _TEXT_MARK = "\x00"  # stands for a chunk's text in its template (JSON: "\u0000")
+
     def __init__(self, chat: bool, request_id: str, model: str):
         self.chat, self.id, self.model = chat, request_id, model
         self.created = int(time.time())
+        self._templates: dict[tuple[str | None, bool], tuple[bytes, bytes]] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -176,6 +179,19 @@ class ResponseShape:
                                                               "logprobs": None}])
         return self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish_reason,
                                                    "logprobs": None}])
+
+    def chunk_event(self, text: str, finish_reason: str | None, first: bool = False) -> bytes:
+        """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
+        envelope for every token, and only the text changes."""
+        if self.chat and not text and not first:  # an empty chat delta has no content key
+            return sse(self.chunk(text, finish_reason, first))
+        key = (finish_reason, first)
+        template = self._templates.get(key)
+        if template is None:
+            head, _, tail = sse(self.chunk(self._TEXT_MARK, finish_reason, first)).rpartition(
+                json.dumps(self._TEXT_MARK).encode())
+            template = self._templates[key] = head, tail
+        return template[0] + json.dumps(text).encode() + template[1]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -152,10 +152,10 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         async def events() -> AsyncIterator[bytes]:
             last = first
             try:
-                yield sse(shape.chunk(first.text, first.finish_reason, first=True))
+                yield shape.chunk_event(first.text, first.finish_reason, first=True)
                 async for delta in deltas:
                     last = delta
-                    yield sse(shape.chunk(delta.text, delta.finish_reason))
+                    yield shape.chunk_event(delta.text, delta.finish_reason)
                 if body.include_usage:
                     yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
                 yield sse("[DONE]")
