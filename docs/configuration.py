@@ -24,7 +24,7 @@ def render() -> str:
                 continue
             alias = field.validation_alias
             env = " / ".join(alias.choices) if alias is not None else f"MESH_{name.upper()}"
-            default = MACHINE_DEPENDENT.get(name, field.default)
+            default = MACHINE_DEPENDENT.get(name, field.get_default(call_default_factory=True))
             lines.append(f"| `{env}` | `{default}` | {field.description} |")
         lines.append("")
     return "\n".join(lines)

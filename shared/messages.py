@@ -4,7 +4,8 @@ Frame: 4-byte big-endian length of a MessagePack header, the header
 `{"v": SCHEMA_VERSION, "t": type name, "d": fields}`, then an optional raw blob
 (KV bytes travel there, never inside MessagePack, so they are not copied twice).
 Types are pydantic models: a malformed or mistyped message fails to decode with
-`BadMessage`, never with a crash deeper down.
+`BadMessage`, never with a crash deeper down. Fields a receiver does not know are ignored, so a
+newer sender (a rolling upgrade) does not break an older receiver; new fields get defaults.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _TYPES: dict[str, type[Message]] = {}
 class Message(BaseModel):
     """Base of every bus message; subclasses register themselves by class name."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -69,6 +70,17 @@ class StreamBatch(Message):
 # ---- discovery and load ------------------------------------------------------------
 
 
+class RequestProgress(Message):
+    """A request a worker holds, as its heartbeat reports it (for the policies)."""
+
+    request_id: str
+    prompt_tokens: int
+    generated: int = 0  # output tokens so far
+    max_tokens: int = 0  # output budget
+    predicted_tokens: float | None = None
+    priority: int = 0
+
+
 class WorkerInfo(Message):
     """Heartbeat a worker publishes every `heartbeat_s` on `subjects.HEARTBEAT`."""
 
@@ -83,6 +95,11 @@ class WorkerInfo(Message):
     heartbeat_s: float
     prefill_tokens_per_s: float = 0.0  # prompt tokens it computes per second of prefill work (0: not measured yet)
     generates: bool = False  # decode workers: also runs whole requests (`Subjects.generate`), prefill included
+    state: Literal["active", "draining"] = "active"
+    kv_blocks_used: int = 0  # the engine's KV blocks in use (prefix-cached blocks held by no request are free)
+    kv_blocks_total: int = 0  # 0: not reported
+    block_size: int = 0
+    requests: list[RequestProgress] = Field(default_factory=list)
 
 
 # ---- output-length prediction ----------------------------------------------------------

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmesh import telemetry
@@ -26,11 +27,13 @@ from llmesh.messages import (
     LengthObserved,
     LengthPrediction,
     PrefillRequest,
+    RequestProgress,
     SamplingOptions,
     Subjects,
     WorkerInfo,
 )
 from llmesh.models import resolve_model
+from llmesh.policies.core import kv_blocks
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,26 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
     )
 
 
+@dataclass
+class HeldRequest:
+    """A request admitted on this worker, with its progress (reported on heartbeats)."""
+
+    request_id: str
+    task: asyncio.Task
+    queued_tokens: int  # the work it stands for in `WorkerInfo.queued_tokens`
+    prompt_tokens: int
+    max_tokens: int
+    predicted_tokens: float | None = None
+    generated: int = 0  # output tokens so far; the handler keeps it current
+
+    def kv_blocks(self, block_size: int) -> int:
+        return kv_blocks(self.prompt_tokens + self.generated, block_size)
+
+    def progress(self) -> RequestProgress:
+        return RequestProgress(request_id=self.request_id, prompt_tokens=self.prompt_tokens, generated=self.generated,
+                               max_tokens=self.max_tokens, predicted_tokens=self.predicted_tokens)
+
+
 class PrefillMeter:
     """Prompt tokens computed per second while the engine has prefill work in flight (an EMA over
     one-second windows): what the router weighs a prefill queue with."""
@@ -144,7 +167,7 @@ class EngineWorker:
         self.fingerprint = fingerprint(self.layout)
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
-        self._inflight: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task, queued tokens)
+        self._held: dict[str, HeldRequest] = {}
         self._heartbeat_task: asyncio.Task | None = None
         self.prefill_meter = PrefillMeter()
         self.generates = False  # set by a service that also serves whole requests
@@ -234,24 +257,33 @@ class EngineWorker:
     async def close(self) -> None:
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
-        for task, _ in list(self._inflight.values()):
-            task.cancel()
+        for held in list(self._held.values()):
+            held.task.cancel()
         await self.bus.close()
         self.engine.shutdown()
 
     def info(self) -> WorkerInfo:
+        """This worker's heartbeat. KV blocks in use are those its requests fill (prompt and output so
+        far, each rounded up to whole blocks): an upper bound of the engine's own count, which
+        shares common prefixes, read without enabling vLLM's per-step statistics."""
+        cache = self.engine.vllm_config.cache_config
+        held = list(self._held.values())
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,
             model=self.settings.model_name,
             fingerprint=self.fingerprint,
             max_model_len=self.max_model_len,
-            running=len(self._inflight),
-            queued_tokens=sum(tokens for _, tokens in self._inflight.values()),
+            running=len(held),
+            queued_tokens=sum(h.queued_tokens for h in held),
             capacity=self.settings.capacity,
             heartbeat_s=self.settings.heartbeat_s,
             prefill_tokens_per_s=self.prefill_meter.tokens_per_s,
             generates=self.generates,
+            kv_blocks_used=sum(h.kv_blocks(cache.block_size) for h in held),
+            kv_blocks_total=cache.num_gpu_blocks or 0,
+            block_size=cache.block_size,
+            requests=[h.progress() for h in held],
         )
 
     async def report_length(self, request_id: str, predicted: LengthPrediction | None, actual_tokens: int,
@@ -274,31 +306,36 @@ class EngineWorker:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _on_abort(self, msg: AbortRequest, blob: memoryview) -> None:
-        entry = self._inflight.get(msg.request_id)
-        if entry is not None:
+        held = self._held.get(msg.request_id)
+        if held is not None:
             log.info("aborting %s on request", msg.request_id)
-            entry[0].cancel()
+            held.task.cancel()
 
     @asynccontextmanager
-    async def admit(self, request_id: str, model: str, deadline: float, queued_tokens: int) -> AsyncIterator[None]:
-        """Track a request: checks model and capacity, enforces the deadline, makes it abortable."""
+    async def admit(self, request_id: str, model: str, deadline: float, queued_tokens: int, *, prompt_tokens: int,
+                    max_tokens: int, predicted: LengthPrediction | None = None,
+                    generated: int = 0) -> AsyncIterator[HeldRequest]:
+        """Track a request: checks model and capacity, enforces the deadline, makes it abortable.
+        The handler keeps the yielded record's `generated` current."""
         if model != self.settings.model_name:
             raise ModelNotFound(f"this worker serves {self.settings.model_name!r}, not {model!r}")
-        if len(self._inflight) >= self.settings.capacity:
+        if len(self._held) >= self.settings.capacity:
             raise ServiceUnavailable(f"{self.worker_id} is at capacity ({self.settings.capacity} requests)")
         remaining = deadline - time.time()
         if remaining <= 0:
             raise Timeout(f"request {request_id} arrived after its deadline")
         task = asyncio.current_task()
         assert task is not None
-        self._inflight[request_id] = (task, queued_tokens)
+        held = self._held[request_id] = HeldRequest(
+            request_id, task, queued_tokens, prompt_tokens, max_tokens,
+            predicted.expected_tokens if predicted is not None else None, generated)
         try:
             async with asyncio.timeout(remaining):
-                yield
+                yield held
         except TimeoutError:
             raise Timeout(f"request {request_id} passed its deadline on {self.worker_id}") from None
         finally:
-            self._inflight.pop(request_id, None)
+            self._held.pop(request_id, None)
 
 
 def run_worker(role: Role, make_handlers: Any) -> None:

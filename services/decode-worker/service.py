@@ -18,7 +18,7 @@ from vllm.sampling_params import RequestOutputKind
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch
 from llmesh.kvkeys import check_same_layout
 from llmesh.messages import DecodeRequest, LengthPrediction, PrefillRequest, Subjects, TokenDelta
-from llmesh.worker import EngineWorker, sampling_params, tokens_prompt
+from llmesh.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 
 
 class DecodeService:
@@ -44,10 +44,12 @@ class DecodeService:
                                  param="max_tokens")
         params = sampling_params(req.sampling, max_tokens=total - 1, kv_transfer_params=kv_params,
                                  output_kind=RequestOutputKind.DELTA)
-        async with self.worker.admit(req.request_id, req.model, req.deadline, total):
-            async for delta in self._stream(req.request_id, f"decode-{req.request_id}",
+        async with self.worker.admit(req.request_id, req.model, req.deadline, total,
+                                     prompt_tokens=len(req.prompt_token_ids), max_tokens=total,
+                                     predicted=req.predicted_length, generated=1) as held:
+            async for delta in self._stream(held, f"decode-{req.request_id}",
                                             [*req.prompt_token_ids, req.first_token], req.cache_salt, params,
-                                            len(req.prompt_token_ids), 1, req.predicted_length):
+                                            req.predicted_length):
                 yield delta
 
     async def generate(self, req: PrefillRequest, blob: memoryview) -> AsyncIterator[TokenDelta]:
@@ -58,12 +60,14 @@ class DecodeService:
         params = sampling_params(req.sampling, max_tokens=max_tokens, kv_transfer_params={"save_prompt": True},
                                  output_kind=RequestOutputKind.DELTA)  # its prompt's KV goes to the store too
         trace.get_current_span().set_attribute("prompt.tokens", len(token_ids))
-        async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids) + max_tokens):
+        async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids) + max_tokens,
+                                     prompt_tokens=len(token_ids), max_tokens=max_tokens,
+                                     predicted=req.predicted_length) as held:
             self.worker.prefill_meter.started()
             computed = 0
             try:
-                async for delta in self._stream(req.request_id, f"generate-{req.request_id}", token_ids,
-                                                req.cache_salt, params, len(token_ids), 0, req.predicted_length):
+                async for delta in self._stream(held, f"generate-{req.request_id}", token_ids,
+                                                req.cache_salt, params, req.predicted_length):
                     if not computed:  # the prompt is computed once the first token is out
                         computed = len(token_ids)
                         self.worker.prefill_meter.finished(computed)
@@ -72,20 +76,19 @@ class DecodeService:
                 if not computed:
                     self.worker.prefill_meter.finished(0)
 
-    async def _stream(self, request_id: str, engine_request_id: str, token_ids: list[int], cache_salt: str | None,
-                      params: Any, prompt_tokens: int, completion_tokens: int,
-                      predicted: LengthPrediction | None) -> AsyncIterator[TokenDelta]:
-        """The engine's output as token deltas (`completion_tokens` already generated elsewhere); the
-        actual length goes back to the predictor at the end."""
+    async def _stream(self, held: HeldRequest, engine_request_id: str, token_ids: list[int], cache_salt: str | None,
+                      params: Any, predicted: LengthPrediction | None) -> AsyncIterator[TokenDelta]:
+        """The engine's output as token deltas (`held.generated` tokens already generated elsewhere),
+        counted on `held`; the actual length goes back to the predictor at the end."""
         if predicted is not None:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
         async for out in self.worker.engine.generate(tokens_prompt(token_ids, cache_salt), params,
                                                      request_id=engine_request_id):
             o = out.outputs[0]
-            completion_tokens += len(o.token_ids)
+            held.generated += len(o.token_ids)
             finish_reason = o.finish_reason if out.finished else None
             yield TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish_reason,
-                             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                             prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
         if finish_reason is not None:
-            await self.worker.report_length(request_id, predicted, completion_tokens, finish_reason)
+            await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)

@@ -12,7 +12,6 @@ from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging
 from llmesh.messages import Subjects, WorkerInfo
-from llmesh.policies import NEEDS_PREDICTION
 
 from .dispatch import Dispatcher
 from .metrics import RouterMetrics
@@ -32,7 +31,8 @@ class _Server(uvicorn.Server):
 async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
-    registry = WorkerRegistry(settings.missed_heartbeats, settings.dispatch_policy, settings.seed)
+    policy = settings.dispatch_policy()
+    registry = WorkerRegistry(settings.missed_heartbeats, policy, settings.seed)
 
     async def on_heartbeat(info: WorkerInfo, blob: memoryview) -> None:
         registry.on_heartbeat(info)
@@ -41,7 +41,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
     dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s,
-                            predict_before_dispatch=settings.dispatch_policy in NEEDS_PREDICTION,
+                            predict_before_dispatch=policy.needs_prediction,
                             length_sample_fraction=settings.length_sample_fraction, seed=settings.seed,
                             local_prefill_margin_s=settings.local_prefill_margin_s,
                             tpot_slo_s=settings.slo_tpot_ms / 1000)

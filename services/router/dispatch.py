@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from opentelemetry import context, trace
@@ -45,6 +45,7 @@ from llmesh.messages import (
     TokenDelta,
     WorkerInfo,
 )
+from llmesh.policies import RequestView
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 
 from .metrics import RouterMetrics
@@ -84,8 +85,9 @@ class Generation:
     prompt_token_ids: list[int] | None
     messages: list[ChatMessage] | None
     sampling: SamplingOptions  # max_tokens None: the rest of the context
-    deadline: float
+    deadline: float  # wall-clock (time.time())
     cache_salt: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
 
     @property
     def length_prompt(self) -> str | None:
@@ -178,11 +180,21 @@ class Dispatcher:
         if gen.prompt is not None and gen.prompt_token_ids is None and gen.prompt:
             self._tokens_per_char += 0.1 * (tokens / len(gen.prompt) - self._tokens_per_char)
 
-    def _local_prefill_site(self, gen: Generation, prefill: WorkerInfo, tokens: int) -> WorkerInfo | None:
+    def _request_view(self, gen: Generation, prompt_tokens: int, predicted: LengthPrediction | None,
+                      max_tokens: int | None = None) -> RequestView:
+        """`gen` as the dispatch policy sees it (its deadline on the monotonic clock)."""
+        now = time.monotonic()
+        return RequestView(
+            request_id=gen.request_id, model=gen.model, prompt_tokens=prompt_tokens, arrival=gen.arrival,
+            deadline=now + gen.deadline - time.time(), max_tokens=max_tokens or gen.sampling.max_tokens,
+            predicted_tokens=predicted.expected_tokens if predicted else None,
+            prediction_confidence=predicted.confidence if predicted else 0.0, tpot_slo_s=self.tpot_slo_s)
+
+    def _local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
         """A decode worker to run the whole request when the prefill queue would answer later
         (llmesh.policies.disagg), else None."""
         try:
-            local = self.registry.pick("decode", gen.model, generates=True, reserve=False)
+            local = self.registry.pick("decode", request, generates=True, reserve=False)
         except MeshError:
             return None
         # This router's own account, not the heartbeat's queued tokens: those are up to a second old,
@@ -193,7 +205,7 @@ class Dispatcher:
         streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
         gaps = self._token_gaps[local.worker_id]
         max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
-        chosen = prefill_locally(tokens, remote, here, self.local_prefill_margin_s, max_stall_s)
+        chosen = prefill_locally(request.prompt_tokens, remote, here, self.local_prefill_margin_s, max_stall_s)
         return local if chosen else None
 
     @contextmanager
@@ -211,14 +223,12 @@ class Dispatcher:
         Spans are never kept current across a `yield`: the consumer may resume this generator
         from another task, where detaching a context attached here would fail.
         """
-        prefill = self.registry.pick("prefill", gen.model, reserve=False)
-        predicting = None
-        if self.predict_before_dispatch:
-            predicted = await self.predict_length(gen, parent)
-        else:
-            predicted, predicting = None, self._predict_beside(gen, parent)
+        predicted = await self.predict_length(gen, parent) if self.predict_before_dispatch else None
         tokens = self.estimate_prompt_tokens(gen)
-        local = self._local_prefill_site(gen, prefill, tokens)
+        view = self._request_view(gen, tokens, predicted)
+        prefill = self.registry.pick("prefill", view, reserve=False)
+        predicting = None if self.predict_before_dispatch else self._predict_beside(gen, parent)
+        local = self._local_prefill_site(view, prefill)
         request = PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                  prompt_token_ids=gen.prompt_token_ids, messages=gen.messages, sampling=gen.sampling,
                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt)
@@ -263,7 +273,9 @@ class Dispatcher:
                 return
             if predicting is not None:
                 predicted, predicting = self._prediction_so_far(predicting), None
-            decode = self.registry.pick("decode", gen.model, fingerprint=result.fingerprint)
+            decode = self.registry.pick("decode", self._request_view(gen, len(result.prompt_token_ids), predicted,
+                                                                     result.max_tokens),
+                                        fingerprint=result.fingerprint)
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
             progress = _Progress(result.max_tokens)
             progress.seen(first)
@@ -297,6 +309,7 @@ class Dispatcher:
                 previous_at = None  # of this relay's previous delta (its first follows a prompt or a KV load)
                 async for delta, _ in replies:
                     assert isinstance(delta, TokenDelta)
+                    self.registry.heard_from(worker_id)
                     progress.seen(delta)
                     if previous_at is not None and delta.token_ids:
                         self._token_gaps[worker_id].append((progress.last_at - previous_at) / len(delta.token_ids))

@@ -8,11 +8,13 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmesh.errors import ModelNotFound, ServiceUnavailable, WorkerLost
 from llmesh.messages import WorkerInfo
-from llmesh.policies import POLICIES, WorkerSnapshot
+from llmesh.policies import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
+from llmesh.policies.baseline import least_loaded
+from llmesh.policies.core import fits_request
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +25,24 @@ class _Entry:
     last_seen: float
     assigned: int = 0  # requests sent since its last heartbeat
     watchers: set[Callable[[BaseException], None]] = field(default_factory=set)
+    heartbeat_view: WorkerView | None = None  # what the policies see of `info`, built once per heartbeat
+
+    def view(self) -> WorkerView:
+        """What the policies see of this worker: its last heartbeat and what was sent it since."""
+        if self.heartbeat_view is None:
+            self.heartbeat_view = _view(self.info)
+        return replace(self.heartbeat_view, assigned=self.assigned) if self.assigned else self.heartbeat_view
 
 
 class WorkerRegistry:
-    def __init__(self, missed_heartbeats: int = 3, policy: str = "least_loaded", seed: int = 0,
+    def __init__(self, missed_heartbeats: int = 3, policy: Policy | None = None, seed: int = 0,
                  clock: Callable[[], float] = time.monotonic):
         self._workers: dict[str, _Entry] = {}
         self._missed = missed_heartbeats
-        self._policy = POLICIES[policy]
+        self.policy = policy or least_loaded()
         self._rng = random.Random(seed)
         self._clock = clock
+        self._dispatched: dict[str, int] = {"prefill": 0, "decode": 0}  # requests sent per role (round-robin's turn)
 
     def on_heartbeat(self, info: WorkerInfo) -> None:
         entry = self._workers.get(info.worker_id)
@@ -41,7 +51,7 @@ class WorkerRegistry:
             self._warn_on_layout_mismatch(info)
             self._workers[info.worker_id] = _Entry(info, self._clock())
         else:
-            entry.info, entry.last_seen, entry.assigned = info, self._clock(), 0
+            entry.info, entry.last_seen, entry.assigned, entry.heartbeat_view = info, self._clock(), 0, None
 
     def _warn_on_layout_mismatch(self, info: WorkerInfo) -> None:
         for other in self._workers.values():
@@ -49,9 +59,13 @@ class WorkerRegistry:
                 log.error("worker %s serves %s with KV fingerprint %s but %s has %s: they cannot exchange KV",
                           info.worker_id, info.model, info.fingerprint, other.info.worker_id, other.info.fingerprint)
 
-    def expire(self) -> None:
+    def expire(self, late_s: float = 0.0) -> None:
+        """Drop the workers silent for `missed_heartbeats` periods. `late_s`: how late this check runs
+        (this process was starved of CPU or blocked): that long is credited to every worker, since the
+        heartbeats that came meanwhile are still unread, not missed."""
         now = self._clock()
         for worker_id, entry in list(self._workers.items()):
+            entry.last_seen += late_s
             if now - entry.last_seen > self._missed * entry.info.heartbeat_s:
                 log.warning("worker %s missed %d heartbeats: dropped", worker_id, self._missed)
                 del self._workers[worker_id]
@@ -60,8 +74,16 @@ class WorkerRegistry:
 
     async def run_expiry(self, period: float = 0.25) -> None:
         while True:
-            self.expire()
+            due = self._clock() + period
             await asyncio.sleep(period)
+            self.expire(late_s=max(self._clock() - due, 0.0))
+
+    def heard_from(self, worker_id: str) -> None:
+        """`worker_id` just sent a reply: it is alive, whatever its heartbeats (late ones on a busy machine)."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.last_seen = self._clock()
+
 
     def models(self) -> list[str]:
         return sorted({e.info.model for e in self._workers.values()})
@@ -69,29 +91,26 @@ class WorkerRegistry:
     def live(self, role: str | None = None) -> list[WorkerInfo]:
         return [e.info for e in self._workers.values() if role is None or e.info.role == role]
 
-    def pick(self, role: str, model: str, fingerprint: str | None = None, generates: bool = False,
+    def pick(self, role: str, request: RequestView, fingerprint: str | None = None, generates: bool = False,
              reserve: bool = True) -> WorkerInfo:
-        """Choose a live worker by the dispatch policy (among those that run whole requests, if
-        `generates`) and count a request against it unless not `reserve`d; raise a typed error
-        when none fits."""
+        """Choose a live worker for `request` by the dispatch policy (with KV layout `fingerprint`,
+        among those that run whole requests if `generates`) and count the request against it unless
+        not `reserve`d; raise a typed error when none fits."""
         if not self._workers:
             raise ServiceUnavailable("no live workers: the mesh is starting or its workers are down")
-        if model not in self.models():
-            raise ModelNotFound(f"The model {model!r} does not exist. Available: {', '.join(self.models()) or 'none'}",
-                                param="model")
-        candidates = [e for e in self._workers.values() if e.info.role == role and e.info.model == model]
-        if fingerprint is not None:
-            candidates = [e for e in candidates if e.info.fingerprint == fingerprint]
-        if generates:
-            candidates = [e for e in candidates if e.info.generates]
-        if not candidates:
-            detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
-            raise ServiceUnavailable(f"no live {role} worker for {model!r}{detail}")
-        snapshots = [WorkerSnapshot(e.info.worker_id, e.info.running, e.info.queued_tokens, e.info.capacity,
-                                    e.assigned) for e in candidates]
-        chosen = self._policy(snapshots, self._rng)
+        if request.model not in self.models():
+            raise ModelNotFound(f"The model {request.model!r} does not exist. Available: "
+                                f"{', '.join(self.models()) or 'none'}", param="model")
+        ctx = DispatchContext(now=self._clock(), rng=self._rng, request=request,
+                              workers=tuple(e.view() for e in self._workers.values()), role=role,  # type: ignore[arg-type]
+                              fingerprint=fingerprint, generates=generates, dispatched=self._dispatched[role])
+        chosen = self.policy.pick(ctx)
         if chosen is None:
-            raise ServiceUnavailable(f"every {role} worker for {model!r} is at capacity")
+            detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
+            if not any(fits_request(ctx, w) for w in ctx.workers):
+                raise ServiceUnavailable(f"no live {role} worker for {request.model!r}{detail}")
+            raise ServiceUnavailable(f"no {role} worker for {request.model!r}{detail} can take the request now "
+                                     f"(policy {self.policy.name}: all at capacity or over its threshold)")
         if reserve:
             self.reserve(chosen.worker_id)
         return self._workers[chosen.worker_id].info
@@ -101,6 +120,7 @@ class WorkerRegistry:
         entry = self._workers.get(worker_id)
         if entry is not None:
             entry.assigned += 1
+            self._dispatched[entry.info.role] += 1
 
     @contextmanager
     def watch(self, worker_id: str, notify: Callable[[BaseException], None]):
@@ -115,3 +135,14 @@ class WorkerRegistry:
             yield
         finally:
             entry.watchers.discard(notify)
+
+
+def _view(info: WorkerInfo) -> WorkerView:
+    return WorkerView(
+        worker_id=info.worker_id, role=info.role, model=info.model, fingerprint=info.fingerprint,
+        capacity=info.capacity, running=info.running, queued_tokens=info.queued_tokens,
+        state=info.state, generates=info.generates, kv_blocks_used=info.kv_blocks_used,
+        kv_blocks_total=info.kv_blocks_total, block_size=info.block_size,
+        prefill_tokens_per_s=info.prefill_tokens_per_s,
+        requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated, r.max_tokens, r.predicted_tokens,
+                                      r.priority) for r in info.requests))

@@ -1,7 +1,7 @@
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from llmesh.config import CommonSettings
-from llmesh.policies import POLICIES
+from llmesh.policies import POLICIES, Policy, make_policy
 
 
 class RouterSettings(CommonSettings):
@@ -9,8 +9,10 @@ class RouterSettings(CommonSettings):
     port: int = Field(8000, description="HTTP port.")
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
-    dispatch_policy: str = Field("least_loaded", description="Policy in llmesh.policies.POLICIES: "
-                                 + ", ".join(POLICIES) + ".")
+    policy: str = Field("least_loaded", description="Dispatch policy (llmesh.policies): " + ", ".join(POLICIES) + ".")
+    policy_params: dict[str, float] = Field(
+        default_factory=dict, description='The policy\'s parameters as JSON, e.g. {"threshold": 1.5} for banaserve; '
+        "see each policy's docstring.")
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
     local_prefill_margin_s: float | None = Field(
         0.25, ge=0, description="Run a whole request on a decode worker when that computes its prompt sooner "
@@ -26,3 +28,11 @@ class RouterSettings(CommonSettings):
         "online scoring and refit samples. Policies that read them get every request predicted before dispatch.")
     length_predict_timeout_s: float = Field(0.1, gt=0, description="How long a request waits for the length "
                                             "predictor; past it, it is dispatched without a prediction.")
+
+    @model_validator(mode="after")
+    def _known_policy(self) -> "RouterSettings":
+        self.dispatch_policy()  # an unknown policy or parameter fails at start, not at the first request
+        return self
+
+    def dispatch_policy(self) -> Policy:
+        return make_policy(self.policy, self.policy_params)

@@ -2,11 +2,41 @@
 
 No I/O and no clock reads: the caller passes `now` and a seeded random source, so the
 router, the placement service and any simulator call the same code and tests are tables.
+`make_policy(name, params)` builds a dispatch policy by its registered name; each factory's
+keyword arguments are its parameters (settings: `MESH_POLICY`, `MESH_POLICY_PARAMS`).
 """
 
-from llmesh.policies.load import WorkerSnapshot, least_loaded
+from __future__ import annotations
 
-POLICIES = {"least_loaded": least_loaded}
-NEEDS_PREDICTION: set[str] = set()  # policies that read a request's predicted output length
+import inspect
+from collections.abc import Callable, Mapping
 
-__all__ = ["NEEDS_PREDICTION", "POLICIES", "WorkerSnapshot", "least_loaded"]
+from llmesh.policies.banaserve import banaserve
+from llmesh.policies.baseline import least_loaded, power_of_two, random_choice, round_robin
+from llmesh.policies.core import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
+from llmesh.policies.llumnix import llumnix
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "round_robin": round_robin,
+    "random": random_choice,
+    "least_loaded": least_loaded,
+    "power_of_two": power_of_two,
+    "banaserve": banaserve,
+    "llumnix": llumnix,
+}
+
+
+def make_policy(name: str, params: Mapping[str, float] | None = None) -> Policy:
+    """The policy registered as `name`, with `params`; ValueError naming what is wrong otherwise."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    accepted = inspect.signature(factory).parameters
+    unknown = sorted(set(params or {}) - set(accepted))
+    if unknown:
+        raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)}; "
+                         f"it takes: {', '.join(accepted) or 'none'}")
+    return factory(**(params or {}))
+
+
+__all__ = ["POLICIES", "DispatchContext", "Policy", "RequestView", "RunningRequest", "WorkerView", "make_policy"]

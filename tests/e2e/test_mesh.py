@@ -481,6 +481,40 @@ def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh
     assert after.ssd_hits == 8 * NUM_LAYERS and after.misses == 0
 
 
+def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(mesh):
+    """What the dispatch policies read: a streaming request appears on the decode worker's
+    heartbeats with its prompt, its progress and the KV blocks it fills."""
+    async def go():
+        bus = await Bus.connect(mesh.nats_url, "test-heartbeats")
+        seen: list[WorkerInfo] = []
+
+        async def on_heartbeat(info, blob):
+            if info.role == "decode" and info.requests:
+                seen.append(info)
+
+        try:
+            await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", f"{mesh.url}/v1/completions", json={
+                        "model": MODEL, "prompt": "Tell me a long story " * 20, "max_tokens": 1800, "ignore_eos": True,
+                        "stream": True}) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        assert not line.startswith("data: {\"error\""), line
+        finally:
+            await bus.close()
+        assert seen, "no decode heartbeat showed the request while it ran"
+        for info in seen:
+            assert info.kv_blocks_total > 0 and info.block_size > 0
+            assert len(info.requests) == info.running == 1
+            held = info.requests[0]
+            assert held.prompt_tokens > 100 and held.max_tokens == 1800 and 1 <= held.generated < 1800
+            assert info.kv_blocks_used == -(-(held.prompt_tokens + held.generated) // info.block_size)
+        assert len({info.requests[0].generated for info in seen}) == len(seen)  # progress, not a fixed number
+
+    asyncio.run(go())
+
+
 # ---- faults (last: they kill the decode worker) ------------------------------------------------------------
 
 

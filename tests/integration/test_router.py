@@ -11,6 +11,7 @@ import pytest
 from llmesh.bus import Bus
 from llmesh.errors import WorkerLost
 from llmesh.messages import WorkerInfo
+from llmesh.policies import RequestView
 from llmesh_router.dispatch import Dispatcher
 from llmesh_router.metrics import RouterMetrics
 from llmesh_router.registry import WorkerRegistry
@@ -80,13 +81,31 @@ def test_registry_expires_silent_workers_and_tells_watchers():
     assert registry.live() == []
 
 
+def test_a_late_check_or_a_streaming_worker_is_not_taken_for_a_dead_one():
+    """The router itself starved of CPU for 5 s (the heartbeats meanwhile unread), and a worker
+    whose heartbeats are late while it streams tokens: neither is dropped."""
+    now = [0.0]
+    registry = WorkerRegistry(missed_heartbeats=3, clock=lambda: now[0])
+    registry.on_heartbeat(info("p1"))
+    registry.on_heartbeat(info("d1", role="decode"))
+    now[0] = 5.0
+    registry.expire(late_s=4.8)  # due at 0.2
+    assert {w.worker_id for w in registry.live()} == {"p1", "d1"}
+    now[0] = 7.5
+    registry.heard_from("d1")
+    now[0] = 10.0
+    registry.expire()
+    assert [w.worker_id for w in registry.live()] == ["d1"]  # p1: silent 5.2 s of the router's time
+
+
 def test_decode_is_paired_only_with_a_matching_fingerprint():
     registry = WorkerRegistry()
     registry.on_heartbeat(info("d1", role="decode", fingerprint="a" * 32))
     registry.on_heartbeat(info("d2", role="decode", fingerprint="b" * 32))
-    assert registry.pick("decode", "m", fingerprint="b" * 32).worker_id == "d2"
+    request = RequestView("r1", "m", prompt_tokens=8, arrival=0.0, deadline=60.0)
+    assert registry.pick("decode", request, fingerprint="b" * 32).worker_id == "d2"
     with pytest.raises(Exception, match="KV fingerprint"):
-        registry.pick("decode", "m", fingerprint="c" * 32)
+        registry.pick("decode", request, fingerprint="c" * 32)
 
 
 async def test_prefill_worker_that_dies_mid_request_fails_it_at_once(nats_url):

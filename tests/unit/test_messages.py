@@ -57,3 +57,15 @@ def test_other_schema_versions_are_refused():
 def test_text_that_is_not_unicode_cannot_be_sent():
     with pytest.raises(BadMessage, match="not valid Unicode"):
         encode(LengthPredictRequest(prompt="lone \ud800 surrogate"))
+
+
+def test_unknown_fields_are_ignored_so_a_newer_sender_does_not_break_an_older_receiver():
+    import msgpack
+
+    frame = encode(TokenDelta(text="x", token_ids=[1]))
+    n = int.from_bytes(frame[:4], "big")
+    head = msgpack.unpackb(frame[4:4 + n])
+    head["d"]["field_from_the_future"] = {"any": [1, 2]}
+    header = msgpack.packb(head)
+    msg, _ = decode_any(len(header).to_bytes(4, "big") + header)
+    assert msg == TokenDelta(text="x", token_ids=[1])

@@ -2,11 +2,26 @@ import random
 
 import pytest
 
-from llmesh.policies import WorkerSnapshot, least_loaded
+from llmesh.policies import POLICIES, DispatchContext, RequestView, RunningRequest, WorkerView, make_policy
+from llmesh.policies.llumnix import freeness, migration_pairs
+
+REQUEST = RequestView("r", "m", prompt_tokens=100, arrival=0.0, deadline=60.0)
 
 
-def w(worker_id, running=0, queued=0, capacity=4, assigned=0):
-    return WorkerSnapshot(worker_id, running, queued, capacity, assigned)
+def w(worker_id, running=0, queued=0, capacity=4, assigned=0, *, role="decode", model="m", fingerprint="f",
+      state="active", generates=False, kv_used=0, kv_total=0, requests=()):
+    return WorkerView(worker_id, role, model, fingerprint, capacity, running, queued, assigned, state, generates,
+                      kv_used, kv_total, 16, 0.0, tuple(requests))
+
+
+def ctx(workers, seed=0, dispatched=0, **kw):
+    return DispatchContext(now=0.0, rng=random.Random(seed), request=REQUEST, workers=tuple(workers),
+                           role=kw.pop("role", "decode"), dispatched=dispatched, **kw)
+
+
+def picked(policy, workers, **kw):
+    chosen = make_policy(policy).pick(ctx(workers, **kw))
+    return chosen.worker_id if chosen else None
 
 
 @pytest.mark.parametrize(
@@ -22,15 +37,116 @@ def w(worker_id, running=0, queued=0, capacity=4, assigned=0):
     ],
 )
 def test_least_loaded(workers, expected):
-    picked = least_loaded(workers, random.Random(0))
-    assert (picked.worker_id if picked else None) == expected
+    assert picked("least_loaded", workers) == expected
 
 
-def test_ties_are_broken_by_the_seeded_rng_and_spread():
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("workers, kw, expected", [
+    ([w("a", model="other"), w("b")], {}, "b"),  # another model
+    ([w("a", fingerprint="x"), w("b")], {"fingerprint": "f"}, "b"),  # another KV layout
+    ([w("a", state="draining"), w("b", running=3)], {}, "b"),  # a draining worker takes nothing new
+    ([w("a"), w("b", running=3, generates=True)], {"generates": True}, "b"),  # whole requests only where it runs them
+    ([w("a", role="prefill"), w("b", running=3)], {}, "b"),  # another role
+    ([w("a", running=4), w("b", running=4)], {}, None),  # all full
+])
+def test_every_policy_filters_the_same_way(policy, workers, kw, expected):
+    assert picked(policy, workers, **kw) == expected
+
+
+def test_round_robin_takes_workers_in_turn():
+    workers = [w("b"), w("a"), w("c", running=4)]  # c is full: skipped
+    assert [picked("round_robin", workers, dispatched=n) for n in range(4)] == ["a", "b", "a", "b"]
+
+
+@pytest.mark.parametrize("policy", ["random", "least_loaded", "power_of_two"])
+def test_random_choices_follow_the_seed_and_spread(policy):
     workers = [w("a"), w("b"), w("c")]
-    picks = [least_loaded(workers, random.Random(seed)).worker_id for seed in range(30)]
-    assert picks == [least_loaded(workers, random.Random(seed)).worker_id for seed in range(30)]
+    picks = [picked(policy, workers, seed=seed) for seed in range(40)]
+    assert picks == [picked(policy, workers, seed=seed) for seed in range(40)]
     assert set(picks) == {"a", "b", "c"}
+
+
+def test_power_of_two_never_picks_the_most_loaded_of_three():
+    workers = [w("a", running=0), w("b", running=1), w("c", running=3)]
+    picks = {picked("power_of_two", workers, seed=seed) for seed in range(50)}
+    assert picks == {"a", "b"}  # c loses every pair it is drawn in
+
+
+@pytest.mark.parametrize("workers, threshold, expected", [
+    # U = load + KV usage
+    ([w("a", running=1, kv_used=90, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "b"),  # 1.15 vs 0.6
+    ([w("a", running=1, kv_used=10, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "a"),
+    ([w("a", running=3, kv_used=90, kv_total=100), w("b", running=3, kv_used=95, kv_total=100)], 1.6, None),  # all over θ: queue
+    ([w("a", running=3, kv_used=90, kv_total=100)], 2.0, "a"),  # 1.65 < 2.0
+    ([w("a", running=2)], 1.0, "a"),  # no KV reported: the compute term alone (0.5)
+])
+def test_banaserve_dispatches_to_the_lowest_utilisation_under_its_threshold(workers, threshold, expected):
+    chosen = make_policy("banaserve", {"threshold": threshold}).pick(ctx(workers))
+    assert (chosen.worker_id if chosen else None) == expected
+
+
+def req(rid, tokens, generated=0, priority=0):
+    return RunningRequest(rid, tokens, generated, 64, None, priority)
+
+
+def test_llumnix_freeness():
+    # 100 blocks of 16 tokens; two requests fill 2 + 4 blocks: F = (100 - 6) / 2
+    a = w("a", running=2, kv_total=100, requests=[req("x", 20), req("y", 50, generated=14)])
+    assert freeness(a) == 47.0
+    assert freeness(a, priority_headroom_blocks=10) == 47.0  # no high-priority request
+    hi = w("b", running=1, kv_total=100, requests=[req("z", 16, priority=1)])
+    assert freeness(hi) == 99.0 and freeness(hi, priority_headroom_blocks=30) == 69.0
+    assert freeness(w("c", state="draining", kv_total=100)) == float("-inf")
+    assert freeness(w("d", kv_total=100)) == 100.0  # idle: all of M for a batch of one
+    assert freeness(w("e", running=2, kv_used=30, kv_total=100)) == 35.0  # no request list: reported blocks
+
+
+def test_llumnix_dispatches_to_the_freest_even_when_it_runs_more_requests():
+    # a: 1 request holding 90 blocks (F = 10); b: 3 small ones (F = (100 - 3) / 3 = 32.3)
+    a = w("a", running=1, kv_total=100, requests=[req("x", 1440)])
+    b = w("b", running=3, kv_total=100, requests=[req(f"y{i}", 10) for i in range(3)])
+    assert picked("least_loaded", [a, b]) == "a"
+    assert picked("llumnix", [a, b]) == "b"
+
+
+def test_llumnix_migration_pairs_least_with_most_free():
+    big = [req("x", 1400)]  # 88 blocks
+    workers = [
+        w("busy", running=1, kv_total=100, requests=big),  # F = 12
+        w("drain", state="draining", running=1, kv_total=100, requests=[req("y", 10)]),  # F = -inf
+        w("idle", kv_total=100),  # F = 100
+        w("half", running=1, kv_total=100, requests=[req("z", 800)]),  # F = 50
+        w("empty-draining", state="draining", kv_total=100),  # nothing to move, never a destination
+    ]
+    pairs = migration_pairs(workers, source_below=20, destination_above=40)
+    assert [(s.worker_id, d.worker_id) for s, d in pairs] == [("drain", "idle"), ("busy", "half")]
+    only_drain = migration_pairs(workers, source_below=-1e9, destination_above=40)  # a draining worker always moves
+    assert [(s.worker_id, d.worker_id) for s, d in only_drain] == [("drain", "idle")]
+    assert migration_pairs(workers, source_below=20, destination_above=100) == []  # nowhere free enough
+
+
+@pytest.mark.parametrize("name, params, error", [
+    ("fastest", None, "unknown policy 'fastest'"),
+    ("banaserve", {"threshhold": 1.0}, "no parameter threshhold"),
+    ("banaserve", {"threshold": 3.0}, "threshold must lie in"),
+    ("llumnix", {"priority_headroom_blocks": -1}, "must be >= 0"),
+])
+def test_bad_policy_settings_are_refused_with_the_reason(name, params, error):
+    with pytest.raises(ValueError, match=error):
+        make_policy(name, params)
+
+
+def test_router_settings_refuse_an_unknown_policy_at_start(monkeypatch):
+    from pydantic import ValidationError
+
+    from llmesh_router.settings import RouterSettings
+
+    monkeypatch.setenv("MESH_POLICY", "banaserve")
+    monkeypatch.setenv("MESH_POLICY_PARAMS", '{"threshold": 1.2}')
+    assert RouterSettings().dispatch_policy().params == {"threshold": 1.2}
+    monkeypatch.setenv("MESH_POLICY", "nope")
+    with pytest.raises(ValidationError, match="unknown policy 'nope'"):
+        RouterSettings()
 
 
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget  # noqa: E402

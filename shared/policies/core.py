@@ -1,0 +1,210 @@
+"""The contract every dispatch policy follows, and the pipeline that runs one.
+
+A policy sees one `DispatchContext`: the time, a seeded random source, the request and a
+snapshot of each worker. It filters the workers (model, KV fingerprint, state, room), gives
+each survivor a cost (a weighted sum of cost functions; lower is better) and picks one, as
+llm-d's scheduler separates filters, scorers and pickers. A picker may decline (None): every
+worker is past the policy's threshold and the request should wait in the queue.
+
+Everything here is pure: no I/O, no clock reads, no hidden state. Round-robin's position is
+`ctx.dispatched`, which the caller counts. The router, the placement service and the simulator
+build contexts and call `Policy.pick`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+State = Literal["active", "draining"]
+
+
+def kv_blocks(tokens: int, block_size: int) -> int:
+    """KV blocks that `tokens` tokens fill."""
+    return -(-tokens // max(block_size, 1))
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What a policy knows of the request it places."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int  # estimated before tokenization
+    arrival: float  # monotonic seconds, same clock as `DispatchContext.now`
+    deadline: float
+    max_tokens: int | None = None
+    predicted_tokens: float | None = None  # the length predictor's expected output tokens (None: no prediction)
+    prediction_confidence: float = 0.0
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    priority: int = 0  # higher is more important
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request a worker holds, with its progress (from the worker's heartbeat)."""
+
+    request_id: str
+    prompt_tokens: int
+    generated: int  # output tokens so far
+    max_tokens: int  # output budget
+    predicted_tokens: float | None = None
+    priority: int = 0
+
+    def kv_blocks(self, block_size: int) -> int:
+        """Blocks its KV fills now."""
+        return kv_blocks(self.prompt_tokens + self.generated, block_size)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A worker as its last heartbeat showed it, plus what this dispatcher sent it since."""
+
+    worker_id: str
+    role: Role
+    model: str
+    fingerprint: str
+    capacity: int  # requests it accepts at once
+    running: int  # requests it holds
+    queued_tokens: int = 0  # prompt tokens (prefill) or remaining output budget (decode) in flight
+    assigned: int = 0  # requests this dispatcher sent it since that heartbeat
+    state: State = "active"
+    generates: bool = False  # runs whole requests, prefill included
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0  # 0: not reported
+    block_size: int = 0
+    prefill_tokens_per_s: float = 0.0
+    requests: tuple[RunningRequest, ...] = ()
+
+    @property
+    def load(self) -> float:
+        """Requests held or on their way, relative to capacity."""
+        return (self.running + self.assigned) / max(self.capacity, 1)
+
+    @property
+    def has_room(self) -> bool:
+        return self.running + self.assigned < self.capacity
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0 when not reported)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class DispatchContext:
+    now: float
+    rng: random.Random
+    request: RequestView
+    workers: tuple[WorkerView, ...]
+    role: Role
+    fingerprint: str | None = None  # required KV layout (a decode after a prefill)
+    generates: bool = False  # only workers that run whole requests
+    dispatched: int = 0  # requests the caller has placed before this one
+
+
+Filter = Callable[[DispatchContext, WorkerView], bool]
+Cost = Callable[[DispatchContext, WorkerView], float]
+Picker = Callable[[DispatchContext, Sequence[tuple[WorkerView, float]]], "WorkerView | None"]
+
+
+# ---- filters ------------------------------------------------------------------------------------------------
+
+
+def fits_request(ctx: DispatchContext, w: WorkerView) -> bool:
+    """The role, model and KV layout the request needs, on an active worker (a draining one takes
+    nothing new), among those that run whole requests when asked."""
+    return (w.role == ctx.role and w.model == ctx.request.model and w.state == "active"
+            and (ctx.fingerprint is None or w.fingerprint == ctx.fingerprint)
+            and (w.generates or not ctx.generates))
+
+
+def has_room(ctx: DispatchContext, w: WorkerView) -> bool:
+    return w.has_room
+
+
+STANDARD_FILTERS: tuple[Filter, ...] = (fits_request, has_room)
+
+
+# ---- costs --------------------------------------------------------------------------------------------------
+
+
+def request_load(ctx: DispatchContext, w: WorkerView) -> float:
+    """Requests held or on their way, relative to capacity."""
+    return w.load
+
+
+def queued_tokens(ctx: DispatchContext, w: WorkerView) -> float:
+    return float(w.queued_tokens)
+
+
+# ---- pickers ------------------------------------------------------------------------------------------------
+
+
+def lowest_cost(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
+    """The cheapest worker; ties broken by the seeded rng over workers sorted by id."""
+    if not scored:
+        return None
+    best = min(cost for _, cost in scored)
+    tied = sorted((w for w, cost in scored if math.isclose(cost, best, rel_tol=1e-12, abs_tol=1e-12)),
+                  key=lambda w: w.worker_id)
+    return tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
+
+
+def lowest_cost_below(threshold: float) -> Picker:
+    """`lowest_cost`, but None (the request waits) when even the cheapest costs `threshold` or more."""
+    def pick(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
+        affordable = [(w, cost) for w, cost in scored if cost < threshold]
+        return lowest_cost(ctx, affordable)
+    return pick
+
+
+def uniform(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
+    """Any worker, uniformly at random."""
+    ordered = sorted((w for w, _ in scored), key=lambda w: w.worker_id)
+    return ctx.rng.choice(ordered) if ordered else None
+
+
+def in_turn(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
+    """The next worker in id order after the caller's `dispatched` count."""
+    ordered = sorted((w for w, _ in scored), key=lambda w: w.worker_id)
+    return ordered[ctx.dispatched % len(ordered)] if ordered else None
+
+
+def cheaper_of_two(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
+    """Power of two choices (Mitzenmacher): two workers at random, the cheaper one (the first on a tie)."""
+    ordered = sorted(scored, key=lambda ws: ws[0].worker_id)
+    if len(ordered) < 2:
+        return ordered[0][0] if ordered else None
+    a, b = ctx.rng.sample(ordered, 2)
+    return b[0] if b[1] < a[1] else a[0]
+
+
+# ---- the pipeline -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A named dispatch policy: filters, weighted costs, a picker."""
+
+    name: str
+    costs: tuple[tuple[float, Cost], ...] = ()
+    picker: Picker = lowest_cost
+    filters: tuple[Filter, ...] = STANDARD_FILTERS
+    needs_prediction: bool = False  # reads `RequestView.predicted_tokens`: the caller waits for it
+    params: dict[str, float] = field(default_factory=dict)  # as configured, for logs and traces
+
+    def cost(self, ctx: DispatchContext, worker: WorkerView) -> float:
+        return sum(weight * cost(ctx, worker) for weight, cost in self.costs)
+
+    def candidates(self, ctx: DispatchContext) -> list[WorkerView]:
+        return [w for w in ctx.workers if all(keep(ctx, w) for keep in self.filters)]
+
+    def pick(self, ctx: DispatchContext) -> WorkerView | None:
+        """The worker for `ctx.request`, or None when no worker fits or the policy holds it back."""
+        return self.picker(ctx, [(w, self.cost(ctx, w)) for w in self.candidates(ctx)])

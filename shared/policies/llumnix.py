@@ -1,0 +1,63 @@
+"""Llumnix's freeness-based dispatch and migration pairing (Sun et al., OSDI 2024, §4.4).
+
+Each request on an instance has a virtual usage: the KV blocks it fills, its demand for a
+request still waiting to run, plus a headroom for a high-priority request (so that new load
+stays away from it). An instance's freeness is F = (M − ΣV) / B: its total blocks M minus the
+virtual usage, per request in its batch B; a draining instance has infinite usage (F = −∞), so
+its requests are the first to move away. New requests go to the freest instance; the placement
+service pairs the least free instances (sources) with the freest (destinations) and migrates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmesh.policies.core import DispatchContext, Policy, RunningRequest, WorkerView
+
+
+def virtual_usage(w: WorkerView, request: RunningRequest, priority_headroom_blocks: int) -> int:
+    """Blocks `request` fills (a waiting one: the blocks its prompt needs), plus the headroom kept
+    free beside a high-priority request."""
+    return request.kv_blocks(w.block_size) + (priority_headroom_blocks if request.priority > 0 else 0)
+
+
+def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
+    """F = (M − ΣV) / B; −∞ for a draining worker. A worker that reports no request list counts
+    the blocks it reports in use."""
+    if w.state == "draining":
+        return float("-inf")
+    if w.requests:
+        used = sum(virtual_usage(w, r, priority_headroom_blocks) for r in w.requests)
+    else:
+        used = w.kv_blocks_used
+    return (w.kv_blocks_total - used) / max(len(w.requests) or w.running + w.assigned, 1)
+
+
+def llumnix(priority_headroom_blocks: float = 0) -> Policy:
+    """Dispatch to the freest worker."""
+    headroom = int(priority_headroom_blocks)
+    if headroom < 0:
+        raise ValueError(f"llumnix: priority_headroom_blocks must be >= 0, not {priority_headroom_blocks}")
+
+    def unfreeness(ctx: DispatchContext, w: WorkerView) -> float:
+        return -freeness(w, headroom)
+
+    return Policy("llumnix", costs=((1.0, unfreeness),), params={"priority_headroom_blocks": headroom})
+
+
+def migration_pairs(workers: Sequence[WorkerView], source_below: float, destination_above: float,
+                    priority_headroom_blocks: int = 0) -> list[tuple[WorkerView, WorkerView]]:
+    """(source, destination) pairs for migration: the least free workers under `source_below`
+    (draining ones first) matched in order with the freest over `destination_above`; each worker
+    in at most one pair, and never a draining worker as a destination."""
+    scored = sorted(((freeness(w, priority_headroom_blocks), w.worker_id, w) for w in workers),
+                    key=lambda t: (t[0], t[1]))
+    sources = [w for f, _, w in scored if f < source_below and w.requests]
+    destinations = [w for f, _, w in reversed(scored) if f > destination_above and w.state == "active"]
+    pairs, used = [], set()
+    for src, dst in zip(sources, destinations):
+        if src.worker_id in used or dst.worker_id in used or src.worker_id == dst.worker_id:
+            break
+        pairs.append((src, dst))
+        used |= {src.worker_id, dst.worker_id}
+    return pairs
