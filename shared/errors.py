@@ -51,6 +51,26 @@ class ServiceUnavailable(MeshError):
     http_status = 503
 
 
+class AtCapacity(ServiceUnavailable):
+    """Every worker that fits the request is full, or over the dispatch policy's threshold: it may
+    wait for room (the router's queue)."""
+
+    code = "at_capacity"
+
+
+class Overloaded(MeshError):
+    """The router's queue is full, or cannot serve the request before its deadline: retry later.
+    OpenAI's rate-limit shape, so clients back off by `Retry-After`."""
+
+    code = "rate_limit_exceeded"
+    http_status = 429
+    error_type = "requests"
+
+    def __init__(self, message: str = "", *, param: str | None = None, retry_after_s: float = 1.0):
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
 class WorkerLost(MeshError):
     """The worker handling the request stopped answering."""
 

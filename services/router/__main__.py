@@ -13,6 +13,7 @@ from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging
 from llmesh.messages import Subjects, WorkerInfo
 
+from .admission import AdmissionQueue
 from .dispatch import Dispatcher
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
@@ -44,7 +45,8 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
                             predict_before_dispatch=policy.needs_prediction,
                             length_sample_fraction=settings.length_sample_fraction, seed=settings.seed,
                             local_prefill_margin_s=settings.local_prefill_margin_s,
-                            tpot_slo_s=settings.slo_tpot_ms / 1000)
+                            tpot_slo_s=settings.slo_tpot_ms / 1000,
+                            admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s))
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

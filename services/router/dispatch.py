@@ -48,6 +48,7 @@ from llmesh.messages import (
 from llmesh.policies import RequestView
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 
+from .admission import AdmissionQueue
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
 from .stops import StopFilter
@@ -77,6 +78,18 @@ class _Progress:
         return StreamProgress(now - self.first_at, self.tokens, max(self.budget - self.tokens, 0))
 
 
+class _Placed:
+    """A request's prompt in a worker's backlog (this router's account), until it is computed."""
+
+    def __init__(self, backlog: dict[str, int], worker_id: str, prompt_tokens: int):
+        self._backlog, self._worker_id, self._tokens = backlog, worker_id, prompt_tokens
+        backlog[worker_id] += prompt_tokens
+
+    def prompt_done(self) -> None:
+        self._backlog[self._worker_id] -= self._tokens
+        self._tokens = 0
+
+
 @dataclass(frozen=True)
 class Generation:
     request_id: str
@@ -100,8 +113,11 @@ class Generation:
 class Dispatcher:
     def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float, *,
                  predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0,
-                 local_prefill_margin_s: float | None = 0.25, tpot_slo_s: float = 0.05):
+                 local_prefill_margin_s: float | None = 0.25, tpot_slo_s: float = 0.05,
+                 admission: AdmissionQueue | None = None):
         self.bus, self.registry, self.metrics = bus, registry, metrics
+        self.admission = AdmissionQueue(max_waiting=1024, max_wait_s=30.0) if admission is None else admission
+        registry.room_changed = self.admission.room_changed
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
         self.tpot_slo_s = tpot_slo_s
         self._streams: dict[str, dict[str, _Progress]] = defaultdict(dict)  # worker id -> request id -> progress
@@ -224,11 +240,13 @@ class Dispatcher:
         from another task, where detaching a context attached here would fail.
         """
         predicted = await self.predict_length(gen, parent) if self.predict_before_dispatch else None
-        tokens = self.estimate_prompt_tokens(gen)
-        view = self._request_view(gen, tokens, predicted)
-        prefill = self.registry.pick("prefill", view, reserve=False)
+        view = self._request_view(gen, self.estimate_prompt_tokens(gen), predicted)
+        prefill = await self._admit("prefill", view, parent)
         predicting = None if self.predict_before_dispatch else self._predict_beside(gen, parent)
         local = self._local_prefill_site(view, prefill)
+        if local is not None:  # moves the request's reservation from the prefill worker
+            self.registry.reserve(local.worker_id)
+            self.registry.release(prefill.worker_id)
         request = PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                  prompt_token_ids=gen.prompt_token_ids, messages=gen.messages, sampling=gen.sampling,
                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt)
@@ -236,35 +254,26 @@ class Dispatcher:
         try:
             if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
                 self.metrics.prefill_sites.labels("decode").inc()
-                self.registry.reserve(local.worker_id)
-                self._backlog[local.worker_id] += tokens
-                try:
+                with self._placed(local.worker_id, view.prompt_tokens) as placed:
                     async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
                                                    gen, stops, parent, "router.generate",
                                                    _Progress(gen.sampling.max_tokens or 0)):
-                        if tokens:  # the prompt is computed once the first token is out
-                            self._backlog[local.worker_id] -= tokens
-                            tokens = 0
+                        placed.prompt_done()  # once the first token is out
                         yield delta
-                finally:
-                    self._backlog[local.worker_id] -= tokens
                 return
             self.metrics.prefill_sites.labels("prefill").inc()
-            self.registry.reserve(prefill.worker_id)
-            self._backlog[prefill.worker_id] += tokens
-            try:
-                with self._tracer.start_as_current_span("router.prefill", context=parent,
-                                                        attributes={"worker.id": prefill.worker_id}):
-                    started = time.monotonic()
-                    result, _ = await self._while_alive(prefill.worker_id, self.bus.request(
-                        Subjects.worker("prefill", prefill.worker_id), request, PrefillResult,
-                        timeout=gen.deadline - time.time()))
-                    self.metrics.prefill_seconds.observe(time.monotonic() - started)
-            except BaseException as exc:
-                await self._abort_unless_given_up(prefill.worker_id, gen.request_id, exc)
-                raise
-            finally:
-                self._backlog[prefill.worker_id] -= tokens
+            with self._placed(prefill.worker_id, view.prompt_tokens):
+                try:
+                    with self._tracer.start_as_current_span("router.prefill", context=parent,
+                                                            attributes={"worker.id": prefill.worker_id}):
+                        started = time.monotonic()
+                        result, _ = await self._while_alive(prefill.worker_id, self.bus.request(
+                            Subjects.worker("prefill", prefill.worker_id), request, PrefillResult,
+                            timeout=gen.deadline - time.time()))
+                        self.metrics.prefill_seconds.observe(time.monotonic() - started)
+                except BaseException as exc:
+                    await self._abort_unless_given_up(prefill.worker_id, gen.request_id, exc)
+                    raise
             self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
             # The first token comes from the prefill: the client sees it before decode starts.
             first = _filtered(result.first, stops)
@@ -273,23 +282,52 @@ class Dispatcher:
                 return
             if predicting is not None:
                 predicted, predicting = self._prediction_so_far(predicting), None
-            decode = self.registry.pick("decode", self._request_view(gen, len(result.prompt_token_ids), predicted,
-                                                                     result.max_tokens),
-                                        fingerprint=result.fingerprint)
+            decode_view = self._request_view(gen, len(result.prompt_token_ids), predicted, result.max_tokens)
+            decode = await self._admit("decode", decode_view, parent, fingerprint=result.fingerprint)
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
             progress = _Progress(result.max_tokens)
             progress.seen(first)
-            async for delta in self._relay(
-                    decode.worker_id, Subjects.worker("decode", decode.worker_id),
-                    DecodeRequest(request_id=gen.request_id, model=gen.model, prompt_token_ids=result.prompt_token_ids,
-                                  first_token=result.first.token_ids[0], sampling=sampling,
-                                  kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
-                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt),
-                    gen, stops, parent, "router.decode", progress):
-                yield delta
+            with self._placed(decode.worker_id, 0):
+                async for delta in self._relay(
+                        decode.worker_id, Subjects.worker("decode", decode.worker_id),
+                        DecodeRequest(request_id=gen.request_id, model=gen.model,
+                                      prompt_token_ids=result.prompt_token_ids, first_token=result.first.token_ids[0],
+                                      sampling=sampling, kv_transfer_params=result.kv_transfer_params,
+                                      fingerprint=result.fingerprint, deadline=gen.deadline,
+                                      predicted_length=predicted, cache_salt=gen.cache_salt),
+                        gen, stops, parent, "router.decode", progress):
+                    yield delta
         finally:
             if predicting is not None and not predicting.done():
                 predicting.cancel()
+
+    async def _admit(self, role: str, view: RequestView, parent: context.Context,
+                     fingerprint: str | None = None) -> WorkerInfo:
+        """A worker of `role` for the request by the dispatch policy, reserved; waiting in the router's
+        queue while none has room. The choice is counted and put on the request's span."""
+        started = time.monotonic()
+        worker, queued = await self.admission.admit(lambda: self.registry.pick(role, view, fingerprint=fingerprint),
+                                                    view.deadline)
+        waited = time.monotonic() - started
+        policy = self.registry.policy.name
+        self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
+        if queued:
+            self.metrics.queue_seconds.observe(waited)
+        trace.get_current_span(parent).set_attributes({f"dispatch.{role}.policy": policy,
+                                                       f"dispatch.{role}.worker": worker.worker_id,
+                                                       f"dispatch.{role}.queue_s": waited if queued else 0.0})
+        return worker
+
+    @contextmanager
+    def _placed(self, worker_id: str, prompt_tokens: int) -> Iterator[_Placed]:
+        """The request on `worker_id` while the block runs: its prompt in this router's backlog of the
+        worker until `prompt_done()`, its reserved slot released at the end."""
+        placed = _Placed(self._backlog, worker_id, prompt_tokens)
+        try:
+            yield placed
+        finally:
+            placed.prompt_done()
+            self.registry.release(worker_id)
 
     async def _relay(self, worker_id: str, subject: str, request: Message, gen: Generation, stops: StopFilter,
                      parent: context.Context, span_name: str, progress: _Progress) -> AsyncIterator[TokenDelta]:

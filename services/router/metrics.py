@@ -29,4 +29,9 @@ class RouterMetrics:
         self.prefill_sites = Counter("llmesh_prefill_sites", "Requests by where their prompt was computed: "
                                      "prefill (disaggregated) or decode (the whole request on a decode worker, "
                                      "the prefill queue being longer)", ["site"], registry=r)
+        self.dispatch = Counter("llmesh_dispatch_decisions", "Worker choices by dispatch policy, role and whether "
+                                "the request waited in the router's queue first (placed, queued)",
+                                ["policy", "role", "outcome"], registry=r)
+        self.queue_seconds = Histogram("llmesh_queue_wait_seconds", "Time a request waited in the router's queue "
+                                       "for a worker with room", buckets=LATENCY_BUCKETS, registry=r)
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

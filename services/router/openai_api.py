@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmesh.errors import InvalidRequest, MeshError
@@ -138,6 +140,13 @@ class ChatCompletionRequest(_Common):
 
 def error_body(exc: MeshError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+def error_response(exc: MeshError) -> JSONResponse:
+    """The OpenAI error for `exc`, with `Retry-After` (whole seconds) when the client should back off."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after is not None else None
+    return JSONResponse(error_body(exc), status_code=exc.http_status, headers=headers)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from llmesh.errors import ModelNotFound, ServiceUnavailable, WorkerLost
+from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, WorkerLost
 from llmesh.messages import WorkerInfo
 from llmesh.policies import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
 from llmesh.policies.baseline import least_loaded
@@ -24,6 +24,7 @@ class _Entry:
     info: WorkerInfo
     last_seen: float
     assigned: int = 0  # requests sent since its last heartbeat
+    released: int = 0  # requests finished since its last heartbeat
     watchers: set[Callable[[BaseException], None]] = field(default_factory=set)
     heartbeat_view: WorkerView | None = None  # what the policies see of `info`, built once per heartbeat
 
@@ -31,7 +32,12 @@ class _Entry:
         """What the policies see of this worker: its last heartbeat and what was sent it since."""
         if self.heartbeat_view is None:
             self.heartbeat_view = _view(self.info)
-        return replace(self.heartbeat_view, assigned=self.assigned) if self.assigned else self.heartbeat_view
+        if not self.assigned and not self.released:
+            return self.heartbeat_view
+        # A finished request was either sent since the heartbeat or counted in it.
+        from_assigned = min(self.released, self.assigned)
+        return replace(self.heartbeat_view, assigned=self.assigned - from_assigned,
+                       running=max(self.heartbeat_view.running - (self.released - from_assigned), 0))
 
 
 class WorkerRegistry:
@@ -43,6 +49,7 @@ class WorkerRegistry:
         self._rng = random.Random(seed)
         self._clock = clock
         self._dispatched: dict[str, int] = {"prefill": 0, "decode": 0}  # requests sent per role (round-robin's turn)
+        self.room_changed: Callable[[], None] = lambda: None  # called when a worker may have room (the queue's)
 
     def on_heartbeat(self, info: WorkerInfo) -> None:
         entry = self._workers.get(info.worker_id)
@@ -51,7 +58,9 @@ class WorkerRegistry:
             self._warn_on_layout_mismatch(info)
             self._workers[info.worker_id] = _Entry(info, self._clock())
         else:
-            entry.info, entry.last_seen, entry.assigned, entry.heartbeat_view = info, self._clock(), 0, None
+            entry.info, entry.last_seen, entry.heartbeat_view = info, self._clock(), None
+            entry.assigned = entry.released = 0
+        self.room_changed()
 
     def _warn_on_layout_mismatch(self, info: WorkerInfo) -> None:
         for other in self._workers.values():
@@ -77,6 +86,13 @@ class WorkerRegistry:
             due = self._clock() + period
             await asyncio.sleep(period)
             self.expire(late_s=max(self._clock() - due, 0.0))
+
+    def release(self, worker_id: str) -> None:
+        """A request `worker_id` held has finished: count its room until the next heartbeat says."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.released += 1
+        self.room_changed()
 
     def heard_from(self, worker_id: str) -> None:
         """`worker_id` just sent a reply: it is alive, whatever its heartbeats (late ones on a busy machine)."""
@@ -109,8 +125,8 @@ class WorkerRegistry:
             detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
             if not any(fits_request(ctx, w) for w in ctx.workers):
                 raise ServiceUnavailable(f"no live {role} worker for {request.model!r}{detail}")
-            raise ServiceUnavailable(f"no {role} worker for {request.model!r}{detail} can take the request now "
-                                     f"(policy {self.policy.name}: all at capacity or over its threshold)")
+            raise AtCapacity(f"no {role} worker for {request.model!r}{detail} can take the request now "
+                             f"(policy {self.policy.name}: all at capacity or over its threshold)")
         if reserve:
             self.reserve(chosen.worker_id)
         return self._workers[chosen.worker_id].info

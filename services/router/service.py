@@ -27,6 +27,7 @@ from .openai_api import (
     CompletionRequest,
     ResponseShape,
     error_body,
+    error_response,
     sse,
     validation_error,
 )
@@ -42,24 +43,24 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     app = FastAPI(title="llmesh router", version="0.1.0")
     tracer = telemetry.tracer("llmesh.router")
 
-    def error_response(exc: MeshError, endpoint: str) -> JSONResponse:
+    def counted_error(exc: MeshError, endpoint: str) -> JSONResponse:
         metrics.requests.labels(endpoint, str(exc.http_status)).inc()
         metrics.errors.labels(exc.code).inc()
-        return JSONResponse(error_body(exc), status_code=exc.http_status)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(exc.errors())), request.url.path)
+        return counted_error(validation_error(list(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = InvalidRequest(str(exc.detail))
         err.http_status = exc.status_code
-        return error_response(err, request.url.path)
+        return counted_error(err, request.url.path)
 
     @app.exception_handler(MeshError)
     async def on_mesh_error(request: Request, exc: MeshError) -> JSONResponse:
-        return error_response(exc, request.url.path)
+        return counted_error(exc, request.url.path)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -143,7 +144,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             await deltas.aclose()
             finish(exc.http_status, exc)
             metrics.errors.labels(exc.code).inc()
-            return JSONResponse(error_body(exc), status_code=exc.http_status)
+            return error_response(exc)
         except BaseException as exc:
             await deltas.aclose()
             finish(499 if isinstance(exc, asyncio.CancelledError) else 500, exc)

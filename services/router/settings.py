@@ -13,6 +13,10 @@ class RouterSettings(CommonSettings):
     policy_params: dict[str, float] = Field(
         default_factory=dict, description='The policy\'s parameters as JSON, e.g. {"threshold": 1.5} for banaserve; '
         "see each policy's docstring.")
+    queue_max_waiting: int = Field(1024, ge=0, description="Requests that may wait for a worker with room; past "
+                                   "it, 429 with Retry-After.")
+    queue_max_wait_s: float = Field(30.0, gt=0, description="Longest wait for a worker with room (and never past "
+                                    "the request's deadline); past it, 429 with Retry-After.")
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
     local_prefill_margin_s: float | None = Field(
         0.25, ge=0, description="Run a whole request on a decode worker when that computes its prompt sooner "

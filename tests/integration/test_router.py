@@ -20,15 +20,16 @@ from llmesh_router.service import create_app
 pytestmark = pytest.mark.timeout(30)
 
 
-def info(worker_id, role="prefill", fingerprint="f" * 32, model="m"):
+def info(worker_id, role="prefill", fingerprint="f" * 32, model="m", capacity=4):
     return WorkerInfo(worker_id=worker_id, role=role, model=model, fingerprint=fingerprint, max_model_len=2048,
-                      running=0, queued_tokens=0, capacity=4, heartbeat_s=1.0)
+                      running=0, queued_tokens=0, capacity=capacity, heartbeat_s=1.0)
 
 
-async def _client(nats_url, registry):
+async def _client(nats_url, registry, admission=None):
     bus = await Bus.connect(nats_url, "router-test")
     metrics = RouterMetrics()
-    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s=0.1), registry, metrics, request_timeout_s=5)
+    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s=0.1, admission=admission), registry, metrics,
+                     request_timeout_s=5)
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
@@ -191,6 +192,77 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
         texts = await asyncio.gather(first, second, third)
         assert texts == ["abb", "ccc", "abb"]
         assert [s.split()[0] for s in served].count("generate") == 1
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+async def _one_slot_workers(nats_url, prefill_s):
+    """A prefill worker that takes one request at a time, `prefill_s` each, and a decode worker."""
+    from llmesh.messages import PrefillResult, TokenDelta
+
+    workers = await Bus.connect(nats_url, "fake-workers")
+    order: list[str] = []
+
+    async def prefill(req, blob):
+        order.append(req.prompt)
+        await asyncio.sleep(prefill_s)
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, kv_transfer_params={}, fingerprint="f" * 32,
+                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+
+    async def decode(req, blob):
+        yield TokenDelta(text="b", token_ids=[8], finish_reason="length", prompt_tokens=2, completion_tokens=2)
+
+    await workers.serve("mesh.prefill.one-slot", prefill)
+    await workers.serve("mesh.decode.dec", decode)
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("one-slot", capacity=1))
+    registry.on_heartbeat(info("dec", role="decode"))
+    return workers, registry, order
+
+
+async def test_requests_wait_in_the_router_queue_for_a_full_worker_and_run_in_order(nats_url):
+    from llmesh_router.admission import AdmissionQueue
+
+    workers, registry, order = await _one_slot_workers(nats_url, prefill_s=0.3)
+    bus, client = await _client(nats_url, registry, AdmissionQueue(max_waiting=8, max_wait_s=5))
+    try:
+        started = time.monotonic()
+        calls = []
+        for i in range(3):
+            calls.append(asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})))
+            await asyncio.sleep(0.02)
+        resps = await asyncio.gather(*calls)
+        assert [r.status_code for r in resps] == [200, 200, 200], [r.text for r in resps]
+        assert order == ["p0", "p1", "p2"]  # one at a time, in arrival order
+        assert time.monotonic() - started >= 0.9
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+@pytest.mark.parametrize("max_waiting, max_wait_s, expected", [
+    (1, 5.0, [200, 200, 429]),  # the queue holds one: the third is refused at once
+    (8, 0.2, [200, 429, 429]),  # nobody gets a slot within 0.2 s
+])
+async def test_a_full_queue_or_a_long_wait_is_429_with_retry_after(nats_url, max_waiting, max_wait_s, expected):
+    from llmesh_router.admission import AdmissionQueue
+
+    workers, registry, _ = await _one_slot_workers(nats_url, prefill_s=0.5)
+    bus, client = await _client(nats_url, registry, AdmissionQueue(max_waiting=max_waiting, max_wait_s=max_wait_s))
+    try:
+        calls = []
+        for i in range(3):
+            calls.append(asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})))
+            await asyncio.sleep(0.02)
+        resps = await asyncio.gather(*calls)
+        assert [r.status_code for r in resps] == expected
+        for r in resps:
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.json()["error"]["type"] == "requests"
+                assert int(r.headers["Retry-After"]) >= 1
     finally:
         await client.aclose()
         await workers.close()

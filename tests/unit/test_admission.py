@@ -1,0 +1,75 @@
+import asyncio
+
+import pytest
+
+from llmesh.errors import AtCapacity, Overloaded, ServiceUnavailable
+from llmesh_router.admission import AdmissionQueue
+
+
+class Slots:
+    """`place` for the queue: a slot if one is free, else AtCapacity."""
+
+    def __init__(self, free=0):
+        self.free, self.given = free, []
+
+    def placer(self, name):
+        def place():
+            if self.free <= 0:
+                raise AtCapacity("full")
+            self.free -= 1
+            self.given.append(name)
+            return name
+        return place
+
+
+async def test_waiters_are_placed_in_arrival_order_as_room_appears():
+    now = [0.0]
+    queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=10, clock=lambda: now[0]), Slots()
+    waits = [asyncio.create_task(queue.admit(slots.placer(n), deadline=100)) for n in ("a", "b", "c")]
+    await asyncio.sleep(0)
+    assert len(queue) == 3
+    for t in (1.0, 3.0):
+        now[0] = t
+        slots.free += 1
+        queue.room_changed()
+    await asyncio.sleep(0)
+    assert slots.given == ["a", "b"] and len(queue) == 1
+    assert await waits[0] == ("a", True)
+    assert queue.interval_s == pytest.approx(0.2 * 2.0 + 0.8 * 1.0)  # departures at 1 s (since 0) and 3 s
+    waits[2].cancel()  # a client that leaves frees its place in line
+    await asyncio.sleep(0)
+    assert len(queue) == 0
+
+
+async def test_nobody_waiting_and_room_is_immediate():
+    queue, slots = AdmissionQueue(max_waiting=0, max_wait_s=1), Slots(free=1)
+    assert await queue.admit(slots.placer("a"), deadline=1e9) == ("a", False)
+
+
+async def test_a_hopeless_deadline_is_refused_up_front_with_a_retry_hint():
+    now = [0.0]
+    queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=10, clock=lambda: now[0]), Slots()
+    queue.interval_s = 1.0  # the queue has been releasing one request a second
+    waiting = asyncio.create_task(queue.admit(slots.placer("a"), deadline=100))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded, match="past this request's deadline") as refused:
+        await queue.admit(slots.placer("b"), deadline=1.5)  # 2 s of queue ahead of it
+    assert refused.value.retry_after_s == 2 and refused.value.http_status == 429
+    waiting.cancel()
+
+
+async def test_an_error_other_than_capacity_fails_the_waiter_at_once():
+    queue = AdmissionQueue(max_waiting=8, max_wait_s=10)
+    broken = [False]
+
+    def place():
+        if broken[0]:
+            raise ServiceUnavailable("its workers are gone")
+        raise AtCapacity("full")
+
+    waiting = asyncio.create_task(queue.admit(place, deadline=1e12))
+    await asyncio.sleep(0)
+    broken[0] = True
+    queue.room_changed()
+    with pytest.raises(ServiceUnavailable, match="gone"):
+        await waiting
