@@ -78,7 +78,7 @@ class RequestProgress(Message):
     generated: int = 0  # output tokens so far
     max_tokens: int = 0  # output budget
     predicted_tokens: float | None = None
-    priority: int = 0
+    priority: int = 0  # vLLM's convention: lower is more urgent
 
 
 class WorkerInfo(Message):
@@ -213,6 +213,7 @@ class PrefillRequest(Message):
     deadline: float  # unix time
     predicted_length: LengthPrediction | None = None
     cache_salt: str | None = None  # KV prefixes are shared only between requests with the same salt
+    priority: int = 0  # vLLM's convention: lower is more urgent
 
 
 class TokenDelta(Message):
@@ -252,6 +253,7 @@ class DecodeRequest(Message):
     deadline: float
     predicted_length: LengthPrediction | None = None
     cache_salt: str | None = None  # the prefill's: decode re-derives the same block hashes
+    priority: int = 0
 
 
 class AbortRequest(Message):

@@ -114,13 +114,15 @@ class HeldRequest:
     max_tokens: int
     predicted_tokens: float | None = None
     generated: int = 0  # output tokens so far; the handler keeps it current
+    priority: int = 0
 
     def kv_blocks(self, block_size: int) -> int:
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
 
     def progress(self) -> RequestProgress:
         return RequestProgress(request_id=self.request_id, prompt_tokens=self.prompt_tokens, generated=self.generated,
-                               max_tokens=self.max_tokens, predicted_tokens=self.predicted_tokens)
+                               max_tokens=self.max_tokens, predicted_tokens=self.predicted_tokens,
+                               priority=self.priority)
 
 
 class PrefillMeter:
@@ -313,8 +315,8 @@ class EngineWorker:
 
     @asynccontextmanager
     async def admit(self, request_id: str, model: str, deadline: float, queued_tokens: int, *, prompt_tokens: int,
-                    max_tokens: int, predicted: LengthPrediction | None = None,
-                    generated: int = 0) -> AsyncIterator[HeldRequest]:
+                    max_tokens: int, predicted: LengthPrediction | None = None, generated: int = 0,
+                    priority: int = 0) -> AsyncIterator[HeldRequest]:
         """Track a request: checks model and capacity, enforces the deadline, makes it abortable.
         The handler keeps the yielded record's `generated` current."""
         if model != self.settings.model_name:
@@ -328,7 +330,7 @@ class EngineWorker:
         assert task is not None
         held = self._held[request_id] = HeldRequest(
             request_id, task, queued_tokens, prompt_tokens, max_tokens,
-            predicted.expected_tokens if predicted is not None else None, generated)
+            predicted.expected_tokens if predicted is not None else None, generated, priority)
         try:
             async with asyncio.timeout(remaining):
                 yield held

@@ -46,7 +46,7 @@ class DecodeService:
                                  output_kind=RequestOutputKind.DELTA)
         async with self.worker.admit(req.request_id, req.model, req.deadline, total,
                                      prompt_tokens=len(req.prompt_token_ids), max_tokens=total,
-                                     predicted=req.predicted_length, generated=1) as held:
+                                     predicted=req.predicted_length, generated=1, priority=req.priority) as held:
             async for delta in self._stream(held, f"decode-{req.request_id}",
                                             [*req.prompt_token_ids, req.first_token], req.cache_salt, params,
                                             req.predicted_length):
@@ -62,7 +62,7 @@ class DecodeService:
         trace.get_current_span().set_attribute("prompt.tokens", len(token_ids))
         async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids) + max_tokens,
                                      prompt_tokens=len(token_ids), max_tokens=max_tokens,
-                                     predicted=req.predicted_length) as held:
+                                     predicted=req.predicted_length, priority=req.priority) as held:
             self.worker.prefill_meter.started()
             computed = 0
             try:

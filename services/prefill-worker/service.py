@@ -25,7 +25,7 @@ class PrefillService:
         max_tokens = self.worker.max_tokens(req, len(token_ids))
         async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids),
                                      prompt_tokens=len(token_ids), max_tokens=max_tokens,
-                                     predicted=req.predicted_length):
+                                     predicted=req.predicted_length, priority=req.priority):
             params = sampling_params(req.sampling, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
             final = None
             started = time.monotonic()

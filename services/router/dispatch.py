@@ -100,6 +100,9 @@ class Generation:
     sampling: SamplingOptions  # max_tokens None: the rest of the context
     deadline: float  # wall-clock (time.time())
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's convention: lower is more urgent
+    ttft_slo_s: float | None = None  # None: the router's default
+    tpot_slo_s: float | None = None
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -204,7 +207,8 @@ class Dispatcher:
             request_id=gen.request_id, model=gen.model, prompt_tokens=prompt_tokens, arrival=gen.arrival,
             deadline=now + gen.deadline - time.time(), max_tokens=max_tokens or gen.sampling.max_tokens,
             predicted_tokens=predicted.expected_tokens if predicted else None,
-            prediction_confidence=predicted.confidence if predicted else 0.0, tpot_slo_s=self.tpot_slo_s)
+            prediction_confidence=predicted.confidence if predicted else 0.0, priority=gen.priority,
+            ttft_slo_s=gen.ttft_slo_s, tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s)
 
     def _local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
         """A decode worker to run the whole request when the prefill queue would answer later
@@ -249,7 +253,8 @@ class Dispatcher:
             self.registry.release(prefill.worker_id)
         request = PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                  prompt_token_ids=gen.prompt_token_ids, messages=gen.messages, sampling=gen.sampling,
-                                 deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt)
+                                 deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt,
+                                 priority=gen.priority)
         stops = StopFilter(gen.sampling.stop)
         try:
             if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
@@ -294,7 +299,8 @@ class Dispatcher:
                                       prompt_token_ids=result.prompt_token_ids, first_token=result.first.token_ids[0],
                                       sampling=sampling, kv_transfer_params=result.kv_transfer_params,
                                       fingerprint=result.fingerprint, deadline=gen.deadline,
-                                      predicted_length=predicted, cache_salt=gen.cache_salt),
+                                      predicted_length=predicted, cache_salt=gen.cache_salt,
+                                      priority=gen.priority),
                         gen, stops, parent, "router.decode", progress):
                     yield delta
         finally:

@@ -29,6 +29,9 @@ class _Common(BaseModel):
     return_token_ids: bool = False  # vLLM extension: completion token ids in each choice
     cache_salt: str | None = None  # vLLM extension: prefix-cache isolation between tenants
     ignore_eos: bool = False  # vLLM extension: generate max_tokens even past EOS (benchmarks use it)
+    priority: int = 0  # vLLM extension: lower is more urgent (read by the dispatch policy)
+    ttft_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: this request's time-to-first-token target
+    tpot_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: its time-per-output-token target
 
     @model_validator(mode="before")
     @classmethod

@@ -105,6 +105,9 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             sampling=body.sampling(),
             deadline=time.time() + request_timeout_s,
             cache_salt=body.cache_salt,
+            priority=body.priority,
+            ttft_slo_s=body.ttft_slo_ms / 1000 if body.ttft_slo_ms else None,
+            tpot_slo_s=body.tpot_slo_ms / 1000 if body.tpot_slo_ms else None,
         )
         shape = ResponseShape(chat, request_id, body.model)
         deltas = dispatcher.generate(gen, parent)

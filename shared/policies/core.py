@@ -42,7 +42,7 @@ class RequestView:
     prediction_confidence: float = 0.0
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
-    priority: int = 0  # higher is more important
+    priority: int = 0  # vLLM's convention: lower is more urgent, below 0 is high priority
 
 
 @dataclass(frozen=True)

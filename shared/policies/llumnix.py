@@ -18,7 +18,7 @@ from llmesh.policies.core import DispatchContext, Policy, RunningRequest, Worker
 def virtual_usage(w: WorkerView, request: RunningRequest, priority_headroom_blocks: int) -> int:
     """Blocks `request` fills (a waiting one: the blocks its prompt needs), plus the headroom kept
     free beside a high-priority request."""
-    return request.kv_blocks(w.block_size) + (priority_headroom_blocks if request.priority > 0 else 0)
+    return request.kv_blocks(w.block_size) + (priority_headroom_blocks if request.priority < 0 else 0)
 
 
 def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:

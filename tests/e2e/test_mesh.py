@@ -497,7 +497,7 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
             async with httpx.AsyncClient(timeout=60) as http:
                 async with http.stream("POST", f"{mesh.url}/v1/completions", json={
                         "model": MODEL, "prompt": "Tell me a long story " * 20, "max_tokens": 1800, "ignore_eos": True,
-                        "stream": True}) as resp:
+                        "stream": True, "priority": -2}) as resp:
                     assert resp.status_code == 200
                     async for line in resp.aiter_lines():
                         assert not line.startswith("data: {\"error\""), line
@@ -509,6 +509,7 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
             assert len(info.requests) == info.running == 1
             held = info.requests[0]
             assert held.prompt_tokens > 100 and held.max_tokens == 1800 and 1 <= held.generated < 1800
+            assert held.priority == -2
             assert info.kv_blocks_used == -(-(held.prompt_tokens + held.generated) // info.block_size)
         assert len({info.requests[0].generated for info in seen}) == len(seen)  # progress, not a fixed number
 

@@ -267,3 +267,46 @@ async def test_a_full_queue_or_a_long_wait_is_429_with_retry_after(nats_url, max
         await client.aclose()
         await workers.close()
         await bus.close()
+
+
+async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_url):
+    """vLLM's `priority` and the mesh's SLO fields, from the OpenAI request to what the dispatch
+    policy reads and what the workers hold (and report on heartbeats)."""
+    from llmesh.messages import PrefillResult, TokenDelta
+    from llmesh.policies import Policy
+
+    seen_by_policy, seen_by_workers = [], []
+
+    def spy(ctx, worker):
+        seen_by_policy.append((ctx.role, ctx.request.priority, ctx.request.ttft_slo_s, ctx.request.tpot_slo_s))
+        return 0.0
+
+    registry = WorkerRegistry(policy=Policy("spy", costs=((1.0, spy),)))
+    registry.on_heartbeat(info("p"))
+    registry.on_heartbeat(info("d", role="decode"))
+    workers = await Bus.connect(nats_url, "fake-workers")
+
+    async def prefill(req, blob):
+        seen_by_workers.append(("prefill", req.priority))
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, kv_transfer_params={}, fingerprint="f" * 32,
+                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+
+    async def decode(req, blob):
+        seen_by_workers.append(("decode", req.priority))
+        yield TokenDelta(text="b", token_ids=[8], finish_reason="length", prompt_tokens=2, completion_tokens=2)
+
+    await workers.serve("mesh.prefill.p", prefill)
+    await workers.serve("mesh.decode.d", decode)
+    bus, client = await _client(nats_url, registry)
+    try:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "priority": -1,
+                                                          "ttft_slo_ms": 500, "tpot_slo_ms": 40})
+        assert resp.status_code == 200, resp.text
+        assert ("prefill", -1, 0.5, 0.04) in seen_by_policy and ("decode", -1, 0.5, 0.04) in seen_by_policy
+        assert seen_by_workers == [("prefill", -1), ("decode", -1)]
+        bad = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "ttft_slo_ms": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttft_slo_ms"
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()

@@ -94,7 +94,7 @@ def test_llumnix_freeness():
     a = w("a", running=2, kv_total=100, requests=[req("x", 20), req("y", 50, generated=14)])
     assert freeness(a) == 47.0
     assert freeness(a, priority_headroom_blocks=10) == 47.0  # no high-priority request
-    hi = w("b", running=1, kv_total=100, requests=[req("z", 16, priority=1)])
+    hi = w("b", running=1, kv_total=100, requests=[req("z", 16, priority=-1)])  # vLLM's convention: lower is sooner
     assert freeness(hi) == 99.0 and freeness(hi, priority_headroom_blocks=30) == 69.0
     assert freeness(w("c", state="draining", kv_total=100)) == float("-inf")
     assert freeness(w("d", kv_total=100)) == 100.0  # idle: all of M for a batch of one
