@@ -32,7 +32,7 @@ class _Server(uvicorn.Server):
 async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
-    policy = settings.dispatch_policy()
+    policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
     registry = WorkerRegistry(settings.missed_heartbeats, policy, settings.seed)
 
     async def on_heartbeat(info: WorkerInfo, blob: memoryview) -> None:
@@ -42,11 +42,12 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
     dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s,
-                            predict_before_dispatch=policy.needs_prediction,
+                            predict_before_dispatch=policy.needs_prediction or queue_policy.needs_prediction,
                             length_sample_fraction=settings.length_sample_fraction, seed=settings.seed,
                             local_prefill_margin_s=settings.local_prefill_margin_s,
                             tpot_slo_s=settings.slo_tpot_ms / 1000,
-                            admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s))
+                            admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s,
+                                                     queue_policy))
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

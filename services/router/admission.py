@@ -2,10 +2,11 @@
 
 Bounded in length (`max_waiting`) and in time (`max_wait_s`, and each request's deadline). A
 request that could not be served in time is refused up front with `Overloaded` (HTTP 429 with
-`Retry-After`): when the queue is full, or when its expected wait (the requests ahead of it, at
-the rate the queue has been draining) would pass its deadline. Waiters are served in arrival
-order; a waiter that cannot be placed yet does not block the ones behind it (they may need
-other workers).
+`Retry-After`): when the queue is full, when its expected wait (the requests ahead of it, at the
+rate the queue has been draining) would pass its deadline, or when the queue policy names it
+as unable to meet its time-to-first-token target. As room appears, waiters are placed in the
+queue policy's order (llmesh.policies.queueing; default: arrival); one that cannot be placed
+yet does not block the others (they may need other workers).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from llmesh.errors import AtCapacity, MeshError, Overloaded
+from llmesh.policies import QueuePolicy, RequestView
+from llmesh.policies.queueing import ServiceTime, fcfs
 
 T = TypeVar("T")
 SMOOTHING = 0.2  # of the EMA of the time between two requests leaving the queue
@@ -26,13 +29,16 @@ SMOOTHING = 0.2  # of the EMA of the time between two requests leaving the queue
 @dataclass(eq=False)
 class _Waiter(Generic[T]):
     place: Callable[[], T]  # raises AtCapacity while there is no room
-    deadline: float  # monotonic
+    request: RequestView
     placed: asyncio.Future[T] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class AdmissionQueue:
-    def __init__(self, max_waiting: int, max_wait_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_waiting: int, max_wait_s: float, policy: QueuePolicy | None = None,
+                 service_s: ServiceTime = lambda r: 0.0, clock: Callable[[], float] = time.monotonic):
         self.max_waiting, self.max_wait_s = max_waiting, max_wait_s
+        self.policy = fcfs() if policy is None else policy
+        self.service_s = service_s  # a request's expected time on a worker once placed (for the policy)
         self._clock = clock
         self._waiting: list[_Waiter] = []
         self._left_at: float | None = None  # when a request last left the queue (None: empty since)
@@ -44,7 +50,10 @@ class AdmissionQueue:
     def expected_wait_s(self, position: int) -> float:
         return (position + 1) * self.interval_s
 
-    async def admit(self, place: Callable[[], T], deadline: float) -> tuple[T, bool]:
+    def _retry_after_s(self) -> float:
+        return max(1.0, math.ceil(self.expected_wait_s(len(self._waiting))))
+
+    async def admit(self, place: Callable[[], T], request: RequestView) -> tuple[T, bool]:
         """`place()`'s result, and whether it waited in line for it (it does not if nobody waits and
         `place` finds room). Raises Overloaded when the request cannot be served in time, and any
         other error of `place`."""
@@ -55,32 +64,35 @@ class AdmissionQueue:
                 pass
         now = self._clock()
         wait = self.expected_wait_s(len(self._waiting))
-        retry_after = max(1.0, math.ceil(wait))
         if len(self._waiting) >= self.max_waiting:
             raise Overloaded(f"the router's queue is full ({self.max_waiting} requests waiting)",
-                             retry_after_s=retry_after)
-        if now + wait > deadline:
+                             retry_after_s=self._retry_after_s())
+        if now + wait > request.deadline:
             raise Overloaded(f"the {len(self._waiting)} requests ahead would take ~{wait:.1f}s, past this "
-                             f"request's deadline", retry_after_s=retry_after)
-        waiter = _Waiter(place, deadline)
+                             f"request's deadline", retry_after_s=self._retry_after_s())
+        waiter = _Waiter(place, request)
         self._waiting.append(waiter)
         if self._left_at is None:
             self._left_at = now
+        self._refuse_hopeless(now)
+        limit = max(min(request.deadline - now, self.max_wait_s), 0.0)
         try:
-            async with asyncio.timeout(max(min(deadline - now, self.max_wait_s), 0.0)):
+            async with asyncio.timeout(limit):
                 return await waiter.placed, True
         except TimeoutError:
-            raise Overloaded(f"no worker had room within {min(deadline - now, self.max_wait_s):.1f}s",
-                             retry_after_s=retry_after) from None
+            raise Overloaded(f"no worker had room within {limit:.1f}s", retry_after_s=self._retry_after_s()) from None
         finally:
             if waiter in self._waiting:
                 self._waiting.remove(waiter)
 
     def room_changed(self) -> None:
-        """A worker may have room now (a heartbeat, a request finished): place whoever fits, in order."""
-        for waiter in list(self._waiting):
-            if waiter.placed.done():
-                continue
+        """A worker may have room now (a heartbeat, a request finished): place whoever fits, in the
+        queue policy's order."""
+        now = self._clock()
+        self._refuse_hopeless(now)
+        by_id = {w.request.request_id: w for w in self._waiting if not w.placed.done()}
+        for request in self.policy.order(now, [w.request for w in by_id.values()]):
+            waiter = by_id[request.request_id]
             try:
                 waiter.placed.set_result(waiter.place())
             except AtCapacity:
@@ -90,6 +102,15 @@ class AdmissionQueue:
                 continue
             self._waiting.remove(waiter)
             self._note_departure()
+
+    def _refuse_hopeless(self, now: float) -> None:
+        waiting = [w for w in self._waiting if not w.placed.done()]
+        refused = self.policy.refused(now, [w.request for w in waiting], self.service_s)
+        for waiter in waiting:
+            if waiter.request.request_id in refused:
+                waiter.placed.set_exception(Overloaded(
+                    f"cannot meet its time-to-first-token target behind the requests queued (queue policy "
+                    f"{self.policy.name})", retry_after_s=self._retry_after_s()))
 
     def _note_departure(self) -> None:
         now = self._clock()

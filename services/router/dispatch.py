@@ -121,6 +121,7 @@ class Dispatcher:
         self.bus, self.registry, self.metrics = bus, registry, metrics
         self.admission = AdmissionQueue(max_waiting=1024, max_wait_s=30.0) if admission is None else admission
         registry.room_changed = self.admission.room_changed
+        self.admission.service_s = self._prefill_seconds
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
         self.tpot_slo_s = tpot_slo_s
         self._streams: dict[str, dict[str, _Progress]] = defaultdict(dict)  # worker id -> request id -> progress
@@ -209,6 +210,12 @@ class Dispatcher:
             predicted_tokens=predicted.expected_tokens if predicted else None,
             prediction_confidence=predicted.confidence if predicted else 0.0, priority=gen.priority,
             ttft_slo_s=gen.ttft_slo_s, tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s)
+
+    def _prefill_seconds(self, request: RequestView) -> float:
+        """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""
+        speed = max((w.prefill_tokens_per_s for w in self.registry.live("prefill") if w.model == request.model),
+                    default=0.0)
+        return request.prompt_tokens / speed if speed else 0.0
 
     def _local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
         """A decode worker to run the whole request when the prefill queue would answer later
@@ -313,7 +320,7 @@ class Dispatcher:
         queue while none has room. The choice is counted and put on the request's span."""
         started = time.monotonic()
         worker, queued = await self.admission.admit(lambda: self.registry.pick(role, view, fingerprint=fingerprint),
-                                                    view.deadline)
+                                                    view)
         waited = time.monotonic() - started
         policy = self.registry.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()

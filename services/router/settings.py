@@ -1,7 +1,7 @@
 from pydantic import Field, model_validator
 
 from llmesh.config import CommonSettings
-from llmesh.policies import POLICIES, Policy, make_policy
+from llmesh.policies import POLICIES, QUEUE_POLICIES, Policy, QueuePolicy, make_policy, make_queue_policy
 
 
 class RouterSettings(CommonSettings):
@@ -13,6 +13,10 @@ class RouterSettings(CommonSettings):
     policy_params: dict[str, float] = Field(
         default_factory=dict, description='The policy\'s parameters as JSON, e.g. {"threshold": 1.5} for banaserve; '
         "see each policy's docstring.")
+    queue_policy: str = Field("fcfs", description="Order of the requests waiting for room, and which to refuse "
+                              "(llmesh.policies.queueing): " + ", ".join(QUEUE_POLICIES) + ".")
+    queue_policy_params: dict[str, float] = Field(default_factory=dict, description="The queue policy's parameters "
+                                                  "as JSON.")
     queue_max_waiting: int = Field(1024, ge=0, description="Requests that may wait for a worker with room; past "
                                    "it, 429 with Retry-After.")
     queue_max_wait_s: float = Field(30.0, gt=0, description="Longest wait for a worker with room (and never past "
@@ -36,7 +40,11 @@ class RouterSettings(CommonSettings):
     @model_validator(mode="after")
     def _known_policy(self) -> "RouterSettings":
         self.dispatch_policy()  # an unknown policy or parameter fails at start, not at the first request
+        self.admission_policy()
         return self
 
     def dispatch_policy(self) -> Policy:
         return make_policy(self.policy, self.policy_params)
+
+    def admission_policy(self) -> QueuePolicy:
+        return make_queue_policy(self.queue_policy, self.queue_policy_params)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from llmesh.policies.banaserve import banaserve
 from llmesh.policies.baseline import least_loaded, power_of_two, random_choice, round_robin
 from llmesh.policies.core import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
 from llmesh.policies.llumnix import llumnix
+from llmesh.policies.queueing import QueuePolicy, edf, fairness, fcfs, prism, priority_fcfs, slo_odbs
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": round_robin,
@@ -26,17 +28,37 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
+QUEUE_POLICIES: dict[str, Callable[..., QueuePolicy]] = {
+    "fcfs": fcfs,
+    "priority": priority_fcfs,
+    "edf": edf,
+    "prism": prism,
+    "slo_odbs": slo_odbs,
+    "fairness": fairness,
+}
+
+
 def make_policy(name: str, params: Mapping[str, float] | None = None) -> Policy:
-    """The policy registered as `name`, with `params`; ValueError naming what is wrong otherwise."""
-    factory = POLICIES.get(name)
+    """The dispatch policy registered as `name`, with `params`; ValueError naming what is wrong otherwise."""
+    return _make(POLICIES, "policy", name, params)
+
+
+def make_queue_policy(name: str, params: Mapping[str, float] | None = None) -> QueuePolicy:
+    """The queue policy registered as `name`, with `params`; ValueError naming what is wrong otherwise."""
+    return _make(QUEUE_POLICIES, "queue policy", name, params)
+
+
+def _make(registry: Mapping[str, Callable[..., Any]], kind: str, name: str, params: Mapping[str, float] | None) -> Any:
+    factory = registry.get(name)
     if factory is None:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(registry)}")
     accepted = inspect.signature(factory).parameters
     unknown = sorted(set(params or {}) - set(accepted))
     if unknown:
-        raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)}; "
+        raise ValueError(f"{kind} {name!r} has no parameter {', '.join(unknown)}; "
                          f"it takes: {', '.join(accepted) or 'none'}")
     return factory(**(params or {}))
 
 
-__all__ = ["POLICIES", "DispatchContext", "Policy", "RequestView", "RunningRequest", "WorkerView", "make_policy"]
+__all__ = ["POLICIES", "QUEUE_POLICIES", "DispatchContext", "Policy", "QueuePolicy", "RequestView", "RunningRequest",
+           "WorkerView", "make_policy", "make_queue_policy"]

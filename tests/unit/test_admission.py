@@ -3,7 +3,12 @@ import asyncio
 import pytest
 
 from llmesh.errors import AtCapacity, Overloaded, ServiceUnavailable
+from llmesh.policies import RequestView
 from llmesh_router.admission import AdmissionQueue
+
+
+def rv(name, deadline=1e12, arrival=0.0, **kw):
+    return RequestView(name, "m", prompt_tokens=10, arrival=arrival, deadline=deadline, **kw)
 
 
 class Slots:
@@ -25,7 +30,7 @@ class Slots:
 async def test_waiters_are_placed_in_arrival_order_as_room_appears():
     now = [0.0]
     queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=10, clock=lambda: now[0]), Slots()
-    waits = [asyncio.create_task(queue.admit(slots.placer(n), deadline=100)) for n in ("a", "b", "c")]
+    waits = [asyncio.create_task(queue.admit(slots.placer(n), rv(n, deadline=100))) for n in ("a", "b", "c")]
     await asyncio.sleep(0)
     assert len(queue) == 3
     for t in (1.0, 3.0):
@@ -43,17 +48,17 @@ async def test_waiters_are_placed_in_arrival_order_as_room_appears():
 
 async def test_nobody_waiting_and_room_is_immediate():
     queue, slots = AdmissionQueue(max_waiting=0, max_wait_s=1), Slots(free=1)
-    assert await queue.admit(slots.placer("a"), deadline=1e9) == ("a", False)
+    assert await queue.admit(slots.placer("a"), rv("a")) == ("a", False)
 
 
 async def test_a_hopeless_deadline_is_refused_up_front_with_a_retry_hint():
     now = [0.0]
     queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=10, clock=lambda: now[0]), Slots()
     queue.interval_s = 1.0  # the queue has been releasing one request a second
-    waiting = asyncio.create_task(queue.admit(slots.placer("a"), deadline=100))
+    waiting = asyncio.create_task(queue.admit(slots.placer("a"), rv("a", deadline=100)))
     await asyncio.sleep(0)
     with pytest.raises(Overloaded, match="past this request's deadline") as refused:
-        await queue.admit(slots.placer("b"), deadline=1.5)  # 2 s of queue ahead of it
+        await queue.admit(slots.placer("b"), rv("b", deadline=1.5))  # 2 s of queue ahead of it
     assert refused.value.retry_after_s == 2 and refused.value.http_status == 429
     waiting.cancel()
 
@@ -67,9 +72,29 @@ async def test_an_error_other_than_capacity_fails_the_waiter_at_once():
             raise ServiceUnavailable("its workers are gone")
         raise AtCapacity("full")
 
-    waiting = asyncio.create_task(queue.admit(place, deadline=1e12))
+    waiting = asyncio.create_task(queue.admit(place, rv("a")))
     await asyncio.sleep(0)
     broken[0] = True
     queue.room_changed()
     with pytest.raises(ServiceUnavailable, match="gone"):
         await waiting
+
+
+async def test_the_queue_policy_orders_waiters_and_refuses_the_hopeless():
+    from llmesh.policies import make_queue_policy
+
+    now = [10.0]
+    queue = AdmissionQueue(max_waiting=8, max_wait_s=100, policy=make_queue_policy("edf"),
+                           service_s=lambda r: 1.0, clock=lambda: now[0])
+    slots = Slots()
+    relaxed = asyncio.create_task(queue.admit(slots.placer("relaxed"), rv("relaxed", arrival=9.0, ttft_slo_s=30.0)))
+    urgent = asyncio.create_task(queue.admit(slots.placer("urgent"), rv("urgent", arrival=10.0, ttft_slo_s=5.0)))
+    doomed = asyncio.create_task(queue.admit(slots.placer("doomed"), rv("doomed", arrival=8.0, ttft_slo_s=2.5)))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded, match="time-to-first-token target"):
+        await doomed  # due at 10.5, and 1 s of service from now is 11
+    slots.free = 1
+    queue.room_changed()
+    assert await urgent == ("urgent", True)  # arrived last, due first
+    assert slots.given == ["urgent"] and len(queue) == 1
+    relaxed.cancel()

@@ -147,6 +147,13 @@ def test_router_settings_refuse_an_unknown_policy_at_start(monkeypatch):
     monkeypatch.setenv("MESH_POLICY", "nope")
     with pytest.raises(ValidationError, match="unknown policy 'nope'"):
         RouterSettings()
+    monkeypatch.setenv("MESH_POLICY", "llumnix")
+    monkeypatch.setenv("MESH_POLICY_PARAMS", "{}")
+    monkeypatch.setenv("MESH_QUEUE_POLICY", "slo_odbs")
+    assert RouterSettings().admission_policy().needs_prediction
+    monkeypatch.setenv("MESH_QUEUE_POLICY", "lifo")
+    with pytest.raises(ValidationError, match="unknown queue policy 'lifo'"):
+        RouterSettings()
 
 
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget  # noqa: E402
@@ -200,3 +207,82 @@ def test_prefill_placement_bounds_the_decode_stall(prompt, local_backlog, expect
 )
 def test_stall_budget_keeps_every_stream_that_can_within_its_tpot(streams, step_s, expected):
     assert stall_budget(streams, tpot_slo_s=0.05, step_s=step_s) == pytest.approx(expected)
+
+
+# ---- queue policies ------------------------------------------------------------------------------------------
+
+from llmesh.policies import QUEUE_POLICIES, make_queue_policy  # noqa: E402
+from llmesh.policies.queueing import moore_hodgson  # noqa: E402
+
+
+def q(rid, arrival=0.0, ttft=None, tpot=None, predicted=None, priority=0, max_tokens=None, prompt=100):
+    return RequestView(rid, "m", prompt_tokens=prompt, arrival=arrival, deadline=1e9, max_tokens=max_tokens,
+                       predicted_tokens=predicted, ttft_slo_s=ttft, tpot_slo_s=tpot, priority=priority)
+
+
+@pytest.mark.parametrize("policy, params, waiting, now, expected", [
+    ("fcfs", None, [q("b", 2), q("a", 1), q("c", 3)], 5, ["a", "b", "c"]),
+    ("priority", None, [q("b", 1, priority=0), q("a", 2, priority=-1), q("c", 0, priority=3)], 5, ["a", "b", "c"]),
+    # EDF on TTFT deadlines: c arrived last but is due first (3 + 1); no target: its overall deadline (last)
+    ("edf", {"drop_hopeless": 0}, [q("a", 0, ttft=10), q("b", 1, ttft=5), q("c", 3, ttft=1), q("z", 0)], 3.5,
+     ["c", "b", "a", "z"]),
+    # SLO-ODBS: the tighter per-token group first (20-40 ms before 50-100 ms), shortest predicted first within it
+    ("slo_odbs", {"slo_bucket_s": 0.05}, [q("a", 0, tpot=0.08, predicted=10), q("b", 1, tpot=0.03, predicted=500),
+                                          q("c", 2, tpot=0.04, predicted=50), q("d", 3, tpot=0.03)], 5,
+     ["c", "b", "d", "a"]),
+    # fairness: waiting time / predicted length: a 10 s / 100 = 0.1, b 2 s / 10 = 0.2, c 9 s / 300 = 0.03
+    ("fairness", None, [q("a", 0, predicted=100), q("b", 8, predicted=10), q("c", 1, predicted=300)], 10,
+     ["b", "a", "c"]),
+])
+def test_queue_orders(policy, params, waiting, now, expected):
+    assert [r.request_id for r in make_queue_policy(policy, params).order(now, waiting)] == expected
+
+
+def test_moore_hodgson_keeps_the_most_requests_on_time():
+    """Hand-computed: service 4, 3, 2, 6, 5 s, due 8, 9, 10, 11, 13 s from now. In deadline order
+    the fourth ends at 15 > 11 (drop the longest so far: j4), the fifth at 14 > 13 (drop j5)."""
+    service = {"j1": 4, "j2": 3, "j3": 2, "j4": 6, "j5": 5}
+    due = {"j1": 8, "j2": 9, "j3": 10, "j4": 11, "j5": 13}
+    waiting = [q(j, arrival=0.0, ttft=due[j]) for j in service]
+    assert moore_hodgson(0.0, waiting, lambda r: service[r.request_id]) == {"j4", "j5"}
+    assert make_queue_policy("prism").refused(0.0, waiting, lambda r: service[r.request_id]) == {"j4", "j5"}
+    assert moore_hodgson(0.0, waiting, lambda r: 1.0) == set()  # all fit
+
+
+def test_moore_hodgson_is_optimal_against_brute_force():
+    import itertools
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        service = [rng.randint(1, 5) for _ in range(n)]
+        waiting = [q(f"r{i}", arrival=0.0, ttft=rng.randint(1, 15)) for i in range(n)]
+        dropped = moore_hodgson(0.0, waiting, lambda r: service[int(r.request_id[1:])])
+
+        def feasible(kept):  # deadline order is optimal for a fixed set on one server
+            t = 0
+            for r in sorted(kept, key=lambda r: r.ttft_slo_s):
+                t += service[int(r.request_id[1:])]
+                if t > r.ttft_slo_s:
+                    return False
+            return True
+
+        best = max(k for k in range(n + 1) if any(feasible(c) for c in itertools.combinations(waiting, k)))
+        assert n - len(dropped) == best
+        assert feasible([r for r in waiting if r.request_id not in dropped])
+
+
+def test_edf_refuses_only_what_cannot_make_it_even_first():
+    waiting = [q("late", arrival=0, ttft=2), q("fine", arrival=0, ttft=10)]
+    assert make_queue_policy("edf").refused(1.5, waiting, lambda r: 1.0) == {"late"}
+    assert make_queue_policy("edf", {"drop_hopeless": 0}).refused(1.5, waiting, lambda r: 1.0) == set()
+
+
+def test_every_queue_policy_is_deterministic_and_total():
+    waiting = [q(f"r{i}", arrival=i % 3, ttft=5 + i % 4, tpot=0.02 * (1 + i % 3), predicted=(i * 37) % 200 or None,
+                 priority=i % 2) for i in range(12)]
+    for name in QUEUE_POLICIES:
+        policy = make_queue_policy(name)
+        first = [r.request_id for r in policy.order(4.0, waiting)]
+        assert sorted(first) == sorted(r.request_id for r in waiting)
+        assert first == [r.request_id for r in policy.order(4.0, list(reversed(waiting)))]
