@@ -1,0 +1,126 @@
+"""A discrete-event simulation of the router in front of N engines, deciding with the production
+policy functions (llmesh.policies) over the same snapshot types the live router builds.
+
+Arrivals wait in the router's queue when the dispatch policy places them nowhere (every engine
+full, or over the policy's threshold); the queue policy orders the waiters and refuses the
+hopeless ones, as `services/router/admission.py` does live. Engines are `SimEngine`s
+(sim/engine.py). Time is simulated: a run of hours takes seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmesh.policies import DispatchContext, Policy, QueuePolicy, RequestView, RunningRequest, WorkerView
+
+from .engine import EngineProfile, SimEngine, SimRequest
+
+MODEL = "sim"
+
+
+def _request_view(r: SimRequest) -> RequestView:
+    return RequestView(r.request_id, MODEL, prompt_tokens=r.prompt_tokens, arrival=r.arrival, deadline=float("inf"),
+                       max_tokens=r.output_tokens, predicted_tokens=r.predicted_tokens, ttft_slo_s=r.ttft_slo_s,
+                       tpot_slo_s=r.tpot_slo_s, priority=r.priority)
+
+
+def _worker_view(e: SimEngine) -> WorkerView:
+    p = e.profile
+    held = e.requests
+    return WorkerView(
+        worker_id=e.worker_id, role="decode", model=MODEL, fingerprint="sim", capacity=p.max_seqs, running=len(held),
+        queued_tokens=sum(r.prompt_tokens - r.prefilled + r.output_tokens - r.generated for r in held),
+        generates=True, kv_blocks_used=e.blocks_used(), kv_blocks_total=p.kv_blocks, block_size=p.block_size,
+        prefill_tokens_per_s=1 / p.prefill_token_s if p.prefill_token_s else 0.0,
+        requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated,
+                                      r.output_tokens, r.predicted_tokens, r.priority) for r in held))
+
+
+def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: int, policy: Policy,
+             queue_policy: QueuePolicy, seed: int = 0) -> list[SimRequest]:
+    """Run `requests` (fresh, sorted or not) to the end; returns them with their timings filled in."""
+    engines = [SimEngine(f"e{i:03d}", profile) for i in range(instances)]
+    by_id = {e.worker_id: e for e in engines}
+    rng = random.Random(seed)
+    events: list[tuple[float, int, str, object]] = []
+    order = itertools.count()
+    for r in requests:
+        heapq.heappush(events, (r.arrival, next(order), "arrive", r))
+    queue: list[SimRequest] = []
+    dispatched = 0
+
+    def service_s(view: RequestView) -> float:
+        return view.prompt_tokens * profile.prefill_token_s
+
+    def start(engine: SimEngine, now: float) -> None:
+        if engine.busy_until is None:
+            end = engine.start_step(now)
+            if end is not None:
+                heapq.heappush(events, (end, next(order), "step", engine))
+
+    def dispatch(now: float) -> None:
+        nonlocal dispatched
+        views = {r.request_id: _request_view(r) for r in queue}
+        refused = queue_policy.refused(now, list(views.values()), service_s)
+        for r in [r for r in queue if r.request_id in refused]:
+            r.refused = True
+            queue.remove(r)
+        for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
+            ctx = DispatchContext(now=now, rng=rng, request=view, workers=tuple(_worker_view(e) for e in engines),
+                                  role="decode", generates=True, dispatched=dispatched)
+            chosen = policy.pick(ctx)
+            if chosen is None:
+                continue
+            r = next(r for r in queue if r.request_id == view.request_id)
+            queue.remove(r)
+            r.dispatched_at, r.worker_id = now, chosen.worker_id
+            engine = by_id[chosen.worker_id]
+            engine.waiting.append(r)
+            dispatched += 1
+            start(engine, now)
+
+    while events:
+        now, _, kind, item = heapq.heappop(events)
+        if kind == "arrive":
+            queue.append(item)  # type: ignore[arg-type]
+        else:
+            engine: SimEngine = item  # type: ignore[assignment]
+            engine.finish_step(now)
+            start(engine, now)
+        dispatch(now)
+    return list(requests)
+
+
+@dataclass(frozen=True)
+class Summary:
+    requests: int
+    completed: int
+    refused: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    slo_attainment: float  # of all requests, those that met both targets
+    goodput_rps: float  # requests meeting both targets per second of the run
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def summarize(requests: Sequence[SimRequest], ttft_slo_s: float, tpot_slo_s: float) -> Summary:
+    done = [r for r in requests if r.finished_at is not None]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    good = [r for r in done if r.ttft_s <= (r.ttft_slo_s or ttft_slo_s)  # type: ignore[operator]
+            and (r.tpot_s is None or r.tpot_s <= (r.tpot_slo_s or tpot_slo_s))]
+    span = (max((r.finished_at for r in done), default=0.0) - min((r.arrival for r in requests), default=0.0)) or 1.0
+    return Summary(len(requests), len(done), sum(r.refused for r in requests), _pct(ttfts, 0.5), _pct(ttfts, 0.99),
+                   _pct(tpots, 0.5), _pct(tpots, 0.99), len(good) / max(len(requests), 1), len(good) / span)

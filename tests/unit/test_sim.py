@@ -1,0 +1,66 @@
+"""The simulator against hand-computed cases, and every policy through it."""
+
+import random
+
+import pytest
+
+from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
+from llmesh_sim.cluster import simulate, summarize
+from llmesh_sim.engine import EngineProfile, SimRequest
+
+# 10 ms a step, 1 ms a prompt token, 2 ms a decoding request
+PROFILE = EngineProfile("hand", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, max_batched_tokens=1000,
+                        max_seqs=8, kv_blocks=100, block_size=16)
+
+
+def test_one_engine_by_hand():
+    """A: 100-token prompt at 0, 3 tokens out; B: 50 tokens at 0.05, 2 out.
+    step 1 [0, 0.110]: A's prompt (0.01 + 0.100): A's first token at 0.110 (B arrived meanwhile);
+    step 2 [0.110, 0.172]: B's prompt + A decodes (0.01 + 0.050 + 0.002): B's first, A's second;
+    step 3 [0.172, 0.186]: both decode (0.01 + 0.004): both finish."""
+    a, b = SimRequest("a", 0.0, 100, 3), SimRequest("b", 0.05, 50, 2)
+    simulate([a, b], PROFILE, 1, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    assert a.ttft_s == pytest.approx(0.110) and b.ttft_s == pytest.approx(0.122)
+    assert a.finished_at == pytest.approx(0.186) and b.finished_at == pytest.approx(0.186)
+    assert a.tpot_s == pytest.approx(0.038) and b.tpot_s == pytest.approx(0.014)
+    s = summarize([a, b], ttft_slo_s=0.115, tpot_slo_s=0.05)
+    assert (s.completed, s.slo_attainment) == (2, 0.5)  # B's first token came 7 ms late
+
+
+def test_chunked_prefill_splits_a_long_prompt_across_steps():
+    """1500 tokens with a 1000-token budget: 1000 in step 1 (1.01 s), 500 in step 2 (0.51 s)."""
+    r = SimRequest("r", 0.0, 1500, 1)
+    simulate([r], PROFILE, 1, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    assert r.ttft_s == pytest.approx(1.52) and r.finished_at == pytest.approx(1.52)
+
+
+def test_a_full_engine_queues_at_the_router_and_the_queue_policy_orders():
+    """One sequence at a time: B (arrived first) and C (priority -1) wait behind A; C goes first."""
+    one = EngineProfile("one", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0, max_seqs=1)
+    a, b, c = SimRequest("a", 0.0, 10, 1), SimRequest("b", 0.001, 10, 1), SimRequest("c", 0.002, 10, 1, priority=-1)
+    simulate([a, b, c], one, 1, make_policy("least_loaded"), make_queue_policy("priority"))
+    assert a.first_token_at == pytest.approx(0.02)
+    assert c.first_token_at == pytest.approx(0.04) and b.first_token_at == pytest.approx(0.06)
+
+
+def test_round_robin_alternates_and_least_loaded_fills_the_idle_engine():
+    def reqs():
+        return [SimRequest("long", 0.0, 10, 500)] + [SimRequest(f"r{i}", 0.1 + i * 0.5, 10, 2) for i in range(4)]
+
+    rr = simulate(reqs(), PROFILE, 2, make_policy("round_robin"), make_queue_policy("fcfs"))
+    assert [r.worker_id for r in rr] == ["e000", "e001", "e000", "e001", "e000"]
+    ll = simulate(reqs(), PROFILE, 2, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    other = {"e000": "e001", "e001": "e000"}[ll[0].worker_id]
+    assert [r.worker_id for r in ll][1:] == [other] * 4  # the short ones never share with the long one
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("queue_policy", sorted(QUEUE_POLICIES))
+def test_every_policy_runs_a_short_trace_to_the_end(policy, queue_policy):
+    rng = random.Random(1)
+    reqs = [SimRequest(f"r{i}", i * 0.02, rng.randint(20, 400), rng.randint(2, 60), ttft_slo_s=2.0,
+                       predicted_tokens=rng.randint(2, 60)) for i in range(60)]
+    done = simulate(reqs, PROFILE, 3, make_policy(policy), make_queue_policy(queue_policy))
+    s = summarize(done, ttft_slo_s=2.0, tpot_slo_s=0.1)
+    assert s.completed + s.refused == 60
+    assert all(r.generated == r.output_tokens for r in done if not r.refused)
