@@ -64,3 +64,27 @@ def test_every_policy_runs_a_short_trace_to_the_end(policy, queue_policy):
     s = summarize(done, ttft_slo_s=2.0, tpot_slo_s=0.1)
     assert s.completed + s.refused == 60
     assert all(r.generated == r.output_tokens for r in done if not r.refused)
+
+
+def test_the_command_runs_a_trace_slice_and_writes_its_table(tmp_path):
+    from llmesh_sim.__main__ import main
+
+    assert main(["--profile", "sim/profiles/cpu-tiny.json", "--trace", "azure-conv", "--requests", "40",
+                 "--rates", "1", "2", "--policies", "least_loaded", "llumnix", "--queue-policies", "fcfs", "edf",
+                 "--input-scale", "0.5", "--output-scale", "0.25", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "sim.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| least_loaded") or line.startswith("| llumnix")]
+    assert len(rows) == 2 * 2 * 2
+
+
+def test_the_calibration_fit_recovers_a_known_profile():
+    from llmesh.config import WorkerSettings
+    from llmesh_sim.calibrate import fit
+
+    true = EngineProfile("t", base_s=0.004, prefill_token_s=0.0006, decode_seq_s=0.0008, context_token_s=4e-7)
+    prefills = [(n, true.step_s(n, 0, 0)) for n in (64, 512, 1536)]
+    decodes = [(b, c, true.step_s(0, b, c)) for b, c in ((1, 100), (4, 2000), (16, 1600), (16, 9000))]
+    profile, report = fit("t", prefills, decodes, 4096, WorkerSettings(), "synthetic")
+    assert profile.base_s == pytest.approx(0.004) and profile.prefill_token_s == pytest.approx(0.0006)
+    assert profile.decode_seq_s == pytest.approx(0.0008) and profile.context_token_s == pytest.approx(4e-7)
+    assert all(abs(f - m) < 1e-9 for _, m, f in report)

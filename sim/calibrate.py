@@ -1,0 +1,133 @@
+"""Fit the simulator's engine model to a real vLLM engine on this machine.
+
+    .venv/bin/python -m llmesh_sim.calibrate [--model llmesh/tiny-llama] [--out sim/profiles/cpu-tiny.json]
+
+Measures, on one engine configured as the mesh's workers are: the time to first token of a lone
+prompt of several lengths (one prefill step each), and the gap between two tokens of B requests
+decoding together at two context lengths; then fits `EngineProfile`'s affine step time by least
+squares over all of them and reports each measurement against the fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from llmesh.config import WorkerSettings
+from llmesh.models import resolve_model
+
+from .engine import EngineProfile
+
+PREFILL_LENGTHS = (64, 256, 512, 1024, 1536)
+DECODE_BATCHES = (1, 4, 16)
+DECODE_CONTEXTS = (64, 512)
+DECODE_TOKENS = 48
+REPEATS = 3
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 1000 + 3 for i in range(n)]  # token ids of the tiny vocab
+
+
+async def measure(model: str, settings: WorkerSettings) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]], int]:
+    """(prompt tokens, TTFT s) and (batch, context tokens, step s) measurements, and the engine's KV blocks."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from llmesh.worker import WARMUP_PROMPT
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=model, dtype=settings.dtype, max_model_len=settings.max_model_len, block_size=settings.block_size,
+        enforce_eager=True, disable_log_stats=True, enable_prefix_caching=False))
+    serial = 0
+
+    async def run(prompt: list[int], max_tokens: int) -> list[float]:
+        nonlocal serial
+        serial += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        stamps = [time.perf_counter()]
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"c{serial}"):
+            stamps.append(time.perf_counter())
+        return stamps
+
+    try:
+        await run(WARMUP_PROMPT, 2)
+        prefills = []
+        for n in PREFILL_LENGTHS:
+            ttfts = []
+            for rep in range(REPEATS):
+                stamps = await run(_prompt(n, rep + n), 1)
+                ttfts.append(stamps[1] - stamps[0])
+            prefills.append((n, statistics.median(ttfts)))
+            print(f"calibrate: prefill {n} tokens: {prefills[-1][1] * 1000:.1f} ms", file=sys.stderr)
+        decodes = []
+        for context in DECODE_CONTEXTS:
+            for batch in DECODE_BATCHES:
+                runs = await asyncio.gather(*[run(_prompt(context, 1000 + b), DECODE_TOKENS) for b in range(batch)])
+                # the steps after every prompt is in: each request's later gaps
+                gaps = [b - a for stamps in runs for a, b in zip(stamps[-DECODE_TOKENS // 2:], stamps[-DECODE_TOKENS // 2 + 1:])]
+                step = statistics.median(gaps)
+                decodes.append((batch, batch * (context + DECODE_TOKENS * 3 // 4), step))
+                print(f"calibrate: decode batch {batch} at {context}-token prompts: {step * 1000:.2f} ms/step",
+                      file=sys.stderr)
+        return prefills, decodes, engine.vllm_config.cache_config.num_gpu_blocks or 0
+    finally:
+        engine.shutdown()
+
+
+def fit(name: str, prefills: list[tuple[int, float]], decodes: list[tuple[int, int, float]], kv_blocks: int,
+        settings: WorkerSettings, source: str) -> tuple[EngineProfile, list[tuple[str, float, float]]]:
+    """Least squares for (base, per prompt token, per decoding request, per context token); the
+    profile and each measurement beside its fitted value."""
+    rows = [[1.0, n, 0.0, 0.0] for n, _ in prefills] + [[1.0, 0.0, b, ctx] for b, ctx, _ in decodes]
+    y = [t for _, t in prefills] + [t for _, _, t in decodes]
+    # relative error matters: weight each row by 1/y so short steps count as much as long prefills
+    a, w = np.array(rows), 1 / np.array(y)
+    coef, *_ = np.linalg.lstsq(a * w[:, None], np.array(y) * w, rcond=None)
+    base, per_prompt, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
+    profile = EngineProfile(name, base_s=base, prefill_token_s=per_prompt, decode_seq_s=per_seq,
+                            context_token_s=per_ctx, max_batched_tokens=settings.max_model_len,
+                            max_seqs=settings.capacity, kv_blocks=kv_blocks, block_size=settings.block_size,
+                            source=source)
+    report = [(f"prefill {n}", t, profile.step_s(n, 0, 0)) for n, t in prefills]
+    report += [(f"decode batch {b}, context {ctx}", t, profile.step_s(0, b, ctx)) for b, ctx, t in decodes]
+    return profile, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llmesh/tiny-llama")
+    parser.add_argument("--out", type=Path, default=Path("sim/profiles/cpu-tiny.json"))
+    args = parser.parse_args(argv)
+    settings = WorkerSettings()
+    prefills, decodes, kv_blocks = asyncio.run(measure(resolve_model(args.model, settings.model_dir), settings))
+    command = f"python -m llmesh_sim.calibrate --model {args.model}"
+    profile, report = fit(args.out.stem, prefills, decodes, kv_blocks, settings, f"measured here: `{command}`")
+    print("| measurement | measured ms | fitted ms | error |\n|---|---|---|---|")
+    for what, measured, fitted in report:
+        print(f"| {what} | {measured * 1000:.2f} | {fitted * 1000:.2f} | {(fitted - measured) / measured:+.1%} |")
+    worst = max(abs(f - m) / m for _, m, f in report)
+    print(f"\nprofile {profile.name}: step = {profile.base_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} µs "
+          f"per prompt token + {profile.decode_seq_s * 1000:.3f} ms per decoding request + "
+          f"{profile.context_token_s * 1e6:.3f} µs per context token; worst error {worst:.1%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**asdict(profile), "fit_worst_error": worst}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
