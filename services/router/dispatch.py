@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from opentelemetry import context, trace
@@ -294,7 +294,9 @@ class Dispatcher:
                 return
             if predicting is not None:
                 predicted, predicting = self._prediction_so_far(predicting), None
-            decode_view = self._request_view(gen, len(result.prompt_token_ids), predicted, result.max_tokens)
+            # its first token is out: a queue policy weighs only its overall deadline now
+            decode_view = replace(self._request_view(gen, len(result.prompt_token_ids), predicted, result.max_tokens),
+                                  ttft_slo_s=None)
             decode = await self._admit("decode", decode_view, parent, fingerprint=result.fingerprint)
             sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
             progress = _Progress(result.max_tokens)
