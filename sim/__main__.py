@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", type=Path, required=True, help="an EngineProfile JSON (llmesh_sim.calibrate)")
     parser.add_argument("--trace", choices=sorted(TRACES), default="azure-conv")
-    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--instances", type=int, default=2, help="engines (decode engines with --prefill-instances)")
+    parser.add_argument("--prefill-instances", type=int, default=0, help="a prefill pool before the decode engines "
+                        "(0: monolithic engines)")
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 3])
     parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
@@ -93,11 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     for i, (policy, queue_policy, rate) in enumerate(runs, 1):
         reqs = workload(trace, args.requests, rate, args.input_scale, args.output_scale, args.max_model_len,
                         args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
-        done = simulate(reqs, profile, args.instances, make_policy(policy), make_queue_policy(queue_policy))
+        done = simulate(reqs, profile, args.instances, make_policy(policy), make_queue_policy(queue_policy),
+                        prefill_instances=args.prefill_instances)
         results.append((policy, queue_policy, rate, summarize(done, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)))
         print(f"sim: [{i}/{len(runs)}] {policy} + {queue_policy} at {rate:g} req/s", file=sys.stderr)
     lines = [f"Command: `python -m llmesh_sim {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"Profile {profile.name} ({profile.source or 'no source given'}), {args.instances} instances, trace "
+             f"Profile {profile.name} ({profile.source or 'no source given'}), "
+             f"{f'{args.prefill_instances} prefill + ' if args.prefill_instances else ''}{args.instances} instances, trace "
              f"{args.trace}, {args.requests} requests per point, SLO: TTFT ≤ {args.ttft_slo_ms:g} ms, TPOT ≤ "
              f"{args.tpot_slo_ms:g} ms.", "",
              "| policy | queue | req/s | TTFT P50 ms | TTFT P99 ms | TPOT P50 ms | TPOT P99 ms | SLO attained | "

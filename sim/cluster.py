@@ -4,7 +4,9 @@ policy functions (llmesh.policies) over the same snapshot types the live router 
 Arrivals wait in the router's queue when the dispatch policy places them nowhere (every engine
 full, or over the policy's threshold); the queue policy orders the waiters and refuses the
 hopeless ones, as `services/router/admission.py` does live. Engines are `SimEngine`s
-(sim/engine.py). Time is simulated: a run of hours takes seconds.
+(sim/engine.py): monolithic ones, or (with `prefill_instances`) a prefill pool whose requests
+go on, after their KV transfer, to the decode pool, each placed by the same policies as the
+router places them. Time is simulated: a run of hours takes seconds.
 """
 
 from __future__ import annotations
@@ -23,27 +25,32 @@ MODEL = "sim"
 
 
 def _request_view(r: SimRequest) -> RequestView:
+    """As the router builds it; once its first token is out, without a TTFT target (router.dispatch)."""
     return RequestView(r.request_id, MODEL, prompt_tokens=r.prompt_tokens, arrival=r.arrival, deadline=float("inf"),
-                       max_tokens=r.output_tokens, predicted_tokens=r.predicted_tokens, ttft_slo_s=r.ttft_slo_s,
-                       tpot_slo_s=r.tpot_slo_s, priority=r.priority)
+                       max_tokens=r.output_tokens, predicted_tokens=r.predicted_tokens,
+                       ttft_slo_s=r.ttft_slo_s if r.first_token_at is None else None, tpot_slo_s=r.tpot_slo_s,
+                       priority=r.priority)
 
 
-def _worker_view(e: SimEngine) -> WorkerView:
+def _worker_view(e: SimEngine, monolithic: bool) -> WorkerView:
     p = e.profile
     held = e.requests
     return WorkerView(
-        worker_id=e.worker_id, role="decode", model=MODEL, fingerprint="sim", capacity=p.max_seqs, running=len(held),
-        queued_tokens=sum(r.prompt_tokens - r.prefilled + r.output_tokens - r.generated for r in held),
-        generates=True, kv_blocks_used=e.blocks_used(), kv_blocks_total=p.kv_blocks, block_size=p.block_size,
+        worker_id=e.worker_id, role=e.role, model=MODEL, fingerprint="sim", capacity=p.max_seqs,  # type: ignore[arg-type]
+        running=len(held), queued_tokens=sum(r.prompt_tokens - r.prefilled + r.output_tokens - r.generated for r in held),
+        generates=monolithic, kv_blocks_used=e.blocks_used(), kv_blocks_total=p.kv_blocks, block_size=p.block_size,
         prefill_tokens_per_s=1 / p.prefill_token_s if p.prefill_token_s else 0.0,
         requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated,
                                       r.output_tokens, r.predicted_tokens, r.priority) for r in held))
 
 
 def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: int, policy: Policy,
-             queue_policy: QueuePolicy, seed: int = 0) -> list[SimRequest]:
-    """Run `requests` (fresh, sorted or not) to the end; returns them with their timings filled in."""
+             queue_policy: QueuePolicy, seed: int = 0, prefill_instances: int = 0) -> list[SimRequest]:
+    """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
+    `prefill_instances` prefill engines come before them); returns them with their timings."""
+    monolithic = prefill_instances == 0
     engines = [SimEngine(f"e{i:03d}", profile) for i in range(instances)]
+    engines += [SimEngine(f"p{i:03d}", profile, role="prefill") for i in range(prefill_instances)]
     by_id = {e.worker_id: e for e in engines}
     rng = random.Random(seed)
     events: list[tuple[float, int, str, object]] = []
@@ -51,7 +58,10 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
     for r in requests:
         heapq.heappush(events, (r.arrival, next(order), "arrive", r))
     queue: list[SimRequest] = []
-    dispatched = 0
+    dispatched = {"prefill": 0, "decode": 0}
+
+    def role_of(r: SimRequest) -> str:
+        return "decode" if monolithic or r.first_token_at is not None else "prefill"
 
     def service_s(view: RequestView) -> float:
         return view.prompt_tokens * profile.prefill_token_s
@@ -63,33 +73,38 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
                 heapq.heappush(events, (end, next(order), "step", engine))
 
     def dispatch(now: float) -> None:
-        nonlocal dispatched
         views = {r.request_id: _request_view(r) for r in queue}
         refused = queue_policy.refused(now, list(views.values()), service_s)
         for r in [r for r in queue if r.request_id in refused]:
             r.refused = True
             queue.remove(r)
         for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
-            ctx = DispatchContext(now=now, rng=rng, request=view, workers=tuple(_worker_view(e) for e in engines),
-                                  role="decode", generates=True, dispatched=dispatched)
+            r = next(r for r in queue if r.request_id == view.request_id)
+            role = role_of(r)
+            ctx = DispatchContext(now=now, rng=rng, request=view, role=role,  # type: ignore[arg-type]
+                                  workers=tuple(_worker_view(e, monolithic) for e in engines), generates=monolithic,
+                                  dispatched=dispatched[role])
             chosen = policy.pick(ctx)
             if chosen is None:
                 continue
-            r = next(r for r in queue if r.request_id == view.request_id)
             queue.remove(r)
-            r.dispatched_at, r.worker_id = now, chosen.worker_id
+            if r.dispatched_at is None:
+                r.dispatched_at, r.worker_id = now, chosen.worker_id
             engine = by_id[chosen.worker_id]
             engine.waiting.append(r)
-            dispatched += 1
+            dispatched[role] += 1
             start(engine, now)
 
     while events:
         now, _, kind, item = heapq.heappop(events)
-        if kind == "arrive":
+        if kind in ("arrive", "kv_ready"):
             queue.append(item)  # type: ignore[arg-type]
         else:
             engine: SimEngine = item  # type: ignore[assignment]
-            engine.finish_step(now)
+            for r in engine.finish_step(now):
+                if r.finished_at is None:  # a prefill engine's: on to decode once its KV is there
+                    heapq.heappush(events, (now + r.prompt_tokens * profile.kv_transfer_token_s, next(order),
+                                            "kv_ready", r))
             start(engine, now)
         dispatch(now)
     return list(requests)

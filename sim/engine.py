@@ -6,6 +6,10 @@ plus one token for every request already decoding. Its time is affine in that wo
 context_token_s · their context`. A prompt's first token comes at the end of the step that
 computes its last chunk. KV memory is counted in blocks; a request is admitted to the batch
 only when its prompt's blocks are free, and holds its blocks until it finishes.
+
+Roles, as in the mesh: a "prefill" engine hands a request on once its first token is out; a
+"decode" engine takes requests whose KV arrived (their prompt needs no compute) or, as a
+monolithic engine, whole requests.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class EngineProfile:
     max_seqs: int = 256
     kv_blocks: int = 4096
     block_size: int = 16
+    kv_transfer_token_s: float = 0.0  # prefill to decode, per prompt token, beyond what overlaps the prefill
     source: str = ""  # where the numbers come from
 
     def step_s(self, prefill_tokens: int, decoding: int, context_tokens: int) -> float:
@@ -67,6 +72,7 @@ class SimRequest:
 class SimEngine:
     worker_id: str
     profile: EngineProfile
+    role: str = "decode"  # "prefill": requests leave after their first token
     waiting: list[SimRequest] = field(default_factory=list)  # dispatched here, not yet in the batch
     running: list[SimRequest] = field(default_factory=list)  # in the batch (prefilling or decoding)
     busy_until: float | None = None  # end of the step in progress (None: idle)
@@ -112,16 +118,19 @@ class SimEngine:
         return self.busy_until
 
     def finish_step(self, now: float) -> list[SimRequest]:
-        """Apply the planned step's work at its end `now`; the requests that finished."""
+        """Apply the planned step's work at its end `now`; the requests that leave (finished, or a
+        prefill engine's with their first token out)."""
         for r, chunk in self._plan:
             r.prefilled += chunk
             if r.prefilled == r.prompt_tokens:  # the last chunk samples the first token
                 r.generated, r.first_token_at = 1, now
         for r in self._decoding:
             r.generated += 1
-        done = [r for r in self.running if r.first_token_at is not None and r.generated >= r.output_tokens]
-        for r in done:
-            r.finished_at = now
+        leaving = [r for r in self.running if r.first_token_at is not None
+                   and (self.role == "prefill" or r.generated >= r.output_tokens)]
+        for r in leaving:
+            if r.generated >= r.output_tokens:
+                r.finished_at = now
             self.running.remove(r)
         self.busy_until = None
-        return done
+        return leaving

@@ -88,3 +88,24 @@ def test_the_calibration_fit_recovers_a_known_profile():
     assert profile.base_s == pytest.approx(0.004) and profile.prefill_token_s == pytest.approx(0.0006)
     assert profile.decode_seq_s == pytest.approx(0.0008) and profile.context_token_s == pytest.approx(4e-7)
     assert all(abs(f - m) < 1e-9 for _, m, f in report)
+
+
+def test_prefill_and_decode_pools_by_hand():
+    """A: 100-token prompt, 3 tokens out, on 1 prefill + 1 decode engine, KV transfer 0.1 ms a token.
+    Prefill [0, 0.110]: first token; KV at the decode engine at 0.120; two decode steps of 12 ms
+    (0.132, 0.144). B, 1 token out, ends on the prefill engine."""
+    profile = EngineProfile("pd", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, max_batched_tokens=1000,
+                            max_seqs=8, kv_blocks=100, block_size=16, kv_transfer_token_s=0.0001)
+    a, b = SimRequest("a", 0.0, 100, 3), SimRequest("b", 0.5, 50, 1)
+    simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("edf"), prefill_instances=1)
+    assert a.ttft_s == pytest.approx(0.110) and a.finished_at == pytest.approx(0.144)
+    assert a.worker_id == "p000" and a.tpot_s == pytest.approx(0.017)
+    assert b.finished_at == pytest.approx(0.5 + 0.06) and b.worker_id == "p000"
+
+
+def test_after_its_first_token_a_request_is_not_refused_for_its_ttft_target():
+    """EDF drops hopeless requests; one whose first token is out (waiting for decode) is not one."""
+    profile = EngineProfile("pd", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, max_seqs=1)
+    reqs = [SimRequest(f"r{i}", 0.0, 100, 20, ttft_slo_s=0.5) for i in range(4)]
+    simulate(reqs, profile, 1, make_policy("least_loaded"), make_queue_policy("edf"), prefill_instances=1)
+    assert all(r.finished_at is not None for r in reqs if r.first_token_at is not None)
