@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 3])
     parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
     parser.add_argument("--queue-policies", nargs="+", default=["fcfs"], choices=sorted(QUEUE_POLICIES))
+    parser.add_argument("--local-prefill-margin-s", type=float, default=None,
+                        help="conditional disaggregation as the router's MESH_LOCAL_PREFILL_MARGIN_S (unset: off)")
     parser.add_argument("--input-scale", type=float, default=1.0)
     parser.add_argument("--output-scale", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         reqs = workload(trace, args.requests, rate, args.input_scale, args.output_scale, args.max_model_len,
                         args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
         done = simulate(reqs, profile, args.instances, make_policy(policy), make_queue_policy(queue_policy),
-                        prefill_instances=args.prefill_instances)
+                        prefill_instances=args.prefill_instances, local_prefill_margin_s=args.local_prefill_margin_s,
+                        tpot_slo_s=args.tpot_slo_ms / 1000)
         results.append((policy, queue_policy, rate, summarize(done, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)))
         print(f"sim: [{i}/{len(runs)}] {policy} + {queue_policy} at {rate:g} req/s", file=sys.stderr)
     lines = [f"Command: `python -m llmesh_sim {' '.join(argv if argv is not None else sys.argv[1:])}`", "",

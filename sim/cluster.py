@@ -6,7 +6,9 @@ full, or over the policy's threshold); the queue policy orders the waiters and r
 hopeless ones, as `services/router/admission.py` does live. Engines are `SimEngine`s
 (sim/engine.py): monolithic ones, or (with `prefill_instances`) a prefill pool whose requests
 go on, after their KV transfer, to the decode pool, each placed by the same policies as the
-router places them. Time is simulated: a run of hours takes seconds.
+router places them; with `local_prefill_margin_s`, a decode engine runs the whole request when the
+prefill queue would answer later and its streams can absorb the stall (llmesh.policies.disagg,
+the router's conditional disaggregation). Time is simulated: a run of hours takes seconds.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import heapq
 import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmesh.policies import DispatchContext, Policy, QueuePolicy, RequestView, RunningRequest, WorkerView
+from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 
 from .engine import EngineProfile, SimEngine, SimRequest
 
@@ -38,14 +41,15 @@ def _worker_view(e: SimEngine, monolithic: bool) -> WorkerView:
     return WorkerView(
         worker_id=e.worker_id, role=e.role, model=MODEL, fingerprint="sim", capacity=p.max_seqs,  # type: ignore[arg-type]
         running=len(held), queued_tokens=sum(r.prompt_tokens - r.prefilled + r.output_tokens - r.generated for r in held),
-        generates=monolithic, kv_blocks_used=e.blocks_used(), kv_blocks_total=p.kv_blocks, block_size=p.block_size,
+        generates=e.role == "decode", kv_blocks_used=e.blocks_used(), kv_blocks_total=p.kv_blocks, block_size=p.block_size,
         prefill_tokens_per_s=1 / p.prefill_token_s if p.prefill_token_s else 0.0,
         requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated,
                                       r.output_tokens, r.predicted_tokens, r.priority) for r in held))
 
 
 def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: int, policy: Policy,
-             queue_policy: QueuePolicy, seed: int = 0, prefill_instances: int = 0) -> list[SimRequest]:
+             queue_policy: QueuePolicy, seed: int = 0, prefill_instances: int = 0,
+             local_prefill_margin_s: float | None = None, tpot_slo_s: float = 0.05) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings."""
     monolithic = prefill_instances == 0
@@ -87,6 +91,11 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             chosen = policy.pick(ctx)
             if chosen is None:
                 continue
+            if role == "prefill" and local_prefill_margin_s is not None:
+                local = policy.pick(replace(ctx, role="decode", generates=True))
+                if local is not None and _prefill_locally(view, by_id[chosen.worker_id], by_id[local.worker_id],
+                                                          now, local_prefill_margin_s, tpot_slo_s):
+                    chosen = local
             queue.remove(r)
             if r.dispatched_at is None:
                 r.dispatched_at, r.worker_id = now, chosen.worker_id
@@ -110,6 +119,23 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
     return list(requests)
 
 
+def _backlog(e: SimEngine) -> int:
+    return sum(r.prompt_tokens - r.prefilled for r in e.requests)
+
+
+def _prefill_locally(view: RequestView, prefill: SimEngine, decode: SimEngine, now: float, margin_s: float,
+                     tpot_slo_s: float) -> bool:
+    """The router's choice (router.dispatch `_local_prefill_site`), from the engines' exact state."""
+    p = decode.profile
+    speed = 1 / p.prefill_token_s if p.prefill_token_s else 0.0
+    decoding = [r for r in decode.running if r.first_token_at is not None]
+    streams = [StreamProgress(now - r.first_token_at, r.generated, r.output_tokens - r.generated)  # type: ignore[operator]
+               for r in decoding]
+    step_s = p.step_s(0, len(decoding), sum(r.prompt_tokens + r.generated for r in decoding)) if decoding else None
+    return prefill_locally(view.prompt_tokens, PrefillSite(_backlog(prefill), speed), PrefillSite(_backlog(decode), speed),
+                           margin_s, stall_budget(streams, tpot_slo_s, step_s))
+
+
 @dataclass(frozen=True)
 class Summary:
     requests: int
@@ -123,7 +149,7 @@ class Summary:
     goodput_rps: float  # requests meeting both targets per second of the run
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
@@ -137,5 +163,6 @@ def summarize(requests: Sequence[SimRequest], ttft_slo_s: float, tpot_slo_s: flo
     good = [r for r in done if r.ttft_s <= (r.ttft_slo_s or ttft_slo_s)  # type: ignore[operator]
             and (r.tpot_s is None or r.tpot_s <= (r.tpot_slo_s or tpot_slo_s))]
     span = (max((r.finished_at for r in done), default=0.0) - min((r.arrival for r in requests), default=0.0)) or 1.0
-    return Summary(len(requests), len(done), sum(r.refused for r in requests), _pct(ttfts, 0.5), _pct(ttfts, 0.99),
-                   _pct(tpots, 0.5), _pct(tpots, 0.99), len(good) / max(len(requests), 1), len(good) / span)
+    return Summary(len(requests), len(done), sum(r.refused for r in requests), percentile(ttfts, 0.5),
+                   percentile(ttfts, 0.99), percentile(tpots, 0.5), percentile(tpots, 0.99),
+                   len(good) / max(len(requests), 1), len(good) / span)

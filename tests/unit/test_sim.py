@@ -109,3 +109,33 @@ def test_after_its_first_token_a_request_is_not_refused_for_its_ttft_target():
     reqs = [SimRequest(f"r{i}", 0.0, 100, 20, ttft_slo_s=0.5) for i in range(4)]
     simulate(reqs, profile, 1, make_policy("least_loaded"), make_queue_policy("edf"), prefill_instances=1)
     assert all(r.finished_at is not None for r in reqs if r.first_token_at is not None)
+
+
+@pytest.mark.parametrize("margin, site", [(None, "p000"), (0.25, "e000")])
+def test_conditional_disaggregation_sends_a_prompt_past_a_long_prefill_queue(margin, site):
+    """The prefill engine holds a 1500-token prompt (1.5 s); a 100-token one arriving next would
+    wait behind it, while the idle decode engine computes it in 0.1 s: it goes there (as the
+    router decides, llmesh.policies.disagg), unless conditional disaggregation is off."""
+    long, short = SimRequest("long", 0.0, 1500, 2), SimRequest("short", 0.01, 100, 2)
+    simulate([long, short], PROFILE, 1, make_policy("least_loaded"), make_queue_policy("fcfs"), prefill_instances=1,
+             local_prefill_margin_s=margin)
+    assert long.worker_id == "p000" and short.worker_id == site
+    assert short.finished_at is not None
+
+
+def test_fidelity_replays_a_measured_point(tmp_path, capsys):
+    import json
+
+    from llmesh_sim.fidelity import main
+
+    requests = {"start_s": [0.0, 0.5, 1.0], "prompt_tokens": [100, 200, 50], "output_tokens": [3, 3, 3],
+                "ttft_ms": [110.0, 215.0, 60.0], "tpot_ms": [12.0, 12.0, 12.0]}
+    points = [{"deployment": d, "workload": "trace", "rate": 1, "requests": requests} for d in ("mesh", "vllm")]
+    (tmp_path / "results.json").write_text(json.dumps({"points": points}))
+    (tmp_path / "p.json").write_text(json.dumps({"name": "hand", "base_s": 0.01, "prefill_token_s": 0.001,
+                                                 "decode_seq_s": 0.002}))
+    assert main(["--results", str(tmp_path / "results.json"), "--profile", str(tmp_path / "p.json")]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| mesh")
+            or line.startswith("| vllm")]
+    # alone on an idle engine each prompt takes 10 ms + 1 ms a token: P50 110 ms measured and simulated
+    assert [(r[0], r[4], r[5]) for r in rows] == [("| mesh", "110", "110"), ("| vllm", "110", "110")]
