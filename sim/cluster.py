@@ -77,17 +77,20 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
                 heapq.heappush(events, (end, next(order), "step", engine))
 
     def dispatch(now: float) -> None:
+        if not queue:
+            return
         views = {r.request_id: _request_view(r) for r in queue}
         refused = queue_policy.refused(now, list(views.values()), service_s)
         for r in [r for r in queue if r.request_id in refused]:
             r.refused = True
             queue.remove(r)
+        waiting = {r.request_id: r for r in queue}
+        workers = {e.worker_id: _worker_view(e, monolithic) for e in engines}  # refreshed as requests are placed
         for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
-            r = next(r for r in queue if r.request_id == view.request_id)
+            r = waiting[view.request_id]
             role = role_of(r)
             ctx = DispatchContext(now=now, rng=rng, request=view, role=role,  # type: ignore[arg-type]
-                                  workers=tuple(_worker_view(e, monolithic) for e in engines), generates=monolithic,
-                                  dispatched=dispatched[role])
+                                  workers=tuple(workers.values()), generates=monolithic, dispatched=dispatched[role])
             chosen = policy.pick(ctx)
             if chosen is None:
                 continue
@@ -103,6 +106,7 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             engine.waiting.append(r)
             dispatched[role] += 1
             start(engine, now)
+            workers[engine.worker_id] = _worker_view(engine, monolithic)
 
     while events:
         now, _, kind, item = heapq.heappop(events)

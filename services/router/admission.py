@@ -88,6 +88,8 @@ class AdmissionQueue:
     def room_changed(self) -> None:
         """A worker may have room now (a heartbeat, a request finished): place whoever fits, in the
         queue policy's order."""
+        if not self._waiting:
+            return
         now = self._clock()
         self._refuse_hopeless(now)
         by_id = {w.request.request_id: w for w in self._waiting if not w.placed.done()}

@@ -86,8 +86,9 @@ class _Placed:
         backlog[worker_id] += prompt_tokens
 
     def prompt_done(self) -> None:
-        self._backlog[self._worker_id] -= self._tokens
-        self._tokens = 0
+        if self._tokens:
+            self._backlog[self._worker_id] -= self._tokens
+            self._tokens = 0
 
 
 @dataclass(frozen=True)
