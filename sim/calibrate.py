@@ -25,7 +25,7 @@ import numpy as np
 from llmesh.config import WorkerSettings
 from llmesh.models import resolve_model
 
-from .engine import EngineProfile
+from .engine import EngineProfile, attention_pairs
 
 PREFILL_LENGTHS = (64, 256, 512, 1024, 1536)
 DECODE_BATCHES = (1, 4, 16)
@@ -91,19 +91,20 @@ async def measure(model: str, settings: WorkerSettings) -> tuple[list[tuple[int,
 
 def fit(name: str, prefills: list[tuple[int, float]], decodes: list[tuple[int, int, float]], kv_blocks: int,
         settings: WorkerSettings, source: str) -> tuple[EngineProfile, list[tuple[str, float, float]]]:
-    """Least squares for (base, per prompt token, per decoding request, per context token); the
-    profile and each measurement beside its fitted value."""
-    rows = [[1.0, n, 0.0, 0.0] for n, _ in prefills] + [[1.0, 0.0, b, ctx] for b, ctx, _ in decodes]
+    """Least squares for (base, per prompt token, per prompt attention pair, per decoding request, per
+    context token); the profile and each measurement beside its fitted value."""
+    rows = [[1.0, n, attention_pairs(0, n), 0.0, 0.0] for n, _ in prefills]
+    rows += [[1.0, 0.0, 0.0, b, ctx] for b, ctx, _ in decodes]
     y = [t for _, t in prefills] + [t for _, _, t in decodes]
     # relative error matters: weight each row by 1/y so short steps count as much as long prefills
     a, w = np.array(rows), 1 / np.array(y)
     coef, *_ = np.linalg.lstsq(a * w[:, None], np.array(y) * w, rcond=None)
-    base, per_prompt, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
-    profile = EngineProfile(name, base_s=base, prefill_token_s=per_prompt, decode_seq_s=per_seq,
-                            context_token_s=per_ctx, max_batched_tokens=settings.max_model_len,
+    base, per_prompt, per_pair, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
+    profile = EngineProfile(name, base_s=base, prefill_token_s=per_prompt, prefill_attention_s=per_pair,
+                            decode_seq_s=per_seq, context_token_s=per_ctx, max_batched_tokens=settings.max_model_len,
                             max_seqs=settings.capacity, kv_blocks=kv_blocks, block_size=settings.block_size,
                             source=source)
-    report = [(f"prefill {n}", t, profile.step_s(n, 0, 0)) for n, t in prefills]
+    report = [(f"prefill {n}", t, profile.prefill_s(n)) for n, t in prefills]
     report += [(f"decode batch {b}, context {ctx}", t, profile.step_s(0, b, ctx)) for b, ctx, t in decodes]
     return profile, report
 
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {what} | {measured * 1000:.2f} | {fitted * 1000:.2f} | {(fitted - measured) / measured:+.1%} |")
     worst = max(abs(f - m) / m for _, m, f in report)
     print(f"\nprofile {profile.name}: step = {profile.base_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} µs "
-          f"per prompt token + {profile.decode_seq_s * 1000:.3f} ms per decoding request + "
+          f"per prompt token + {profile.prefill_attention_s * 1e9:.2f} ns per prompt attention pair + "
+          f"{profile.decode_seq_s * 1000:.3f} ms per decoding request + "
           f"{profile.context_token_s * 1e6:.3f} µs per context token; worst error {worst:.1%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**asdict(profile), "fit_worst_error": worst}, indent=2) + "\n")

@@ -19,10 +19,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from llmesh.policies import DispatchContext, Policy, QueuePolicy, RequestView, RunningRequest, WorkerView
+from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, RunningRequest, WorkerView
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 
-from .engine import EngineProfile, SimEngine, SimRequest
+from .engine import EngineProfile, PrefixCache, SimEngine, SimRequest
 
 MODEL = "sim"
 
@@ -32,10 +32,18 @@ def _request_view(r: SimRequest) -> RequestView:
     return RequestView(r.request_id, MODEL, prompt_tokens=r.prompt_tokens, arrival=r.arrival, deadline=float("inf"),
                        max_tokens=r.output_tokens, predicted_tokens=r.predicted_tokens,
                        ttft_slo_s=r.ttft_slo_s if r.first_token_at is None else None, tpot_slo_s=r.tpot_slo_s,
-                       priority=r.priority)
+                       priority=r.priority, prefix_hashes=r.prefix_hashes)
 
 
-def _worker_view(e: SimEngine, monolithic: bool) -> WorkerView:
+def _worker_view(e: SimEngine) -> WorkerView:
+    """`e` as its heartbeat would show it, rebuilt only when its state changed (a step, an arrival)."""
+    state = (e.steps, e.busy_until, len(e.waiting), len(e.running))
+    if e.view_cache is None or e.view_cache[0] != state:
+        e.view_cache = (state, _build_view(e))
+    return e.view_cache[1]
+
+
+def _build_view(e: SimEngine) -> WorkerView:
     p = e.profile
     held = e.requests
     return WorkerView(
@@ -47,15 +55,37 @@ def _worker_view(e: SimEngine, monolithic: bool) -> WorkerView:
                                       r.output_tokens, r.predicted_tokens, r.priority) for r in held))
 
 
+PREFIX_CACHES = ("none", "local", "global")
+
+
+def _prefix_caches(ids: Sequence[str], mode: str, profile: EngineProfile, block_tokens: int,
+                   store_blocks: int) -> dict[str, PrefixCache | None]:
+    """Each engine's prefix cache: none; vLLM's own, in the engine's KV memory ("local"); or the mesh's
+    global store, shared, each hit loaded at the KV transfer speed ("global")."""
+    if mode == "none":
+        return {i: None for i in ids}
+    if mode == "local":
+        index = PrefixIndex(max(profile.kv_blocks * profile.block_size // block_tokens, 1))
+        return {i: PrefixCache(index, i, block_tokens) for i in ids}
+    if mode == "global":
+        store = PrefixCache(PrefixIndex(store_blocks), "store", block_tokens, profile.kv_transfer_token_s)
+        return {i: store for i in ids}
+    raise ValueError(f"prefix cache {mode!r}: one of {', '.join(PREFIX_CACHES)}")
+
+
 def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: int, policy: Policy,
              queue_policy: QueuePolicy, seed: int = 0, prefill_instances: int = 0,
-             local_prefill_margin_s: float | None = None, tpot_slo_s: float = 0.05) -> list[SimRequest]:
+             local_prefill_margin_s: float | None = None, tpot_slo_s: float = 0.05, prefix_cache: str = "none",
+             prefix_block_tokens: int = 512, store_blocks: int = 1 << 20, max_wait_s: float = 30.0) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
-    `prefill_instances` prefill engines come before them); returns them with their timings."""
+    `prefill_instances` prefill engines come before them); returns them with their timings. A request
+    that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it."""
     monolithic = prefill_instances == 0
-    engines = [SimEngine(f"e{i:03d}", profile) for i in range(instances)]
-    engines += [SimEngine(f"p{i:03d}", profile, role="prefill") for i in range(prefill_instances)]
+    ids = [f"e{i:03d}" for i in range(instances)] + [f"p{i:03d}" for i in range(prefill_instances)]
+    caches = _prefix_caches(ids, prefix_cache, profile, prefix_block_tokens, store_blocks)
+    engines = [SimEngine(i, profile, role="prefill" if i.startswith("p") else "decode", cache=caches[i]) for i in ids]
     by_id = {e.worker_id: e for e in engines}
+    routed = PrefixIndex() if policy.needs_prefix else None  # what the router sent where (cache_aware)
     rng = random.Random(seed)
     events: list[tuple[float, int, str, object]] = []
     order = itertools.count()
@@ -68,7 +98,7 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
         return "decode" if monolithic or r.first_token_at is not None else "prefill"
 
     def service_s(view: RequestView) -> float:
-        return view.prompt_tokens * profile.prefill_token_s
+        return profile.prefill_s(view.prompt_tokens)
 
     def start(engine: SimEngine, now: float) -> None:
         if engine.busy_until is None:
@@ -81,16 +111,18 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             return
         views = {r.request_id: _request_view(r) for r in queue}
         refused = queue_policy.refused(now, list(views.values()), service_s)
+        refused |= {r.request_id for r in queue if now - r.queued_at > max_wait_s}  # type: ignore[operator]
         for r in [r for r in queue if r.request_id in refused]:
             r.refused = True
             queue.remove(r)
         waiting = {r.request_id: r for r in queue}
-        workers = {e.worker_id: _worker_view(e, monolithic) for e in engines}  # refreshed as requests are placed
+        workers = {e.worker_id: _worker_view(e) for e in engines}  # refreshed as requests are placed
         for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
             r = waiting[view.request_id]
             role = role_of(r)
             ctx = DispatchContext(now=now, rng=rng, request=view, role=role,  # type: ignore[arg-type]
-                                  workers=tuple(workers.values()), generates=monolithic, dispatched=dispatched[role])
+                                  workers=tuple(workers.values()), generates=monolithic, dispatched=dispatched[role],
+                                  cached_blocks=routed.matches(list(workers), r.prefix_hashes) if routed else {})
             chosen = policy.pick(ctx)
             if chosen is None:
                 continue
@@ -100,18 +132,24 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
                                                           now, local_prefill_margin_s, tpot_slo_s):
                     chosen = local
             queue.remove(r)
+            if routed is not None:
+                routed.record(chosen.worker_id, r.prefix_hashes)
             if r.dispatched_at is None:
                 r.dispatched_at, r.worker_id = now, chosen.worker_id
             engine = by_id[chosen.worker_id]
             engine.waiting.append(r)
             dispatched[role] += 1
             start(engine, now)
-            workers[engine.worker_id] = _worker_view(engine, monolithic)
+            workers[engine.worker_id] = _worker_view(engine)
 
     while events:
         now, _, kind, item = heapq.heappop(events)
         if kind in ("arrive", "kv_ready"):
+            item.queued_at = now  # type: ignore[attr-defined]
             queue.append(item)  # type: ignore[arg-type]
+            heapq.heappush(events, (now + max_wait_s * (1 + 1e-9), next(order), "wake", None))  # its wait's end
+        elif kind == "wake":
+            pass
         else:
             engine: SimEngine = item  # type: ignore[assignment]
             for r in engine.finish_step(now):

@@ -56,6 +56,7 @@ from .stops import StopFilter
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
+PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
 
 
@@ -105,6 +106,22 @@ class Generation:
     ttft_slo_s: float | None = None  # None: the router's default
     tpot_slo_s: float | None = None
     arrival: float = field(default_factory=time.monotonic)
+
+    def prefix_hashes(self) -> tuple[int, ...]:
+        """Chained hashes of the prompt's leading whole blocks of text (token ids: of 64 ids), so equal
+        hashes mean equal prefixes, as vllm-router's cache-aware policy matches prompt text."""
+        units: str | tuple[int, ...]
+        if self.prompt_token_ids is not None:
+            units, size = tuple(self.prompt_token_ids), PREFIX_BLOCK_CHARS // 4
+        elif self.messages is not None:
+            units, size = "".join(f"<{m.role}>{m.content}" for m in self.messages), PREFIX_BLOCK_CHARS
+        else:
+            units, size = self.prompt or "", PREFIX_BLOCK_CHARS
+        hashes, h = [], 0
+        for start in range(0, len(units) - size + 1, size):
+            h = hash((h, units[start:start + size]))
+            hashes.append(h)
+        return tuple(hashes)
 
     @property
     def length_prompt(self) -> str | None:
@@ -210,7 +227,8 @@ class Dispatcher:
             deadline=now + gen.deadline - time.time(), max_tokens=max_tokens or gen.sampling.max_tokens,
             predicted_tokens=predicted.expected_tokens if predicted else None,
             prediction_confidence=predicted.confidence if predicted else 0.0, priority=gen.priority,
-            ttft_slo_s=gen.ttft_slo_s, tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s)
+            ttft_slo_s=gen.ttft_slo_s, tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s,
+            prefix_hashes=gen.prefix_hashes() if self.registry.policy.needs_prefix else ())
 
     def _prefill_seconds(self, request: RequestView) -> float:
         """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, WorkerLost
 from llmesh.messages import WorkerInfo
-from llmesh.policies import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
+from llmesh.policies import DispatchContext, Policy, PrefixIndex, RequestView, RunningRequest, WorkerView
 from llmesh.policies.baseline import least_loaded
 from llmesh.policies.core import fits_request
 
@@ -50,6 +50,7 @@ class WorkerRegistry:
         self._clock = clock
         self._dispatched: dict[str, int] = {"prefill": 0, "decode": 0}  # requests sent per role (round-robin's turn)
         self.room_changed: Callable[[], None] = lambda: None  # called when a worker may have room (the queue's)
+        self._prefixes = PrefixIndex() if self.policy.needs_prefix else None  # which prompts went where
 
     def on_heartbeat(self, info: WorkerInfo) -> None:
         entry = self._workers.get(info.worker_id)
@@ -78,6 +79,8 @@ class WorkerRegistry:
             if now - entry.last_seen > self._missed * entry.info.heartbeat_s:
                 log.warning("worker %s missed %d heartbeats: dropped", worker_id, self._missed)
                 del self._workers[worker_id]
+                if self._prefixes is not None:
+                    self._prefixes.forget(worker_id)
                 for notify in list(entry.watchers):
                     notify(WorkerLost(f"worker {worker_id} stopped answering"))
 
@@ -117,9 +120,11 @@ class WorkerRegistry:
         if request.model not in self.models():
             raise ModelNotFound(f"The model {request.model!r} does not exist. Available: "
                                 f"{', '.join(self.models()) or 'none'}", param="model")
+        cached = self._prefixes.matches(list(self._workers), request.prefix_hashes) if self._prefixes else {}
         ctx = DispatchContext(now=self._clock(), rng=self._rng, request=request,
                               workers=tuple(e.view() for e in self._workers.values()), role=role,  # type: ignore[arg-type]
-                              fingerprint=fingerprint, generates=generates, dispatched=self._dispatched[role])
+                              fingerprint=fingerprint, generates=generates, dispatched=self._dispatched[role],
+                              cached_blocks=cached)
         chosen = self.policy.pick(ctx)
         if chosen is None:
             detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
@@ -129,6 +134,8 @@ class WorkerRegistry:
                              f"(policy {self.policy.name}: all at capacity or over its threshold)")
         if reserve:
             self.reserve(chosen.worker_id)
+            if self._prefixes is not None:
+                self._prefixes.record(chosen.worker_id, request.prefix_hashes)
         return self._workers[chosen.worker_id].info
 
     def reserve(self, worker_id: str) -> None:

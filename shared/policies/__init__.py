@@ -12,10 +12,12 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmesh.policies.ascendra import ascendra
 from llmesh.policies.banaserve import banaserve
 from llmesh.policies.baseline import least_loaded, power_of_two, random_choice, round_robin
 from llmesh.policies.core import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
 from llmesh.policies.llumnix import llumnix
+from llmesh.policies.prefix import PrefixIndex, cache_aware
 from llmesh.policies.queueing import QueuePolicy, edf, fairness, fcfs, prism, priority_fcfs, slo_odbs
 
 POLICIES: dict[str, Callable[..., Policy]] = {
@@ -23,8 +25,10 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "random": random_choice,
     "least_loaded": least_loaded,
     "power_of_two": power_of_two,
+    "cache_aware": cache_aware,
     "banaserve": banaserve,
     "llumnix": llumnix,
+    "ascendra": ascendra,
 }
 
 
@@ -60,5 +64,5 @@ def _make(registry: Mapping[str, Callable[..., Any]], kind: str, name: str, para
     return factory(**(params or {}))
 
 
-__all__ = ["POLICIES", "QUEUE_POLICIES", "DispatchContext", "Policy", "QueuePolicy", "RequestView", "RunningRequest",
-           "WorkerView", "make_policy", "make_queue_policy"]
+__all__ = ["POLICIES", "QUEUE_POLICIES", "DispatchContext", "Policy", "PrefixIndex", "QueuePolicy", "RequestView",
+           "RunningRequest", "WorkerView", "make_policy", "make_queue_policy"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +43,12 @@ class RequestView:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent, below 0 is high priority
+    prefix_hashes: tuple[int, ...] = ()  # chained hashes of its prompt's leading blocks (for prefix affinity)
+
+    @property
+    def ttft_deadline(self) -> float:
+        """When its first token is due: arrival + its TTFT target (none: its overall deadline)."""
+        return self.arrival + self.ttft_slo_s if self.ttft_slo_s is not None else self.deadline
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,11 @@ class RunningRequest:
     def kv_blocks(self, block_size: int) -> int:
         """Blocks its KV fills now."""
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not computed yet (no output token)."""
+        return self.generated == 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,18 @@ class WorkerView:
         """Fraction of KV blocks in use (0 when not reported)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
+    @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens it holds that are not computed yet (from its request list)."""
+        return sum(r.prompt_tokens for r in self.requests if r.prefilling)
+
+    def ttft_estimate_s(self, prompt_tokens: int) -> float | None:
+        """A new prompt's time to first token here: its backlog of prompts, then this one, at the
+        measured prefill speed (None: speed not measured)."""
+        if not self.prefill_tokens_per_s:
+            return None
+        return (self.prefill_backlog + prompt_tokens) / self.prefill_tokens_per_s
+
 
 @dataclass(frozen=True)
 class DispatchContext:
@@ -106,6 +129,8 @@ class DispatchContext:
     fingerprint: str | None = None  # required KV layout (a decode after a prefill)
     generates: bool = False  # only workers that run whole requests
     dispatched: int = 0  # requests the caller has placed before this one
+    cached_blocks: Mapping[str, int] = field(default_factory=dict)  # worker id -> leading blocks of the request's
+    # prompt the caller's prefix index says it computed (policies.prefix; only for policies that read it)
 
 
 Filter = Callable[[DispatchContext, WorkerView], bool]
@@ -197,6 +222,7 @@ class Policy:
     picker: Picker = lowest_cost
     filters: tuple[Filter, ...] = STANDARD_FILTERS
     needs_prediction: bool = False  # reads `RequestView.predicted_tokens`: the caller waits for it
+    needs_prefix: bool = False  # reads `DispatchContext.cached_blocks`: the caller keeps a prefix index
     params: dict[str, float] = field(default_factory=dict)  # as configured, for logs and traces
 
     def cost(self, ctx: DispatchContext, worker: WorkerView) -> float:

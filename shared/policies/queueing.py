@@ -19,11 +19,6 @@ ServiceTime = Callable[[RequestView], float]
 INF = float("inf")
 
 
-def ttft_deadline(r: RequestView) -> float:
-    """When its first token is due: arrival + its TTFT target (none: its overall deadline)."""
-    return r.arrival + r.ttft_slo_s if r.ttft_slo_s is not None else r.deadline
-
-
 @dataclass(frozen=True)
 class QueuePolicy:
     name: str
@@ -56,9 +51,9 @@ def edf(drop_hopeless: float = 1) -> QueuePolicy:
     could be served even first in line is refused under overload, as Ascendra drops requests that
     cannot meet their SLO."""
     def hopeless(now: float, waiting: Sequence[RequestView], service_s: ServiceTime) -> set[str]:
-        return {r.request_id for r in waiting if now + service_s(r) > ttft_deadline(r)}
+        return {r.request_id for r in waiting if now + service_s(r) > r.ttft_deadline}
 
-    return QueuePolicy("edf", key=lambda now, r: (ttft_deadline(r),), drop=hopeless if drop_hopeless else None,
+    return QueuePolicy("edf", key=lambda now, r: (r.ttft_deadline,), drop=hopeless if drop_hopeless else None,
                        params={"drop_hopeless": drop_hopeless})
 
 
@@ -68,11 +63,11 @@ def moore_hodgson(now: float, waiting: Sequence[RequestView], service_s: Service
     kept: list[tuple[float, RequestView]] = []
     finish = now
     late: set[str] = set()
-    for r in sorted(waiting, key=lambda r: (ttft_deadline(r), r.arrival, r.request_id)):
+    for r in sorted(waiting, key=lambda r: (r.ttft_deadline, r.arrival, r.request_id)):
         s = service_s(r)
         kept.append((s, r))
         finish += s
-        if finish > ttft_deadline(r):
+        if finish > r.ttft_deadline:
             longest = max(range(len(kept)), key=lambda i: (kept[i][0], kept[i][1].arrival))
             s_out, out = kept.pop(longest)
             finish -= s_out
@@ -83,7 +78,7 @@ def moore_hodgson(now: float, waiting: Sequence[RequestView], service_s: Service
 def prism() -> QueuePolicy:
     """Prism's admission on the shared queue (Algorithm 2: Moore-Hodgson over TTFT deadlines):
     serve in deadline order, refuse the requests whose removal lets the most others meet theirs."""
-    return QueuePolicy("prism", key=lambda now, r: (ttft_deadline(r),), drop=moore_hodgson)
+    return QueuePolicy("prism", key=lambda now, r: (r.ttft_deadline,), drop=moore_hodgson)
 
 
 def slo_odbs(slo_bucket_s: float = 0.05) -> QueuePolicy:

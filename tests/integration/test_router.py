@@ -311,3 +311,44 @@ async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_ur
         await client.aclose()
         await workers.close()
         await bus.close()
+
+
+async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
+    """MESH_POLICY=cache_aware over three prefill workers: prompts that share a long prefix follow
+    the first one's worker although it is the busiest (load within the balance thresholds); an
+    unrelated prompt goes by load."""
+    from llmesh.messages import PrefillResult, TokenDelta
+    from llmesh.policies import make_policy
+
+    registry = WorkerRegistry(policy=make_policy("cache_aware"))
+    for name in ("p1", "p2", "p3"):
+        registry.on_heartbeat(info(name))
+    registry.on_heartbeat(info("d", role="decode"))
+    workers = await Bus.connect(nats_url, "fake-workers")
+    served = []
+
+    def prefill_on(name):
+        async def prefill(req, blob):
+            served.append((name, req.prompt[:6]))
+            return PrefillResult(prompt_token_ids=[1], max_tokens=1, kv_transfer_params={}, fingerprint="f" * 32,
+                                 first=TokenDelta(text="a", token_ids=[7], finish_reason="length", prompt_tokens=1,
+                                                  completion_tokens=1))
+        return prefill
+
+    for name in ("p1", "p2", "p3"):
+        await workers.serve(f"mesh.prefill.{name}", prefill_on(name))
+    bus, client = await _client(nats_url, registry)
+    shared = "You are a helpful assistant. " * 40  # ~1200 characters: 4 whole blocks
+    try:
+        for i, prompt in enumerate([shared + "first question", shared + "second", "unrelated " * 60, shared + "third"]):
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+            assert resp.status_code == 200, resp.text
+            if i == 0:  # the first one's worker now reports two requests running
+                registry.on_heartbeat(info(served[0][0]).model_copy(update={"running": 2}))
+        first = served[0][0]
+        assert [name for name, head in served if head == "You ar"] == [first] * 3
+        assert served[2][0] != first  # no prefix in common: by load
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()

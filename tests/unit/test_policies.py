@@ -130,6 +130,9 @@ def test_llumnix_migration_pairs_least_with_most_free():
     ("banaserve", {"threshhold": 1.0}, "no parameter threshhold"),
     ("banaserve", {"threshold": 3.0}, "threshold must lie in"),
     ("llumnix", {"priority_headroom_blocks": -1}, "must be >= 0"),
+    ("ascendra", {"high_pool_fraction": 1.0}, "must lie in"),
+    ("ascendra", {"tickets": 0}, "must be >= 1"),
+    ("cache_aware", {"cache_threshold": 2}, "must lie in"),
 ])
 def test_bad_policy_settings_are_refused_with_the_reason(name, params, error):
     with pytest.raises(ValueError, match=error):
@@ -286,3 +289,78 @@ def test_every_queue_policy_is_deterministic_and_total():
         first = [r.request_id for r in policy.order(4.0, waiting)]
         assert sorted(first) == sorted(r.request_id for r in waiting)
         assert first == [r.request_id for r in policy.order(4.0, list(reversed(waiting)))]
+
+
+# ---- prefix affinity -----------------------------------------------------------------------------------------
+
+from dataclasses import replace  # noqa: E402
+
+from llmesh.policies import PrefixIndex  # noqa: E402
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_the_least_recent():
+    index = PrefixIndex(capacity_blocks=4)
+    index.record("a", [1, 2, 3])
+    assert index.matched("a", [1, 2, 9, 3]) == 2 and index.matched("a", [9, 1]) == 0 and index.matched("b", [1]) == 0
+    index.record("a", [1, 7, 8])  # 5 blocks: 2, the least recent, goes
+    assert index.matched("a", [1, 2]) == 1 and index.matched("a", [1, 7, 8]) == 3
+    assert index.matches(["a", "b"], [1, 7]) == {"a": 2, "b": 0} and index.matches(["a"], []) == {}
+
+
+def prefix_ctx(workers, cached, blocks=4):
+    return replace(ctx(workers), request=replace(REQUEST, prefix_hashes=tuple(range(blocks))), cached_blocks=cached)
+
+
+@pytest.mark.parametrize("workers, cached, expected", [
+    ([w("a", running=2), w("b", running=0)], {"a": 4}, "a"),  # the whole prefix on a: there, though busier
+    ([w("a", running=2), w("b", running=0)], {"a": 2}, "b"),  # half is not more than the 0.5 threshold
+    ([w("a", running=2), w("b", running=1)], {"a": 3, "b": 4}, "b"),  # the longest match
+    ([w("a", running=2), w("b", running=0)], {}, "b"),  # nothing cached: least loaded
+    ([w("a", running=40, capacity=64), w("b", running=2, capacity=64)], {"a": 4}, "b"),  # imbalanced: least loaded
+    ([w("a", running=4), w("b", running=0)], {"a": 4}, "b"),  # a is full
+])
+def test_cache_aware_follows_the_prefix_while_load_is_balanced(workers, cached, expected):
+    assert make_policy("cache_aware").pick(prefix_ctx(workers, cached)).worker_id == expected
+
+
+# ---- Ascendra ------------------------------------------------------------------------------------------------
+
+def fast(worker, backlog_prompts=(), speed=1000.0):
+    """`worker` measured at `speed` prompt tokens/s, holding prompts not yet computed."""
+    held = tuple(RunningRequest(f"{worker.worker_id}-{i}", n, 0, 64) for i, n in enumerate(backlog_prompts))
+    return replace(worker, prefill_tokens_per_s=speed, requests=worker.requests + held, running=worker.running + len(held))
+
+
+def urgent_ctx(workers, ttft_s, now=0.0):
+    request = replace(REQUEST, ttft_slo_s=ttft_s)  # 100-token prompt
+    return replace(ctx(workers), request=request, now=now)
+
+
+@pytest.mark.parametrize("workers, ttft_s, params, expected", [
+    # a, b low-priority; c (last by id) high-priority. A 100-token prompt at 1000 tokens/s: 0.1 s alone.
+    ([fast(w("a", capacity=8)), fast(w("b", capacity=8), [500]), fast(w("c", capacity=8))], 1.0, {}, "a"),
+    # both in time (0.9 s, 0.7 s): the less loaded (a holds 1 request, b 2)
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [300, 300]), fast(w("c", capacity=8))], 1.0, {}, "a"),
+    # no LP instance answers in 0.5 s: offloaded to the HP instance
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900, 900]), fast(w("c", capacity=8))], 0.5, {}, "c"),
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])], 0.5,
+     {}, None),  # the HP instance has no ticket left (2 prompts in progress): held back
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])], 0.5,
+     {"tickets": 3}, "c"),
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [600])], 0.5,
+     {}, None),  # hopeless everywhere: held back for the queue to refuse
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [600])], 0.5,
+     {"drop_hopeless": 0}, "a"),  # ... or best effort where it answers soonest
+    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8))], 0.05, {"high_pool_fraction": 0}, None),
+])
+def test_ascendra_offloads_what_the_low_priority_pool_would_serve_late(workers, ttft_s, params, expected):
+    chosen = make_policy("ascendra", params).pick(urgent_ctx(workers, ttft_s))
+    assert (chosen.worker_id if chosen else None) == expected
+
+
+def test_ascendra_pools_are_drawn_by_worker_id():
+    from llmesh.policies.ascendra import high_pool
+
+    workers = [w(i) for i in "dacbhgfe"]
+    assert high_pool(ctx(workers), 0.25) == {"g", "h"} and high_pool(ctx(workers[:1]), 0.25) == set()
+    assert high_pool(ctx(workers[:2]), 0.9) == {"d"}  # never the whole pool

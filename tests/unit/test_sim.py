@@ -72,21 +72,26 @@ def test_the_command_runs_a_trace_slice_and_writes_its_table(tmp_path):
     assert main(["--profile", "sim/profiles/cpu-tiny.json", "--trace", "azure-conv", "--requests", "40",
                  "--rates", "1", "2", "--policies", "least_loaded", "llumnix", "--queue-policies", "fcfs", "edf",
                  "--input-scale", "0.5", "--output-scale", "0.25", "--out", str(tmp_path)]) == 0
+    import json
+
+    points = json.loads((tmp_path / "sim.json").read_text())["points"]
+    assert len(points) == 2 * 2 * 2 and all(p["requests"] == 40 for p in points)
     table = (tmp_path / "sim.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| least_loaded") or line.startswith("| llumnix")]
-    assert len(rows) == 2 * 2 * 2
+    assert "| llumnix | edf | oracle | 2 |" in table and "| llumnix | edf | oracle |" in table.split("Highest")[1]
 
 
 def test_the_calibration_fit_recovers_a_known_profile():
     from llmesh.config import WorkerSettings
     from llmesh_sim.calibrate import fit
 
-    true = EngineProfile("t", base_s=0.004, prefill_token_s=0.0006, decode_seq_s=0.0008, context_token_s=4e-7)
-    prefills = [(n, true.step_s(n, 0, 0)) for n in (64, 512, 1536)]
+    true = EngineProfile("t", base_s=0.004, prefill_token_s=0.0006, decode_seq_s=0.0008, context_token_s=4e-7,
+                         prefill_attention_s=3e-8)
+    prefills = [(n, true.prefill_s(n)) for n in (64, 512, 1024, 1536)]
     decodes = [(b, c, true.step_s(0, b, c)) for b, c in ((1, 100), (4, 2000), (16, 1600), (16, 9000))]
     profile, report = fit("t", prefills, decodes, 4096, WorkerSettings(), "synthetic")
     assert profile.base_s == pytest.approx(0.004) and profile.prefill_token_s == pytest.approx(0.0006)
     assert profile.decode_seq_s == pytest.approx(0.0008) and profile.context_token_s == pytest.approx(4e-7)
+    assert profile.prefill_attention_s == pytest.approx(3e-8)
     assert all(abs(f - m) < 1e-9 for _, m, f in report)
 
 
@@ -139,3 +144,45 @@ def test_fidelity_replays_a_measured_point(tmp_path, capsys):
             or line.startswith("| vllm")]
     # alone on an idle engine each prompt takes 10 ms + 1 ms a token: P50 110 ms measured and simulated
     assert [(r[0], r[4], r[5]) for r in rows] == [("| mesh", "110", "110"), ("| vllm", "110", "110")]
+
+
+@pytest.mark.parametrize("mode, b_ttft", [
+    ("none", 0.010 + 0.2),  # B computes its whole 200-token prompt
+    ("local", 0.010 + 0.1),  # on A's engine, its first 100 tokens are in vLLM's cache: free
+    ("global", 0.010 + 0.1 + 100 * 0.0002),  # from the global store, 0.2 ms a token to load
+])
+def test_prefix_reuse_by_hand(mode, b_ttft):
+    """A (100 tokens, block ids [1]) then B (200 tokens, [1, 2]), 100-token blocks, one engine."""
+    profile = EngineProfile("p", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0, kv_transfer_token_s=0.0002)
+    a = SimRequest("a", 0.0, 100, 1, prefix_hashes=(1,))
+    b = SimRequest("b", 1.0, 200, 1, prefix_hashes=(1, 2))
+    simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("fcfs"), prefix_cache=mode,
+             prefix_block_tokens=100)
+    assert b.ttft_s == pytest.approx(b_ttft) and b.cached_tokens == (0 if mode == "none" else 100)
+
+
+def test_the_global_store_serves_every_engine_and_a_local_cache_only_its_own():
+    """Round-robin puts A on e000 and B on e001: only the global store lets B reuse A's prefix."""
+    profile = EngineProfile("p", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0)
+    for mode, cached in (("local", 0), ("global", 100)):
+        a, b = SimRequest("a", 0.0, 100, 1, prefix_hashes=(1,)), SimRequest("b", 1.0, 200, 1, prefix_hashes=(1, 2))
+        simulate([a, b], profile, 2, make_policy("round_robin"), make_queue_policy("fcfs"), prefix_cache=mode,
+                 prefix_block_tokens=100)
+        assert (a.worker_id, b.worker_id, b.cached_tokens) == ("e000", "e001", cached)
+
+
+def test_cache_aware_routing_follows_the_prefix_it_sent():
+    profile = EngineProfile("p", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0)
+    reqs = [SimRequest(f"r{i}", i * 1.0, 200, 1, prefix_hashes=(7, 100 + i)) for i in range(4)]
+    simulate(reqs, profile, 3, make_policy("cache_aware", {"cache_threshold": 0.4}), make_queue_policy("fcfs"),
+             prefix_cache="local", prefix_block_tokens=100)
+    assert len({r.worker_id for r in reqs}) == 1 and [r.cached_tokens for r in reqs] == [0, 100, 100, 100]
+
+
+def test_a_request_held_back_past_the_queue_limit_is_refused():
+    """Ascendra holds back a request no instance can serve in time; without a dropping queue policy
+    it is refused when its wait reaches max_wait_s, as the router refuses it."""
+    one = EngineProfile("one", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0, max_seqs=8)
+    long, late = SimRequest("long", 0.0, 1000, 1), SimRequest("late", 0.001, 100, 1, ttft_slo_s=0.5)
+    simulate([long, late], one, 1, make_policy("ascendra"), make_queue_policy("fcfs"), max_wait_s=2.0)
+    assert long.finished_at is not None and late.refused and late.first_token_at is None
