@@ -87,8 +87,8 @@ def workload(trace: list[TraceRow], requests: int, rate: float, input_scale: flo
     stretch = (1 / rate) / gap
     out = []
     for i, (t, p, o, hashes) in enumerate(rows):
-        prompt = max(1, min(round(p * input_scale), max_tokens - 1))
-        output = max(1, min(round(o * output_scale), max_tokens - prompt))
+        output = max(1, min(round(o * output_scale), max_tokens // 4))  # a long prompt keeps room to answer
+        prompt = max(1, min(round(p * input_scale), max_tokens - output))
         blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS) if input_scale == 1 else 0  # block ids hold for unscaled prompts
         out.append(SimRequest(f"r{i}", (t - rows[0][0]) * stretch, prompt, output, ttft_slo_s=ttft_slo_s,
                               tpot_slo_s=tpot_slo_s, prefix_hashes=tuple(hashes[:blocks])))

@@ -76,7 +76,8 @@ def _prefix_caches(ids: Sequence[str], mode: str, profile: EngineProfile, block_
 def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: int, policy: Policy,
              queue_policy: QueuePolicy, seed: int = 0, prefill_instances: int = 0,
              local_prefill_margin_s: float | None = None, tpot_slo_s: float = 0.05, prefix_cache: str = "none",
-             prefix_block_tokens: int = 512, store_blocks: int = 1 << 20, max_wait_s: float = 30.0) -> list[SimRequest]:
+             prefix_block_tokens: int = 512, store_blocks: int = 1 << 20, max_wait_s: float = 30.0,
+             heartbeat_s: float = 1.0) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
     that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it."""
@@ -106,26 +107,38 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             if end is not None:
                 heapq.heappush(events, (end, next(order), "step", engine))
 
-    def dispatch(now: float) -> None:
-        if not queue:
-            return
-        views = {r.request_id: _request_view(r) for r in queue}
+    def refuse_hopeless(now: float, with_views: bool = False) -> dict[str, RequestView]:
+        """Refuse whom the queue policy names hopeless or who waited too long; the waiters' views."""
+        views = {r.request_id: _request_view(r) for r in queue} if with_views or queue_policy.drop else {}
         refused = queue_policy.refused(now, list(views.values()), service_s)
         refused |= {r.request_id for r in queue if now - r.queued_at > max_wait_s}  # type: ignore[operator]
         for r in [r for r in queue if r.request_id in refused]:
             r.refused = True
             queue.remove(r)
+        return views
+
+    def dispatch(now: float) -> None:
+        """The router's `room_changed`: place the waiters who fit, in the queue policy's order."""
+        if not queue:
+            return
+        views = refuse_hopeless(now, with_views=True)
         waiting = {r.request_id: r for r in queue}
+        held_back: set[str] = set()  # roles where a request was held back (nothing placed since)
         workers = {e.worker_id: _worker_view(e) for e in engines}  # refreshed as requests are placed
         for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
             r = waiting[view.request_id]
             role = role_of(r)
+            if role in held_back:
+                continue
             ctx = DispatchContext(now=now, rng=rng, request=view, role=role,  # type: ignore[arg-type]
                                   workers=tuple(workers.values()), generates=monolithic, dispatched=dispatched[role],
                                   cached_blocks=routed.matches(list(workers), r.prefix_hashes) if routed else {})
             chosen = policy.pick(ctx)
             if chosen is None:
+                if not policy.declines_by_request:
+                    held_back.add(role)  # the same workers would hold back every other request of this role
                 continue
+            held_back.clear()
             if role == "prefill" and local_prefill_margin_s is not None:
                 local = policy.pick(replace(ctx, role="decode", generates=True))
                 if local is not None and _prefill_locally(view, by_id[chosen.worker_id], by_id[local.worker_id],
@@ -142,22 +155,38 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             start(engine, now)
             workers[engine.worker_id] = _worker_view(engine)
 
+    # As the router: a request that finds nobody waiting is placed at once if it fits; one that
+    # finds a queue joins it. The queue is served when room may have appeared (a request left a
+    # worker, and every heartbeat), and its hopeless or expired waiters are refused as they come.
+    ticking = False
     while events:
         now, _, kind, item = heapq.heappop(events)
         if kind in ("arrive", "kv_ready"):
             item.queued_at = now  # type: ignore[attr-defined]
             queue.append(item)  # type: ignore[arg-type]
             heapq.heappush(events, (now + max_wait_s * (1 + 1e-9), next(order), "wake", None))  # its wait's end
+            if len(queue) == 1:
+                dispatch(now)
+            else:
+                refuse_hopeless(now)
         elif kind == "wake":
-            pass
+            refuse_hopeless(now)
+        elif kind == "heartbeat":
+            ticking = False
+            dispatch(now)
         else:
             engine: SimEngine = item  # type: ignore[assignment]
-            for r in engine.finish_step(now):
+            left = engine.finish_step(now)
+            for r in left:
                 if r.finished_at is None:  # a prefill engine's: on to decode once its KV is there
                     heapq.heappush(events, (now + r.prompt_tokens * profile.kv_transfer_token_s, next(order),
                                             "kv_ready", r))
             start(engine, now)
-        dispatch(now)
+            if left:
+                dispatch(now)
+        if queue and not ticking:
+            heapq.heappush(events, (now + heartbeat_s, next(order), "heartbeat", None))
+            ticking = True
     return list(requests)
 
 

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m llmesh_sim.gpu_profile --vidur PATH [--out sim/profiles/h100-llama2-7b.json]
 
-PATH is a checkout of github.com/microsoft/vidur (or a folder holding its `data/profiling/...`
-files, or the CSVs themselves). Vidur profiled each operation of a Llama-2-7B layer on one H100
+PATH is a checkout of github.com/microsoft/vidur, or a folder holding the model's `mlp.csv` (and
+`attention.csv`). Vidur profiled each operation of a Llama-2-7B layer on one H100
 (TP 1, bf16) and predicts a batch's time as the number of layers times the sum of its operations'
 GPU times. This does the same for representative batches: a lone prompt of n tokens (one prefill
 step, as vLLM runs it with chunked prefill up to `max_num_batched_tokens`) and B requests decoding
@@ -59,7 +59,7 @@ GPU_GIB, GPU_MEMORY_UTILIZATION = 79.18, 0.9  # an H100 80GB HBM3: torch reports
 NON_KV_GIB = 2.5  # besides weights: peak activations of the 8192-token profile run, CUDA graphs, non-torch
 LINK_BYTES_S = 400e9 / 8  # prefill to decode KV transfer: one 400 Gb/s RDMA NIC at line rate, no overlap
 
-PREFILLS = (128, 256, 512, 1024, 2048, 4096, 8192)
+PREFILLS = (128, 256, 512, 1024, 2048, 4096, 8192)  # Llama-2 takes 4096 tokens; 8192 is one full step's budget
 CHUNKS = ((2048, 2048),)  # (chunk, tokens already computed): a prompt split across steps
 DECODE_BATCHES = (1, 4, 16, 64, 128, 256)
 DECODE_CONTEXTS = (256, 1024, 4096)

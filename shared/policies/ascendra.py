@@ -59,6 +59,6 @@ def ascendra(high_pool_fraction: float = 0.25, tickets: float = 2, drop_hopeless
             return None
         return lowest_cost(ctx, [(w, ttft(w)) for w, _ in low])
 
-    return Policy("ascendra", costs=((1.0, request_load),), picker=pick,
+    return Policy("ascendra", costs=((1.0, request_load),), picker=pick, declines_by_request=True,
                   params={"high_pool_fraction": high_pool_fraction, "tickets": tickets,
                           "drop_hopeless": drop_hopeless})

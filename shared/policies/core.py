@@ -223,6 +223,8 @@ class Policy:
     filters: tuple[Filter, ...] = STANDARD_FILTERS
     needs_prediction: bool = False  # reads `RequestView.predicted_tokens`: the caller waits for it
     needs_prefix: bool = False  # reads `DispatchContext.cached_blocks`: the caller keeps a prefix index
+    declines_by_request: bool = False  # may hold back one request and place the next on the same workers (a
+    # caller serving a queue may otherwise stop trying a role once one request of it was held back)
     params: dict[str, float] = field(default_factory=dict)  # as configured, for logs and traces
 
     def cost(self, ctx: DispatchContext, worker: WorkerView) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmesh.policies.core import DispatchContext, Policy, RunningRequest, WorkerView
+from llmesh.policies.core import DispatchContext, Policy, RunningRequest, WorkerView, lowest_cost, lowest_cost_below
 
 
 def virtual_usage(w: WorkerView, request: RunningRequest, priority_headroom_blocks: int) -> int:
@@ -33,8 +33,11 @@ def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
     return (w.kv_blocks_total - used) / max(len(w.requests) or w.running + w.assigned, 1)
 
 
-def llumnix(priority_headroom_blocks: float = 0) -> Policy:
-    """Dispatch to the freest worker."""
+def llumnix(priority_headroom_blocks: float = 0, queue_below: float = float("-inf")) -> Policy:
+    """Dispatch to the freest worker. With `queue_below`, the request waits in the router's queue
+    while even the freest worker's freeness is under it (as BanaServe's global queue, on
+    Llumnix's measure: 0 holds requests back once their virtual usage would overcommit the KV
+    blocks), so the queue policy, not the engines' arrival order, decides who goes first."""
     headroom = int(priority_headroom_blocks)
     if headroom < 0:
         raise ValueError(f"llumnix: priority_headroom_blocks must be >= 0, not {priority_headroom_blocks}")
@@ -42,7 +45,9 @@ def llumnix(priority_headroom_blocks: float = 0) -> Policy:
     def unfreeness(ctx: DispatchContext, w: WorkerView) -> float:
         return -freeness(w, headroom)
 
-    return Policy("llumnix", costs=((1.0, unfreeness),), params={"priority_headroom_blocks": headroom})
+    return Policy("llumnix", costs=((1.0, unfreeness),),
+                  picker=lowest_cost if queue_below == float("-inf") else lowest_cost_below(-queue_below),
+                  params={"priority_headroom_blocks": headroom, "queue_below": queue_below})
 
 
 def migration_pairs(workers: Sequence[WorkerView], source_below: float, destination_above: float,

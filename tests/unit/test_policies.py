@@ -364,3 +364,13 @@ def test_ascendra_pools_are_drawn_by_worker_id():
     workers = [w(i) for i in "dacbhgfe"]
     assert high_pool(ctx(workers), 0.25) == {"g", "h"} and high_pool(ctx(workers[:1]), 0.25) == set()
     assert high_pool(ctx(workers[:2]), 0.9) == {"d"}  # never the whole pool
+
+
+def test_llumnix_can_hold_requests_in_the_queue_once_kv_would_be_overcommitted():
+    # a: F = (100 - 120) / 2 < 0 (its waiting prompts' demand counts); b: F = (100 - 90) / 1 = 10
+    a = w("a", running=2, kv_total=100, requests=[req("x", 960), req("y", 960)])
+    b = w("b", running=1, kv_total=100, requests=[req("z", 1440)])
+    assert picked("llumnix", [a, b]) == "b"
+    held = make_policy("llumnix", {"queue_below": 0})
+    assert held.pick(ctx([a, b])).worker_id == "b" and held.pick(ctx([a])) is None
+    assert make_policy("llumnix", {"queue_below": 20}).pick(ctx([a, b])) is None
