@@ -28,9 +28,10 @@ MODEL = "sim"
 
 
 def _request_view(r: SimRequest) -> RequestView:
-    """As the router builds it; once its first token is out, without a TTFT target (router.dispatch)."""
+    """As the router builds it; once its first token is out, without a TTFT target (router.dispatch). The
+    traces give no client budget (`max_tokens`): the true length is told only as a prediction."""
     return RequestView(r.request_id, MODEL, prompt_tokens=r.prompt_tokens, arrival=r.arrival, deadline=float("inf"),
-                       max_tokens=r.output_tokens, predicted_tokens=r.predicted_tokens,
+                       predicted_tokens=r.predicted_tokens,
                        ttft_slo_s=r.ttft_slo_s if r.first_token_at is None else None, tpot_slo_s=r.tpot_slo_s,
                        priority=r.priority, prefix_hashes=r.prefix_hashes)
 

@@ -4,7 +4,8 @@ Efficient LLM Serving", 2025).
 The workers form two pools: low-priority (LP) instances run most requests for throughput, and
 a few high-priority (HP) instances stay lightly loaded to serve urgent requests at once. A
 performance model predicts each request's time to first token on each LP instance (its backlog
-of prompts and this one at the instance's measured prefill speed); a request that would miss its
+of prompts and this one at the instance's measured prefill speed, or never while its KV blocks
+would be overcommitted: `WorkerView.ttft_estimate_s`); a request that would miss its
 TTFT deadline everywhere in the LP pool is urgent and is offloaded to the HP instance that
 answers soonest. An HP instance takes an urgent request only while it holds a ticket: at most
 `tickets` prompts in progress at once, which keeps its answers fast. A request that no instance
@@ -33,7 +34,7 @@ def high_pool(ctx: DispatchContext, high_pool_fraction: float) -> set[str]:
     return set(ids[-k:])
 
 
-def ascendra(high_pool_fraction: float = 0.25, tickets: float = 2, drop_hopeless: float = 1) -> Policy:
+def ascendra(high_pool_fraction: float = 0.125, tickets: float = 2, drop_hopeless: float = 1) -> Policy:
     if not 0 <= high_pool_fraction < 1:
         raise ValueError(f"ascendra: high_pool_fraction must lie in [0, 1), not {high_pool_fraction}")
     if tickets < 1:

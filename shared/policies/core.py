@@ -17,6 +17,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 Role = Literal["prefill", "decode"]
@@ -106,16 +107,27 @@ class WorkerView:
         """Fraction of KV blocks in use (0 when not reported)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
-    @property
+    @cached_property
     def prefill_backlog(self) -> int:
         """Prompt tokens it holds that are not computed yet (from its request list)."""
         return sum(r.prompt_tokens for r in self.requests if r.prefilling)
 
+    @cached_property
+    def held_kv_blocks(self) -> int:
+        """KV blocks its requests fill at their whole prompt and output so far (Llumnix's virtual usage
+        without headroom: a request still waiting counts its prompt's blocks)."""
+        return sum(r.kv_blocks(self.block_size) for r in self.requests)
+
     def ttft_estimate_s(self, prompt_tokens: int) -> float | None:
         """A new prompt's time to first token here: its backlog of prompts, then this one, at the
-        measured prefill speed (None: speed not measured)."""
+        measured prefill speed; infinite when its KV blocks and those of every request held (each
+        at its full prompt and output so far, as Llumnix's virtual usage) would overcommit the
+        worker's, since it would then wait for others to finish (None: speed not measured)."""
         if not self.prefill_tokens_per_s:
             return None
+        if self.kv_blocks_total and self.block_size:
+            if kv_blocks(prompt_tokens + 1, self.block_size) + self.held_kv_blocks > self.kv_blocks_total:
+                return math.inf
         return (self.prefill_backlog + prompt_tokens) / self.prefill_tokens_per_s
 
 

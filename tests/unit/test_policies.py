@@ -341,6 +341,9 @@ def urgent_ctx(workers, ttft_s, now=0.0):
     ([fast(w("a", capacity=8)), fast(w("b", capacity=8), [500]), fast(w("c", capacity=8))], 1.0, {}, "a"),
     # both in time (0.9 s, 0.7 s): the less loaded (a holds 1 request, b 2)
     ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [300, 300]), fast(w("c", capacity=8))], 1.0, {}, "a"),
+    # a is less loaded but its KV (10 blocks of 16) would be overcommitted: it would wait, b answers in time
+    ([fast(w("a", capacity=8, kv_total=10), [100]), fast(w("b", capacity=8), [300, 300]), fast(w("c", capacity=8))],
+     1.0, {}, "b"),
     # no LP instance answers in 0.5 s: offloaded to the HP instance
     ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900, 900]), fast(w("c", capacity=8))], 0.5, {}, "c"),
     ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])], 0.5,
