@@ -186,3 +186,21 @@ def test_a_request_held_back_past_the_queue_limit_is_refused():
     long, late = SimRequest("long", 0.0, 1000, 1), SimRequest("late", 0.001, 100, 1, ttft_slo_s=0.5)
     simulate([long, late], one, 1, make_policy("ascendra"), make_queue_policy("fcfs"), max_wait_s=2.0)
     assert long.finished_at is not None and late.refused and late.first_token_at is None
+
+
+@pytest.mark.parametrize("trace, has_blocks", [("sharegpt", False), ("mooncake-conv", True), ("azure-code", False)])
+def test_each_trace_reads_into_requests(trace, has_blocks):
+    from llmesh_sim.__main__ import TRACES, read_trace, workload
+
+    if not TRACES[trace].exists():
+        pytest.skip(f"{TRACES[trace]} is not beside this checkout")
+    rows = read_trace(trace)
+    arrivals = [t for t, *_ in rows[:200]]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    reqs = workload(rows, 50, rate=5.0, input_scale=1.0, output_scale=1.0, max_tokens=4096, ttft_slo_s=1.0,
+                    tpot_slo_s=0.1)
+    assert len(reqs) == 50 and all(1 <= r.output_tokens <= 1024 and r.prompt_tokens + r.output_tokens <= 4096
+                                   for r in reqs)
+    assert reqs[-1].arrival == pytest.approx(49 / 5.0)  # gaps rescaled to the rate
+    assert any(r.prefix_hashes for r in reqs) is has_blocks
+    assert all(len(r.prefix_hashes) <= -(-r.prompt_tokens // 512) for r in reqs)  # block ids of the prompt kept
