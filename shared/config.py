@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from typing import get_args
+
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_MODEL = "llmesh/tiny-llama"
@@ -27,6 +29,15 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field("", description="Redis for shared metadata (e.g. redis://127.0.0.1:6379/0); "
                            "empty: none (each kv-store shard then knows only its own chunks).")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object, info: ValidationInfo) -> object:
+        """An empty variable sets an optional setting to None ("empty: ..." in the descriptions)."""
+        if value == "" and info.field_name is not None:
+            if type(None) in get_args(cls.model_fields[info.field_name].annotation):
+                return None
+        return value
+
 
 class WorkerSettings(CommonSettings):
     """Shared by prefill and decode workers: the engine must be configured identically on both."""
@@ -42,6 +53,10 @@ class WorkerSettings(CommonSettings):
     block_size: int = Field(128, description="KV block size in tokens (a multiple of 32 on CPU).")
     max_model_len: int = Field(2048, description="Context length the engine accepts.")
     kv_cache_gib: int = Field(1, ge=1, description="KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    kv_blocks: int | None = Field(
+        None, ge=1, description="KV blocks for the engine (vLLM's num_gpu_blocks_override), e.g. to give a "
+        "worker less KV than its memory holds; they must hold `MESH_MAX_MODEL_LEN` tokens. Unset or empty: as "
+        "many as the KV space holds.")
     gpu_memory_utilization: float = Field(0.9, description="Fraction of GPU memory vLLM may use (GPU only).")
     cpu_cores: str = Field(
         "",

@@ -82,6 +82,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         max_model_len=settings.max_model_len,
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        num_gpu_blocks_override=settings.kv_blocks,
         disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
