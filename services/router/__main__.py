@@ -49,8 +49,10 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
                             admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s,
                                                      queue_policy))
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
+    # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
+    # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=75))
     serving = asyncio.create_task(server.serve())
     try:
         await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
