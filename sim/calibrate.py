@@ -89,24 +89,60 @@ async def measure(model: str, settings: WorkerSettings) -> tuple[list[tuple[int,
         engine.shutdown()
 
 
+# A measured step: (label, prompt tokens, attention pairs, decoding requests, their context tokens, seconds)
+Point = tuple[str, int, int, int, int, float]
+
+
+def fit_step_time(points: list[Point]) -> tuple[list[float], list[float]]:
+    """Non-negative least squares on relative error (short steps count as much as long prefills) of
+    EngineProfile's step time: (base, per prompt token, per attention pair, per decoding request, per
+    context token), and each point's fitted seconds. A column whose coefficient comes out negative is
+    dropped (set to 0) and the rest refitted."""
+    a = np.array([[1.0, n, pairs, b, ctx] for _, n, pairs, b, ctx, _ in points])
+    y = np.array([t for *_, t in points])
+    w = 1 / y
+    keep = list(range(a.shape[1]))
+    while True:
+        sub, *_ = np.linalg.lstsq(a[:, keep] * w[:, None], y * w, rcond=None)
+        if (sub >= 0).all():
+            break
+        keep.pop(int(np.argmin(sub)))
+    coef = np.zeros(a.shape[1])
+    coef[keep] = sub
+    return [float(c) for c in coef], [float(v) for v in a @ coef]
+
+
+def fitted_profile(name: str, points: list[Point], **limits) -> tuple[EngineProfile, list[float]]:
+    """The profile `fit_step_time` gives `points`, with the engine's `limits` (EngineProfile's other
+    fields); and each point's fitted seconds."""
+    (base, per_token, per_pair, per_seq, per_ctx), fitted = fit_step_time(points)
+    return EngineProfile(name, base_s=base, prefill_token_s=per_token, prefill_attention_s=per_pair,
+                         decode_seq_s=per_seq, context_token_s=per_ctx, **limits), fitted
+
+
+def write_profile(profile: EngineProfile, report: list[tuple[str, float, float]], path: Path) -> None:
+    """Print each (label, measured s, fitted s) and the fit, and save the profile with its worst error."""
+    print("| measurement | measured ms | fitted ms | error |\n|---|---|---|---|")
+    for what, measured, fitted in report:
+        print(f"| {what} | {measured * 1000:.2f} | {fitted * 1000:.2f} | {(fitted - measured) / measured:+.1%} |")
+    worst = max(abs(f - m) / m for _, m, f in report)
+    print(f"\nprofile {profile.name}: step = {profile.base_s * 1000:.3f} ms + {profile.prefill_token_s * 1e6:.2f} µs per "
+          f"prompt token + {profile.prefill_attention_s * 1e9:.3f} ns per prompt attention pair + "
+          f"{profile.decode_seq_s * 1e6:.2f} µs per decoding request + {profile.context_token_s * 1e9:.2f} ns per "
+          f"context token; worst error {worst:.1%}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**asdict(profile), "fit_worst_error": worst}, indent=2) + "\n")
+
+
 def fit(name: str, prefills: list[tuple[int, float]], decodes: list[tuple[int, int, float]], kv_blocks: int,
         settings: WorkerSettings, source: str) -> tuple[EngineProfile, list[tuple[str, float, float]]]:
-    """Least squares for (base, per prompt token, per prompt attention pair, per decoding request, per
-    context token); the profile and each measurement beside its fitted value."""
-    rows = [[1.0, n, attention_pairs(0, n), 0.0, 0.0] for n, _ in prefills]
-    rows += [[1.0, 0.0, 0.0, b, ctx] for b, ctx, _ in decodes]
-    y = [t for _, t in prefills] + [t for _, _, t in decodes]
-    # relative error matters: weight each row by 1/y so short steps count as much as long prefills
-    a, w = np.array(rows), 1 / np.array(y)
-    coef, *_ = np.linalg.lstsq(a * w[:, None], np.array(y) * w, rcond=None)
-    base, per_prompt, per_pair, per_seq, per_ctx = (max(float(c), 0.0) for c in coef)
-    profile = EngineProfile(name, base_s=base, prefill_token_s=per_prompt, prefill_attention_s=per_pair,
-                            decode_seq_s=per_seq, context_token_s=per_ctx, max_batched_tokens=settings.max_model_len,
-                            max_seqs=settings.capacity, kv_blocks=kv_blocks, block_size=settings.block_size,
-                            source=source)
-    report = [(f"prefill {n}", t, profile.prefill_s(n)) for n, t in prefills]
-    report += [(f"decode batch {b}, context {ctx}", t, profile.step_s(0, b, ctx)) for b, ctx, t in decodes]
-    return profile, report
+    """The profile fitted to a lone prompt's times and decode steps' times, and each measurement
+    beside its fitted value."""
+    points = [(f"prefill {n}", n, attention_pairs(0, n), 0, 0, t) for n, t in prefills]
+    points += [(f"decode batch {b}, context {ctx}", 0, 0, b, ctx, t) for b, ctx, t in decodes]
+    profile, fitted = fitted_profile(name, points, max_batched_tokens=settings.max_model_len, max_seqs=settings.capacity,
+                                     kv_blocks=kv_blocks, block_size=settings.block_size, source=source)
+    return profile, [(what, t, f) for (what, *_, t), f in zip(points, fitted)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,16 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     prefills, decodes, kv_blocks = asyncio.run(measure(resolve_model(args.model, settings.model_dir), settings))
     command = f"python -m llmesh_sim.calibrate --model {args.model}"
     profile, report = fit(args.out.stem, prefills, decodes, kv_blocks, settings, f"measured here: `{command}`")
-    print("| measurement | measured ms | fitted ms | error |\n|---|---|---|---|")
-    for what, measured, fitted in report:
-        print(f"| {what} | {measured * 1000:.2f} | {fitted * 1000:.2f} | {(fitted - measured) / measured:+.1%} |")
-    worst = max(abs(f - m) / m for _, m, f in report)
-    print(f"\nprofile {profile.name}: step = {profile.base_s * 1000:.2f} ms + {profile.prefill_token_s * 1e6:.1f} µs "
-          f"per prompt token + {profile.prefill_attention_s * 1e9:.2f} ns per prompt attention pair + "
-          f"{profile.decode_seq_s * 1000:.3f} ms per decoding request + "
-          f"{profile.context_token_s * 1e6:.3f} µs per context token; worst error {worst:.1%}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**asdict(profile), "fit_worst_error": worst}, indent=2) + "\n")
+    write_profile(profile, report, args.out)
     return 0
 
 

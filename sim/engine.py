@@ -5,15 +5,15 @@ plus one token for every request already decoding. Its time is
 `step_s = base_s + prefill_token_s · prompt tokens + prefill_attention_s · prompt attention pairs
 + decode_seq_s · decoding requests + context_token_s · their context`, where a chunk of c prompt
 tokens after k already computed attends to c·k + c(c+1)/2 (token, earlier token) pairs: prefill
-attention is quadratic in the prompt, which dominates long prompts on a GPU. A prompt's first token comes at the end of the step that
-computes its last chunk. KV memory is counted in blocks; a request is admitted to the batch
+attention is quadratic in the prompt, which dominates long prompts on a GPU. A prompt's first
+token comes at the end of the step that computes its last chunk. KV memory is counted in blocks; a request is admitted to the batch
 only when its prompt's blocks are free, and holds its blocks until it finishes.
 
 Prefix reuse: a request carrying its prompt's block hashes (`prefix_hashes`, `prefix_block_tokens`
 tokens each, as the Mooncake traces give them) skips the leading blocks its engine's prefix cache
 holds: vLLM's own per-instance cache (free, in device memory) or the mesh's global KV store
-(shared by every engine, each hit costing `load_token_s` a token to bring in). Its blocks enter
-the cache once its prompt is computed.
+(shared by every engine, each hit costing `PrefixCache.load_token_s` a token to bring in). Its
+blocks enter the cache once its prompt is computed.
 
 Roles, as in the mesh: a "prefill" engine hands a request on once its first token is out; a
 "decode" engine takes requests whose KV arrived (their prompt needs no compute) or, as a

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from .engine import EngineProfile, attention_pairs
+from .calibrate import Point, fitted_profile, write_profile
+from .engine import attention_pairs
 
 # Llama-2-7B (its config.json): 32 layers, hidden 4096, MLP 11008, 32 heads of 128 (no GQA), vocab 32000
 LAYERS, HIDDEN, FFN, Q_HEADS, KV_HEADS, HEAD_DIM, VOCAB, PARAMS = 32, 4096, 11008, 32, 32, 128, 32000, 6_738_415_616
@@ -162,10 +161,6 @@ def kv_cache_blocks(gpu_gib: float = GPU_GIB, utilization: float = GPU_MEMORY_UT
     return int(free // (KV_BYTES_PER_TOKEN * block_size))
 
 
-# A point: (label, prompt tokens, attention pairs, decoding requests, their context tokens, seconds)
-Point = tuple[str, int, int, int, int, float]
-
-
 def points(mlp: Path, attention, kv_tokens: int) -> list[Point]:
     """Step times of the representative batches from the per-operation measurements."""
     tokens, layer, emb, up = read_layer_ops(mlp)
@@ -187,24 +182,6 @@ def points(mlp: Path, attention, kv_tokens: int) -> list[Point]:
     return out
 
 
-def fit(pts: list[Point]) -> tuple[list[float], list[float]]:
-    """Non-negative least squares on relative error of (base, per prompt token, per attention pair, per
-    decoding request, per context token); the coefficients and each point's fitted seconds. A column
-    whose coefficient comes out negative is dropped (set to 0) and the rest refitted."""
-    a = np.array([[1.0, n, pairs, b, ctx] for _, n, pairs, b, ctx, _ in pts])
-    y = np.array([t for *_, t in pts])
-    w = 1 / y  # short steps count as much as long prefills
-    keep = list(range(a.shape[1]))
-    while True:
-        sub, *_ = np.linalg.lstsq(a[:, keep] * w[:, None], y * w, rcond=None)
-        if (sub >= 0).all():
-            break
-        keep.pop(int(np.argmin(sub)))
-    coef = np.zeros(a.shape[1])
-    coef[keep] = sub
-    return [float(c) for c in coef], [float(v) for v in a @ coef]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vidur", type=Path, required=True, help="a Vidur checkout or a folder with its CSVs")
@@ -218,29 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     attention = VidurAttention(attention_csv) if attention_csv else PublishedAttention()
     blocks = kv_cache_blocks()
     pts = points(mlp, attention, blocks * BLOCK_SIZE)
-    coef, fitted = fit(pts)
-    base, per_token, per_pair, per_seq, per_ctx = coef
     at = f" @ {args.commit}" if args.commit else ""
-    profile = EngineProfile(
-        args.out.stem, base_s=base, prefill_token_s=per_token, prefill_attention_s=per_pair, decode_seq_s=per_seq,
-        context_token_s=per_ctx, max_batched_tokens=MAX_BATCHED_TOKENS, max_seqs=MAX_SEQS, kv_blocks=blocks,
+    profile, fitted = fitted_profile(
+        args.out.stem, pts, max_batched_tokens=MAX_BATCHED_TOKENS, max_seqs=MAX_SEQS, kv_blocks=blocks,
         block_size=BLOCK_SIZE, kv_transfer_token_s=KV_BYTES_PER_TOKEN / LINK_BYTES_S,
         source=(f"Llama-2-7B bf16 TP1 on one H100, vLLM-like: per-operation GPU times from github.com/microsoft/vidur"
                 f"{at} {MLP_CSV} (x{LAYERS} layers); {attention.source}; fitted by `python -m llmesh_sim.gpu_profile`; "
                 f"KV {blocks} blocks of {BLOCK_SIZE} ({GPU_GIB} GiB x {GPU_MEMORY_UTILIZATION} - weights - "
                 f"{NON_KV_GIB} GiB); KV transfer {KV_BYTES_PER_TOKEN // 1024} KiB/token over 400 Gb/s RDMA"))
-    print("| batch | published-derived ms | fitted ms | error |\n|---|---|---|---|")
-    errors = []
-    for (what, *_, t), f in zip(pts, fitted):
-        errors.append((f - t) / t)
-        print(f"| {what} | {t * 1000:.2f} | {f * 1000:.2f} | {errors[-1]:+.1%} |")
-    worst = max(abs(e) for e in errors)
-    print(f"\nprofile {profile.name}: step = {base * 1000:.3f} ms + {per_token * 1e6:.2f} µs per prompt token + "
-          f"{per_pair * 1e9:.3f} ns per prompt attention pair + {per_seq * 1e6:.2f} µs per decoding request + "
-          f"{per_ctx * 1e9:.2f} ns per context token; worst error {worst:.1%}")
-    print(f"attention: {attention.source}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**asdict(profile), "fit_worst_error": worst}, indent=2) + "\n")
+    write_profile(profile, [(what, t, f) for (what, *_, t), f in zip(pts, fitted)], args.out)
     return 0
 
 

@@ -114,15 +114,15 @@ class WorkerView:
 
     @cached_property
     def held_kv_blocks(self) -> int:
-        """KV blocks its requests fill at their whole prompt and output so far (Llumnix's virtual usage
-        without headroom: a request still waiting counts its prompt's blocks)."""
+        """KV blocks its requests fill at their whole prompt and output so far (a request still waiting
+        counts its prompt's blocks)."""
         return sum(r.kv_blocks(self.block_size) for r in self.requests)
 
     def ttft_estimate_s(self, prompt_tokens: int) -> float | None:
         """A new prompt's time to first token here: its backlog of prompts, then this one, at the
-        measured prefill speed; infinite when its KV blocks and those of every request held (each
-        at its full prompt and output so far, as Llumnix's virtual usage) would overcommit the
-        worker's, since it would then wait for others to finish (None: speed not measured)."""
+        measured prefill speed; infinite when its KV blocks and those every request held fills
+        (`held_kv_blocks`) would overcommit the worker's, since it would then wait for others to
+        finish (None: speed not measured)."""
         if not self.prefill_tokens_per_s:
             return None
         if self.kv_blocks_total and self.block_size:

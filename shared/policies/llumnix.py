@@ -12,22 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmesh.policies.core import DispatchContext, Policy, RunningRequest, WorkerView, lowest_cost, lowest_cost_below
-
-
-def virtual_usage(w: WorkerView, request: RunningRequest, priority_headroom_blocks: int) -> int:
-    """Blocks `request` fills (a waiting one: the blocks its prompt needs), plus the headroom kept
-    free beside a high-priority request."""
-    return request.kv_blocks(w.block_size) + (priority_headroom_blocks if request.priority < 0 else 0)
+from llmesh.policies.core import DispatchContext, Policy, WorkerView, lowest_cost_below
 
 
 def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
-    """F = (M − ΣV) / B; −∞ for a draining worker. A worker that reports no request list counts
+    """F = (M − ΣV) / B; −∞ for a draining worker. Each request's virtual usage V is the blocks it
+    fills (a waiting one: the blocks its prompt needs, `WorkerView.held_kv_blocks`), plus the
+    headroom kept free beside a high-priority request. A worker that reports no request list counts
     the blocks it reports in use."""
     if w.state == "draining":
         return float("-inf")
     if w.requests:
-        used = sum(virtual_usage(w, r, priority_headroom_blocks) for r in w.requests)
+        used = w.held_kv_blocks + priority_headroom_blocks * sum(r.priority < 0 for r in w.requests)
     else:
         used = w.kv_blocks_used
     return (w.kv_blocks_total - used) / max(len(w.requests) or w.running + w.assigned, 1)
@@ -46,7 +42,7 @@ def llumnix(priority_headroom_blocks: float = 0, queue_below: float = float("-in
         return -freeness(w, headroom)
 
     return Policy("llumnix", costs=((1.0, unfreeness),),
-                  picker=lowest_cost if queue_below == float("-inf") else lowest_cost_below(-queue_below),
+                  picker=lowest_cost_below(-queue_below),
                   params={"priority_headroom_blocks": headroom, "queue_below": queue_below})
 
 

@@ -1,4 +1,4 @@
-"""The H100 profile's fit (llmesh_sim.gpu_profile) on synthetic measurements, and the committed profile."""
+"""The H100 profile's fit (llmesh_sim.gpu_profile, with llmesh_sim.calibrate's fit) on synthetic measurements, and the committed profile."""
 
 import csv
 import json
@@ -8,13 +8,14 @@ import pytest
 
 from llmesh_sim import gpu_profile as gp
 from llmesh_sim.__main__ import load_profile
+from llmesh_sim.calibrate import Point, fit_step_time
 from llmesh_sim.engine import attention_pairs
 
 PROFILE = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "h100-llama2-7b.json"
 TRUE = [0.005, 2e-5, 1e-9, 1e-5, 2e-7]  # base, per prompt token, per pair, per decoding request, per context token
 
 
-def _point(label: str, n: int, done: int, b: int, ctx: int, coef=TRUE) -> gp.Point:
+def _point(label: str, n: int, done: int, b: int, ctx: int, coef=TRUE) -> Point:
     pairs = attention_pairs(done, n) if n else 0
     return label, n, pairs, b, ctx, coef[0] + coef[1] * n + coef[2] * pairs + coef[3] * b + coef[4] * ctx
 
@@ -23,7 +24,7 @@ def test_fit_recovers_an_affine_step_time():
     pts = [_point(f"prefill {n}", n, 0, 0, 0) for n in (128, 512, 2048, 8192)]
     pts += [_point("chunk", 2048, 2048, 0, 0)]
     pts += [_point(f"decode {b}x{c}", 0, 0, b, b * c) for b in (1, 16, 128) for c in (256, 4096)]
-    coef, fitted = gp.fit(pts)
+    coef, fitted = fit_step_time(pts)
     assert coef == pytest.approx(TRUE, rel=1e-6)
     assert fitted == pytest.approx([t for *_, t in pts], rel=1e-9)
 
@@ -34,7 +35,7 @@ def test_fit_keeps_coefficients_non_negative():
     pts = [_point(f"prefill {n}", n, 0, 0, 0) for n in (256, 1024, 4096)]
     pts += [(f"decode {b}x{c}", 0, 0, b, b * c, 0.005 + 1e-5 * b - 1e-8 * b * c)
             for b in (1, 8, 64) for c in (256, 1024)]
-    coef, _ = gp.fit(pts)
+    coef, _ = fit_step_time(pts)
     assert min(coef) >= 0 and coef[4] == 0
 
 
