@@ -5,11 +5,13 @@ from pathlib import Path
 from llmesh.config import CommonSettings, WorkerSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
+from llmesh_placement.settings import PlacementSettings
 from llmesh_router.settings import RouterSettings
 
 TARGET = Path(__file__).with_name("configuration.md")
 SECTIONS = [("Every service", CommonSettings), ("prefill-worker and decode-worker", WorkerSettings),
-            ("router", RouterSettings), ("kv-store", KvStoreSettings), ("length-predictor", LengthPredictorSettings)]
+            ("router", RouterSettings), ("kv-store", KvStoreSettings), ("length-predictor", LengthPredictorSettings),
+            ("placement", PlacementSettings)]
 MACHINE_DEPENDENT = {"model_dir": "~/.cache/llmesh", "length_artifact_dir": "services/length-predictor/artifact"}
 
 

@@ -83,6 +83,11 @@ class WorkerSettings(CommonSettings):
                                   "already stored instead of recomputing them.")
     kv_write_behind: bool = Field(True, description="Decode writes the KV of generated tokens back to the kv-store "
                                   "block by block, so a conversation's next turn finds its whole history there.")
+    kv_durable_tail: bool = Field(
+        False, description="Decode also writes a request's partial last KV block every step, so that after its "
+        "worker dies the request resumes elsewhere computing only its last token (greedy output stays exact) "
+        "instead of recomputing up to a block of tokens (exact but for near-ties). Costs one block per layer "
+        "per step of store traffic.")
     kv_load_mode: str = Field(
         "layerwise",
         description="'layerwise': load layer i+1 while computing layer i; "

@@ -12,19 +12,24 @@ saved again (prefix reuse across instances; keys depend only on fingerprint, tok
 hash chain and layer; the chain starts from the request's cache salt and LoRA adapter too,
 so tenants and adapters never share a chunk).
 
-Consumer (decode): `get_num_new_matched_tokens` reports the prompt tokens whose blocks the
-prefill saved, at most all but the last (re-hashed from our own prompt tokens, so a
-tokenization mismatch cannot load wrong KV). The mesh sends decode the prompt plus the
-prefill's first token, so decode loads the whole prompt and computes just that token, the
-same computation as a monolithic engine's first decode step: outputs stay bit-identical.
+Consumer (decode): the mesh sends decode the prompt plus every output token so far (after a
+prefill, its first token; after a migration or a failover, all it streamed), so decode loads
+the KV of all but the last token and computes just that one, the same computation as a
+monolithic engine's next decode step: outputs stay bit-identical. `get_num_new_matched_tokens`
+reports the tokens whose blocks the request's `KvHandle` lists (re-hashed from our own tokens,
+so a tokenization mismatch cannot load wrong KV; an exported tail block is taken as named),
+and looks the store up for the blocks past them (a request this worker did not get a handle for).
 `start_load_kv` requests every layer at once (prefill and decode load alike); each layer is
 copied into the cache by the transfer thread as it arrives. In `layerwise` mode the request runs in the
 same step and `wait_for_layer_load` blocks only for its own layer, so layer i+1 arrives
 while layer i computes. In `async` mode the request waits outside the batch until all
 layers are in (other requests keep decoding meanwhile). Decode also writes back, without
 waiting, each block that generation fills (write-behind), so the next turn of a conversation
-finds its whole history in the store. A missing chunk is reported as a
-load error and vLLM recomputes those blocks (`kv_load_failure_policy="recompute"`).
+finds its whole history in the store; with `durable_tail` it also writes the partial last block
+every step, so a failover loses at most the step in flight. A request aborted while it carries a
+`tail_id` (a migration's source stops it so) exports its last two blocks under `kvkeys.tail_hash`
+keys, and any full block not yet written, before its blocks are freed. A missing chunk is reported
+as a load error and vLLM recomputes those blocks (`kv_load_failure_policy="recompute"`).
 
 Per-layer views are `[num_blocks, ...]` with blocks at dim 0 on every vLLM backend, so the
 same gather/scatter serves CPU and GPU; only the `.cpu()` copy differs in cost.
@@ -51,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from llmesh import telemetry
 from llmesh.errors import MeshError
 from llmesh.kvclient import ThreadedKvClient
-from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout
+from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout, tail_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +86,7 @@ class BlockTransfer:
 class MeshConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    exports: list[BlockTransfer] = field(default_factory=list)  # blocks of stopped requests, then freed
 
 
 @dataclass
@@ -135,10 +141,12 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._load_plans: dict[str, tuple[int, list[str]]] = {}  # tokens computed before, block hashes
         self._reused_blocks: dict[str, int] = {}  # prefill: leading blocks loaded, so not saved again
         self._write_behind = self._is_consumer and bool(extra.get("write_behind", True))
+        self._durable_tail = self._write_behind and bool(extra.get("durable_tail", False))
         self._requests: dict[str, Request] = {}  # decode, for write-behind: live requests by id
         self._seeds: dict[str, str] = {}  # request id -> the start of its block-hash chain
         self._adapters: dict[str, str] = {}  # LoRA adapter path -> its content digest
         self._planned_loads: list[BlockTransfer] = []
+        self._planned_exports: list[BlockTransfer] = []
         self._saves: dict[str, _SaveState] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -147,9 +155,10 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._write_behind_puts: list[tuple[concurrent.futures.Future, str]] = []
         self._load_errors: set[int] = set()
         self._finished_loads: set[str] = set()
+        self._exported: set[str] = set()
         self._kv: ThreadedKvClient | None = None
         self._lookup: ThreadedKvClient | None = None  # scheduler side: which prefix blocks are stored
-        if role == KVConnectorRole.SCHEDULER and self._is_producer and extra.get("reuse_prefix", True):
+        if role == KVConnectorRole.SCHEDULER and (self._is_consumer or extra.get("reuse_prefix", True)):
             self._lookup = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-lookup",
                                             threads=1, redis_url=extra.get("redis_url") or "")
         if role == KVConnectorRole.WORKER:
@@ -180,43 +189,57 @@ class MeshKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._seed(request)  # build_connector_meta sees only the request's scheduling data
         params = request.kv_transfer_params or {}
-        if self._is_consumer and params.get("block_hashes"):
-            return self._match_prefill(request, params, num_computed_tokens)
+        if self._is_consumer and not params.get("save_prompt") and not params.get("recompute"):
+            return self._match_handle(request, params, num_computed_tokens)
         if self._is_producer and self._lookup is not None:
             return self._match_stored_prefix(request, num_computed_tokens)
         return 0, False
 
-    def _match_prefill(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
-        """Decode: the prompt blocks the prefill saved, at most all but the last prompt token."""
-        remote = params["block_hashes"]
-        if params.get("fingerprint") != self._fingerprint:
+    def _match_handle(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode: the blocks of all but the last token that the request's KV handle lists, then
+        those of the rest the store holds."""
+        if params.get("fingerprint", self._fingerprint) != self._fingerprint:
             log.error("request %s: KV fingerprint %s does not match ours %s; recomputing",
                       request.request_id, params.get("fingerprint"), self._fingerprint)
             return 0, False
-        # vLLM must compute at least the last prompt token itself.
+        # vLLM must compute at least the last token itself.
         loadable = (request.prompt_token_ids or [])[:-1]
         ours = block_hashes(self._seed(request), loadable, self._block_size, partial=True)
+        listed = params.get("block_hashes") or []
         matched = 0
-        while matched < min(len(ours), len(remote)) and ours[matched] == remote[matched]:
+        while matched < min(len(ours), len(listed)) and ours[matched] == listed[matched]:
             matched += 1
+        full = len(loadable) // self._block_size
+        tail = params.get("tail_hash")
+        if tail and matched == full < len(ours):  # the partial last block, exported by a migration's source
+            ours[full] = tail
+            matched += 1
+        elif matched < len(ours) and self._lookup is not None:
+            matched += self._stored_run(request, ours[matched:])
         return self._plan_load(request, ours, min(matched * self._block_size, len(loadable)), num_computed_tokens)
+
+    def _stored_run(self, request: Request, hashes: list[str]) -> int:
+        """How many of `hashes`, from the first, the store holds in every layer."""
+        assert self._lookup is not None
+        if not hashes:
+            return 0
+        layers = range(self._layout["num_layers"])
+        try:
+            found = self._lookup.client.contains([chunk_key(h, layer) for h in hashes for layer in layers])
+        except MeshError as exc:
+            log.warning("request %s: KV lookup failed (%s); computing it", request.request_id, exc)
+            return 0
+        per_block = [all(found[i : i + len(layers)]) for i in range(0, len(found), len(layers))]
+        return per_block.index(False) if False in per_block else len(per_block)
 
     def _match_stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prefill: the prompt's leading full blocks that any instance already stored (every
         layer of them): loaded instead of recomputed."""
-        assert self._lookup is not None
         hashes = block_hashes(self._seed(request), (request.prompt_token_ids or [])[:-1], self._block_size)
         first = num_computed_tokens // self._block_size
         if first >= len(hashes):
             return 0, False
-        layers = range(self._layout["num_layers"])
-        try:
-            found = self._lookup.client.contains([chunk_key(h, layer) for h in hashes[first:] for layer in layers])
-        except MeshError as exc:
-            log.warning("request %s: prefix lookup failed (%s); computing it", request.request_id, exc)
-            return 0, False
-        per_block = [all(found[i : i + len(layers)]) for i in range(0, len(found), len(layers))]
-        matched = first + (per_block.index(False) if False in per_block else len(per_block))
+        matched = first + self._stored_run(request, hashes[first:])
         self._reused_blocks[request.request_id] = matched
         return self._plan_load(request, hashes, matched * self._block_size, num_computed_tokens)
 
@@ -245,13 +268,15 @@ class MeshKVConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MeshConnectorMetadata:
-        meta = MeshConnectorMetadata(loads=self._planned_loads)
-        self._planned_loads = []
+        meta = MeshConnectorMetadata(loads=self._planned_loads, exports=self._planned_exports)
+        self._planned_loads, self._planned_exports = [], []
         if not (self._is_producer or self._write_behind):
             return meta
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
+            if (params or {}).get("prefetch"):  # a migration's target loading blocks ahead: nothing new to save
+                continue
             if self._is_producer:  # the whole prompt, its partial last block included
                 hashes, saved = block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True), \
                     self._reused_blocks.pop(new.req_id, 0)
@@ -280,12 +305,20 @@ class MeshKVConnector(KVConnectorBase_V1):
         if self._is_producer:
             ready = len(state.hashes) if tokens_done >= state.num_tokens else tokens_done // self._block_size
         else:
-            ready = tokens_done // self._block_size
             request = self._requests.get(req_id)
-            if ready > state.saved and request is not None and len(state.hashes) < ready:
+            # With async scheduling the newest token may not be known yet: hash what is.
+            known = min(tokens_done, len(request.all_token_ids)) if request is not None else 0
+            ready = known // self._block_size
+            if request is not None and len(state.hashes) < ready and (ready > state.saved or self._durable_tail):
                 state.hashes = block_hashes(self._seed(request), request.all_token_ids[: ready * self._block_size],
                                             self._block_size)
             ready = min(ready, len(state.hashes))
+            if self._durable_tail and known % self._block_size and ready < len(state.block_ids):
+                assert request is not None
+                parent = state.hashes[ready - 1] if ready else self._seed(request)
+                partial = block_hashes(parent, request.all_token_ids[ready * self._block_size : known],
+                                       self._block_size, partial=True)
+                meta.saves.append(BlockTransfer(req_id, [state.block_ids[ready]], partial, state.trace))
         complete = min(ready, len(state.block_ids))
         if complete > state.saved:
             meta.saves.append(BlockTransfer(req_id, state.block_ids[state.saved:complete],
@@ -294,18 +327,43 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._saves.pop(request.request_id, None)
+        exporting = self._plan_export(request, block_ids, state)
         self._requests.pop(request.request_id, None)
         self._seeds.pop(request.request_id, None)
         self._load_plans.pop(request.request_id, None)
         self._reused_blocks.pop(request.request_id, None)
         if not self._is_producer or state is None:
-            return False, None
+            return exporting, None
         return False, {
             "fingerprint": self._fingerprint,
             "kv_layout": self._layout,
             "block_size": self._block_size,
             "block_hashes": state.hashes[: state.saved],
         }
+
+    def _plan_export(self, request: Request, block_ids: list[int], state: _SaveState | None) -> bool:
+        """A decode request stopped (aborted) while it carries a `tail_id`: plan storing its full
+        blocks not written yet and its last two blocks as tails (the caller may have seen up to a
+        block fewer tokens than the engine computed). True: its blocks stay until that is done."""
+        from vllm.v1.request import RequestStatus
+
+        tail_id = (request.kv_transfer_params or {}).get("tail_id")
+        computed = request.num_computed_tokens
+        if not (self._is_consumer and tail_id and request.status == RequestStatus.FINISHED_ABORTED and computed
+                and block_ids):
+            return False
+        size = self._block_size
+        full = min(computed, len(request.all_token_ids)) // size
+        # without write-behind, what decode found stored when it started: all but its last prompt token
+        saved = state.saved if state is not None else (len(request.prompt_token_ids or []) - 1) // size
+        hashes = block_hashes(self._seed(request), request.all_token_ids[: full * size], size)[saved:]
+        ids = block_ids[saved : saved + len(hashes)]
+        last = min((computed - 1) // size, len(block_ids) - 1)
+        for index in range(max(last - 1, 0), last + 1):
+            ids.append(block_ids[index])
+            hashes.append(tail_hash(tail_id, index))
+        self._planned_exports.append(BlockTransfer(request.request_id, ids, hashes, request_trace(request)))
+        return True
 
     # ==== worker side ======================================================================
 
@@ -323,6 +381,8 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._kv is not None
+        for transfer in self._meta().exports:
+            self._export(transfer)
         for transfer in self._meta().loads:
             parent = telemetry.extract(transfer.trace)
             span = self._tracer.start_span("kv.load", context=parent, attributes={
@@ -391,6 +451,17 @@ class MeshKVConnector(KVConnectorBase_V1):
         if self._async_load:
             self._finished_loads.add(req_id)
 
+    def _export(self, transfer: BlockTransfer) -> None:
+        """Copy a stopped request's blocks out and put them (not waited for: its blocks are freed
+        once copied; whoever needs them waits for the keys in the store)."""
+        ids = torch.tensor(transfer.block_ids, dtype=torch.long)
+        for name, cache in self._kv_caches.items():
+            rows = cache[ids.to(cache.device)].cpu().contiguous().view(torch.uint8).reshape(len(ids), -1).numpy()
+            keys = [chunk_key(h, _layer_index(name)) for h in transfer.hashes]
+            future = self._kv.put(keys, list(rows), pin_s=self._pin_s, trace_context=telemetry.extract(transfer.trace))
+            self._write_behind_puts.append((future, transfer.req_id))
+        self._exported.add(transfer.req_id)
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         assert self._kv is not None
         layer = _layer_index(layer_name)
@@ -449,7 +520,8 @@ class MeshKVConnector(KVConnectorBase_V1):
                 if not load.futures:
                     self._end_load(req_id)
         done, self._finished_loads = self._finished_loads, set()
-        return None, (done or None)
+        sent, self._exported = self._exported, set()
+        return (sent or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

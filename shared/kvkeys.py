@@ -162,6 +162,13 @@ def block_hashes(fp: str, token_ids: Sequence[int], block_size: int, *, partial:
     return out
 
 
+def tail_hash(tail_id: str, block_index: int) -> str:
+    """The key of a block a decode worker exported when it stopped a request (a migration's source):
+    named by the request's engine admission (`tail_id`, unique to it) and the block's index, since the
+    engine may have computed a few more tokens into it than the caller has seen."""
+    return hashlib.blake2b(f"tail:{tail_id}:{block_index}".encode(), digest_size=16).hexdigest()
+
+
 def chunk_key(block_hash: str, layer: int) -> str:
     return f"{block_hash}:{layer}"
 

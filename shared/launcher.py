@@ -150,16 +150,18 @@ SERVICES = {
     "prefill-worker": "llmesh_prefill",
     "decode-worker": "llmesh_decode",
     "router": "llmesh_router",
+    "placement": "llmesh_placement",
 }
 
 
-# Without these the launcher stops everything. Redis and the length predictor are not: the mesh
-# serves on without shared metadata or predictions.
+# Without these the launcher stops everything. Redis, the length predictor and placement are not: the
+# mesh serves on without shared metadata, predictions or migrations.
 ESSENTIAL = {"nats", "router"}
 
 
-def start_service(service: str, env: dict[str, str], log_path: Path | None = None) -> Child:
-    return Child(service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path)
+def start_service(service: str, env: dict[str, str], log_path: Path | None = None, name: str | None = None) -> Child:
+    """`python -m` the service's module; the child is called `name` (default: the service)."""
+    return Child(name or service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path)
 
 
 def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
@@ -194,6 +196,15 @@ def engine_cores() -> dict[str, dict[str, str]]:
             "decode-worker": {"MESH_CPU_CORES": span(half, n - 1)}}
 
 
+def worker_envs(service: str, count: int) -> list[tuple[str, dict[str, str]]]:
+    """(name, environment) of each of `count` workers of `service`: one keeps its default id
+    (<role>-<host>-<pid>); several are <role>-0, <role>-1, ..."""
+    if count == 1:
+        return [(service, {})]
+    role = service.removesuffix("-worker")
+    return [(f"{service}-{i}", {"MESH_WORKER_ID": f"{role}-{i}"}) for i in range(count)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the whole mesh locally.")
     parser.add_argument("--host", default=os.environ.get("MESH_HOST", "127.0.0.1"))
@@ -202,9 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-port", type=int, default=int(os.environ.get("MESH_REDIS_PORT", "6379")))
     parser.add_argument("--kv-shards", type=int, default=int(os.environ.get("MESH_KV_SHARDS", "1")),
                         help="kv-store shards to run (keys are spread over them)")
+    parser.add_argument("--prefill-workers", type=int, default=int(os.environ.get("MESH_PREFILL_WORKERS", "1")),
+                        help="prefill workers to run (sharing the prefill half of the cores)")
+    parser.add_argument("--decode-workers", type=int, default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
+                        help="decode workers to run (sharing the decode half of the cores)")
     parser.add_argument("--logs", type=Path, default=os.environ.get("MESH_LOG_DIR") or None,
                         help="write each service's log to a file in this directory (default: the terminal)")
     args = parser.parse_args(argv)
+    if min(args.prefill_workers, args.decode_workers) < 1:
+        parser.error("--prefill-workers and --decode-workers must be at least 1")
 
     workdir = Path(tempfile.mkdtemp(prefix="llmesh-"))
     log = (lambda name: args.logs / f"{name}.log") if args.logs else (lambda name: None)
@@ -228,9 +245,13 @@ def main(argv: list[str] | None = None) -> int:
                "MESH_PORT": str(args.port)}
         for shard in range(args.kv_shards):
             children.append(start_service("kv-store", env | {"MESH_KV_SHARD": str(shard)}, log(f"kv-store-{shard}")))
+        children.append(start_service("length-predictor", env, log("length-predictor")))
         cores = engine_cores()
-        for service in ("length-predictor", "prefill-worker", "decode-worker", "router"):
-            children.append(start_service(service, env | cores.get(service, {}), log(service)))
+        for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
+            for name, worker_env in worker_envs(service, count):
+                children.append(start_service(service, env | cores.get(service, {}) | worker_env, log(name), name))
+        for service in ("router", "placement"):
+            children.append(start_service(service, env, log(service)))
         url = f"http://{args.host}:{args.port}"
         print(f"llmesh: starting (nats {nats_url}); engines take about a minute to load...", flush=True)
         give_up = time.monotonic() + 600

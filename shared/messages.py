@@ -79,6 +79,7 @@ class RequestProgress(Message):
     max_tokens: int = 0  # output budget
     predicted_tokens: float | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent
+    migrating: bool = False  # being handed over to another worker
 
 
 class WorkerInfo(Message):
@@ -224,6 +225,28 @@ class TokenDelta(Message):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_token_ids: list[int] | None = None  # a whole request's first delta: its prompt as the worker tokenized it
+
+
+class KvHandle(Message):
+    """Where a request's KV lies in the kv-store: what another worker needs to load it.
+
+    `block_hashes` chain the stored blocks in order (`llmesh.kvkeys.block_hashes`); the last may be
+    partial. A `tail_hash` names an exported last block instead (`llmesh.kvkeys.tail_hash`): it holds at
+    least the tokens past the full blocks, up to `num_tokens`, and is loaded without re-hashing.
+    """
+
+    fingerprint: str
+    block_size: int = Field(ge=1)
+    block_hashes: list[str]
+    num_tokens: int = Field(ge=0)  # tokens whose KV the blocks hold
+    tail_hash: str | None = None
+    kv_layout: dict[str, Any] | None = None  # the writer's, to name what differs on a fingerprint mismatch
+    pinned_until: float = 0.0  # unix time until which the store keeps the blocks (0: not pinned)
+
+    def params(self) -> dict[str, Any]:
+        """The handle as the engine's `kv_transfer_params` (what llmesh.kv_connector reads)."""
+        return self.model_dump(exclude_none=True)
 
 
 class PrefillResult(Message):
@@ -235,29 +258,119 @@ class PrefillResult(Message):
     prompt_token_ids: list[int]
     max_tokens: int  # resolved against the context
     first: TokenDelta
-    kv_transfer_params: dict[str, Any]
+    kv: KvHandle | None = None  # None: nothing stored (the request ended at its first token)
     fingerprint: str
 
 
 class DecodeRequest(Message):
-    """Continue after the prefill's first token: the KV of `prompt_token_ids` comes from the store
-    and the engine computes only `first_token`, exactly like a monolithic engine's first decode step."""
+    """Continue a request after the tokens it generated so far, on any decode worker.
+
+    The engine computes only the last of `output_token_ids` (with the KV of everything before it from
+    the store, `kv`, or looked up there when `kv` is None; what is missing is recomputed), exactly
+    like a monolithic engine's next decode step. This is the first decode after a prefill (one
+    output token), a live migration's hand-over and a failover alike.
+    """
 
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    first_token: int
-    sampling: SamplingOptions  # max_tokens counts the first token too
-    kv_transfer_params: dict[str, Any] | None = None
-    fingerprint: str  # the prefill worker's; decode refuses a mismatch
+    output_token_ids: list[int] = Field(min_length=1)  # generated so far, streamed to the client already
+    sampling: SamplingOptions  # max_tokens counts every output token, those already generated too
+    kv: KvHandle | None = None
+    fingerprint: str  # the KV layout the request's KV was computed in; decode refuses a mismatch
     deadline: float
     predicted_length: LengthPrediction | None = None
     cache_salt: str | None = None  # the prefill's: decode re-derives the same block hashes
     priority: int = 0
+    migration_id: str | None = None  # the migration this resume completes (its target holds a slot for it)
+    recompute: bool = False  # compute the whole context again instead of loading KV (the baseline migration)
 
 
 class AbortRequest(Message):
     request_id: str
+
+
+# ---- live migration, drain ------------------------------------------------------------------
+
+
+class MigrateCommand(Message):
+    """To a decode worker (`Subjects.migrate`): move a running request to `target`. Idempotent by id."""
+
+    migration_id: str
+    request_id: str
+    target: str
+    reason: str = "manual"  # what decided it (a placement policy, an operator, a drain)
+    recompute: bool = False  # the target recomputes the context instead of loading it (for comparison)
+
+
+class MigrateOutcome(Message):
+    """The source's answer: `accepted` once the target holds a slot and the source stopped the request
+    (its stream then ends with `Migrated`); refused with the reason otherwise (the request goes on)."""
+
+    migration_id: str
+    request_id: str
+    source: str
+    target: str
+    accepted: bool
+    reason: str = ""
+
+
+class MigratePrepare(Message):
+    """Source to target (`Subjects.migrate_in`): hold a slot for the request and fetch its stored KV
+    into the engine now, while the source keeps decoding. Answered with `Ack`, or an error if refused."""
+
+    migration_id: str
+    request_id: str
+    model: str
+    fingerprint: str
+    token_ids: list[int]  # prompt and output so far
+    max_tokens_left: int = Field(ge=1)
+    cache_salt: str | None = None
+    hold_s: float = Field(default=10.0, gt=0)  # the slot is given up if the hand-over does not come
+    prefetch: bool = True  # load the stored blocks into the engine now (not for a `recompute` migration)
+
+
+class Migrated(Message):
+    """The last message of a decode stream whose request moved: go on with `output_tokens` outputs
+    (all the stream carried) on `target`, loading `kv`."""
+
+    migration_id: str
+    target: str
+    kv: KvHandle | None  # None: recompute (a `recompute` migration)
+    output_tokens: int
+
+
+class PlacementRequest(Message):
+    """An operator's command to the active placement service (`Subjects.PLACEMENT`), answered with
+    `PlacementStatus`: `status` only reports; `drain` empties `worker_id` (and lets it exit);
+    `migrate` moves `request_id` to `target` (or to the policy's choice when None)."""
+
+    op: Literal["status", "drain", "migrate"]
+    worker_id: str | None = None
+    request_id: str | None = None
+    target: str | None = None
+
+
+class PlacementStatus(Message):
+    leader: str  # the placement service answering (the lease holder)
+    workers: list[WorkerInfo]
+    decisions: dict[str, int] = Field(default_factory=dict)  # commands issued since it started, by kind/outcome
+    scaling: int = 0  # Llumnix's freeness band: +1 add a decode instance, -1 one can go, 0 hold
+    message: str = ""
+
+
+class DrainCommand(Message):
+    """To a worker (`Subjects.drain`): take no new requests; exit once the last one has left (if `exit`)."""
+
+    exit: bool = True
+
+
+class PlacementDecision(Message):
+    """Published on `Subjects.PLACEMENT_EVENTS` for every command the placement service issues."""
+
+    kind: Literal["migrate", "drain", "role", "scale"]
+    reason: str
+    detail: dict[str, Any] = Field(default_factory=dict)
 
 
 # ---- kv-store ---------------------------------------------------------------------------
@@ -380,6 +493,8 @@ class Subjects:
     LENGTH_PREDICT: ClassVar[str] = "mesh.length.predict"  # queue group: one replica answers
     LENGTH_REFIT: ClassVar[str] = "mesh.length.refit"  # queue group
     LENGTH_HEAD: ClassVar[str] = "mesh.length.head"  # an accepted refit, to every replica
+    PLACEMENT: ClassVar[str] = "mesh.placement"  # operator commands to the active placement service
+    PLACEMENT_EVENTS: ClassVar[str] = "mesh.placement.events"  # its decisions and scaling advice
 
     @staticmethod
     def length_observed(replica: str) -> str:
@@ -401,6 +516,20 @@ class Subjects:
     @staticmethod
     def abort(worker_id: str) -> str:
         return f"mesh.abort.{worker_id}"
+
+    @staticmethod
+    def migrate(worker_id: str) -> str:
+        """Commands to a decode worker: move one of its requests elsewhere."""
+        return f"mesh.migrate.{worker_id}"
+
+    @staticmethod
+    def migrate_in(worker_id: str) -> str:
+        """A source worker's hand-shake with a migration's target."""
+        return f"mesh.migrate_in.{worker_id}"
+
+    @staticmethod
+    def drain(worker_id: str) -> str:
+        return f"mesh.drain.{worker_id}"
 
     @staticmethod
     def kv(shard: str, op: str) -> str:

@@ -14,16 +14,19 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.config import WorkerSettings
-from llmesh.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable, Timeout
+from llmesh.errors import AtCapacity, ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable, Timeout
 from llmesh.kvkeys import fingerprint, kv_layout
 from llmesh.messages import (
     AbortRequest,
+    Ack,
+    DrainCommand,
+    MigrateCommand,
     LengthObserved,
     LengthPrediction,
     PrefillRequest,
@@ -96,6 +99,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
                 "pin_s": settings.kv_pin_s,
                 "reuse_prefix": settings.kv_reuse_prefix,
                 "write_behind": settings.kv_write_behind,
+                "durable_tail": settings.kv_durable_tail,
                 "service_name": f"{role}-worker",
                 "otlp_endpoint": settings.otlp_endpoint,
                 "trace_dir": settings.trace_dir,
@@ -116,6 +120,14 @@ class HeldRequest:
     predicted_tokens: float | None = None
     generated: int = 0  # output tokens so far; the handler keeps it current
     priority: int = 0
+    # a decoding request's, for a live migration: its tokens (prompt and output so far), its
+    # engine admission and the id its exported blocks are named by (llmesh.kvkeys.tail_hash)
+    token_ids: list[int] = field(default_factory=list)
+    engine_request_id: str = ""
+    tail_id: str = ""
+    cache_salt: str | None = None
+    migration: MigrateCommand | None = None  # being handed over
+    finished: bool = False  # the engine finished it (nothing left to hand over)
 
     def kv_blocks(self, block_size: int) -> int:
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
@@ -123,7 +135,7 @@ class HeldRequest:
     def progress(self) -> RequestProgress:
         return RequestProgress(request_id=self.request_id, prompt_tokens=self.prompt_tokens, generated=self.generated,
                                max_tokens=self.max_tokens, predicted_tokens=self.predicted_tokens,
-                               priority=self.priority)
+                               priority=self.priority, migrating=self.migration is not None)
 
 
 class PrefillMeter:
@@ -171,6 +183,9 @@ class EngineWorker:
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self._held: dict[str, HeldRequest] = {}
+        self._reserved: dict[str, float] = {}  # migration id -> when its slot is given up (monotonic)
+        self.state: Literal["active", "draining"] = "active"
+        self.exit_requested = asyncio.Event()  # a drain asked this worker to stop once empty
         self._heartbeat_task: asyncio.Task | None = None
         self.prefill_meter = PrefillMeter()
         self.generates = False  # set by a service that also serves whole requests
@@ -253,6 +268,7 @@ class EngineWorker:
         for subject, handler in handlers.items():
             await self.bus.serve(subject, handler, span=f"{self.role}-worker {subject.split('.')[1]}")
         await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")
+        await self.bus.serve(Subjects.drain(self.worker_id), self._on_drain, span=f"{self.role}-worker drain")
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
         log.info("%s ready: model %s, fingerprint %s, subject %s", self.worker_id, self.settings.model_name,
                  self.fingerprint, self.subject)
@@ -281,6 +297,7 @@ class EngineWorker:
             queued_tokens=sum(h.queued_tokens for h in held),
             capacity=self.settings.capacity,
             heartbeat_s=self.settings.heartbeat_s,
+            state=self.state,
             prefill_tokens_per_s=self.prefill_meter.tokens_per_s,
             generates=self.generates,
             kv_blocks_used=sum(h.kv_blocks(cache.block_size) for h in held),
@@ -308,6 +325,45 @@ class EngineWorker:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_s)
 
+    def held(self, request_id: str) -> HeldRequest | None:
+        return self._held.get(request_id)
+
+    def reserve(self, migration_id: str, hold_s: float) -> None:
+        """Hold a slot for a migration's hand-over (`admit` with its id takes it)."""
+        self._reserved[migration_id] = time.monotonic() + hold_s
+
+    def _slots_taken(self) -> int:
+        now = time.monotonic()
+        for migration_id, until in list(self._reserved.items()):
+            if until < now:
+                log.warning("migration %s did not arrive: its slot is given up", migration_id)
+                del self._reserved[migration_id]
+        return len(self._held) + len(self._reserved)
+
+    def check_room(self, migration_id: str | None = None) -> None:
+        """Raise unless this worker takes one more request now (a migration's reserved slot counts)."""
+        if self.state != "active" and migration_id not in self._reserved:
+            raise ServiceUnavailable(f"{self.worker_id} is draining")
+        taken = self._slots_taken() - (migration_id in self._reserved)
+        if taken >= self.settings.capacity:
+            raise AtCapacity(f"{self.worker_id} is at capacity ({self.settings.capacity} requests)")
+
+    async def _on_drain(self, msg: DrainCommand, blob: memoryview) -> Ack:
+        if self.state != "draining":
+            log.info("draining: no new requests%s", "; exiting once the last one leaves" if msg.exit else "")
+        self.state = "draining"
+        await self.bus.publish(Subjects.HEARTBEAT, self.info())  # routers stop sending at once
+        if msg.exit:
+            asyncio.create_task(self._exit_when_empty())
+        return Ack()
+
+    async def _exit_when_empty(self) -> None:
+        while self._held or self._reserved:
+            await asyncio.sleep(0.05)
+            self._slots_taken()  # drops reservations that expired
+        log.info("drained: exiting")
+        self.exit_requested.set()
+
     async def _on_abort(self, msg: AbortRequest, blob: memoryview) -> None:
         held = self._held.get(msg.request_id)
         if held is not None:
@@ -317,13 +373,16 @@ class EngineWorker:
     @asynccontextmanager
     async def admit(self, request_id: str, model: str, deadline: float, queued_tokens: int, *, prompt_tokens: int,
                     max_tokens: int, predicted: LengthPrediction | None = None, generated: int = 0,
-                    priority: int = 0) -> AsyncIterator[HeldRequest]:
+                    priority: int = 0, migration_id: str | None = None) -> AsyncIterator[HeldRequest]:
         """Track a request: checks model and capacity, enforces the deadline, makes it abortable.
-        The handler keeps the yielded record's `generated` current."""
+        The handler keeps the yielded record's `generated` current. A migration's hand-over
+        (`migration_id`) takes the slot held for it."""
         if model != self.settings.model_name:
             raise ModelNotFound(f"this worker serves {self.settings.model_name!r}, not {model!r}")
-        if len(self._held) >= self.settings.capacity:
-            raise ServiceUnavailable(f"{self.worker_id} is at capacity ({self.settings.capacity} requests)")
+        if request_id in self._held:
+            raise InvalidRequest(f"request {request_id} is already running on {self.worker_id}")
+        self.check_room(migration_id)
+        self._reserved.pop(migration_id or "", None)
         remaining = deadline - time.time()
         if remaining <= 0:
             raise Timeout(f"request {request_id} arrived after its deadline")
@@ -353,7 +412,10 @@ def run_worker(role: Role, make_handlers: Any) -> None:
         worker = await EngineWorker.create(settings, role)
         try:
             await worker.start(make_handlers(worker))
-            await stop.wait()
+            waits = {asyncio.create_task(stop.wait()), asyncio.create_task(worker.exit_requested.wait())}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
         finally:
             await worker.close()
 

@@ -1,80 +1,145 @@
 """Decode handlers.
 
-- `decode`: the prompt's KV keys and the prefill's first token in, a stream of token deltas out.
+- `decode`: a request's tokens so far in (the prompt and every output token streamed, one after a
+  prefill), a stream of token deltas out. The KV of all but the last token is loaded from the
+  store; the engine computes just the last one. The same handler continues a request after a
+  live migration or a failover.
 - `generate`: a whole request on this engine, prefill included, streamed from its first token. The
   router sends one here when the prefill workers are backed up and this engine would answer
   sooner (llmesh.policies.disagg): its engine then computes the prompt between decode steps,
   exactly as a monolithic engine does.
+- `migrate` (as the source) and `prepare` (as the target): live migration, Llumnix's protocol
+  through the kv-store. While the source keeps decoding, the target fetches the blocks already
+  stored (full blocks are written behind as they fill) into its engine's prefix cache. Then the
+  source stops the request at a step boundary, exports what the store lacks (the partial last
+  block), waits until the store holds every block, and ends its stream with `Migrated`; the
+  router resumes the request on the target with the tokens it streamed. A target that refuses
+  leaves the request running on the source; one that fails after the hand-over is replaced by
+  the router (llmesh_router.dispatch), as a dead source is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
-from llmesh.errors import InvalidRequest, KVFingerprintMismatch
-from llmesh.kvkeys import check_same_layout
-from llmesh.messages import DecodeRequest, LengthPrediction, PrefillRequest, Subjects, TokenDelta
+from llmesh.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
+from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory
+from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, chunk_key, tail_hash
+from llmesh.messages import (
+    Ack,
+    DecodeRequest,
+    KvHandle,
+    LengthPrediction,
+    MigrateCommand,
+    MigrateOutcome,
+    MigratePrepare,
+    Migrated,
+    PrefillRequest,
+    SamplingOptions,
+    Subjects,
+    TokenDelta,
+)
+from llmesh.policies.core import kv_blocks
 from llmesh.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
+
+log = logging.getLogger(__name__)
+
+PREPARE_TIMEOUT_S = 10.0  # the target's answer to a hand-shake (its prefetch included)
+EXPORT_WAIT_S = 5.0  # how long the source waits for the store to hold the request's blocks
+OUTCOMES_KEPT = 1024  # answers to recent migration commands, for idempotent retries
 
 
 class DecodeService:
     def __init__(self, worker: EngineWorker):
         self.worker = worker
         worker.generates = True
+        cache = worker.engine.vllm_config.cache_config
+        self.block_size = cache.block_size
+        self.layers = worker.layout["num_layers"]
+        self._store: KvClient | None = None
+        self._store_lock = asyncio.Lock()
+        self._outcomes: OrderedDict[str, MigrateOutcome] = OrderedDict()
+        self._tracer = trace.get_tracer("llmesh.decode")
 
     def handlers(self) -> dict[str, Any]:
-        return {self.worker.subject: self.decode, Subjects.generate(self.worker.worker_id): self.generate}
+        asyncio.get_running_loop().create_task(self._warm_up())
+        wid = self.worker.worker_id
+        return {self.worker.subject: self.decode, Subjects.generate(wid): self.generate,
+                Subjects.migrate(wid): self.migrate, Subjects.migrate_in(wid): self.prepare}
 
-    async def decode(self, req: DecodeRequest, blob: memoryview) -> AsyncIterator[TokenDelta]:
+    # ---- serving ----------------------------------------------------------------------------
+
+    async def decode(self, req: DecodeRequest, blob: memoryview) -> AsyncIterator[TokenDelta | Migrated]:
         if not isinstance(req, DecodeRequest):
             raise InvalidRequest(f"expected DecodeRequest, got {type(req).__name__}")
-        kv_params = dict(req.kv_transfer_params or {})
-        if req.fingerprint != self.worker.fingerprint:
-            theirs = kv_params.get("kv_layout")
-            if theirs:
-                check_same_layout(self.worker.layout, theirs)
-            raise KVFingerprintMismatch(f"prefill fingerprint {req.fingerprint} != decode {self.worker.fingerprint}")
-        total = req.sampling.max_tokens
-        if total is None or total < 2 or len(req.prompt_token_ids) + total > self.worker.max_model_len:
-            raise InvalidRequest("decode needs 2 <= max_tokens <= the context left after the prompt",
-                                 param="max_tokens")
-        params = sampling_params(req.sampling, max_tokens=total - 1, kv_transfer_params=kv_params,
-                                 output_kind=RequestOutputKind.DELTA)
-        async with self.worker.admit(req.request_id, req.model, req.deadline, total,
+        self._check_layout(req.fingerprint, req.kv.kv_layout if req.kv else None)
+        total, done = req.sampling.max_tokens, len(req.output_token_ids)
+        if total is None or done >= total or len(req.prompt_token_ids) + total > self.worker.max_model_len:
+            raise InvalidRequest("decode needs output tokens so far < max_tokens <= the context left after the "
+                                 "prompt", param="max_tokens")
+        trace.get_current_span().set_attributes({"request.id": req.request_id, "worker.id": self.worker.worker_id,
+                                                 "decode.resumed_at": done, "decode.migration_id": req.migration_id or "",
+                                                 "decode.kv": "handle" if req.kv else
+                                                 "recompute" if req.recompute else "lookup"})
+        kv_params: dict[str, Any] = req.kv.params() if req.kv else {"fingerprint": req.fingerprint}
+        if req.recompute:
+            kv_params["recompute"] = True
+        async with self.worker.admit(req.request_id, req.model, req.deadline, total - done,
                                      prompt_tokens=len(req.prompt_token_ids), max_tokens=total,
-                                     predicted=req.predicted_length, generated=1, priority=req.priority) as held:
-            async for delta in self._stream(held, f"decode-{req.request_id}",
-                                            [*req.prompt_token_ids, req.first_token], req.cache_salt, params,
-                                            req.predicted_length):
+                                     predicted=req.predicted_length, generated=done, priority=req.priority,
+                                     migration_id=req.migration_id) as held:
+            held.token_ids = [*req.prompt_token_ids, *req.output_token_ids]
+            held.cache_salt = req.cache_salt
+            held.tail_id = f"{self.worker.worker_id}/{req.request_id}/{done}/{uuid.uuid4().hex[:8]}"
+            held.engine_request_id = f"decode-{held.tail_id}"
+            params = sampling_params(req.sampling, max_tokens=total - done,
+                                     kv_transfer_params=kv_params | {"tail_id": held.tail_id},
+                                     output_kind=RequestOutputKind.DELTA)
+            async for delta in self._stream(held, held.engine_request_id, list(held.token_ids), req.cache_salt,
+                                            params, req.predicted_length):
                 yield delta
+            if held.migration is not None and not held.finished:
+                yield await self._hand_over(held)
 
-    async def generate(self, req: PrefillRequest, blob: memoryview) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: PrefillRequest, blob: memoryview) -> AsyncIterator[TokenDelta | Migrated]:
         if not isinstance(req, PrefillRequest):
             raise InvalidRequest(f"expected PrefillRequest, got {type(req).__name__}")
         token_ids = self.worker.prompt_token_ids(req)
         max_tokens = self.worker.max_tokens(req, len(token_ids))
-        params = sampling_params(req.sampling, max_tokens=max_tokens, kv_transfer_params={"save_prompt": True},
-                                 output_kind=RequestOutputKind.DELTA)  # its prompt's KV goes to the store too
         trace.get_current_span().set_attribute("prompt.tokens", len(token_ids))
         async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids) + max_tokens,
                                      prompt_tokens=len(token_ids), max_tokens=max_tokens,
                                      predicted=req.predicted_length, priority=req.priority) as held:
-            self.worker.prefill_meter.started()
+            held.token_ids = list(token_ids)
+            held.cache_salt = req.cache_salt
+            held.tail_id = f"{self.worker.worker_id}/{req.request_id}/0/{uuid.uuid4().hex[:8]}"
+            held.engine_request_id = f"generate-{held.tail_id}"
+            params = sampling_params(req.sampling, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
+                                     kv_transfer_params={"save_prompt": True, "tail_id": held.tail_id})
+            self.worker.prefill_meter.started()  # its prompt's KV goes to the store too
             computed = 0
             try:
-                async for delta in self._stream(held, f"generate-{req.request_id}", token_ids,
-                                                req.cache_salt, params, req.predicted_length):
+                async for delta in self._stream(held, held.engine_request_id, token_ids, req.cache_salt, params,
+                                                req.predicted_length):
                     if not computed:  # the prompt is computed once the first token is out
                         computed = len(token_ids)
                         self.worker.prefill_meter.finished(computed)
+                        delta = delta.model_copy(update={"prompt_token_ids": token_ids})  # the router may resume it
                     yield delta
             finally:
                 if not computed:
                     self.worker.prefill_meter.finished(0)
+            if held.migration is not None and not held.finished and computed:
+                yield await self._hand_over(held)
 
     async def _stream(self, held: HeldRequest, engine_request_id: str, token_ids: list[int], cache_salt: str | None,
                       params: Any, predicted: LengthPrediction | None) -> AsyncIterator[TokenDelta]:
@@ -87,8 +152,171 @@ class DecodeService:
                                                      request_id=engine_request_id):
             o = out.outputs[0]
             held.generated += len(o.token_ids)
-            finish_reason = o.finish_reason if out.finished else None
-            yield TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish_reason,
-                             prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
+            held.token_ids.extend(o.token_ids)
+            # stopped for a migration: the engine's "abort" is not the end of the request
+            handed_over = out.finished and o.finish_reason == "abort" and held.migration is not None
+            finish_reason = o.finish_reason if out.finished and not handed_over else None
+            held.finished = finish_reason is not None
+            if o.token_ids or not handed_over:
+                yield TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish_reason,
+                                 prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)
+
+    def _check_layout(self, fingerprint: str, layout: dict[str, Any] | None) -> None:
+        if fingerprint != self.worker.fingerprint:
+            if layout:
+                check_same_layout(self.worker.layout, layout)
+            raise KVFingerprintMismatch(f"KV fingerprint {fingerprint} != this worker's {self.worker.fingerprint}")
+
+    # ---- live migration: the source ---------------------------------------------------------
+
+    async def migrate(self, cmd: MigrateCommand, blob: memoryview) -> MigrateOutcome:
+        """Hand a running request over to `cmd.target`: hand-shake (the target holds a slot and
+        prefetches), then stop it here; its stream ends with `Migrated` (see `_hand_over`)."""
+        if not isinstance(cmd, MigrateCommand):
+            raise InvalidRequest(f"expected MigrateCommand, got {type(cmd).__name__}")
+        if (known := self._outcomes.get(cmd.migration_id)) is not None:
+            return known
+        held = self.worker.held(cmd.request_id)
+        span = trace.get_current_span()
+        span.set_attributes({"migration.id": cmd.migration_id, "request.id": cmd.request_id,
+                             "migration.target": cmd.target, "migration.reason": cmd.reason})
+        if held is None or not held.engine_request_id or held.finished:
+            return self._outcome(cmd, False, f"request {cmd.request_id} is not decoding on {self.worker.worker_id}")
+        if held.migration is not None:
+            return self._outcome(cmd, False, f"already migrating ({held.migration.migration_id})")
+        if cmd.target == self.worker.worker_id:
+            return self._outcome(cmd, False, "the target is the source")
+        held.migration = cmd
+        try:
+            await self.worker.bus.request(Subjects.migrate_in(cmd.target), MigratePrepare(
+                migration_id=cmd.migration_id, request_id=cmd.request_id, model=self.worker.settings.model_name,
+                fingerprint=self.worker.fingerprint, token_ids=list(held.token_ids),
+                max_tokens_left=max(held.max_tokens - held.generated, 1), cache_salt=held.cache_salt,
+                hold_s=PREPARE_TIMEOUT_S, prefetch=not cmd.recompute), Ack, timeout=PREPARE_TIMEOUT_S)
+        except MeshError as exc:
+            held.migration = None
+            return self._outcome(cmd, False, f"{cmd.target} refused: {exc.message}")
+        if held.finished or self.worker.held(cmd.request_id) is not held:
+            held.migration = None
+            return self._outcome(cmd, False, "the request finished during the hand-shake")
+        await self.worker.engine.abort(held.engine_request_id)  # takes effect at the next step boundary
+        return self._outcome(cmd, True)
+
+    def _outcome(self, cmd: MigrateCommand, accepted: bool, reason: str = "") -> MigrateOutcome:
+        outcome = MigrateOutcome(migration_id=cmd.migration_id, request_id=cmd.request_id,
+                                 source=self.worker.worker_id, target=cmd.target, accepted=accepted, reason=reason)
+        if not accepted:
+            log.info("migration %s of %s to %s refused: %s", cmd.migration_id, cmd.request_id, cmd.target, reason)
+        trace.get_current_span().set_attributes({"migration.accepted": accepted, "migration.refusal": reason})
+        self._outcomes[cmd.migration_id] = outcome
+        while len(self._outcomes) > OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+        return outcome
+
+    async def _hand_over(self, held: HeldRequest) -> Migrated:
+        """The stopped request's hand-over: a KV handle for every token streamed but the last, once
+        the store holds those blocks (the connector exports the partial last one as the request stops)."""
+        cmd = held.migration
+        assert cmd is not None
+        outputs = len(held.token_ids) - held.prompt_tokens
+        if cmd.recompute:
+            return Migrated(migration_id=cmd.migration_id, target=cmd.target, kv=None, output_tokens=outputs)
+        with self._tracer.start_as_current_span("migration.export") as span:
+            loadable = len(held.token_ids) - 1
+            full = loadable // self.block_size
+            hashes = block_hashes(chain_seed(self.worker.fingerprint, held.cache_salt),
+                                  held.token_ids[: full * self.block_size], self.block_size)
+            tail = tail_hash(held.tail_id, full) if loadable % self.block_size else None
+            stored = await self._wait_stored([*hashes, tail] if tail else hashes)
+            if stored < len(hashes):  # a block missing: hand over the run before it (the target recomputes the rest)
+                hashes, tail = hashes[:stored], None
+            elif tail and stored == len(hashes):
+                tail = None
+            span.set_attributes({"kv.blocks": len(hashes) + bool(tail), "kv.complete": stored >= len(hashes) + bool(tail)})
+        kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=self.block_size, block_hashes=hashes,
+                      num_tokens=min(loadable, (len(hashes) + bool(tail)) * self.block_size), tail_hash=tail,
+                      pinned_until=time.time() + self.worker.settings.kv_pin_s)
+        return Migrated(migration_id=cmd.migration_id, target=cmd.target, kv=kv, output_tokens=outputs)
+
+    async def _warm_up(self) -> None:
+        """Find the store and open a connection now, not on the first migration's clock."""
+        try:
+            await asyncio.to_thread((await self._client()).contains, ["warm-up"])
+        except MeshError as exc:
+            log.warning("kv-store not reachable yet (%s): looked up on first use", exc)
+
+    async def _client(self) -> KvClient:
+        """The kv-store, for lookups (made on first use; transfers stay in the engine's connector)."""
+        async with self._store_lock:
+            if self._store is None:
+                directory = ShardDirectory(self.worker.bus)
+                await directory.start()
+                redis_url = self.worker.settings.redis_url
+                self._store = KvClient(directory, timeout=5.0, connections_per_shard=2,
+                                       locator=ChunkLocator(redis_url) if redis_url else None)
+        return self._store
+
+    async def _stored_run(self, hashes: list[str]) -> int:
+        """How many of `hashes`, from the first, the store holds in every layer."""
+        if not hashes:
+            return 0
+        keys = [chunk_key(h, layer) for h in hashes for layer in range(self.layers)]
+        try:
+            found = await asyncio.to_thread((await self._client()).contains, keys)
+        except MeshError as exc:
+            log.warning("KV lookup failed: %s", exc)
+            return 0
+        blocks = [all(found[i : i + self.layers]) for i in range(0, len(found), self.layers)]
+        return blocks.index(False) if False in blocks else len(blocks)
+
+    async def _wait_stored(self, hashes: list[str]) -> int:
+        """Wait (a bounded time) until the store holds every block of `hashes`; how many it holds."""
+        give_up = time.monotonic() + EXPORT_WAIT_S
+        while (stored := await self._stored_run(hashes)) < len(hashes) and time.monotonic() < give_up:
+            await asyncio.sleep(0.002)
+        if stored < len(hashes):
+            log.warning("the store holds %d of %d blocks to hand over after %.0f s", stored, len(hashes),
+                        EXPORT_WAIT_S)
+        return stored
+
+    # ---- live migration: the target ---------------------------------------------------------
+
+    async def prepare(self, req: MigratePrepare, blob: memoryview) -> Ack:
+        """Take a migration: hold a slot, and load the request's stored blocks into the engine's
+        prefix cache now (one throw-away token computed after them), so that the hand-over loads
+        only what was generated since. Refused (an error) without room for the request's KV."""
+        if not isinstance(req, MigratePrepare):
+            raise InvalidRequest(f"expected MigratePrepare, got {type(req).__name__}")
+        worker = self.worker
+        if req.model != worker.settings.model_name:
+            raise InvalidRequest(f"this worker serves {worker.settings.model_name!r}, not {req.model!r}")
+        self._check_layout(req.fingerprint, None)
+        worker.check_room()
+        info = worker.info()
+        needed = kv_blocks(len(req.token_ids) + 1, self.block_size)
+        free = info.kv_blocks_total - info.kv_blocks_used
+        if info.kv_blocks_total and needed > free:
+            raise ServiceUnavailable(f"{worker.worker_id} has {free} free KV blocks; the request needs {needed}")
+        worker.reserve(req.migration_id, req.hold_s)
+        if req.prefetch:
+            with self._tracer.start_as_current_span("migration.prefetch") as span:
+                span.set_attribute("kv.blocks", await self._prefetch(req))
+        return Ack()
+
+    async def _prefetch(self, req: MigratePrepare) -> int:
+        """Load the stored full blocks of `req`'s tokens into the engine (they stay in vLLM's prefix
+        cache); the blocks loaded."""
+        size = self.block_size
+        full = (len(req.token_ids) - 1) // size
+        hashes = block_hashes(chain_seed(self.worker.fingerprint, req.cache_salt), req.token_ids[: full * size], size)
+        stored = await self._stored_run(hashes)
+        if not stored:
+            return 0
+        params = sampling_params(SamplingOptions(max_tokens=1, temperature=0.0), max_tokens=1, kv_transfer_params={
+            "fingerprint": self.worker.fingerprint, "block_hashes": hashes[:stored], "prefetch": True})
+        prompt = tokens_prompt(req.token_ids[: stored * size + 1], req.cache_salt)
+        async for _ in self.worker.engine.generate(prompt, params, request_id=f"prefetch-{req.migration_id}"):
+            pass
+        return stored

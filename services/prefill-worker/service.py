@@ -10,7 +10,7 @@ import time
 from opentelemetry import trace
 
 from llmesh.errors import InvalidRequest
-from llmesh.messages import PrefillRequest, PrefillResult, TokenDelta
+from llmesh.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
 from llmesh.worker import EngineWorker, sampling_params, tokens_prompt
 
 
@@ -44,9 +44,13 @@ class PrefillService:
             # "stop" (EOS or a stop string) ends the request here; "length" only if 1 token was asked for.
             finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
             kv_params = final.kv_transfer_params or {}
+            kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=kv_params.get("block_size", 1),
+                          block_hashes=kv_params.get("block_hashes", []), num_tokens=len(token_ids),
+                          kv_layout=kv_params.get("kv_layout"),
+                          pinned_until=time.time() + self.worker.settings.kv_pin_s) if kv_params else None
             span = trace.get_current_span()
             span.set_attributes({"prompt.tokens": len(token_ids), "prefill.seconds": time.monotonic() - started,
-                                 "kv.blocks": len(kv_params.get("block_hashes", []))})
+                                 "kv.blocks": len(kv.block_hashes) if kv else 0})
             if req.predicted_length is not None:
                 span.set_attribute("length.bucket", req.predicted_length.label)
             if finish is not None:  # no decode follows
@@ -56,6 +60,6 @@ class PrefillService:
                 max_tokens=max_tokens,
                 first=TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish,
                                  prompt_tokens=len(token_ids), completion_tokens=len(o.token_ids)),
-                kv_transfer_params=kv_params,
+                kv=kv,
                 fingerprint=self.worker.fingerprint,
             )

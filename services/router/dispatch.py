@@ -29,13 +29,15 @@ from opentelemetry import context, trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.errors import MeshError, ServiceUnavailable, Timeout
+from llmesh.errors import MeshError, ServiceUnavailable, Timeout, WorkerLost
 from llmesh.lengths import cut_prompt
 from llmesh.messages import (
     AbortRequest,
     Message,
+    Migrated,
     ChatMessage,
     DecodeRequest,
+    KvHandle,
     LengthPrediction,
     LengthPredictRequest,
     PrefillRequest,
@@ -58,6 +60,8 @@ T = TypeVar("T")
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
+MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died or refused
+_SPAN = {"decode": "router.decode", "generate": "router.generate"}  # by the relayed subject's kind
 
 
 @dataclass
@@ -77,6 +81,32 @@ class _Progress:
 
     def snapshot(self, now: float) -> StreamProgress:
         return StreamProgress(now - self.first_at, self.tokens, max(self.budget - self.tokens, 0))
+
+
+@dataclass
+class _DecodeSession:
+    """A request's decode as the router keeps it: enough to resume it on any decode worker."""
+
+    prompt_token_ids: list[int]  # (a whole request on a decode worker: from its first delta)
+    output_token_ids: list[int]  # streamed to the client so far
+    max_tokens: int
+    fingerprint: str
+    kv: KvHandle | None = None  # where the KV of all but the last token lies; None: look the store up
+    kv_outputs: int = 1  # the output tokens `kv` covers (with the last one)
+    context_len: int = 0  # the engine's, to resolve max_tokens 0 (the rest of the context)
+
+    def started_with(self, prompt_token_ids: list[int]) -> None:
+        """A whole request's prompt, as its worker tokenized it (from its first delta)."""
+        self.prompt_token_ids = prompt_token_ids
+        self.max_tokens = self.max_tokens or self.context_len - len(prompt_token_ids)
+
+    def request(self, gen: Generation, predicted: LengthPrediction | None, *, migration_id: str | None = None,
+                recompute: bool = False) -> DecodeRequest:
+        return DecodeRequest(request_id=gen.request_id, model=gen.model, prompt_token_ids=self.prompt_token_ids,
+                             output_token_ids=self.output_token_ids, fingerprint=self.fingerprint,
+                             sampling=gen.sampling.model_copy(update={"max_tokens": self.max_tokens}), kv=self.kv,
+                             deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt,
+                             priority=gen.priority, migration_id=migration_id, recompute=recompute)
 
 
 class _Placed:
@@ -285,12 +315,17 @@ class Dispatcher:
         try:
             if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
                 self.metrics.prefill_sites.labels("decode").inc()
-                with self._placed(local.worker_id, view.prompt_tokens) as placed:
-                    async for delta in self._relay(local.worker_id, Subjects.generate(local.worker_id), request,
-                                                   gen, stops, parent, "router.generate",
-                                                   _Progress(gen.sampling.max_tokens or 0)):
+                session = _DecodeSession([], [], gen.sampling.max_tokens or 0, local.fingerprint,
+                                         context_len=local.max_model_len)
+                placed = _Placed(self._backlog, local.worker_id, view.prompt_tokens)
+                try:
+                    async for delta in self._decode(gen, session, local.worker_id, (Subjects.generate(local.worker_id),
+                                                    request), stops, parent, _Progress(gen.sampling.max_tokens or 0),
+                                                    predicted):
                         placed.prompt_done()  # once the first token is out
                         yield delta
+                finally:
+                    placed.prompt_done()
                 return
             self.metrics.prefill_sites.labels("prefill").inc()
             with self._placed(prefill.worker_id, view.prompt_tokens):
@@ -313,27 +348,94 @@ class Dispatcher:
                 return
             if predicting is not None:
                 predicted, predicting = self._prediction_so_far(predicting), None
-            # its first token is out: a queue policy weighs only its overall deadline now
-            decode_view = replace(self._request_view(gen, len(result.prompt_token_ids), predicted, result.max_tokens),
-                                  ttft_slo_s=None)
-            decode = await self._admit("decode", decode_view, parent, fingerprint=result.fingerprint)
-            sampling = gen.sampling.model_copy(update={"max_tokens": result.max_tokens})
+            session = _DecodeSession(list(result.prompt_token_ids), list(result.first.token_ids), result.max_tokens,
+                                     result.fingerprint, result.kv)
+            decode = await self._admit("decode", self._decode_view(gen, session, predicted), parent,
+                                       fingerprint=result.fingerprint)
             progress = _Progress(result.max_tokens)
             progress.seen(first)
-            with self._placed(decode.worker_id, 0):
-                async for delta in self._relay(
-                        decode.worker_id, Subjects.worker("decode", decode.worker_id),
-                        DecodeRequest(request_id=gen.request_id, model=gen.model,
-                                      prompt_token_ids=result.prompt_token_ids, first_token=result.first.token_ids[0],
-                                      sampling=sampling, kv_transfer_params=result.kv_transfer_params,
-                                      fingerprint=result.fingerprint, deadline=gen.deadline,
-                                      predicted_length=predicted, cache_salt=gen.cache_salt,
-                                      priority=gen.priority),
-                        gen, stops, parent, "router.decode", progress):
-                    yield delta
+            async for delta in self._decode(gen, session, decode.worker_id, None, stops, parent, progress, predicted):
+                yield delta
         finally:
             if predicting is not None and not predicting.done():
                 predicting.cancel()
+
+    def _decode_view(self, gen: Generation, session: _DecodeSession, predicted: LengthPrediction | None) -> RequestView:
+        # its first token is out: a queue policy weighs only its overall deadline now
+        return replace(self._request_view(gen, len(session.prompt_token_ids), predicted, session.max_tokens),
+                       ttft_slo_s=None)
+
+    async def _decode(self, gen: Generation, session: _DecodeSession, worker_id: str,
+                      start: tuple[str, Message] | None, stops: StopFilter, parent: context.Context,
+                      progress: _Progress, predicted: LengthPrediction | None) -> AsyncIterator[TokenDelta]:
+        """The request's output from `worker_id` (reserved for it), which `start` (subject, request)
+        begins there or else a `DecodeRequest` of `session`, until it finishes; resumed on another decode
+        worker after a live migration's hand-over (`Migrated`) or when a worker dies or refuses."""
+        failovers, moved_from = 0, None
+        while True:
+            if start is None:
+                start = Subjects.worker("decode", worker_id), session.request(gen, predicted)
+            subject, request = start
+            handed: Migrated | None = None
+            leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
+            try:
+                async for item in self._relay(worker_id, subject, request, gen, stops, parent, _SPAN[subject.split(".")[1]],
+                                              progress):
+                    if isinstance(item, Migrated):
+                        handed = item
+                        break
+                    if item.prompt_token_ids is not None:
+                        session.started_with(item.prompt_token_ids)
+                        item = item.model_copy(update={"prompt_token_ids": None})
+                    session.output_token_ids += item.token_ids
+                    yield item
+                if handed is None:
+                    return
+            except (WorkerLost, ServiceUnavailable) as exc:
+                if not session.output_token_ids or failovers >= MAX_FAILOVERS or time.time() >= gen.deadline:
+                    raise
+                failovers += 1
+                if len(session.output_token_ids) > leg_tokens or session.kv_outputs != len(session.output_token_ids):
+                    session.kv = None  # what the handle lists is outdated: the new worker looks the store up
+                log.warning("request %s: %s; resuming it after %d tokens", gen.request_id, exc.message,
+                            len(session.output_token_ids))
+                self.metrics.resumes.labels("failover").inc()
+                trace.get_current_span(parent).add_event("decode failover", {"worker.id": worker_id,
+                                                                             "error": exc.code})
+                # a migration's target that failed before taking over: its source resumes
+                source = moved_from if len(session.output_token_ids) == leg_tokens else None
+                try:
+                    worker_id, moved_from = await self._resume_site(gen, session, source, parent, predicted), None
+                except MeshError:
+                    raise exc from None  # nowhere to go on: the original failure is the news
+            else:
+                if handed.output_tokens != len(session.output_token_ids):
+                    log.error("request %s: %s handed over after %d tokens but streamed %d; resuming from the store",
+                              gen.request_id, worker_id, handed.output_tokens, len(session.output_token_ids))
+                    handed = handed.model_copy(update={"kv": None})
+                self.metrics.resumes.labels("migrated").inc()
+                trace.get_current_span(parent).add_event("migrated", {"worker.id": worker_id, "target": handed.target,
+                                                                      "migration.id": handed.migration_id})
+                session.kv, session.kv_outputs = handed.kv, len(session.output_token_ids)
+                moved_from, worker_id = worker_id, handed.target
+                self.registry.reserve(worker_id)
+                start = Subjects.worker("decode", worker_id), session.request(
+                    gen, predicted, migration_id=handed.migration_id, recompute=handed.kv is None)
+                continue
+            finally:
+                self.registry.release(leg_worker)
+            start = None
+
+    async def _resume_site(self, gen: Generation, session: _DecodeSession, moved_from: str | None,
+                           parent: context.Context, predicted: LengthPrediction | None) -> str:
+        """Where a decode goes on after its worker failed: the source of a migration whose target
+        failed before it took over, else the dispatch policy's choice (reserved either way)."""
+        if moved_from is not None and any(w.worker_id == moved_from for w in self.registry.live("decode")):
+            self.registry.reserve(moved_from)
+            return moved_from
+        chosen = await self._admit("decode", self._decode_view(gen, session, predicted), parent,
+                                   fingerprint=session.fingerprint)
+        return chosen.worker_id
 
     async def _admit(self, role: str, view: RequestView, parent: context.Context,
                      fingerprint: str | None = None) -> WorkerInfo:
@@ -364,9 +466,11 @@ class Dispatcher:
             self.registry.release(worker_id)
 
     async def _relay(self, worker_id: str, subject: str, request: Message, gen: Generation, stops: StopFilter,
-                     parent: context.Context, span_name: str, progress: _Progress) -> AsyncIterator[TokenDelta]:
-        """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes;
-        meanwhile `progress` counts among the streams the worker decodes (for the stall bound).
+                     parent: context.Context, span_name: str,
+                     progress: _Progress) -> AsyncIterator[TokenDelta | Migrated]:
+        """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes
+        or the worker hands the request over (`Migrated`, the last item then); meanwhile `progress`
+        counts among the streams the worker decodes (for the stall bound).
 
         The worker is told to abort if the client leaves, the deadline passes, a stop string ends
         the text early, or a step breaks (a typed error from the worker means it already gave up).
@@ -380,6 +484,10 @@ class Dispatcher:
             with self.registry.watch(worker_id, replies.fail), self._decoding(worker_id, gen.request_id, progress):
                 previous_at = None  # of this relay's previous delta (its first follows a prompt or a KV load)
                 async for delta, _ in replies:
+                    if isinstance(delta, Migrated):
+                        finished = True  # nothing to abort: the source stopped it
+                        yield delta
+                        return
                     assert isinstance(delta, TokenDelta)
                     self.registry.heard_from(worker_id)
                     progress.seen(delta)

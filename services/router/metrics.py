@@ -34,4 +34,7 @@ class RouterMetrics:
                                 ["policy", "role", "outcome"], registry=r)
         self.queue_seconds = Histogram("llmesh_queue_wait_seconds", "Time a request waited in the router's queue "
                                        "for a worker with room", buckets=LATENCY_BUCKETS, registry=r)
+        self.resumes = Counter("llmesh_decode_resumes", "Decodes continued on another worker: migrated (a live "
+                               "migration's hand-over), failover (the worker died or refused; resumed from the "
+                               "KV in the store)", ["kind"], registry=r)
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, replace
 
 from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, WorkerLost
 from llmesh.messages import WorkerInfo
-from llmesh.policies import DispatchContext, Policy, PrefixIndex, RequestView, RunningRequest, WorkerView
+from llmesh.policies import DispatchContext, Policy, PrefixIndex, RequestView, WorkerView
 from llmesh.policies.baseline import least_loaded
 from llmesh.policies.core import fits_request
+from llmesh.views import worker_view
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class _Entry:
     def view(self) -> WorkerView:
         """What the policies see of this worker: its last heartbeat and what was sent it since."""
         if self.heartbeat_view is None:
-            self.heartbeat_view = _view(self.info)
+            self.heartbeat_view = worker_view(self.info)
         if not self.assigned and not self.released:
             return self.heartbeat_view
         # A finished request was either sent since the heartbeat or counted in it.
@@ -159,13 +160,3 @@ class WorkerRegistry:
         finally:
             entry.watchers.discard(notify)
 
-
-def _view(info: WorkerInfo) -> WorkerView:
-    return WorkerView(
-        worker_id=info.worker_id, role=info.role, model=info.model, fingerprint=info.fingerprint,
-        capacity=info.capacity, running=info.running, queued_tokens=info.queued_tokens,
-        state=info.state, generates=info.generates, kv_blocks_used=info.kv_blocks_used,
-        kv_blocks_total=info.kv_blocks_total, block_size=info.block_size,
-        prefill_tokens_per_s=info.prefill_tokens_per_s,
-        requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated, r.max_tokens, r.predicted_tokens,
-                                      r.priority) for r in info.requests))

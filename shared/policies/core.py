@@ -62,6 +62,7 @@ class RunningRequest:
     max_tokens: int  # output budget
     predicted_tokens: float | None = None
     priority: int = 0
+    migrating: bool = False  # being handed over to another worker
 
     def kv_blocks(self, block_size: int) -> int:
         """Blocks its KV fills now."""

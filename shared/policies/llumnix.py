@@ -5,14 +5,16 @@ request still waiting to run, plus a headroom for a high-priority request (so th
 stays away from it). An instance's freeness is F = (M − ΣV) / B: its total blocks M minus the
 virtual usage, per request in its batch B; a draining instance has infinite usage (F = −∞), so
 its requests are the first to move away. New requests go to the freest instance; the placement
-service pairs the least free instances (sources) with the freest (destinations) and migrates.
+service pairs the least free instances (sources) with the freest (destinations) and migrates
+the request cheapest to move from each source (`pick_migration`), and reads the cluster's average
+freeness as scaling advice (`scaling_advice`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmesh.policies.core import DispatchContext, Policy, WorkerView, lowest_cost_below
+from llmesh.policies.core import DispatchContext, Policy, RunningRequest, WorkerView, lowest_cost_below
 
 
 def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
@@ -62,3 +64,25 @@ def migration_pairs(workers: Sequence[WorkerView], source_below: float, destinat
         pairs.append((src, dst))
         used |= {src.worker_id, dst.worker_id}
     return pairs
+
+
+def pick_migration(source: WorkerView) -> RunningRequest | None:
+    """The request to move off `source`, as Llumnix chooses it: the least urgent priority first
+    (vLLM's convention: the highest number), then the fewest tokens (prompt and output so far:
+    the least KV to copy, and still its whole share of the batch freed); ties by id. Never one
+    already migrating, nor one whose prompt is not computed yet (it has no KV to hand over)."""
+    movable = [r for r in source.requests if not r.migrating and not r.prefilling]
+    return min(movable, key=lambda r: (-r.priority, r.prompt_tokens + r.generated, r.request_id), default=None)
+
+
+def scaling_advice(workers: Sequence[WorkerView], low: float, high: float, priority_headroom_blocks: int = 0) -> int:
+    """Llumnix's freeness band over the active decode workers that report their KV blocks: +1 (add an
+    instance) when their average freeness is below `low`, -1 (one can go) when above `high` and
+    more than one runs, else 0; 0 with none."""
+    active = [w for w in workers if w.role == "decode" and w.state == "active" and w.kv_blocks_total]
+    if not active:
+        return 0
+    average = sum(freeness(w, priority_headroom_blocks) for w in active) / len(active)
+    if average < low:
+        return 1
+    return -1 if average > high and len(active) > 1 else 0

@@ -61,6 +61,7 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
         "MESH_REQUEST_TIMEOUT_S": "120",
         "MESH_LENGTH_PREDICT_TIMEOUT_S": "10",  # the predictor shares 2 cores with two engines here
         "MESH_LENGTH_SAMPLE_FRACTION": "1",  # every request predicted (beside its prefill)
+        "MESH_PLACEMENT_BALANCE": "0",  # tests that place requests themselves; drains still migrate
     } | env
     work.mkdir(parents=True, exist_ok=True)
     launcher = Child("mesh", command, env=env, log_path=work / "launcher.log")

@@ -22,6 +22,7 @@ from llmesh.launcher import start_service
 from llmesh.messages import (
     DecodeRequest,
     KvFlush,
+    KvHandle,
     KvStats,
     KvStatsRequest,
     LengthPrediction,
@@ -328,10 +329,11 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
         bus = await Bus.connect(mesh.nats_url, "test-fingerprint")
         try:
             layout = {"block_size": 64, "model": MODEL}
+            kv = KvHandle(fingerprint="0" * 32, block_size=64, block_hashes=[], num_tokens=0, kv_layout=layout)
             replies = await bus.stream(Subjects.worker("decode", decode.worker_id), DecodeRequest(
-                request_id="fp-mismatch", model=MODEL, prompt_token_ids=[1, 2, 3], first_token=4,
-                sampling=SamplingOptions(max_tokens=2), kv_transfer_params={"kv_layout": layout},
-                fingerprint="0" * 32, deadline=time.time() + 10), deadline=time.time() + 10)
+                request_id="fp-mismatch", model=MODEL, prompt_token_ids=[1, 2, 3], output_token_ids=[4],
+                sampling=SamplingOptions(max_tokens=2), kv=kv, fingerprint="0" * 32, deadline=time.time() + 10),
+                deadline=time.time() + 10)
             with pytest.raises(KVFingerprintMismatch, match="block_size"):
                 async for _ in replies:
                     pass
@@ -381,8 +383,8 @@ async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worke
             await between()
         tokens = list(result.first.token_ids)
         replies = await bus.stream(Subjects.worker("decode", decode_worker), DecodeRequest(
-            request_id=request_id, model=MODEL, prompt_token_ids=result.prompt_token_ids, first_token=tokens[0],
-            sampling=sampling, kv_transfer_params=result.kv_transfer_params, fingerprint=result.fingerprint,
+            request_id=request_id, model=MODEL, prompt_token_ids=result.prompt_token_ids, output_token_ids=tokens[:1],
+            sampling=sampling, kv=result.kv, fingerprint=result.fingerprint,
             deadline=deadline, cache_salt=cache_salt), deadline=deadline)
         async for delta, _ in replies:
             tokens += delta.token_ids

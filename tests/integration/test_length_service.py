@@ -275,7 +275,7 @@ async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: f
     async def prefill(req, blob):
         seen.append(req)
         await asyncio.sleep(prefill_s)
-        return PrefillResult(prompt_token_ids=[1, 2, 3], max_tokens=4, kv_transfer_params={}, fingerprint="f" * 32,
+        return PrefillResult(prompt_token_ids=[1, 2, 3], max_tokens=4, fingerprint="f" * 32,
                              first=TokenDelta(text="a", token_ids=[7], prompt_tokens=3, completion_tokens=1))
 
     async def decode(req, blob):

@@ -156,7 +156,7 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
     async def prefill(req, blob):
         served.append(f"prefill {req.request_id}")
         await asyncio.sleep(1.0)
-        return PrefillResult(prompt_token_ids=req.prompt_token_ids, max_tokens=3, kv_transfer_params={},
+        return PrefillResult(prompt_token_ids=req.prompt_token_ids, max_tokens=3,
                              fingerprint="f" * 32, first=TokenDelta(text="a", token_ids=[7], prompt_tokens=100,
                                                                     completion_tokens=1))
 
@@ -208,7 +208,7 @@ async def _one_slot_workers(nats_url, prefill_s):
     async def prefill(req, blob):
         order.append(req.prompt)
         await asyncio.sleep(prefill_s)
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, kv_transfer_params={}, fingerprint="f" * 32,
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
                              first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
 
     async def decode(req, blob):
@@ -288,7 +288,7 @@ async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_ur
 
     async def prefill(req, blob):
         seen_by_workers.append(("prefill", req.priority))
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, kv_transfer_params={}, fingerprint="f" * 32,
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
                              first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
 
     async def decode(req, blob):
@@ -330,7 +330,7 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
     def prefill_on(name):
         async def prefill(req, blob):
             served.append((name, req.prompt[:6]))
-            return PrefillResult(prompt_token_ids=[1], max_tokens=1, kv_transfer_params={}, fingerprint="f" * 32,
+            return PrefillResult(prompt_token_ids=[1], max_tokens=1, fingerprint="f" * 32,
                                  first=TokenDelta(text="a", token_ids=[7], finish_reason="length", prompt_tokens=1,
                                                   completion_tokens=1))
         return prefill
@@ -348,6 +348,128 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
         first = served[0][0]
         assert [name for name, head in served if head == "You ar"] == [first] * 3
         assert served[2][0] != first  # no prefix in common: by load
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+# ---- resuming a decode elsewhere: live migration's hand-over, failover --------------------------------------
+
+
+async def _resumable_workers(nats_url, first_decode):
+    """A prefill worker (prompt [1, 2], first token 7, budget 6), the decode worker `first_decode`
+    (serving its first decode) and `dec-b` (recording every DecodeRequest it gets, then finishing)."""
+    from llmesh.messages import DecodeRequest, KvHandle, PrefillResult, TokenDelta
+
+    workers = await Bus.connect(nats_url, "fake-workers")
+    seen: list[tuple[str, DecodeRequest]] = []
+    handle = KvHandle(fingerprint="f" * 32, block_size=16, block_hashes=["h0"], num_tokens=2)
+
+    async def prefill(req, blob):
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=6, fingerprint="f" * 32, kv=handle,
+                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+
+    async def dec_b(req, blob):
+        seen.append(("dec-b", req))
+        done = len(req.output_token_ids)
+        for i in range(done, 6):
+            yield TokenDelta(text=str(i), token_ids=[10 + i], finish_reason="length" if i == 5 else None,
+                             prompt_tokens=2, completion_tokens=i + 1)
+
+    async def first(req, blob):
+        seen.append(("dec-a", req))
+        async for item in first_decode(req):
+            yield item
+
+    await workers.serve("mesh.prefill.pre", prefill)
+    await workers.serve("mesh.decode.dec-a", first)
+    await workers.serve("mesh.decode.dec-b", dec_b)
+    registry = WorkerRegistry(missed_heartbeats=1)
+    registry.on_heartbeat(info("pre"))
+    registry.on_heartbeat(info("dec-a", role="decode").model_copy(update={"heartbeat_s": 0.2}))
+    registry.on_heartbeat(info("dec-b", role="decode").model_copy(update={"running": 1}))  # the busier one
+    return workers, registry, seen, handle
+
+
+async def test_a_migrated_decode_goes_on_at_its_target_with_every_token_so_far(nats_url):
+    from llmesh.messages import KvHandle, Migrated, TokenDelta
+
+    moved = KvHandle(fingerprint="f" * 32, block_size=16, block_hashes=["h0"], num_tokens=3, tail_hash="t0")
+
+    async def hands_over(req):
+        yield TokenDelta(text="1", token_ids=[11], prompt_tokens=2, completion_tokens=2)
+        yield TokenDelta(text="2", token_ids=[12], prompt_tokens=2, completion_tokens=3)
+        yield Migrated(migration_id="m-1", target="dec-b", kv=moved, output_tokens=3)
+
+    workers, registry, seen, _ = await _resumable_workers(nats_url, hands_over)
+    bus, client = await _client(nats_url, registry)
+    try:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == "a12345"
+        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15]
+        (_, first), (_, resumed) = seen
+        assert first.output_token_ids == [7] and first.migration_id is None
+        assert resumed.output_token_ids == [7, 11, 12] and resumed.kv == moved and resumed.migration_id == "m-1"
+        assert resumed.prompt_token_ids == [1, 2] and resumed.sampling.max_tokens == 6
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+async def test_a_decode_whose_worker_dies_resumes_elsewhere_without_losing_or_repeating_tokens(nats_url):
+    from llmesh.messages import TokenDelta
+
+    async def dies(req):
+        yield TokenDelta(text="1", token_ids=[11], prompt_tokens=2, completion_tokens=2)
+        await asyncio.sleep(30)  # silent from here on, and no more heartbeats
+
+    workers, registry, seen, handle = await _resumable_workers(nats_url, dies)
+    expiry = asyncio.create_task(registry.run_expiry(0.05))
+    bus, client = await _client(nats_url, registry)
+    try:
+        started = time.monotonic()
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15]
+        assert time.monotonic() - started < 2  # dropped after one missed 0.2 s heartbeat
+        (_, first), (worker, resumed) = seen
+        assert first.kv == handle and worker == "dec-b"
+        assert resumed.output_token_ids == [7, 11] and resumed.kv is None  # the new worker looks the store up
+    finally:
+        expiry.cancel()
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+async def test_a_migration_target_gone_before_the_hand_over_sends_the_request_back_to_its_source(nats_url):
+    from llmesh.messages import KvHandle, Migrated, TokenDelta
+
+    moved = KvHandle(fingerprint="f" * 32, block_size=16, block_hashes=["h0"], num_tokens=2)
+    calls = []
+
+    async def hands_over_then_resumes(req):
+        calls.append(req)
+        if len(calls) == 1:
+            yield TokenDelta(text="1", token_ids=[11], prompt_tokens=2, completion_tokens=2)
+            yield Migrated(migration_id="m-2", target="dec-gone", kv=moved, output_tokens=2)
+            return
+        for i in range(2, 6):
+            yield TokenDelta(text=str(i), token_ids=[10 + i], finish_reason="length" if i == 5 else None,
+                             prompt_tokens=2, completion_tokens=i + 1)
+
+    workers, registry, seen, _ = await _resumable_workers(nats_url, hands_over_then_resumes)
+    registry.on_heartbeat(info("dec-gone", role="decode"))  # known, but nothing serves it any more
+    bus, client = await _client(nats_url, registry)
+    try:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15]
+        assert [w for w, _ in seen] == ["dec-a", "dec-a"]
+        assert calls[1].output_token_ids == [7, 11] and calls[1].kv == moved  # the hand-over's KV is still good
     finally:
         await client.aclose()
         await workers.close()

@@ -22,6 +22,7 @@ from llmesh.config import WorkerSettings
 from llmesh.launcher import SERVICES
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
+from llmesh_placement.settings import PlacementSettings
 from llmesh_router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,7 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "prefill-worker": WorkerSettings,
     "decode-worker": WorkerSettings,
     "router": RouterSettings,
+    "placement": PlacementSettings,
 }
 LLMESH_SERVICES = sorted(SETTINGS)
 EXPECTED_SERVICES = {"nats", "jaeger", *LLMESH_SERVICES}

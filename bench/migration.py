@@ -1,0 +1,173 @@
+"""Live-migration downtime against a recompute-based migration, in one run.
+
+    .venv/bin/python bench/migration.py [--models llmesh/tiny-llama llmesh/small-llama]
+                                        [--contexts 256 1024 2048 4096] [--repeats 3]
+
+For each model: starts the mesh (the `make run` launcher) and a second decode worker, then streams
+greedy requests through the router and, after a few tokens, migrates each one between the decode
+workers, alternating the mechanisms: `kv` (the mesh's: the target prefetches the stored blocks while
+the source decodes on; at the switch it loads what was generated since and computes one token) and
+`recompute` (the target computes the whole context again, as a migration without a KV store must).
+Downtime is what the client sees: the gap between the source's last token and the target's first
+(the longest gap after the hand-shake was accepted), also in decode steps (over the median gap
+before it). The hand-shake (prefetch included) runs while the source keeps streaming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from llmesh.bus import Bus
+from llmesh.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
+from llmesh.models import resolve_model
+
+OUTPUT_TOKENS = 40
+SWITCH_AT = 8  # the chunk after which the migration is commanded
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
+
+
+async def decode_workers(bus: Bus, count: int, timeout: float = 600) -> list[str]:
+    seen: set[str] = set()
+
+    async def on_heartbeat(info: WorkerInfo, blob) -> None:
+        if info.role == "decode":
+            seen.add(info.worker_id)
+
+    await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
+    give_up = time.monotonic() + timeout
+    while len(seen) < count:
+        assert time.monotonic() < give_up, f"{len(seen)} of {count} decode workers up"
+        await asyncio.sleep(0.5)
+    return sorted(seen)
+
+
+async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, workers: list[str], ids: list[int],
+                  recompute: bool) -> dict[str, float]:
+    stamps: list[float] = []
+    accepted_at = handshake_s = 0.0
+
+    async def migrate(request_id: str) -> None:
+        nonlocal accepted_at, handshake_s
+        give_up = time.monotonic() + 30
+        while time.monotonic() < give_up:
+            for source in workers:
+                target = next(w for w in workers if w != source)
+                sent = time.perf_counter()
+                outcome, _ = await bus.request(Subjects.migrate(source), MigrateCommand(
+                    migration_id=uuid.uuid4().hex, request_id=request_id, target=target, reason="bench",
+                    recompute=recompute), MigrateOutcome, timeout=30)
+                if outcome.accepted:
+                    accepted_at, handshake_s = time.perf_counter(), time.perf_counter() - sent
+                    return
+            await asyncio.sleep(0.005)
+        raise RuntimeError(f"no worker accepted migrating {request_id}")
+
+    async with http.stream("POST", f"{url}/v1/completions", json={
+            "model": model, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as resp:
+        resp.raise_for_status()
+        request_id = resp.headers["x-request-id"]
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                assert '"error"' not in line, line
+                stamps.append(time.perf_counter())
+                if len(stamps) == SWITCH_AT:
+                    await migrate(request_id)
+    assert len(stamps) == OUTPUT_TOKENS, f"{len(stamps)} chunks"
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    before = gaps[1 : SWITCH_AT - 1]
+    after = [(b - a, b) for a, b in zip(stamps, stamps[1:]) if b > accepted_at]
+    downtime = max(g for g, _ in after)
+    step = statistics.median(before)
+    return {"downtime_ms": 1e3 * downtime, "steps": downtime / step, "tpot_ms": 1e3 * step,
+            "handshake_ms": 1e3 * handshake_s}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
+
+
+async def bench_model(model: str, contexts: list[int], repeats: int, work: Path) -> list[dict]:
+    model_dir = Path.home() / ".cache" / "llmesh"
+    resolve_model(model, model_dir)
+    port, nats_port = free_port(), free_port()
+    max_len = str(max(contexts) + OUTPUT_TOKENS + 256)
+    env = {"MESH_MODEL": model, "MESH_MAX_MODEL_LEN": max_len, "MESH_MODEL_DIR": str(model_dir),
+           "MESH_REQUEST_TIMEOUT_S": "300", "MESH_PLACEMENT_BALANCE": "0"}  # only this script migrates
+    mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port", str(nats_port),
+                          "--logs", str(work / model.replace("/", "_"))], env=env, log_path=work / "launcher.log")
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    second = None
+    rows = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 600, [mesh])
+        # on the prefill engine's core (idle once the prompt is in): source and target one core each
+        second = start_service("decode-worker", env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "decode-bench",
+                                                       "MESH_CPU_CORES": "0"},
+                               work / f"decode-bench-{model.replace('/', '_')}.log")
+        bus = await Bus.connect(nats_url, "bench-migration")
+        workers = await decode_workers(bus, 2)
+        async with httpx.AsyncClient(timeout=300) as http:
+            await one_run(http, bus, url, model, workers, prompt_ids(300, 1), False)  # warm both paths
+            await one_run(http, bus, url, model, workers, prompt_ids(300, 2), True)
+            for context in contexts:
+                runs: dict[str, list[dict]] = {"kv": [], "recompute": []}
+                for rep in range(repeats):
+                    for mode in ("kv", "recompute"):
+                        ids = prompt_ids(context - SWITCH_AT, seed=10_000 * context + 2 * rep + (mode == "kv"))
+                        runs[mode].append(await one_run(http, bus, url, model, workers, ids, mode == "recompute"))
+                for mode, results in runs.items():
+                    row = {"model": model, "context": context, "mode": mode,
+                           **{k: [r[k] for r in results] for k in results[0]}}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        await bus.close()
+    finally:
+        if second is not None:
+            second.stop()
+        mesh.stop(30)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["llmesh/tiny-llama", "llmesh/small-llama"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[256, 1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="llmesh-bench-migration-"))
+    rows = []
+    for model in args.models:
+        rows += asyncio.run(bench_model(model, args.contexts, args.repeats, work))
+    print(f"\nmedian (min–max) of {args.repeats} migrations each; logs in {work}\n")
+    print("| model | context | migration | downtime ms | downtime in decode steps | TPOT ms | hand-shake ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['context']} | {r['mode']} | {spread(r['downtime_ms'])} | {spread(r['steps'])} | "
+              f"{spread(r['tpot_ms'])} | {spread(r['handshake_ms'])} |")
+    kv = {(r["model"], r["context"]): statistics.median(r["downtime_ms"]) for r in rows if r["mode"] == "kv"}
+    rc = {(r["model"], r["context"]): statistics.median(r["downtime_ms"]) for r in rows if r["mode"] == "recompute"}
+    print("\n| model | context | recompute / kv downtime |\n|---|---|---|")
+    for key in kv:
+        print(f"| {key[0]} | {key[1]} | {rc[key] / kv[key]:.1f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The operator's view of the placement service:
+
+    python -m llmesh_placement.cli [--nats URL] workers | requests | drain WORKER | migrate REQUEST [--to WORKER]
+
+Prints what the leading placement replica answers; exits 1 with the reason when a command fails
+or no placement service answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from llmesh.bus import Bus
+from llmesh.config import CommonSettings
+from llmesh.errors import MeshError, ServiceUnavailable, Timeout
+from llmesh.messages import PlacementRequest, PlacementStatus, Subjects
+from llmesh.policies.llumnix import freeness
+from llmesh.views import worker_view
+
+SCALING = {1: "add a decode instance (+1)", -1: "a decode instance can go (-1)", 0: "hold (0)"}
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(map(str, header)), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def workers_table(status: PlacementStatus) -> str:
+    rows = []
+    for info in status.workers:
+        view = worker_view(info)
+        kv = f"{info.kv_blocks_used}/{info.kv_blocks_total}" if info.kv_blocks_total else "-"
+        free = f"{freeness(view):.1f}" if info.kv_blocks_total and info.state == "active" else "-"
+        rows.append((info.worker_id, info.role, info.state, f"{info.running}/{info.capacity}", kv, free,
+                     len(info.requests)))
+    header = ("WORKER", "ROLE", "STATE", "RUNNING", "KV BLOCKS", "FREENESS", "REQUESTS")
+    lines = [table(header, rows) if rows else "no live workers", "",
+             f"leader {status.leader}; scaling advice: {SCALING.get(status.scaling, status.scaling)}"]
+    if status.decisions:
+        lines.append("decisions: " + ", ".join(f"{k}={n}" for k, n in sorted(status.decisions.items())))
+    return "\n".join(lines)
+
+
+def requests_table(status: PlacementStatus) -> str:
+    rows = [(r.request_id, info.worker_id, r.prompt_tokens, r.generated, r.max_tokens, r.priority,
+             "yes" if r.migrating else "")
+            for info in status.workers for r in info.requests]
+    if not rows:
+        return "no requests"
+    return table(("REQUEST", "WORKER", "PROMPT", "GENERATED", "MAX", "PRIORITY", "MIGRATING"), rows)
+
+
+async def ask(nats_url: str, request: PlacementRequest, timeout: float) -> PlacementStatus:
+    bus = await Bus.connect(nats_url, "placement-cli", connect_timeout=timeout)
+    try:
+        status, _ = await bus.request(Subjects.PLACEMENT, request, PlacementStatus, timeout=timeout)
+        return status
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmesh_placement.cli",
+                                     description="Ask the leading placement replica about workers and requests, "
+                                     "or have it drain a worker or move a request.")
+    parser.add_argument("--nats", default=None, help="NATS URL (default: MESH_NATS_URL or nats://127.0.0.1:4222)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the answer (default: 5; 20 for migrate, which waits for "
+                        "the hand-shake)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("workers", help="live workers, their load and freeness, and the scaling advice")
+    commands.add_parser("requests", help="requests the workers hold")
+    drain = commands.add_parser("drain", help="drain a worker: its requests move away, then it exits")
+    drain.add_argument("worker")
+    migrate = commands.add_parser("migrate", help="move a request to another decode worker now")
+    migrate.add_argument("request")
+    migrate.add_argument("--to", dest="target", default=None, help="the target worker (default: the freest)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)  # the bus's reconnect warnings are not the operator's business
+
+    request = {"workers": PlacementRequest(op="status"), "requests": PlacementRequest(op="status"),
+               "drain": PlacementRequest(op="drain", worker_id=getattr(args, "worker", None)),
+               "migrate": PlacementRequest(op="migrate", request_id=getattr(args, "request", None),
+                                           target=getattr(args, "target", None))}[args.command]
+    timeout = args.timeout or (20.0 if args.command == "migrate" else 5.0)
+    nats_url = args.nats or CommonSettings().nats_url
+    try:
+        status = asyncio.run(ask(nats_url, request, timeout))
+    except Timeout:
+        print(f"placement: no placement service answered on {Subjects.PLACEMENT} within {timeout:.0f}s "
+              "(none running, or none holds the leader lease)", file=sys.stderr)
+        return 1
+    except ServiceUnavailable as exc:
+        if exc.message.endswith(Subjects.PLACEMENT):  # no responders: nothing subscribes
+            print(f"placement: no placement service is running ({exc.message})", file=sys.stderr)
+        else:
+            print(f"placement: {exc.message}", file=sys.stderr)
+        return 1
+    except MeshError as exc:
+        print(f"placement: {exc.message}", file=sys.stderr)
+        return 1
+    if args.command == "workers":
+        print(workers_table(status))
+    elif args.command == "requests":
+        print(requests_table(status))
+    else:
+        print(status.message)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

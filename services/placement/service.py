@@ -1,0 +1,397 @@
+"""The placement loop and the operator's commands.
+
+Every replica tracks the workers' heartbeats; only the lease holder (`lease.py`) acts. Each period
+the leader, over the decode workers:
+- empties the draining ones: each of their requests goes to the freest active worker with room
+  (one command per request at a time; a refused one is tried again the next period);
+- balances load as Llumnix does: `migration_pairs` matches the least free workers with the
+  freest, and `pick_migration` chooses what moves; a request moved (or refused) is left alone
+  for `placement_cooldown_s`, and a worker party to a move takes no other until the move is done
+  and it has sent a heartbeat since;
+- publishes its scaling advice (Llumnix's freeness band) when it changes.
+Commands run as tasks, so one slow hand-shake does not hold the loop; each is traced, counted
+(`decisions`, Prometheus) and published as a `PlacementDecision`. Operator requests on
+`Subjects.PLACEMENT` are answered by the leader alone; unknown workers, requests or targets are
+`InvalidRequest` errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from itertools import groupby
+from typing import Any
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as PromCounter
+
+from llmesh import telemetry
+from llmesh.bus import Bus
+from llmesh.errors import InvalidRequest, MeshError, ServiceUnavailable
+from llmesh.messages import (
+    Ack,
+    DrainCommand,
+    Message,
+    MigrateCommand,
+    MigrateOutcome,
+    PlacementDecision,
+    PlacementRequest,
+    PlacementStatus,
+    Subjects,
+    WorkerInfo,
+)
+from llmesh.policies import RunningRequest, WorkerView
+from llmesh.policies.llumnix import freeness, migration_pairs, pick_migration, scaling_advice
+from llmesh.views import worker_view
+
+from .lease import LeaderLease
+from .settings import PlacementSettings
+
+log = logging.getLogger(__name__)
+
+MISSED_HEARTBEATS = 3  # a worker silent this many periods is forgotten
+DRAIN_TIMEOUT_S = 5.0
+FORGET_MOVES_S = 30.0  # past the cooldown, how long a finished move is remembered
+SCALING = {1: "up", -1: "down", 0: "hold"}
+
+
+@dataclass
+class _Worker:
+    info: WorkerInfo
+    seen_at: float  # when its last heartbeat came (the service's clock)
+
+
+@dataclass
+class _Move:
+    """A MigrateCommand this replica issued."""
+
+    command: MigrateCommand
+    source: str
+    issued_at: float
+    task: asyncio.Task[tuple[str, str]] | None = None  # -> (outcome, the source's reason)
+    done_at: float | None = None
+    accepted: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self.done_at is None
+
+
+class PlacementService:
+    def __init__(self, bus: Bus, settings: PlacementSettings, placement_id: str,
+                 clock: Callable[[], float] = time.monotonic):
+        self.placement_id = placement_id
+        self.settings = settings
+        self.decisions: Counter[str] = Counter()  # "<kind>/<outcome>" -> commands and advice since start
+        self.scaling = 0
+        self.registry = CollectorRegistry()
+        self._decision_counter = PromCounter("llmesh_placement_decisions", "Commands and scaling advice issued, "
+                                             "by kind and outcome", ["kind", "outcome"], registry=self.registry)
+        self._leader_gauge = Gauge("llmesh_placement_leader", "1 while this replica holds the leader lease",
+                                   registry=self.registry)
+        self._scaling_gauge = Gauge("llmesh_placement_scaling", "Scaling advice: +1 add a decode instance, -1 one "
+                                    "can go, 0 hold", registry=self.registry)
+        self._bus = bus
+        self._clock = clock
+        self._lease = LeaderLease(settings.redis_url, placement_id, settings.placement_lease_s, self._on_lease, clock)
+        self._leader_gauge.set(self._lease.held)
+        self._tracer = telemetry.tracer("llmesh.placement")
+        self._workers: dict[str, _Worker] = {}
+        self._draining: set[str] = set()  # drained by command (until their heartbeats say so too)
+        self._moves: dict[str, _Move] = {}  # by request id: the last command for it
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()  # run a period now
+
+    @classmethod
+    async def create(cls, bus: Bus, settings: PlacementSettings, placement_id: str,
+                     clock: Callable[[], float] = time.monotonic) -> PlacementService:
+        service = cls(bus, settings, placement_id, clock)
+        await bus.serve(Subjects.HEARTBEAT, service._on_heartbeat, traced=False)
+        await bus.serve(Subjects.PLACEMENT, service._on_command, span="placement command")
+        return service
+
+    @property
+    def leading(self) -> bool:
+        return self._lease.held
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Hold or wait for the lease, and place each period while leading, until `stop` is set."""
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._lease.run()), group.create_task(self._periods())]
+            await stop.wait()
+            for task in tasks:
+                task.cancel()
+
+    async def close(self) -> None:
+        """Cancel the commands in flight and give the lease up (once `run` has returned)."""
+        for task in [*self._tasks, *(m.task for m in self._moves.values() if m.task is not None)]:
+            task.cancel()
+        await self._lease.close()
+
+    def _on_lease(self, held: bool) -> None:
+        self._leader_gauge.set(held)
+        if held:
+            self._wake.set()  # act at once: the heartbeats are already known
+
+    async def _periods(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.placement_period_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            self.step()
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, info: Message, blob: memoryview) -> None:
+        if isinstance(info, WorkerInfo):
+            if info.worker_id not in self._workers:
+                log.info("worker %s (%s) joined", info.worker_id, info.role)
+            self._workers[info.worker_id] = _Worker(info, self._clock())
+
+    def step(self) -> None:
+        """One period: forget silent workers and old moves; as leader, empty the draining decode
+        workers, balance the others and advise on scaling."""
+        self._expire()
+        if not self._lease.held:
+            return
+        views = self._decode_views()
+        self._evacuate(views)
+        if self.settings.placement_balance:
+            self._balance(views)
+        self._advise(views)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for worker_id, worker in list(self._workers.items()):
+            if now - worker.seen_at > MISSED_HEARTBEATS * worker.info.heartbeat_s:
+                log.warning("worker %s missed %d heartbeats: forgotten", worker_id, MISSED_HEARTBEATS)
+                del self._workers[worker_id]
+                self._draining.discard(worker_id)
+        forget_after = self.settings.placement_cooldown_s + FORGET_MOVES_S
+        for request_id, move in list(self._moves.items()):
+            if move.done_at is not None and now - move.done_at > forget_after:
+                del self._moves[request_id]
+
+    def _decode_views(self) -> dict[str, WorkerView]:
+        """The decode workers as the policies see them: drained ones as draining, and the moves on
+        their way to each (not in its heartbeat yet) counted as assigned."""
+        pending = Counter(m.command.target for m in self._moves.values() if self._unsettled(m, m.command.target))
+        views = {}
+        for worker_id, worker in self._workers.items():
+            if worker.info.role == "decode":
+                view = replace(worker_view(worker.info), assigned=pending[worker_id])
+                views[worker_id] = replace(view, state="draining") if worker_id in self._draining else view
+        return views
+
+    def _seen_at(self, worker_id: str) -> float:
+        worker = self._workers.get(worker_id)
+        return worker.seen_at if worker is not None else float("-inf")
+
+    def _unsettled(self, move: _Move, worker_id: str) -> bool:
+        """`move` is in flight, or was accepted after `worker_id`'s last heartbeat (which then
+        does not show it yet)."""
+        return move.in_flight or (move.accepted and self._seen_at(worker_id) <= move.done_at)
+
+    def _movable(self, request: RunningRequest, holder: str, cooldown_s: float) -> bool:
+        """The loop may move `request` off `holder` now."""
+        if request.migrating or request.prefilling:
+            return False
+        move = self._moves.get(request.request_id)
+        return move is None or (not self._unsettled(move, holder)
+                                and self._clock() - move.issued_at >= cooldown_s)
+
+    def _destination(self, views: dict[str, WorkerView], source: WorkerView) -> WorkerView | None:
+        """The freest active decode worker with room that can take `source`'s requests (model, KV layout)."""
+        headroom = self.settings.placement_priority_headroom_blocks
+        fits = [v for v in views.values() if v.worker_id != source.worker_id and v.state == "active" and v.has_room
+                and (v.model, v.fingerprint) == (source.model, source.fingerprint)]
+        return min(fits, key=lambda v: (-freeness(v, headroom), v.worker_id), default=None)
+
+    def _evacuate(self, views: dict[str, WorkerView]) -> None:
+        """Move every request of the draining decode workers to the freest destination."""
+        for source in sorted((v for v in views.values() if v.state == "draining"), key=lambda v: v.worker_id):
+            for request in source.requests:
+                if not self._movable(request, source.worker_id, cooldown_s=0.0):
+                    continue
+                destination = self._destination(views, source)
+                if destination is None:
+                    break  # nowhere to go now: the next period tries again
+                self._start(request, views[source.worker_id], destination, "drain", views)
+
+    def _balance(self, views: dict[str, WorkerView]) -> None:
+        """Llumnix's load balancing, per model and KV layout, among the workers no move involves."""
+        unsettled = {w for m in self._moves.values() for w in (m.source, m.command.target) if self._unsettled(m, w)}
+        settled = sorted((v for v in views.values() if v.state == "active" and v.worker_id not in unsettled),
+                         key=lambda v: (v.model, v.fingerprint, v.worker_id))
+        s = self.settings
+        for _, group in groupby(settled, key=lambda v: (v.model, v.fingerprint)):
+            for source, destination in migration_pairs(list(group), s.placement_source_below,
+                                                       s.placement_destination_above,
+                                                       s.placement_priority_headroom_blocks):
+                if not destination.has_room:
+                    continue
+                movable = tuple(r for r in source.requests
+                                if self._movable(r, source.worker_id, s.placement_cooldown_s))
+                request = pick_migration(replace(source, requests=movable))
+                if request is not None:
+                    self._start(request, source, destination, "balance", views)
+
+    def _advise(self, views: dict[str, WorkerView]) -> None:
+        s = self.settings
+        advice = scaling_advice(list(views.values()), s.placement_scale_low, s.placement_scale_high,
+                                s.placement_priority_headroom_blocks)
+        if advice == self.scaling:
+            return
+        self.scaling = advice
+        self._scaling_gauge.set(advice)
+        self._count("scale", SCALING[advice])
+        reason = {1: "add a decode instance", -1: "a decode instance can go", 0: "hold"}[advice]
+        log.info("scaling advice: %s", reason)
+        self._spawn(self._announce(PlacementDecision(kind="scale", reason=reason, detail={
+            "advice": advice, "decode_workers": sum(v.state == "active" for v in views.values())})))
+
+    # ---- commands ------------------------------------------------------------------------------------------
+
+    def _start(self, request: RunningRequest, source: WorkerView, target: WorkerView, reason: str,
+               views: dict[str, WorkerView] | None = None) -> _Move:
+        """Send a MigrateCommand in its own task; count the request on `target` in `views` meanwhile."""
+        command = MigrateCommand(migration_id=uuid.uuid4().hex, request_id=request.request_id,
+                                 target=target.worker_id, reason=reason)
+        move = _Move(command, source.worker_id, self._clock())
+        self._moves[request.request_id] = move
+        move.task = asyncio.create_task(self._migrate(move))
+        if views is not None:
+            views[target.worker_id] = replace(target, requests=(*target.requests, request),
+                                              assigned=target.assigned + 1)
+            views[source.worker_id] = replace(source, requests=tuple(r for r in source.requests if r is not request))
+        return move
+
+    async def _migrate(self, move: _Move) -> tuple[str, str]:
+        """Run one MigrateCommand: its outcome ("accepted", "refused" or "error") and the reason given."""
+        cmd = move.command
+        attributes = {"migration.id": cmd.migration_id, "request.id": cmd.request_id, "migration.source": move.source,
+                      "migration.target": cmd.target, "migration.reason": cmd.reason}
+        with self._tracer.start_as_current_span("placement.migrate", kind=trace.SpanKind.CLIENT,
+                                                attributes=attributes) as span:
+            try:
+                outcome, _ = await self._bus.request(Subjects.migrate(move.source), cmd, MigrateOutcome,
+                                                     timeout=self.settings.placement_migrate_timeout_s)
+                result, reason = ("accepted" if outcome.accepted else "refused"), outcome.reason
+            except MeshError as exc:
+                result, reason = "error", exc.message
+                span.set_status(trace.StatusCode.ERROR, reason)
+            span.set_attributes({"migration.outcome": result, "migration.refusal": reason})
+        move.done_at, move.accepted = self._clock(), result == "accepted"
+        self._count("migrate", result)
+        log.info("migrate %s %s -> %s (%s): %s%s", cmd.request_id, move.source, cmd.target, cmd.reason, result,
+                 f": {reason}" if reason else "")
+        await self._announce(PlacementDecision(kind="migrate", reason=cmd.reason, detail={
+            "migration_id": cmd.migration_id, "request_id": cmd.request_id, "source": move.source,
+            "target": cmd.target, "outcome": result, "refusal": reason}))
+        return result, reason
+
+    def _count(self, kind: str, outcome: str) -> None:
+        self.decisions[f"{kind}/{outcome}"] += 1
+        self._decision_counter.labels(kind, outcome).inc()
+
+    async def _announce(self, decision: PlacementDecision) -> None:
+        try:
+            await self._bus.publish(Subjects.PLACEMENT_EVENTS, decision)
+        except Exception as exc:  # best effort: the decision is counted and logged anyway
+            log.warning("could not publish %s decision: %s", decision.kind, exc)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- operator commands -----------------------------------------------------------------------------------
+
+    async def _on_command(self, cmd: Message, blob: memoryview) -> PlacementStatus | None:
+        if not self._lease.held:
+            return None  # the leader answers
+        if not isinstance(cmd, PlacementRequest):
+            raise InvalidRequest(f"expected PlacementRequest, got {type(cmd).__name__}")
+        message = ""
+        if cmd.op == "drain":
+            message = await self.drain(cmd.worker_id)
+        elif cmd.op == "migrate":
+            message = await self.migrate(cmd.request_id, cmd.target)
+        return self.status(message)
+
+    def status(self, message: str = "") -> PlacementStatus:
+        workers = [w.info.model_copy(update={"state": "draining"}) if worker_id in self._draining else w.info
+                   for worker_id, w in sorted(self._workers.items())]
+        return PlacementStatus(leader=self.placement_id, workers=workers, decisions=dict(self.decisions),
+                               scaling=self.scaling, message=message)
+
+    async def drain(self, worker_id: str | None) -> str:
+        """Tell `worker_id` to take nothing new and exit once empty; the loop then moves a decode
+        worker's requests away (a prefill worker finishes its own)."""
+        worker = self._workers.get(worker_id or "")
+        if worker is None:
+            raise InvalidRequest(f"no live worker {worker_id!r}; live: {', '.join(sorted(self._workers)) or 'none'}",
+                                 param="worker_id")
+        info = worker.info
+        with self._tracer.start_as_current_span("placement.drain", kind=trace.SpanKind.CLIENT,
+                                                attributes={"worker.id": info.worker_id}) as span:
+            try:
+                await self._bus.request(Subjects.drain(info.worker_id), DrainCommand(exit=True), Ack,
+                                        timeout=DRAIN_TIMEOUT_S)
+            except MeshError as exc:
+                self._count("drain", "error")
+                span.set_status(trace.StatusCode.ERROR, exc.message)
+                raise type(exc)(f"{info.worker_id} did not take the drain: {exc.message}") from exc
+        self._draining.add(info.worker_id)
+        self._count("drain", "ok")
+        log.info("draining %s (%s, %d requests)", info.worker_id, info.role, len(info.requests))
+        await self._announce(PlacementDecision(kind="drain", reason="manual", detail={
+            "worker_id": info.worker_id, "role": info.role, "requests": len(info.requests)}))
+        self._wake.set()
+        if info.role == "prefill":
+            return f"{info.worker_id} drains: it finishes its {len(info.requests)} requests, then exits"
+        if self._destination(self._decode_views(), worker_view(info)) is None:
+            return (f"{info.worker_id} drains, but no other active decode worker has room: its "
+                    f"{len(info.requests)} requests stay until one has")
+        return f"{info.worker_id} drains: its {len(info.requests)} requests move to other decode workers, then it exits"
+
+    async def migrate(self, request_id: str | None, target: str | None) -> str:
+        """Move `request_id` to `target` (default: the freest other active decode worker with room)
+        now; the source's answer."""
+        views = self._decode_views()
+        source = next((v for v in views.values() if any(r.request_id == request_id for r in v.requests)), None)
+        if source is None:
+            elsewhere = next((w for w in self._workers.values()
+                              if any(r.request_id == request_id for r in w.info.requests)), None)
+            detail = f" (it is on {elsewhere.info.role} worker {elsewhere.info.worker_id})" if elsewhere else ""
+            raise InvalidRequest(f"no decode worker reports request {request_id!r}{detail}", param="request_id")
+        if target is None:
+            destination = self._destination(views, source)
+            if destination is None:
+                raise ServiceUnavailable(f"no other active decode worker with room can take {request_id}")
+        else:
+            destination = views.get(target)
+            problem = ("is not a live decode worker" if destination is None
+                       else "already holds the request" if destination is source
+                       else "is draining" if destination.state != "active"
+                       else "serves another model or KV layout"
+                       if (destination.model, destination.fingerprint) != (source.model, source.fingerprint) else "")
+            if problem:
+                raise InvalidRequest(f"target {target} {problem}", param="target")
+        previous = self._moves.get(request_id or "")
+        if previous is not None and previous.in_flight:
+            return f"{request_id} is already moving to {previous.command.target}"
+        request = next(r for r in source.requests if r.request_id == request_id)
+        move = self._start(request, source, destination, "manual")
+        result, reason = await asyncio.shield(move.task)
+        if result == "accepted":
+            return f"{request_id}: {source.worker_id} -> {destination.worker_id}: accepted"
+        return f"{request_id} stays on {source.worker_id} ({result}): {reason}"

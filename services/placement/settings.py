@@ -1,0 +1,46 @@
+from pydantic import Field, model_validator
+
+from llmesh.config import CommonSettings
+
+
+class PlacementSettings(CommonSettings):
+    """Named `placement_*`: `make run` gives every service the same environment (the kv-store
+    reads MESH_METRICS_PORT, for one). Freeness is Llumnix's: free KV blocks per request in the
+    batch (llmesh.policies.llumnix.freeness)."""
+
+    placement_id: str = Field("", description="This replica's name (the leader lease holds it); default: "
+                              "placement-<host>-<pid>.")
+    placement_period_s: float = Field(0.5, gt=0, description="How often the leader looks at the heartbeats and "
+                                      "issues migrations.")
+    placement_lease_s: float = Field(
+        2.0, gt=0, description="Leader lease in Redis (`MESH_REDIS_URL`), renewed every third of it; a standby "
+        "takes over about this long after the leader dies. Without Redis the replica leads alone.")
+    placement_balance: bool = Field(True, description="Migrate requests from the least free decode workers to "
+                                    "the freest (Llumnix's load balancing); drains migrate regardless.")
+    placement_source_below: float = Field(
+        10.0, description="A decode worker whose freeness is below this gives up a request: its requests can "
+        "grow by only about this many blocks each before it runs out of KV and preempts.")
+    placement_destination_above: float = Field(
+        30.0, description="... to one whose freeness is above this: the gap between the two keeps a move from "
+        "making the destination the next source.")
+    placement_priority_headroom_blocks: int = Field(
+        0, ge=0, description="Blocks counted beside each high-priority request (priority < 0) in freeness, as the "
+        "router's llumnix policy does.")
+    placement_cooldown_s: float = Field(5.0, ge=0, description="A request moved (or refused) for balance is not "
+                                        "moved again for this long (no ping-pong).")
+    placement_migrate_timeout_s: float = Field(15.0, gt=0, description="How long a migration's hand-shake may "
+                                               "take before it counts as failed.")
+    placement_scale_low: float = Field(10.0, description="Scaling advice: average freeness of the active decode "
+                                       "workers below this asks for one more (+1).")
+    placement_scale_high: float = Field(60.0, description="... above this, one of them can go (-1).")
+    placement_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
+    placement_metrics_port: int = Field(0, ge=0, description="Serve Prometheus /metrics on this port; 0: no HTTP "
+                                        "endpoint (decisions are counted in `status` too).")
+
+    @model_validator(mode="after")
+    def _bands_are_ordered(self) -> "PlacementSettings":
+        if self.placement_source_below > self.placement_destination_above:
+            raise ValueError("placement_source_below must not exceed placement_destination_above")
+        if self.placement_scale_low > self.placement_scale_high:
+            raise ValueError("placement_scale_low must not exceed placement_scale_high")
+        return self

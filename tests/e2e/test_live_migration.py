@@ -1,0 +1,288 @@
+"""Live migration, drain and failover of running requests on real engines, through the router.
+
+Two more decode workers join the mesh's: `decode-b` (writes its partial last block every step:
+`MESH_KV_DURABLE_TAIL`) and `decode-c`. Each request streams through the router while the test
+commands its worker (as the placement service does) and then checks the text against one
+monolithic vLLM engine's. Runs before test_mesh.py, whose last tests stop the mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from llmesh.bus import Bus
+from llmesh.launcher import start_service
+from llmesh.messages import (
+    Ack,
+    MigrateCommand,
+    MigrateOutcome,
+    MigratePrepare,
+    PlacementRequest,
+    PlacementStatus,
+    Subjects,
+)
+
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from .test_mesh import MODEL, disaggregated, live_worker, token_prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def decode_workers(mesh, model_dir):
+    """The mesh's decode worker, and two more started beside it (at once: engines load in parallel)."""
+    base = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_TRACE_DIR": str(mesh.trace_dir),
+            "MESH_REDIS_URL": os.environ.get("MESH_REDIS_URL", "")}
+    # on the prefill engine's core (idle here): one core each for the source and the target
+    extra = {"decode-b": {"MESH_KV_DURABLE_TAIL": "1", "MESH_CPU_CORES": "0"}, "decode-c": {"MESH_CPU_CORES": "0"}}
+    children = {wid: start_service("decode-worker", base | env | {"MESH_WORKER_ID": wid}, mesh.logs / f"{wid}.log")
+                for wid, env in extra.items()}
+    try:
+        first = asyncio.run(live_worker(mesh, "decode"))
+        give_up = time.monotonic() + 300
+        for wid, child in children.items():
+            while asyncio.run(live_worker(mesh, "decode", wid)) is None:
+                assert child.alive() and time.monotonic() < give_up, f"{wid} did not start"
+        mesh_decode = first.worker_id if first.worker_id not in extra else asyncio.run(other_decode(mesh, set(extra)))
+        for wid in extra:  # a first request with a long context on each: fresh engines start slowly
+            asyncio.run(disaggregated(mesh, token_prompt(700, seed=7), max_tokens=4, decode_worker=wid))
+        yield {"a": mesh_decode, "b": "decode-b", "c": "decode-c", "children": children}
+    finally:
+        for child in children.values():
+            child.stop()
+
+
+async def other_decode(mesh, exclude: set[str]) -> str:
+    while (info := await live_worker(mesh, "decode")).worker_id in exclude:
+        pass
+    return info.worker_id
+
+
+async def command(nats_url: str, subject: str, msg, reply_type, timeout: float = 20):
+    bus = await Bus.connect(nats_url, "test-placement")
+    try:
+        reply, _ = await bus.request(subject, msg, reply_type, timeout=timeout)
+        return reply
+    finally:
+        await bus.close()
+
+
+async def migrate(mesh, request_id: str, source: str, target: str, recompute: bool = False) -> MigrateOutcome:
+    return await command(mesh.nats_url, Subjects.migrate(source), MigrateCommand(
+        migration_id=uuid.uuid4().hex, request_id=request_id, target=target, recompute=recompute), MigrateOutcome)
+
+
+async def stream(mesh, ids: list[int], keep: int, on_token=None) -> str:
+    """Stream a long greedy completion through the router, calling `await on_token(n, request_id)`
+    after the n-th chunk (while the stream waits), and hang up after `keep` chunks; their text.
+    The request generates up to the context limit, so it outlives the commands sent meanwhile."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", f"{mesh.url}/v1/completions", json={
+                "model": MODEL, "prompt": ids, "max_tokens": MAX_MODEL_LEN - len(ids) - 8, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            request_id = resp.headers["x-request-id"]
+            text: list[str] = []
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text.append(event["choices"][0]["text"])
+                if on_token is not None:
+                    await on_token(len(text), request_id)
+                if len(text) == keep:
+                    return "".join(text)
+    raise AssertionError(f"the stream ended after {len(text)} chunks")
+
+
+def assert_exact(reference, ids: list[int], text: str, chunks: int) -> None:
+    """`text` (`chunks` stream chunks, a token or more each: deltas merge while a reader lags) and a
+    monolithic engine's output of twice as many tokens agree as far as both go."""
+    expected = reference.generate(2 * chunks, prompt_token_ids=ids)["text"]
+    common = min(len(text), len(expected))
+    assert common >= chunks // 2 and text[:common] == expected[:common], \
+        next((i, text[i - 40 : i + 20], expected[i - 40 : i + 20]) for i in range(common) if text[i] != expected[i])
+
+
+def resumes(mesh, request_id: str, count: int) -> list[tuple[str, int, str]]:
+    """(worker, output tokens it resumed after, where its KV came from) of each decode of the request
+    that resumed one (a hand-over or a failover), once `count` are written (spans go out in batches)."""
+    give_up = time.monotonic() + 15
+    while True:
+        found = sorted((a["worker.id"], a["decode.resumed_at"], a["decode.kv"]) for a in
+                       (span["attributes"] for span in mesh.spans())
+                       if a.get("request.id") == request_id and a.get("decode.resumed_at", 0) > 1)
+        if len(found) >= count or time.monotonic() > give_up:
+            return found
+        time.sleep(0.5)
+
+
+async def first_outcome(mesh, request_id: str, workers: dict, target: str) -> MigrateOutcome:
+    """The outcome from the worker that runs the request (the others do not know it)."""
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        for source in (workers["a"], workers["b"], workers["c"]):
+            outcome = await migrate(mesh, request_id, source, target)
+            if "not decoding" not in outcome.reason:
+                return outcome
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no worker runs {request_id}")
+
+
+async def move(mesh, request_id: str, workers: dict, target_for, recompute: bool = False) -> str:
+    """Migrate the request from whichever decode worker runs it to `target_for(source)`, retrying
+    until one accepts (the decode may not have started yet); the target."""
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        for source in (workers["a"], workers["b"], workers["c"]):
+            target = target_for(source)
+            outcome = await migrate(mesh, request_id, source, target, recompute)
+            if outcome.accepted or outcome.reason == "the target is the source":
+                return target
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no worker accepted migrating {request_id}")
+
+
+def elsewhere(there: str, back: str):
+    """Go to `there`, or to `back` from `there` (so that repeated moves go back and forth)."""
+    return lambda source: back if source == there else there
+
+
+# ---- exactness --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt_len", [BLOCK_SIZE - 3, BLOCK_SIZE - 1, 2 * BLOCK_SIZE, 700])
+def test_a_request_migrated_mid_stream_is_exact(mesh, reference, decode_workers, prompt_len):
+    """One hand-over a few tokens in: with prompts just under and on block boundaries, the switch
+    lands on and around them (the source stops at its next step after the hand-shake)."""
+    a, b = decode_workers["a"], decode_workers["b"]
+    ids = token_prompt(prompt_len, seed=prompt_len + 11)
+    moved = []
+
+    async def on_token(n, request_id):
+        if n == 2:
+            moved.append(await move(mesh, request_id, decode_workers, elsewhere(b, a)))
+
+    text = asyncio.run(stream(mesh, ids, 300, on_token))
+    assert moved
+    assert_exact(reference, ids, text, 300)
+
+
+def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_workers):
+    a, b = decode_workers["a"], decode_workers["b"]
+    ids = token_prompt(300, seed=303)
+    moved, request = [], []
+
+    async def on_token(n, request_id):
+        if n in (3, 120, 240):  # A -> B -> A -> B
+            moved.append(await move(mesh, request_id, decode_workers, elsewhere(b, a)))
+            request.append(request_id)
+
+    text = asyncio.run(stream(mesh, ids, 400, on_token))
+    assert len(moved) == 3 and moved[0] != moved[1] and moved[0] == moved[2]
+    assert_exact(reference, ids, text, 400)
+    hand_overs = resumes(mesh, request[0], 3)
+    assert len(hand_overs) == 3 and {kv for _, _, kv in hand_overs} == {"handle"}, hand_overs
+
+
+def test_a_refused_migration_leaves_the_request_running_exactly(mesh, reference, decode_workers):
+    a, b = decode_workers["a"], decode_workers["b"]
+    ids = token_prompt(200, seed=202)
+    outcomes = []
+
+    async def on_token(n, request_id):
+        if n == 2:
+            outcomes.append(await first_outcome(mesh, request_id, decode_workers, "decode-nowhere"))
+
+    text = asyncio.run(stream(mesh, ids, 40, on_token))
+    assert not outcomes[0].accepted and "refused" in outcomes[0].reason
+    assert_exact(reference, ids, text, 40)
+
+
+def test_a_target_that_fails_before_taking_over_hands_back_to_the_source(mesh, reference, decode_workers):
+    """The target agrees (and then is gone before the hand-over arrives): the source resumes."""
+    a, b = decode_workers["a"], decode_workers["b"]
+    ids = token_prompt(260, seed=262)
+
+    async def on_token(n, request_id):
+        if n == 2:
+            ghost = await Bus.connect(mesh.nats_url, "ghost-decode")
+            try:
+                async def agree(msg: MigratePrepare, blob):
+                    return Ack()
+                await ghost.serve(Subjects.migrate_in("decode-ghost"), agree)
+                outcome = await first_outcome(mesh, request_id, decode_workers, "decode-ghost")
+            finally:
+                await ghost.close()  # dies before the router hands the request over
+            assert outcome.accepted
+
+    text = asyncio.run(stream(mesh, ids, 40, on_token))
+    assert_exact(reference, ids, text, 40)
+
+
+def test_a_recompute_migration_gives_the_same_text(mesh, reference, decode_workers):
+    """The baseline the benchmark compares with: the target computes the context again."""
+    a, b = decode_workers["a"], decode_workers["b"]
+    ids = token_prompt(150, seed=151)
+
+    async def on_token(n, request_id):
+        if n == 2:
+            await move(mesh, request_id, decode_workers, elsewhere(b, a), recompute=True)
+
+    text = asyncio.run(stream(mesh, ids, 96, on_token))
+    assert_exact(reference, ids, text, 96)
+
+
+# ---- drain and failover (last: they stop decode-c and decode-b) -------------------------------------------
+
+
+def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference, decode_workers):
+    """`drain` through the placement service (the operator's CLI does the same): the worker takes
+    no new requests, placement migrates its running one away, and the worker exits cleanly."""
+    c = decode_workers["c"]
+    ids = token_prompt(400, seed=404)
+    drained = []
+
+    async def on_token(n, request_id):
+        if n == 2:
+            await move(mesh, request_id, decode_workers, lambda source: c)  # onto the worker to drain
+        if n == 100:
+            drained.append(await command(mesh.nats_url, Subjects.PLACEMENT,
+                                         PlacementRequest(op="drain", worker_id=c), PlacementStatus))
+
+    text = asyncio.run(stream(mesh, ids, 400, on_token))
+    assert drained
+    assert_exact(reference, ids, text, 400)
+    child = decode_workers["children"]["decode-c"]
+    child.proc.wait(30)
+    assert child.proc.returncode == 0
+
+
+def test_sigkill_of_a_decode_worker_mid_stream_resumes_from_the_store_exactly(mesh, reference, decode_workers):
+    """decode-b writes its partial last block every step: the worker that resumes the request
+    loads every token's KV but the last and computes only that, as on the dead worker."""
+    a, b = decode_workers["a"], decode_workers["b"]
+    ids = token_prompt(330, seed=333)
+    pid = decode_workers["children"]["decode-b"].pid
+    killed = []
+
+    async def on_token(n, request_id):
+        if n == 2:
+            await move(mesh, request_id, decode_workers, lambda source: b)
+        if n == 100:
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    text = asyncio.run(stream(mesh, ids, 300, on_token))
+    assert killed
+    assert_exact(reference, ids, text, 300)

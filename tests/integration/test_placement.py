@@ -1,0 +1,322 @@
+"""The placement service on a real nats-server and redis-server, with fake decode workers: only
+heartbeats and the migrate/drain subjects, recording the commands they get."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import pytest
+
+from llmesh.bus import Bus
+from llmesh.errors import InvalidRequest
+from llmesh.launcher import start_redis, start_service
+from llmesh.messages import (
+    Ack,
+    DrainCommand,
+    MigrateCommand,
+    MigrateOutcome,
+    PlacementDecision,
+    PlacementRequest,
+    PlacementStatus,
+    RequestProgress,
+    Subjects,
+    WorkerInfo,
+)
+from llmesh.policies.core import kv_blocks
+from llmesh_placement.cli import main as cli_main
+from llmesh_placement.service import PlacementService
+from llmesh_placement.settings import PlacementSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 16
+
+
+class FakeWorker:
+    """Heartbeats every 0.2 s; answers migrations (accepting: the request leaves its list) and drains."""
+
+    def __init__(self, bus: Bus, worker_id: str, requests: list[RequestProgress], role: str, accept: bool):
+        self.bus, self.worker_id, self.requests, self.role, self.accept = bus, worker_id, requests, role, accept
+        self.state = "active"
+        self.migrations: list[tuple[float, MigrateCommand]] = []
+        self.drains: list[DrainCommand] = []
+        self._beating: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True) -> FakeWorker:
+        """`requests`: (id, prompt tokens, generated, priority) of each."""
+        bus = await Bus.connect(nats_url, worker_id)
+        worker = cls(bus, worker_id, [RequestProgress(request_id=r, prompt_tokens=p, generated=g, max_tokens=512,
+                                                      priority=prio) for r, p, g, prio in requests], role, accept)
+        await bus.serve(Subjects.migrate(worker_id), worker._on_migrate)
+        await bus.serve(Subjects.drain(worker_id), worker._on_drain)
+        await bus.publish(Subjects.HEARTBEAT, worker.info())
+        worker._beating = asyncio.create_task(worker._beat())
+        return worker
+
+    def info(self) -> WorkerInfo:
+        used = sum(kv_blocks(r.prompt_tokens + r.generated, BLOCK) for r in self.requests)
+        return WorkerInfo(worker_id=self.worker_id, role=self.role, model="m", fingerprint="f" * 32,
+                          max_model_len=4096, running=len(self.requests), queued_tokens=0, capacity=8,
+                          heartbeat_s=0.2, state=self.state, kv_blocks_used=used, kv_blocks_total=100,
+                          block_size=BLOCK, requests=self.requests)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            await self.bus.publish(Subjects.HEARTBEAT, self.info())
+
+    async def _on_migrate(self, cmd: MigrateCommand, blob) -> MigrateOutcome:
+        self.migrations.append((time.monotonic(), cmd))
+        if self.accept:
+            self.requests = [r for r in self.requests if r.request_id != cmd.request_id]
+        return MigrateOutcome(migration_id=cmd.migration_id, request_id=cmd.request_id, source=self.worker_id,
+                              target=cmd.target, accepted=self.accept, reason="" if self.accept else "fake refuses")
+
+    async def _on_drain(self, cmd: DrainCommand, blob) -> Ack:
+        self.drains.append(cmd)
+        self.state = "draining"
+        await self.bus.publish(Subjects.HEARTBEAT, self.info())
+        return Ack()
+
+    def moved(self) -> list[tuple[str, str, str]]:
+        """(request, target, reason) of each command, in order."""
+        return [(c.request_id, c.target, c.reason) for _, c in self.migrations]
+
+    async def close(self) -> None:
+        self._beating.cancel()
+        await self.bus.close()
+
+
+@asynccontextmanager
+async def fakes(nats_url, *specs):
+    workers = [await FakeWorker.start(nats_url, *args, **kw) for args, kw in specs]
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            await worker.close()
+
+
+class Replica:
+    """A placement service in this process, stopped by `shut` (idempotent)."""
+
+    def __init__(self, bus: Bus, service: PlacementService):
+        self.bus, self.service = bus, service
+        self._stop = asyncio.Event()
+        self._running = asyncio.create_task(service.run(self._stop))
+
+    async def shut(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            await asyncio.wait_for(self._running, 5)
+            await self.service.close()
+            await self.bus.close()
+
+
+@asynccontextmanager
+async def placement(nats_url, placement_id, redis_url="", **settings):
+    bus = await Bus.connect(nats_url, placement_id)
+    service = await PlacementService.create(bus, PlacementSettings(
+        nats_url=nats_url, redis_url=redis_url, placement_id=placement_id, **settings), placement_id)
+    replica = Replica(bus, service)
+    try:
+        yield replica
+    finally:
+        await replica.shut()
+
+
+async def until(predicate, timeout, step=0.02):
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < give_up, f"not within {timeout}s"
+        await asyncio.sleep(step)
+
+
+async def ask(bus, **request) -> PlacementStatus:
+    status, _ = await bus.request(Subjects.PLACEMENT, PlacementRequest(**request), PlacementStatus, timeout=5)
+    return status
+
+
+@pytest.fixture
+def redis_url():
+    child, url = start_redis()
+    try:
+        yield url
+    finally:
+        child.stop()
+
+
+# ---- (a) one leader --------------------------------------------------------------------------------------------
+
+
+async def test_exactly_one_leader_and_the_standby_takes_over(nats_url, redis_url):
+    async with placement(nats_url, "lead-a", redis_url) as a, placement(nats_url, "lead-b", redis_url) as b:
+        await until(lambda: a.service.leading or b.service.leading, 2)
+        first, second = (a, b) if a.service.leading else (b, a)
+        for _ in range(20):  # over about three renewals
+            assert (first.service.leading, second.service.leading) == (True, False)
+            await asyncio.sleep(0.05)
+        client = await Bus.connect(nats_url, "lead-client")
+        try:
+            assert (await ask(client, op="status")).leader == first.service.placement_id
+        finally:
+            await client.close()
+        stopped = time.monotonic()
+        await first.shut()  # gives the lease up: the other leads at its next try
+        await until(lambda: second.service.leading, second.service.settings.placement_lease_s / 3 + 0.5)
+        print(f"takeover after a clean stop: {time.monotonic() - stopped:.2f}s")
+
+
+async def test_a_leader_that_loses_redis_stops_leading(nats_url):
+    redis, url = start_redis()
+    try:
+        async with placement(nats_url, "lonely", url, placement_lease_s=1.0) as replica:
+            await until(lambda: replica.service.leading, 2)
+            redis.kill()
+            lost = time.monotonic()
+            await until(lambda: not replica.service.leading, 1.0)  # before its lease could pass to anyone else
+            print(f"stood down {time.monotonic() - lost:.2f}s after Redis died")
+    finally:
+        redis.stop()
+
+
+async def test_without_redis_a_replica_leads_alone(nats_url):
+    async with placement(nats_url, "alone") as replica:
+        assert replica.service.leading
+
+
+async def test_a_killed_leader_is_replaced_and_commands_resume_within_3s(nats_url, redis_url, tmp_path):
+    """Real processes: the leader is SIGKILLed (no lease given up); the standby takes over when the
+    lease runs out and issues the next drain command."""
+    async with fakes(nats_url, (("kill-src", [("k1", 100, 5, 0)]), {"accept": False}),
+                     (("kill-dst",), {})) as (src, dst):
+        src.state = "draining"  # its request is moved (and refused) every period
+        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url}
+        children = {pid: start_service("placement", env | {"MESH_PLACEMENT_ID": pid}, tmp_path / f"{pid}.log")
+                    for pid in ("proc-a", "proc-b")}
+        client = await Bus.connect(nats_url, "kill-client")
+        try:
+            await until(lambda: src.migrations, 15, step=0.1)
+            leader = (await ask(client, op="status")).leader
+            standby = next(pid for pid in children if pid != leader)
+            children[leader].kill()
+            killed = time.monotonic()
+            await until(lambda: src.migrations[-1][0] > killed + 0.1, 3.5)
+            resumed = src.migrations[-1][0] - killed
+            assert resumed < 3.0, f"commands resumed {resumed:.2f}s after the leader died"
+            assert (await ask(client, op="status")).leader == standby
+            assert all(reason == "drain" and target == "kill-dst" for _, target, reason in src.moved())
+            print(f"commands resumed {resumed:.2f}s after the leader was killed")
+        finally:
+            await client.close()
+            for child in children.values():
+                child.stop()
+
+
+# ---- (b) load balancing -------------------------------------------------------------------------------------------
+
+
+async def test_skewed_load_moves_the_cheapest_request_to_the_freest_worker_once_per_cooldown(nats_url):
+    # busy: 76 + 7 + 2 of 100 blocks for 3 requests, freeness 5; idle: 100; mid: 74
+    busy_requests = [("big", 1200, 1, 0), ("small", 100, 10, 0), ("urgent", 20, 1, -1)]
+    async with fakes(nats_url, (("bal-busy", busy_requests), {"accept": False}), (("bal-idle",), {}),
+                     (("bal-mid", [("m", 400, 1, 0)]), {})) as (busy, idle, mid):
+        events = []
+        watcher = await Bus.connect(nats_url, "bal-events")
+
+        async def on_event(decision, blob):
+            events.append(decision)
+
+        await watcher.serve(Subjects.PLACEMENT_EVENTS, on_event)
+        try:
+            async with placement(nats_url, "bal", placement_cooldown_s=3.0) as replica:
+                await until(lambda: busy.migrations, 3)
+                first_at = busy.migrations[0][0]
+                await asyncio.sleep(1.6)
+        finally:
+            await watcher.close()
+        moved = busy.moved()
+        assert moved[0] == ("small", "bal-idle", "balance")  # least urgent, then fewest tokens
+        assert [m[0] for m in moved].count("small") == 1  # refused, and not asked again within the cooldown
+        assert moved[1][0] == "big"  # the next candidate; the urgent one last
+        assert busy.migrations[1][0] - first_at >= 0.4  # one in flight per source, one per period
+        assert not idle.migrations and not mid.migrations
+        assert replica.service.decisions["migrate/refused"] == len(moved)
+        assert any(isinstance(e, PlacementDecision) and e.kind == "migrate" and e.reason == "balance"
+                   and e.detail["request_id"] == "small" and e.detail["outcome"] == "refused" for e in events)
+
+
+# ---- (c) drain -----------------------------------------------------------------------------------------------------
+
+
+async def test_drain_moves_every_request_away_and_manual_migration(nats_url):
+    async with fakes(nats_url, (("dr-src", [("r1", 50, 2, 0), ("r2", 60, 1, 0), ("r3", 40, 9, 1)]), {}),
+                     (("dr-dst", [("m1", 30, 3, 0)]), {}), (("dr-pre", [("p1", 30, 0, 0)]), {"role": "prefill"})
+                     ) as (src, dst, pre):
+        client = await Bus.connect(nats_url, "dr-client")
+        try:
+            async with placement(nats_url, "dr") as replica:
+                await until(lambda: len(replica.service.status().workers) == 3, 2)
+                with pytest.raises(InvalidRequest, match="no live worker 'nope'"):
+                    await ask(client, op="drain", worker_id="nope")
+                with pytest.raises(InvalidRequest, match="no decode worker reports request 'nope'"):
+                    await ask(client, op="migrate", request_id="nope")
+                with pytest.raises(InvalidRequest, match="prefill worker dr-pre"):
+                    await ask(client, op="migrate", request_id="p1")
+                with pytest.raises(InvalidRequest, match="target dr-dst already holds"):
+                    await ask(client, op="migrate", request_id="m1", target="dr-dst")
+
+                status = await ask(client, op="migrate", request_id="m1")  # default target: the only other
+                assert status.message == "m1: dr-dst -> dr-src: accepted"
+                assert dst.moved() == [("m1", "dr-src", "manual")]
+
+                status = await ask(client, op="drain", worker_id="dr-src")
+                assert src.drains == [DrainCommand(exit=True)]
+                assert "its 3 requests move" in status.message
+                assert next(w for w in status.workers if w.worker_id == "dr-src").state == "draining"
+                await until(lambda: len(src.migrations) == 3, 2)
+                await asyncio.sleep(0.6)  # a period more: nothing is sent twice
+                assert sorted(src.moved()) == [("r1", "dr-dst", "drain"), ("r2", "dr-dst", "drain"),
+                                               ("r3", "dr-dst", "drain")]
+                status = await ask(client, op="status")
+                assert (status.decisions["migrate/accepted"], status.decisions["drain/ok"]) == (4, 1)
+                assert "migrate/refused" not in status.decisions and "migrate/error" not in status.decisions
+        finally:
+            await client.close()
+
+
+# ---- (d) the CLI -----------------------------------------------------------------------------------------------------
+
+
+async def cli(nats_url, *args):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmesh_placement.cli", "--nats", nats_url, *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_prints_workers_and_requests(nats_url, capsys):
+    async with fakes(nats_url, (("cli-a", [("q1", 300, 4, 0), ("q2", 20, 1, 2)]), {}), (("cli-b",), {})):
+        async with placement(nats_url, "cli-leader", placement_balance=False):
+            await asyncio.sleep(0.3)
+            (rc_w, workers, _), (rc_r, requests, _) = await asyncio.gather(cli(nats_url, "workers"),
+                                                                           cli(nats_url, "requests"))
+            # the errors in this process (a thread: the service runs on this loop), to spare a start-up
+            rc_unknown = await asyncio.to_thread(cli_main, ["--nats", nats_url, "migrate", "nope"])
+            unknown = capsys.readouterr().err
+        rc_gone = await asyncio.to_thread(cli_main, ["--nats", nats_url, "--timeout", "1", "workers"])
+        gone = capsys.readouterr().err
+    print(workers, requests, sep="\n")
+    assert rc_w == 0 and "leader cli-leader" in workers
+    assert "scaling advice: a decode instance can go (-1)" in workers  # freeness 39.5 and 100: above 60 on average
+    header, a, b = [line.split() for line in workers.splitlines()[:3]]
+    assert header[:3] == ["WORKER", "ROLE", "STATE"]
+    assert a[:5] == ["cli-a", "decode", "active", "2/8", "21/100"] and b[0] == "cli-b"
+    assert rc_r == 0 and [line.split()[:2] for line in requests.splitlines()[1:]] == [["q1", "cli-a"], ["q2", "cli-a"]]
+    assert rc_unknown == 1 and "no decode worker reports request 'nope'" in unknown
+    assert rc_gone == 1 and "no placement service is running" in gone
