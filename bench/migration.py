@@ -33,7 +33,7 @@ from llmesh.launcher import Child, free_port, start_service, wait_healthy
 from llmesh.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
 from llmesh.models import resolve_model
 
-OUTPUT_TOKENS = 40
+OUTPUT_TOKENS = 160  # long enough to outlive the hand-shake (the target prefetches meanwhile)
 SWITCH_AT = 8  # the chunk after which the migration is commanded
 
 
@@ -85,11 +85,11 @@ async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, worke
         request_id = resp.headers["x-request-id"]
         async for line in resp.aiter_lines():
             if line.startswith("data: {"):
-                assert '"error"' not in line, line
+                assert "error" not in json.loads(line[6:]), line
                 stamps.append(time.perf_counter())
                 if len(stamps) == SWITCH_AT:
                     await migrate(request_id)
-    assert len(stamps) == OUTPUT_TOKENS, f"{len(stamps)} chunks"
+    assert len(stamps) > SWITCH_AT + 1, f"{len(stamps)} chunks"  # (a lagging reader gets merged deltas)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     before = gaps[1 : SWITCH_AT - 1]
     after = [(b - a, b) for a, b in zip(stamps, stamps[1:]) if b > accepted_at]
