@@ -60,7 +60,8 @@ async def decode_workers(bus: Bus, count: int, timeout: float = 600) -> list[str
 async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, workers: list[str], ids: list[int],
                   recompute: bool) -> dict[str, float]:
     stamps: list[float] = []
-    accepted_at = handshake_s = 0.0
+    accepted_at = handshake_s = sent_at = 0.0
+    commanding: asyncio.Task | None = None
 
     async def migrate(request_id: str) -> None:
         nonlocal accepted_at, handshake_s
@@ -87,12 +88,14 @@ async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, worke
             if line.startswith("data: {"):
                 assert "error" not in json.loads(line[6:]), line
                 stamps.append(time.perf_counter())
-                if len(stamps) == SWITCH_AT:
-                    await migrate(request_id)
+                if len(stamps) == SWITCH_AT:  # from a task: the reader's own stamps must not wait on it
+                    sent_at = time.perf_counter()
+                    commanding = asyncio.create_task(migrate(request_id))
+    await commanding
     assert len(stamps) > SWITCH_AT + 1, f"{len(stamps)} chunks"  # (a lagging reader gets merged deltas)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     before = gaps[1 : SWITCH_AT - 1]
-    after = [(b - a, b) for a, b in zip(stamps, stamps[1:]) if b > accepted_at]
+    after = [(b - a, b) for a, b in zip(stamps, stamps[1:]) if b > sent_at]  # the switch follows the command
     downtime = max(g for g, _ in after)
     step = statistics.median(before)
     return {"downtime_ms": 1e3 * downtime, "steps": downtime / step, "tpot_ms": 1e3 * step,
