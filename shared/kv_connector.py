@@ -219,18 +219,13 @@ class MeshKVConnector(KVConnectorBase_V1):
         return self._plan_load(request, ours, min(matched * self._block_size, len(loadable)), num_computed_tokens)
 
     def _stored_run(self, request: Request, hashes: list[str]) -> int:
-        """How many of `hashes`, from the first, the store holds in every layer."""
+        """How many of `hashes`, from the first, the store holds in every layer (0 if it cannot say)."""
         assert self._lookup is not None
-        if not hashes:
-            return 0
-        layers = range(self._layout["num_layers"])
         try:
-            found = self._lookup.client.contains([chunk_key(h, layer) for h in hashes for layer in layers])
+            return self._lookup.client.stored_run(hashes, self._layout["num_layers"])
         except MeshError as exc:
             log.warning("request %s: KV lookup failed (%s); computing it", request.request_id, exc)
             return 0
-        per_block = [all(found[i : i + len(layers)]) for i in range(0, len(found), len(layers))]
-        return per_block.index(False) if False in per_block else len(per_block)
 
     def _match_stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prefill: the prompt's leading full blocks that any instance already stored (every
@@ -454,33 +449,35 @@ class MeshKVConnector(KVConnectorBase_V1):
     def _export(self, transfer: BlockTransfer) -> None:
         """Copy a stopped request's blocks out and put them (not waited for: its blocks are freed
         once copied; whoever needs them waits for the keys in the store)."""
-        ids = torch.tensor(transfer.block_ids, dtype=torch.long)
         for name, cache in self._kv_caches.items():
-            rows = cache[ids.to(cache.device)].cpu().contiguous().view(torch.uint8).reshape(len(ids), -1).numpy()
-            keys = [chunk_key(h, _layer_index(name)) for h in transfer.hashes]
-            future = self._kv.put(keys, list(rows), pin_s=self._pin_s, trace_context=telemetry.extract(transfer.trace))
-            self._write_behind_puts.append((future, transfer.req_id))
+            self._put_copies(cache, transfer, _layer_index(name), pin_s=self._pin_s)
         self._exported.add(transfer.req_id)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         assert self._kv is not None
         layer = _layer_index(layer_name)
         for transfer in self._meta().saves:
-            keys = [chunk_key(h, layer) for h in transfer.hashes]
-            trace = telemetry.extract(transfer.trace)
             if self._is_producer:
                 # The step waits for these puts (`wait_for_save`), so the blocks stay as they are:
                 # the transfer thread gathers them straight into the buffers they are sent from.
+                keys = [chunk_key(h, layer) for h in transfer.hashes]
                 block_bytes = kv_layer[0].numel() * kv_layer.element_size()
                 future = self._kv.put_filled(keys, [block_bytes] * len(keys),
                                              partial(_gather, kv_layer, transfer.block_ids),
-                                             pin_s=self._pin_s, trace_context=trace)
+                                             pin_s=self._pin_s, trace_context=telemetry.extract(transfer.trace))
                 self._pending_puts.append((future, transfer.req_id))
             else:  # write-behind is not waited for: copy the blocks now, they may be reused later
-                ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=kv_layer.device)
-                rows = kv_layer[ids].cpu().contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()
-                future = self._kv.put(keys, list(rows), pin_s=0.0, trace_context=trace)
-                self._write_behind_puts.append((future, transfer.req_id))
+                self._put_copies(kv_layer, transfer, layer, pin_s=0.0)
+
+    def _put_copies(self, cache: torch.Tensor, transfer: BlockTransfer, layer: int, pin_s: float) -> None:
+        """Copy `transfer`'s blocks of one layer out of `cache` and put them without waiting (the
+        puts are reaped later), so the blocks may be reused or freed at once."""
+        assert self._kv is not None
+        ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=cache.device)
+        rows = cache[ids].cpu().contiguous().view(torch.uint8).reshape(len(ids), -1).numpy()
+        future = self._kv.put([chunk_key(h, layer) for h in transfer.hashes], list(rows), pin_s=pin_s,
+                              trace_context=telemetry.extract(transfer.trace))
+        self._write_behind_puts.append((future, transfer.req_id))
 
     def wait_for_save(self) -> None:
         """Prefill: the step ends once its KV is stored (decode may load it next). Decode's

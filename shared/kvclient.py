@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from llmesh import telemetry
 from llmesh.bus import Bus
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
-from llmesh.kvkeys import INDEX_KEY, decode_entry
+from llmesh.kvkeys import INDEX_KEY, chunk_key, decode_entry
 from llmesh.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
 from llmesh.messages import KvDiscover, KvShardInfo, Subjects, decode
 
@@ -466,6 +466,14 @@ class KvClient:
             for i, f in zip(idx, got):
                 found[i] = f
         return found
+
+    def stored_run(self, block_hashes: Sequence[str], num_layers: int) -> int:
+        """How many of `block_hashes`, from the first, the store holds in every layer."""
+        if not block_hashes:
+            return 0
+        found = self.contains([chunk_key(h, layer) for h in block_hashes for layer in range(num_layers)])
+        blocks = [all(found[i : i + num_layers]) for i in range(0, len(found), num_layers)]
+        return blocks.index(False) if False in blocks else len(blocks)
 
     def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
         values: list[memoryview | None] = [None] * len(keys)

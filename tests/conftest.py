@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llmesh.launcher import start_nats  # noqa: E402
+from llmesh.launcher import start_nats, start_redis  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +26,16 @@ def nats_url(tmp_path_factory):
 def small_payload_nats_url(tmp_path_factory):
     """A server whose max_payload forces KV transfers to be split."""
     child, url = start_nats(tmp_path_factory.mktemp("nats-small"), max_payload="128KB")
+    try:
+        yield url
+    finally:
+        child.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A redis-server (in memory) for one test module."""
+    child, url = start_redis()
     try:
         yield url
     finally:

@@ -33,7 +33,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
 from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory
-from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, chunk_key, tail_hash
+from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
 from llmesh.messages import (
     Ack,
     DecodeRequest,
@@ -97,10 +97,7 @@ class DecodeService:
                                      prompt_tokens=len(req.prompt_token_ids), max_tokens=total,
                                      predicted=req.predicted_length, generated=done, priority=req.priority,
                                      migration_id=req.migration_id) as held:
-            held.token_ids = [*req.prompt_token_ids, *req.output_token_ids]
-            held.cache_salt = req.cache_salt
-            held.tail_id = f"{self.worker.worker_id}/{req.request_id}/{done}/{uuid.uuid4().hex[:8]}"
-            held.engine_request_id = f"decode-{held.tail_id}"
+            self._name_admission(held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt)
             params = sampling_params(req.sampling, max_tokens=total - done,
                                      kv_transfer_params=kv_params | {"tail_id": held.tail_id},
                                      output_kind=RequestOutputKind.DELTA)
@@ -119,10 +116,7 @@ class DecodeService:
         async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids) + max_tokens,
                                      prompt_tokens=len(token_ids), max_tokens=max_tokens,
                                      predicted=req.predicted_length, priority=req.priority) as held:
-            held.token_ids = list(token_ids)
-            held.cache_salt = req.cache_salt
-            held.tail_id = f"{self.worker.worker_id}/{req.request_id}/0/{uuid.uuid4().hex[:8]}"
-            held.engine_request_id = f"generate-{held.tail_id}"
+            self._name_admission(held, "generate", list(token_ids), req.cache_salt)
             params = sampling_params(req.sampling, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
                                      kv_transfer_params={"save_prompt": True, "tail_id": held.tail_id})
             self.worker.prefill_meter.started()  # its prompt's KV goes to the store too
@@ -162,6 +156,13 @@ class DecodeService:
                                  prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)
+
+    def _name_admission(self, held: HeldRequest, kind: str, token_ids: list[int], cache_salt: str | None) -> None:
+        """What a migration needs of the engine request `held` starts: its tokens so far and salt, its
+        engine id, and the unique id its exported blocks are named by."""
+        held.token_ids, held.cache_salt = token_ids, cache_salt
+        held.tail_id = f"{self.worker.worker_id}/{held.request_id}/{held.generated}/{uuid.uuid4().hex[:8]}"
+        held.engine_request_id = f"{kind}-{held.tail_id}"
 
     def _check_layout(self, fingerprint: str, layout: dict[str, Any] | None) -> None:
         if fingerprint != self.worker.fingerprint:
@@ -259,17 +260,12 @@ class DecodeService:
         return self._store
 
     async def _stored_run(self, hashes: list[str]) -> int:
-        """How many of `hashes`, from the first, the store holds in every layer."""
-        if not hashes:
-            return 0
-        keys = [chunk_key(h, layer) for h in hashes for layer in range(self.layers)]
+        """How many of `hashes`, from the first, the store holds in every layer (0 if it cannot say)."""
         try:
-            found = await asyncio.to_thread((await self._client()).contains, keys)
+            return await asyncio.to_thread((await self._client()).stored_run, hashes, self.layers)
         except MeshError as exc:
             log.warning("KV lookup failed: %s", exc)
             return 0
-        blocks = [all(found[i : i + self.layers]) for i in range(0, len(found), self.layers)]
-        return blocks.index(False) if False in blocks else len(blocks)
 
     async def _wait_stored(self, hashes: list[str]) -> int:
         """Wait (a bounded time) until the store holds every block of `hashes`; how many it holds."""

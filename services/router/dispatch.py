@@ -61,7 +61,6 @@ CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, befo
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
 MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died or refused
-_SPAN = {"decode": "router.decode", "generate": "router.generate"}  # by the relayed subject's kind
 
 
 @dataclass
@@ -371,16 +370,14 @@ class Dispatcher:
         """The request's output from `worker_id` (reserved for it), which `start` (subject, request)
         begins there or else a `DecodeRequest` of `session`, until it finishes; resumed on another decode
         worker after a live migration's hand-over (`Migrated`) or when a worker dies or refuses."""
+        subject, request = start or (Subjects.worker("decode", worker_id), session.request(gen, predicted))
         failovers, moved_from = 0, None
         while True:
-            if start is None:
-                start = Subjects.worker("decode", worker_id), session.request(gen, predicted)
-            subject, request = start
             handed: Migrated | None = None
             leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
+            span = "router.generate" if isinstance(request, PrefillRequest) else "router.decode"
             try:
-                async for item in self._relay(worker_id, subject, request, gen, stops, parent, _SPAN[subject.split(".")[1]],
-                                              progress):
+                async for item in self._relay(worker_id, subject, request, gen, stops, parent, span, progress):
                     if isinstance(item, Migrated):
                         handed = item
                         break
@@ -408,6 +405,7 @@ class Dispatcher:
                     worker_id, moved_from = await self._resume_site(gen, session, source, parent, predicted), None
                 except MeshError:
                     raise exc from None  # nowhere to go on: the original failure is the news
+                request = session.request(gen, predicted)
             else:
                 if handed.output_tokens != len(session.output_token_ids):
                     log.error("request %s: %s handed over after %d tokens but streamed %d; resuming from the store",
@@ -419,12 +417,11 @@ class Dispatcher:
                 session.kv, session.kv_outputs = handed.kv, len(session.output_token_ids)
                 moved_from, worker_id = worker_id, handed.target
                 self.registry.reserve(worker_id)
-                start = Subjects.worker("decode", worker_id), session.request(
-                    gen, predicted, migration_id=handed.migration_id, recompute=handed.kv is None)
-                continue
+                request = session.request(gen, predicted, migration_id=handed.migration_id,
+                                          recompute=handed.kv is None)
             finally:
                 self.registry.release(leg_worker)
-            start = None
+            subject = Subjects.worker("decode", worker_id)
 
     async def _resume_site(self, gen: Generation, session: _DecodeSession, moved_from: str | None,
                            parent: context.Context, predicted: LengthPrediction | None) -> str:

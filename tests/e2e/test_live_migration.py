@@ -196,7 +196,6 @@ def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_wo
 
 
 def test_a_refused_migration_leaves_the_request_running_exactly(mesh, reference, decode_workers):
-    a, b = decode_workers["a"], decode_workers["b"]
     ids = token_prompt(200, seed=202)
     outcomes = []
 
@@ -211,7 +210,6 @@ def test_a_refused_migration_leaves_the_request_running_exactly(mesh, reference,
 
 def test_a_target_that_fails_before_taking_over_hands_back_to_the_source(mesh, reference, decode_workers):
     """The target agrees (and then is gone before the hand-over arrives): the source resumes."""
-    a, b = decode_workers["a"], decode_workers["b"]
     ids = token_prompt(260, seed=262)
 
     async def on_token(n, request_id):
@@ -271,7 +269,7 @@ def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference,
 def test_sigkill_of_a_decode_worker_mid_stream_resumes_from_the_store_exactly(mesh, reference, decode_workers):
     """decode-b writes its partial last block every step: the worker that resumes the request
     loads every token's KV but the last and computes only that, as on the dead worker."""
-    a, b = decode_workers["a"], decode_workers["b"]
+    b = decode_workers["b"]
     ids = token_prompt(330, seed=333)
     pid = decode_workers["children"]["decode-b"].pid
     killed = []

@@ -18,7 +18,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from llmesh.bus import Bus
 from llmesh.errors import BadMessage, InvalidRequest
-from llmesh.launcher import start_redis
 from llmesh.lengths import bucket_of
 from llmesh.messages import (
     Ack,
@@ -51,14 +50,6 @@ pytestmark = pytest.mark.timeout(180)
 PROMPTS = ["Write a haiku about autumn.", "Explain how a transformer works, step by step, in detail.",
            "What is the capital of France?", "Write a long story about a dragon and a knight."]
 
-
-@pytest.fixture(scope="module")
-def redis_url():
-    child, url = start_redis()
-    try:
-        yield url
-    finally:
-        child.stop()
 
 
 @pytest.fixture(scope="module")

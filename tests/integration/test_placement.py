@@ -141,14 +141,6 @@ async def ask(bus, **request) -> PlacementStatus:
     return status
 
 
-@pytest.fixture
-def redis_url():
-    child, url = start_redis()
-    try:
-        yield url
-    finally:
-        child.stop()
-
 
 # ---- (a) one leader --------------------------------------------------------------------------------------------
 
