@@ -54,6 +54,7 @@ from llmesh.worker import EngineWorker, HeldRequest, sampling_params, tokens_pro
 log = logging.getLogger(__name__)
 
 PREPARE_TIMEOUT_S = 10.0  # the target's answer to a hand-shake (its prefetch included)
+PREFETCH_BUDGET_S = 2.0  # past this the target agrees without its prefetch (it loads everything at the hand-over)
 EXPORT_WAIT_S = 5.0  # how long the source waits for the store to hold the request's blocks
 OUTCOMES_KEPT = 1024  # answers to recent migration commands, for idempotent retries
 
@@ -298,7 +299,14 @@ class DecodeService:
         worker.reserve(req.migration_id, req.hold_s)
         if req.prefetch:
             with self._tracer.start_as_current_span("migration.prefetch") as span:
-                span.set_attribute("kv.blocks", await self._prefetch(req))
+                try:
+                    async with asyncio.timeout(PREFETCH_BUDGET_S):  # cancelled: vLLM aborts the prefetch
+                        span.set_attribute("kv.blocks", await self._prefetch(req))
+                except TimeoutError:
+                    log.warning("migration %s: prefetch took over %.0f s; agreeing without it", req.migration_id,
+                                PREFETCH_BUDGET_S)
+                    span.set_attribute("kv.prefetch_timed_out", True)
+            worker.reserve(req.migration_id, req.hold_s)  # the hand-over's window starts with the answer
         return Ack()
 
     async def _prefetch(self, req: MigratePrepare) -> int:
