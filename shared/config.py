@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typing import get_args
+from typing import Literal, get_args
 
 from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -88,6 +88,14 @@ class WorkerSettings(CommonSettings):
         "worker dies the request resumes elsewhere computing only its last token (greedy output stays exact) "
         "instead of recomputing up to a block of tokens (exact but for near-ties). Costs one block per layer "
         "per step of store traffic.")
+    switchable: bool = Field(
+        False, description="A decode worker that also serves prefill (one engine holding both KV roles): the "
+        "`role` in its heartbeat says which the routers send it, and the placement service switches it as load "
+        "shifts (BanaServe's adaptive module migration). It finishes what it holds of the other role.")
+    kv_preemption: Literal["auto", "swap", "recompute"] = Field(
+        "auto", description="A request vLLM preempted under memory pressure resumes by loading its KV from the "
+        "kv-store ('swap') or by computing it again ('recompute'); 'auto' picks the cheaper per request from the "
+        "load bandwidth and prefill throughput the engine measures (AdaptiveLLM).")
     kv_load_mode: str = Field(
         "layerwise",
         description="'layerwise': load layer i+1 while computing layer i; "

@@ -31,6 +31,15 @@ every step, so a failover loses at most the step in flight. A request aborted wh
 keys, and any full block not yet written, before its blocks are freed. A missing chunk is reported
 as a load error and vLLM recomputes those blocks (`kv_load_failure_policy="recompute"`).
 
+A worker built with both roles (`kv_both`, a switchable decode worker) treats each request by what
+it is: one the prefill service sent (`do_remote_decode`) as a producer's, any other as decode's.
+
+Preemption (AdaptiveLLM): when vLLM preempts a request under memory pressure it frees its blocks;
+when the request resumes, the connector either loads what the store holds of it (decode writes its
+blocks behind as they fill) or lets vLLM compute it again, whichever `llmesh.policies.preemption`
+finds cheaper with the load bandwidth and prefill throughput this engine measured (the worker side
+reports both every step). The choices made for a request return with it (`kv_transfer_params`).
+
 Per-layer views are `[num_blocks, ...]` with blocks at dim 0 on every vLLM backend, so the
 same gather/scatter serves CPU and GPU; only the `.cpu()` copy differs in cost.
 """
@@ -51,12 +60,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from llmesh import telemetry
 from llmesh.errors import MeshError
 from llmesh.kvclient import ThreadedKvClient
 from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout, tail_hash
+from llmesh.policies.preemption import RateEstimate, swap_or_recompute
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,11 +75,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("llmesh.kv_connector")
 
 TRANSFER_TIMEOUT_S = 30.0
+PREFILL_SAMPLE_TOKENS = 64  # steps computing fewer tokens (decode steps) say little about prefill throughput
 
 
 @dataclass
@@ -80,6 +93,7 @@ class BlockTransfer:
     hashes: list[str]
     trace: dict[str, str] = field(default_factory=dict)  # W3C headers of the worker's request span
     last_block_tokens: int = 0  # loads: valid token slots of the last block, if it is partial
+    wait: bool = False  # saves: the step waits for them (a prefill's, for its decode)
 
 
 @dataclass
@@ -87,6 +101,22 @@ class MeshConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     exports: list[BlockTransfer] = field(default_factory=list)  # blocks of stopped requests, then freed
+    step_tokens: int = 0  # tokens the step computes
+
+
+@dataclass
+class MeshWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: what loads and compute cost, for the swap-or-recompute choice."""
+
+    load_bytes: int = 0
+    load_s: float = 0.0
+    compute_tokens: int = 0  # a step without loads that computed many tokens (a prefill)
+    compute_s: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, MeshWorkerMetadata)
+        return MeshWorkerMetadata(self.load_bytes + other.load_bytes, self.load_s + other.load_s,
+                                  max(self.compute_tokens, other.compute_tokens), max(self.compute_s, other.compute_s))
 
 
 @dataclass
@@ -98,6 +128,7 @@ class _SaveState:
     block_ids: list[int]
     saved: int = 0
     trace: dict[str, str] = field(default_factory=dict)
+    producer: bool = False  # a prefill's prompt (else a decode's blocks, written behind)
 
 
 @dataclass
@@ -108,6 +139,18 @@ class _PendingLoad:
     futures: dict[str, concurrent.futures.Future]  # layer name -> values
     span: Any
     failed: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    last_arrival: float = 0.0
+
+
+def _log_to_stderr() -> None:
+    """The engine's processes configure only vLLM's loggers: show ours (INFO and up) beside them."""
+    root = logging.getLogger("llmesh")
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
 
 def _layer_index(name: str) -> int:
@@ -129,6 +172,7 @@ def request_trace(request: Any) -> dict[str, str]:
 class MeshKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_to_stderr()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block_size = vllm_config.cache_config.block_size
         self._layout = kv_layout(vllm_config)
@@ -137,6 +181,16 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
         self._async_load = extra.get("load_mode", "layerwise") == "async"
         self._pin_s = float(extra.get("pin_s", 60.0))
+        self._preemption = extra.get("preemption", "auto")  # or "swap" / "recompute" always
+        if self._preemption not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption must be auto, swap or recompute, not {self._preemption!r}")
+        # priors until this engine has measured them
+        self._load_rate = RateEstimate(float(extra.get("load_bytes_per_s", 1e9)))
+        self._prefill_rate = RateEstimate(float(extra.get("prefill_tokens_per_s", 2000.0)))
+        config = self._kv_cache_config
+        self._block_bytes = sum(t.size for t in config.kv_cache_tensors) // max(config.num_blocks, 1)
+        self._preemptions: dict[str, dict[str, int]] = {}  # request id -> choice -> times
+        self._decided: dict[str, int] = {}  # request id -> the preemption its resume was decided for
         # scheduler side
         self._load_plans: dict[str, tuple[int, list[str]]] = {}  # tokens computed before, block hashes
         self._reused_blocks: dict[str, int] = {}  # prefill: leading blocks loaded, so not saved again
@@ -154,6 +208,8 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._pending_puts: list[tuple[concurrent.futures.Future, str]] = []
         self._write_behind_puts: list[tuple[concurrent.futures.Future, str]] = []
         self._load_errors: set[int] = set()
+        self._measured = MeshWorkerMetadata()
+        self._step_started = 0.0
         self._finished_loads: set[str] = set()
         self._exported: set[str] = set()
         self._kv: ThreadedKvClient | None = None
@@ -189,11 +245,42 @@ class MeshKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._seed(request)  # build_connector_meta sees only the request's scheduling data
         params = request.kv_transfer_params or {}
-        if self._is_consumer and not params.get("save_prompt") and not params.get("recompute"):
-            return self._match_handle(request, params, num_computed_tokens)
-        if self._is_producer and self._lookup is not None:
-            return self._match_stored_prefix(request, num_computed_tokens)
-        return 0, False
+        # decode: what its handle lists and the store holds (a whole request: once preempted, it stored its prompt)
+        prefill = self._prefills(params)
+        if not prefill and not params.get("recompute") and (not params.get("save_prompt") or request.num_preemptions):
+            matched = self._match_handle(request, params, num_computed_tokens)
+        elif prefill and self._lookup is not None:
+            matched = self._match_stored_prefix(request, num_computed_tokens)
+        else:
+            return 0, False
+        return self._after_preemption(request, num_computed_tokens, matched) if request.num_preemptions else matched
+
+    def _prefills(self, params: dict[str, Any] | None) -> bool:
+        """Whether a request is a prefill whose KV a decode elsewhere loads (a worker built with
+        both roles serves both kinds; the prefill service marks its requests `do_remote_decode`)."""
+        return not self._is_consumer or bool((params or {}).get("do_remote_decode"))
+
+    def _after_preemption(self, request: Request, num_computed_tokens: int, matched: tuple[int, bool]) -> tuple[int, bool]:
+        """A preempted request resumes: load its stored KV (swap) or let vLLM compute it (recompute)."""
+        tokens = matched[0]
+        if not tokens:
+            return matched
+        size = self._block_size
+        blocks = -(-(num_computed_tokens + tokens) // size) - num_computed_tokens // size
+        cost = swap_or_recompute(tokens, blocks * self._block_bytes, self._load_rate.per_s, self._prefill_rate.per_s,
+                                 self._preemption)
+        if self._decided.get(request.request_id) != request.num_preemptions:  # asked again while it waits
+            self._decided[request.request_id] = request.num_preemptions
+            choices = self._preemptions.setdefault(request.request_id, {})
+            choices[cost.choice] = choices.get(cost.choice, 0) + 1
+            log.info("request %s resumes after preemption %d: %s %d tokens (%d blocks; load ~%.1f ms at %.0f MB/s, "
+                     "recompute ~%.1f ms at %.0f tokens/s)", request.request_id, request.num_preemptions, cost.choice,
+                     tokens, blocks, cost.swap_s * 1e3, self._load_rate.per_s / 1e6, cost.recompute_s * 1e3,
+                     self._prefill_rate.per_s)
+        if cost.choice == "recompute":
+            self._load_plans.pop(request.request_id, None)
+            return 0, False
+        return matched
 
     def _match_handle(self, request: Request, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
         """Decode: the blocks of all but the last token that the request's KV handle lists, then
@@ -202,8 +289,8 @@ class MeshKVConnector(KVConnectorBase_V1):
             log.error("request %s: KV fingerprint %s does not match ours %s; recomputing",
                       request.request_id, params.get("fingerprint"), self._fingerprint)
             return 0, False
-        # vLLM must compute at least the last token itself.
-        loadable = (request.prompt_token_ids or [])[:-1]
+        # vLLM must compute at least the last token itself (after a preemption: all it generated too).
+        loadable = request.all_token_ids[:-1]
         ours = block_hashes(self._seed(request), loadable, self._block_size, partial=True)
         listed = params.get("block_hashes") or []
         matched = 0
@@ -211,7 +298,8 @@ class MeshKVConnector(KVConnectorBase_V1):
             matched += 1
         full = len(loadable) // self._block_size
         tail = params.get("tail_hash")
-        if tail and matched == full < len(ours):  # the partial last block, exported by a migration's source
+        # the partial last block, exported by a migration's source (it holds only what the source computed)
+        if tail and matched == full < len(ours) and not request.num_preemptions:
             ours[full] = tail
             matched += 1
         elif matched < len(ours) and self._lookup is not None:
@@ -263,7 +351,8 @@ class MeshKVConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MeshConnectorMetadata:
-        meta = MeshConnectorMetadata(loads=self._planned_loads, exports=self._planned_exports)
+        meta = MeshConnectorMetadata(loads=self._planned_loads, exports=self._planned_exports,
+                                     step_tokens=scheduler_output.total_num_scheduled_tokens)
         self._planned_loads, self._planned_exports = [], []
         if not (self._is_producer or self._write_behind):
             return meta
@@ -272,14 +361,17 @@ class MeshKVConnector(KVConnectorBase_V1):
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
             if (params or {}).get("prefetch"):  # a migration's target loading blocks ahead: nothing new to save
                 continue
-            if self._is_producer:  # the whole prompt, its partial last block included
+            producer = self._prefills(params)
+            if producer:  # the whole prompt, its partial last block included
                 hashes, saved = block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True), \
                     self._reused_blocks.pop(new.req_id, 0)
+            elif not self._write_behind:
+                continue
             else:  # decode: full blocks beyond what the prefill saved (all, if it prefilled itself) as they fill
                 hashes, saved = [], 0 if (params or {}).get("save_prompt") else (len(prompt) - 1) // self._block_size
             self._saves[new.req_id] = _SaveState(hashes=hashes, num_tokens=len(prompt),
                                                  block_ids=list(new.block_ids[0]), saved=saved,
-                                                 trace=dict((params or {}).get("trace") or {}))
+                                                 trace=dict((params or {}).get("trace") or {}), producer=producer)
             self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -297,7 +389,7 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def _plan_save(self, meta: MeshConnectorMetadata, req_id: str, tokens_done: int) -> None:
         state = self._saves[req_id]
-        if self._is_producer:
+        if state.producer:
             ready = len(state.hashes) if tokens_done >= state.num_tokens else tokens_done // self._block_size
         else:
             request = self._requests.get(req_id)
@@ -317,7 +409,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         complete = min(ready, len(state.block_ids))
         if complete > state.saved:
             meta.saves.append(BlockTransfer(req_id, state.block_ids[state.saved:complete],
-                                            state.hashes[state.saved:complete], state.trace))
+                                            state.hashes[state.saved:complete], state.trace, wait=state.producer))
             state.saved = complete
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -327,14 +419,23 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._seeds.pop(request.request_id, None)
         self._load_plans.pop(request.request_id, None)
         self._reused_blocks.pop(request.request_id, None)
-        if not self._is_producer or state is None:
-            return exporting, None
-        return False, {
+        self._decided.pop(request.request_id, None)
+        preemptions = self._preemptions.pop(request.request_id, None)
+        extra = {"preemptions": preemptions} if preemptions else {}
+        if state is None or not state.producer:
+            return exporting, extra or None
+        return False, extra | {
             "fingerprint": self._fingerprint,
             "kv_layout": self._layout,
             "block_size": self._block_size,
             "block_hashes": state.hashes[: state.saved],
         }
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        measured = connector_output.kv_connector_worker_meta
+        if isinstance(measured, MeshWorkerMetadata):
+            self._load_rate.observe(measured.load_bytes, measured.load_s)
+            self._prefill_rate.observe(measured.compute_tokens, measured.compute_s)
 
     def _plan_export(self, request: Request, block_ids: list[int], state: _SaveState | None) -> bool:
         """A decode request stopped (aborted) while it carries a `tail_id`: plan storing its full
@@ -369,6 +470,10 @@ class MeshKVConnector(KVConnectorBase_V1):
                 raise RuntimeError(f"{name}: expected blocks at dim 0 ({num_blocks}), got shape {tuple(cache.shape)}")
         self._kv_caches = dict(sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0])))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step_started = time.perf_counter()  # the forward follows
+
     def _meta(self) -> MeshConnectorMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MeshConnectorMetadata)
@@ -398,7 +503,10 @@ class MeshKVConnector(KVConnectorBase_V1):
                                partial(self._copy_in, self._kv_caches[name], transfer.block_ids), trace_context=parent)
             for name in self._kv_caches
         } if transfer.block_ids else {}
-        return _PendingLoad(transfer, futures, span)
+        load = _PendingLoad(transfer, futures, span)
+        for future in futures.values():
+            future.add_done_callback(lambda _: setattr(load, "last_arrival", time.perf_counter()))
+        return load
 
     @staticmethod
     def _copy_in(cache: torch.Tensor, block_ids: list[int], values: Sequence[memoryview | None]) -> list[int]:
@@ -441,6 +549,10 @@ class MeshKVConnector(KVConnectorBase_V1):
 
     def _end_load(self, req_id: str) -> None:
         load = self._loads.pop(req_id)
+        if not load.failed and load.last_arrival:
+            self._measured.load_bytes += len(load.transfer.block_ids) * sum(
+                cache[0].numel() * cache.element_size() for cache in self._kv_caches.values())
+            self._measured.load_s += load.last_arrival - load.started
         load.span.set_attribute("kv.failed", load.failed)
         load.span.end()
         if self._async_load:
@@ -457,7 +569,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         assert self._kv is not None
         layer = _layer_index(layer_name)
         for transfer in self._meta().saves:
-            if self._is_producer:
+            if transfer.wait:
                 # The step waits for these puts (`wait_for_save`), so the blocks stay as they are:
                 # the transfer thread gathers them straight into the buffers they are sent from.
                 keys = [chunk_key(h, layer) for h in transfer.hashes]
@@ -484,6 +596,9 @@ class MeshKVConnector(KVConnectorBase_V1):
         write-behind is not waited for: its blocks were copied out, so it only gets reaped."""
         self._reap_write_behind()
         meta = self._meta() if self.has_connector_metadata() else None
+        if meta is not None and not meta.loads and meta.step_tokens >= PREFILL_SAMPLE_TOKENS and self._step_started:
+            self._measured.compute_tokens, self._measured.compute_s = meta.step_tokens, \
+                time.perf_counter() - self._step_started
         if not self._pending_puts:
             return
         started_ns = time.time_ns()
@@ -519,6 +634,10 @@ class MeshKVConnector(KVConnectorBase_V1):
         done, self._finished_loads = self._finished_loads, set()
         sent, self._exported = self._exported, set()
         return (sent or None), (done or None)
+
+    def build_connector_worker_meta(self) -> MeshWorkerMetadata | None:
+        measured, self._measured = self._measured, MeshWorkerMetadata()
+        return measured if measured.load_s or measured.compute_s else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -101,6 +101,8 @@ class WorkerInfo(Message):
     kv_blocks_total: int = 0  # 0: not reported
     block_size: int = 0
     requests: list[RequestProgress] = Field(default_factory=list)
+    preemptions: dict[str, int] = Field(default_factory=dict)  # KV of preempted requests: times swapped in / recomputed
+    roles: list[Literal["prefill", "decode"]] = Field(default_factory=list)  # it can serve (both: `role` is switchable)
 
 
 # ---- output-length prediction ----------------------------------------------------------
@@ -343,12 +345,14 @@ class Migrated(Message):
 class PlacementRequest(Message):
     """An operator's command to the active placement service (`Subjects.PLACEMENT`), answered with
     `PlacementStatus`: `status` only reports; `drain` empties `worker_id` (and lets it exit);
-    `migrate` moves `request_id` to `target` (or to the policy's choice when None)."""
+    `migrate` moves `request_id` to `target` (or to the policy's choice when None); `role` has
+    `worker_id`, built with both roles, serve `role`."""
 
-    op: Literal["status", "drain", "migrate"]
+    op: Literal["status", "drain", "migrate", "role"]
     worker_id: str | None = None
     request_id: str | None = None
     target: str | None = None
+    role: Literal["prefill", "decode"] | None = None
 
 
 class PlacementStatus(Message):
@@ -363,6 +367,23 @@ class DrainCommand(Message):
     """To a worker (`Subjects.drain`): take no new requests; exit once the last one has left (if `exit`)."""
 
     exit: bool = True
+
+
+class RoleCommand(Message):
+    """To a worker built with both roles (`Subjects.role`): serve `role` from now on (BanaServe's
+    adaptive module migration). It finishes what it holds of the other role; idempotent by id."""
+
+    command_id: str
+    role: Literal["prefill", "decode"]
+    reason: str = "manual"
+
+
+class RoleOutcome(Message):
+    command_id: str
+    worker_id: str
+    role: Literal["prefill", "decode"]  # the role it serves now
+    accepted: bool
+    reason: str = ""
 
 
 class PlacementDecision(Message):
@@ -530,6 +551,11 @@ class Subjects:
     @staticmethod
     def drain(worker_id: str) -> str:
         return f"mesh.drain.{worker_id}"
+
+    @staticmethod
+    def role(worker_id: str) -> str:
+        """Commands to a worker built with both roles: which one to serve (`RoleCommand`)."""
+        return f"mesh.role.{worker_id}"
 
     @staticmethod
     def kv(shard: str, op: str) -> str:

@@ -12,10 +12,13 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from opentelemetry import trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
@@ -31,6 +34,8 @@ from llmesh.messages import (
     LengthPrediction,
     PrefillRequest,
     RequestProgress,
+    RoleCommand,
+    RoleOutcome,
     SamplingOptions,
     Subjects,
     WorkerInfo,
@@ -90,7 +95,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
             kv_connector_module_path="llmesh.kv_connector",
-            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+            kv_role="kv_both" if settings.switchable else "kv_producer" if role == "prefill" else "kv_consumer",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
                 "nats_url": settings.nats_url,
@@ -100,6 +105,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
                 "reuse_prefix": settings.kv_reuse_prefix,
                 "write_behind": settings.kv_write_behind,
                 "durable_tail": settings.kv_durable_tail,
+                "preemption": settings.kv_preemption,
                 "service_name": f"{role}-worker",
                 "otlp_endpoint": settings.otlp_endpoint,
                 "trace_dir": settings.trace_dir,
@@ -189,6 +195,9 @@ class EngineWorker:
         self._heartbeat_task: asyncio.Task | None = None
         self.prefill_meter = PrefillMeter()
         self.generates = False  # set by a service that also serves whole requests
+        self.preemptions: Counter[str] = Counter()  # the connector's swap-or-recompute choices, by choice
+        self.roles: tuple[Role, ...] = ("prefill", "decode") if settings.switchable else (role,)
+        self._role_outcomes: dict[str, RoleOutcome] = {}  # by command id, for idempotent retries
 
     @classmethod
     async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
@@ -269,6 +278,8 @@ class EngineWorker:
             await self.bus.serve(subject, handler, span=f"{self.role}-worker {subject.split('.')[1]}")
         await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")
         await self.bus.serve(Subjects.drain(self.worker_id), self._on_drain, span=f"{self.role}-worker drain")
+        if len(self.roles) > 1:
+            await self.bus.serve(Subjects.role(self.worker_id), self._on_role, span=f"{self.role}-worker role")
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
         log.info("%s ready: model %s, fingerprint %s, subject %s", self.worker_id, self.settings.model_name,
                  self.fingerprint, self.subject)
@@ -304,7 +315,17 @@ class EngineWorker:
             kv_blocks_total=cache.num_gpu_blocks or 0,
             block_size=cache.block_size,
             requests=[h.progress() for h in held],
+            preemptions=dict(self.preemptions),
+            roles=list(self.roles) if len(self.roles) > 1 else [],
         )
+
+    def count_preemptions(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """Count (and put on the current span) the swap-or-recompute choices the engine's connector
+        made for a finished request each time it resumed after a preemption (llmesh.policies.preemption)."""
+        choices = (kv_transfer_params or {}).get("preemptions") or {}
+        self.preemptions.update({choice: int(n) for choice, n in choices.items()})
+        if choices:
+            trace.get_current_span().set_attributes({f"preemption.{choice}": int(n) for choice, n in choices.items()})
 
     async def report_length(self, request_id: str, predicted: LengthPrediction | None, actual_tokens: int,
                             finish_reason: str) -> None:
@@ -356,6 +377,25 @@ class EngineWorker:
         if msg.exit:
             asyncio.create_task(self._exit_when_empty())
         return Ack()
+
+    async def _on_role(self, cmd: RoleCommand, blob: memoryview) -> RoleOutcome:
+        """Serve `cmd.role` from now on: the routers send this worker that role's requests once they
+        hear its next heartbeat (sent at once); what it holds of the other role runs to its end."""
+        if not isinstance(cmd, RoleCommand):
+            raise InvalidRequest(f"expected RoleCommand, got {type(cmd).__name__}")
+        if (known := self._role_outcomes.get(cmd.command_id)) is not None:
+            return known
+        accepted = cmd.role in self.roles and self.state == "active"
+        if accepted and cmd.role != self.role:
+            log.info("serving %s from now on (was %s; %s)", cmd.role, self.role, cmd.reason)
+            self.role = cmd.role
+            await self.bus.publish(Subjects.HEARTBEAT, self.info())
+        outcome = self._role_outcomes[cmd.command_id] = RoleOutcome(
+            command_id=cmd.command_id, worker_id=self.worker_id, role=self.role, accepted=accepted,
+            reason="" if accepted else f"{self.worker_id} is {self.state} and serves {', '.join(self.roles)}")
+        trace.get_current_span().set_attributes({"role.to": cmd.role, "role.accepted": accepted,
+                                                 "role.reason": cmd.reason})
+        return outcome
 
     async def _exit_when_empty(self) -> None:
         while self._held or self._reserved:

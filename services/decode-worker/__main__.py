@@ -1,8 +1,19 @@
-"""Run a decode worker: `python -m llmesh_decode` (settings: llmesh.config.WorkerSettings)."""
+"""Run a decode worker: `python -m llmesh_decode` (settings: llmesh.config.WorkerSettings). With
+`MESH_SWITCHABLE=1` it serves prefill too, on the same engine, when placement switches its role."""
 
+from llmesh.messages import Subjects
 from llmesh.worker import run_worker
+from llmesh_prefill.service import PrefillService
 
 from .service import DecodeService
 
+
+def handlers(worker):
+    served = DecodeService(worker).handlers()
+    if "prefill" in worker.roles:
+        served[Subjects.worker("prefill", worker.worker_id)] = PrefillService(worker).prefill
+    return served
+
+
 if __name__ == "__main__":
-    run_worker("decode", lambda worker: DecodeService(worker).handlers())
+    run_worker("decode", handlers)

@@ -31,6 +31,7 @@ from typing import Any
 from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
+from llmesh.detokenizer import ContinuedText
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
 from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory
 from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
@@ -99,11 +100,14 @@ class DecodeService:
                                      predicted=req.predicted_length, generated=done, priority=req.priority,
                                      migration_id=req.migration_id) as held:
             self._name_admission(held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt)
-            params = sampling_params(req.sampling, max_tokens=total - done,
+            # Text is made here, continuing the stream's (llmesh.detokenizer); stop strings, which need
+            # the text, are the router's to find.
+            params = sampling_params(req.sampling.model_copy(update={"stop": []}), max_tokens=total - done,
                                      kv_transfer_params=kv_params | {"tail_id": held.tail_id},
-                                     output_kind=RequestOutputKind.DELTA)
+                                     output_kind=RequestOutputKind.DELTA, detokenize=False)
+            text = ContinuedText(self.worker.tokenizer, req.prompt_token_ids, req.output_token_ids)
             async for delta in self._stream(held, held.engine_request_id, list(held.token_ids), req.cache_salt,
-                                            params, req.predicted_length):
+                                            params, req.predicted_length, text):
                 yield delta
             if held.migration is not None and not held.finished:
                 yield await self._hand_over(held)
@@ -137,9 +141,11 @@ class DecodeService:
                 yield await self._hand_over(held)
 
     async def _stream(self, held: HeldRequest, engine_request_id: str, token_ids: list[int], cache_salt: str | None,
-                      params: Any, predicted: LengthPrediction | None) -> AsyncIterator[TokenDelta]:
+                      params: Any, predicted: LengthPrediction | None,
+                      text: ContinuedText | None = None) -> AsyncIterator[TokenDelta]:
         """The engine's output as token deltas (`held.generated` tokens already generated elsewhere),
-        counted on `held`; the actual length goes back to the predictor at the end."""
+        counted on `held`, with their text from `text` if given (else the engine's); the actual length
+        goes back to the predictor at the end."""
         if predicted is not None:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
@@ -152,8 +158,11 @@ class DecodeService:
             handed_over = out.finished and o.finish_reason == "abort" and held.migration is not None
             finish_reason = o.finish_reason if out.finished and not handed_over else None
             held.finished = finish_reason is not None
+            if out.finished:
+                self.worker.count_preemptions(out.kv_transfer_params)
             if o.token_ids or not handed_over:
-                yield TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish_reason,
+                yield TokenDelta(text=o.text if text is None else text.feed(o.token_ids), token_ids=list(o.token_ids),
+                                 finish_reason=finish_reason,
                                  prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)

@@ -1,6 +1,7 @@
 """The operator's view of the placement service:
 
     python -m llmesh_placement.cli [--nats URL] workers | requests | drain WORKER | migrate REQUEST [--to WORKER]
+                                   | role WORKER prefill|decode
 
 Prints what the leading placement replica answers; exits 1 with the reason when a command fails
 or no placement service answers.
@@ -18,6 +19,7 @@ from llmesh.bus import Bus
 from llmesh.config import CommonSettings
 from llmesh.errors import MeshError, ServiceUnavailable, Timeout
 from llmesh.messages import PlacementRequest, PlacementStatus, Subjects
+from llmesh.policies.banaserve import switchable
 from llmesh.policies.llumnix import freeness
 from llmesh.views import worker_view
 
@@ -31,15 +33,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def workers_table(status: PlacementStatus) -> str:
-    rows = []
+    rows, switchables = [], 0
     for info in status.workers:
         view = worker_view(info)
         kv = f"{info.kv_blocks_used}/{info.kv_blocks_total}" if info.kv_blocks_total else "-"
         free = f"{freeness(view):.1f}" if info.kv_blocks_total and info.state == "active" else "-"
-        rows.append((info.worker_id, info.role, info.state, f"{info.running}/{info.capacity}", kv, free,
-                     len(info.requests)))
+        switchables += switchable(view)
+        rows.append((info.worker_id, info.role + "*" * switchable(view), info.state, f"{info.running}/{info.capacity}",
+                     kv, free, len(info.requests)))
     header = ("WORKER", "ROLE", "STATE", "RUNNING", "KV BLOCKS", "FREENESS", "REQUESTS")
     lines = [table(header, rows) if rows else "no live workers", "",
+             *(["* built with both roles: `role WORKER prefill|decode` switches it"] if switchables else []),
              f"leader {status.leader}; scaling advice: {SCALING.get(status.scaling, status.scaling)}"]
     if status.decisions:
         lines.append("decisions: " + ", ".join(f"{k}={n}" for k, n in sorted(status.decisions.items())))
@@ -67,11 +71,11 @@ async def ask(nats_url: str, request: PlacementRequest, timeout: float) -> Place
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmesh_placement.cli",
                                      description="Ask the leading placement replica about workers and requests, "
-                                     "or have it drain a worker or move a request.")
+                                     "or have it drain a worker, move a request or switch a worker's role.")
     parser.add_argument("--nats", default=None, help="NATS URL (default: MESH_NATS_URL or nats://127.0.0.1:4222)")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds to wait for the answer (default: 5; 20 for migrate, which waits for "
-                        "the hand-shake)")
+                        help="seconds to wait for the answer (default: 5; 20 for migrate and role, which wait "
+                        "for the worker's hand-shake)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("workers", help="live workers, their load and freeness, and the scaling advice")
     commands.add_parser("requests", help="requests the workers hold")
@@ -80,14 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     migrate = commands.add_parser("migrate", help="move a request to another decode worker now")
     migrate.add_argument("request")
     migrate.add_argument("--to", dest="target", default=None, help="the target worker (default: the freest)")
+    role = commands.add_parser("role", help="have a worker built with both roles serve the other one now")
+    role.add_argument("worker")
+    role.add_argument("role", choices=("prefill", "decode"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the bus's reconnect warnings are not the operator's business
 
     request = {"workers": PlacementRequest(op="status"), "requests": PlacementRequest(op="status"),
                "drain": PlacementRequest(op="drain", worker_id=getattr(args, "worker", None)),
                "migrate": PlacementRequest(op="migrate", request_id=getattr(args, "request", None),
-                                           target=getattr(args, "target", None))}[args.command]
-    timeout = args.timeout or (20.0 if args.command == "migrate" else 5.0)
+                                           target=getattr(args, "target", None)),
+               "role": PlacementRequest(op="role", worker_id=getattr(args, "worker", None),
+                                        role=getattr(args, "role", None))}[args.command]
+    timeout = args.timeout or (20.0 if args.command in ("migrate", "role") else 5.0)
     nats_url = args.nats or CommonSettings().nats_url
     try:
         status = asyncio.run(ask(nats_url, request, timeout))

@@ -8,7 +8,11 @@ the leader, over the decode workers:
   freest, and `pick_migration` chooses what moves; a request moved (or refused) is left alone
   for `placement_cooldown_s`, and a worker party to a move takes no other until the move is done
   and it has sent a heartbeat since;
-- publishes its scaling advice (Llumnix's freeness band) when it changes.
+- publishes its scaling advice (Llumnix's freeness band) when it changes;
+and, over the prefill and decode workers of each model and KV layout, switches a worker built with
+both roles to the pool that needs it (BanaServe's adaptive module migration, `pick_role_switch`:
+the pools' mean utilisations must have parted by more than a threshold for a while, not soon after
+the last switch, and the imbalance removed must outweigh the switch's cost), one at a time.
 Commands run as tasks, so one slow hand-shake does not hold the loop; each is traced, counted
 (`decisions`, Prometheus) and published as a `PlacementDecision`. Operator requests on
 `Subjects.PLACEMENT` are answered by the leader alone; unknown workers, requests or targets are
@@ -22,8 +26,8 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
 from itertools import groupby
 from typing import Any
 
@@ -43,10 +47,14 @@ from llmesh.messages import (
     PlacementDecision,
     PlacementRequest,
     PlacementStatus,
+    RoleCommand,
+    RoleOutcome,
     Subjects,
     WorkerInfo,
 )
 from llmesh.policies import RunningRequest, WorkerView
+from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, switchable
+from llmesh.policies.core import Role
 from llmesh.policies.llumnix import freeness, migration_pairs, pick_migration, scaling_advice
 from llmesh.views import worker_view
 
@@ -59,6 +67,13 @@ MISSED_HEARTBEATS = 3  # a worker silent this many periods is forgotten
 DRAIN_TIMEOUT_S = 5.0
 FORGET_MOVES_S = 30.0  # past the cooldown, how long a finished move is remembered
 SCALING = {1: "up", -1: "down", 0: "hold"}
+
+
+def by_layout(views: Iterable[WorkerView]) -> Iterator[tuple[tuple[str, str], list[WorkerView]]]:
+    """`views` grouped by model and KV layout (the workers that can stand in for one another), in id order."""
+    ordered = sorted(views, key=lambda v: (v.model, v.fingerprint, v.worker_id))
+    for layout, group in groupby(ordered, key=lambda v: (v.model, v.fingerprint)):
+        yield layout, list(group)
 
 
 @dataclass
@@ -105,6 +120,13 @@ class PlacementService:
         self._workers: dict[str, _Worker] = {}
         self._draining: set[str] = set()  # drained by command (until their heartbeats say so too)
         self._moves: dict[str, _Move] = {}  # by request id: the last command for it
+        self._role_params = RoleSwitchParams(
+            threshold=settings.placement_role_threshold, hold_s=settings.placement_role_hold_s,
+            cooldown_s=settings.placement_role_cooldown_s, min_ratio=settings.placement_role_min_ratio,
+            switch_cost=settings.placement_role_switch_cost, request_cost=settings.placement_role_request_cost,
+            backlog_s=settings.placement_role_backlog_s)
+        self._role_balance: dict[tuple[str, str], RoleBalance] = {}  # by model and KV layout
+        self._switching: set[str] = set()  # workers with a role command in flight
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()  # run a period now
 
@@ -158,15 +180,18 @@ class PlacementService:
 
     def step(self) -> None:
         """One period: forget silent workers and old moves; as leader, empty the draining decode
-        workers, balance the others and advise on scaling."""
+        workers, balance the others, advise on scaling and switch a worker's role if the pools need it."""
         self._expire()
         if not self._lease.held:
             return
-        views = self._decode_views()
-        self._evacuate(views)
+        views = self._views()
+        decode = self._decode_views(views)
+        self._evacuate(decode)
         if self.settings.placement_balance:
-            self._balance(views)
-        self._advise(views)
+            self._balance(decode)
+        self._advise(decode)
+        if self.settings.placement_roles:
+            self._switch_roles(views)
 
     def _expire(self) -> None:
         now = self._clock()
@@ -180,16 +205,20 @@ class PlacementService:
             if move.done_at is not None and now - move.done_at > forget_after:
                 del self._moves[request_id]
 
-    def _decode_views(self) -> dict[str, WorkerView]:
-        """The decode workers as the policies see them: drained ones as draining, and the moves on
+    def _views(self) -> dict[str, WorkerView]:
+        """The live workers as the policies see them: drained ones as draining, and the moves on
         their way to each (not in its heartbeat yet) counted as assigned."""
         pending = Counter(m.command.target for m in self._moves.values() if self._unsettled(m, m.command.target))
         views = {}
         for worker_id, worker in self._workers.items():
-            if worker.info.role == "decode":
-                view = replace(worker_view(worker.info), assigned=pending[worker_id])
-                views[worker_id] = replace(view, state="draining") if worker_id in self._draining else view
+            view = replace(worker_view(worker.info), assigned=pending[worker_id])
+            views[worker_id] = replace(view, state="draining") if worker_id in self._draining else view
         return views
+
+    def _decode_views(self, views: dict[str, WorkerView] | None = None) -> dict[str, WorkerView]:
+        """The decode workers of `views` (default: `_views()`)."""
+        views = self._views() if views is None else views
+        return {worker_id: v for worker_id, v in views.items() if v.role == "decode"}
 
     def _seen_at(self, worker_id: str) -> float:
         worker = self._workers.get(worker_id)
@@ -229,11 +258,10 @@ class PlacementService:
     def _balance(self, views: dict[str, WorkerView]) -> None:
         """Llumnix's load balancing, per model and KV layout, among the workers no move involves."""
         unsettled = {w for m in self._moves.values() for w in (m.source, m.command.target) if self._unsettled(m, w)}
-        settled = sorted((v for v in views.values() if v.state == "active" and v.worker_id not in unsettled),
-                         key=lambda v: (v.model, v.fingerprint, v.worker_id))
+        settled = (v for v in views.values() if v.state == "active" and v.worker_id not in unsettled)
         s = self.settings
-        for _, group in groupby(settled, key=lambda v: (v.model, v.fingerprint)):
-            for source, destination in migration_pairs(list(group), s.placement_source_below,
+        for _, group in by_layout(settled):
+            for source, destination in migration_pairs(group, s.placement_source_below,
                                                        s.placement_destination_above,
                                                        s.placement_priority_headroom_blocks):
                 if not destination.has_room:
@@ -257,6 +285,17 @@ class PlacementService:
         log.info("scaling advice: %s", reason)
         self._spawn(self._announce(PlacementDecision(kind="scale", reason=reason, detail={
             "advice": advice, "decode_workers": sum(v.state == "active" for v in views.values())})))
+
+    def _switch_roles(self, views: dict[str, WorkerView]) -> None:
+        """BanaServe's role switching per model and KV layout, while no role command is in flight."""
+        if self._switching:
+            return
+        now = self._clock()
+        for layout, group in by_layout(views.values()):
+            switch, self._role_balance[layout] = pick_role_switch(
+                group, now, self._role_balance.get(layout, RoleBalance()), self._role_params)
+            if switch is not None:
+                self._start_role(views[switch.worker_id], switch.role, "banaserve", asdict(switch))
 
     # ---- commands ------------------------------------------------------------------------------------------
 
@@ -298,6 +337,45 @@ class PlacementService:
             "target": cmd.target, "outcome": result, "refusal": reason}))
         return result, reason
 
+    def _start_role(self, worker: WorkerView, role: Role, reason: str,
+                    reckoning: dict[str, Any] | None = None) -> asyncio.Task[tuple[str, str]]:
+        """Send `worker` a RoleCommand in its own task (the policy's numbers in `reckoning`)."""
+        self._switching.add(worker.worker_id)
+        return self._spawn(self._switch_role(worker, RoleCommand(command_id=uuid.uuid4().hex, role=role,
+                                                                 reason=reason), reckoning or {}))
+
+    async def _switch_role(self, worker: WorkerView, cmd: RoleCommand, reckoning: dict[str, Any]) -> tuple[str, str]:
+        """Run one RoleCommand: its outcome ("accepted", "refused" or "error") and the worker's reason."""
+        detail = {"command_id": cmd.command_id, "worker_id": worker.worker_id, "from": worker.role, "role": cmd.role,
+                  **reckoning}
+        try:
+            with self._tracer.start_as_current_span("placement.role", kind=trace.SpanKind.CLIENT, attributes={
+                    "worker.id": worker.worker_id, "role.reason": cmd.reason,
+                    **{f"role.{k}": v for k, v in detail.items() if k != "worker_id"}}) as span:
+                try:
+                    outcome, _ = await self._bus.request(Subjects.role(worker.worker_id), cmd, RoleOutcome,
+                                                         timeout=self.settings.placement_role_timeout_s)
+                    result, refusal = ("accepted" if outcome.accepted else "refused"), outcome.reason
+                    self._believe_role(worker.worker_id, outcome.role)
+                except MeshError as exc:
+                    result, refusal = "error", exc.message
+                    span.set_status(trace.StatusCode.ERROR, refusal)
+                span.set_attributes({"role.outcome": result, "role.refusal": refusal})
+        finally:
+            self._switching.discard(worker.worker_id)
+        self._count("role", result)
+        log.info("role %s %s -> %s (%s): %s%s", worker.worker_id, worker.role, cmd.role, cmd.reason, result,
+                 f": {refusal}" if refusal else "")
+        await self._announce(PlacementDecision(kind="role", reason=cmd.reason, detail={
+            **detail, "outcome": result, "refusal": refusal}))
+        return result, refusal
+
+    def _believe_role(self, worker_id: str, role: Role) -> None:
+        """Take the role a worker says it serves as known until its next heartbeat shows it."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.info.role != role:
+            worker.info = worker.info.model_copy(update={"role": role})
+
     def _count(self, kind: str, outcome: str) -> None:
         self.decisions[f"{kind}/{outcome}"] += 1
         self._decision_counter.labels(kind, outcome).inc()
@@ -308,10 +386,11 @@ class PlacementService:
         except Exception as exc:  # best effort: the decision is counted and logged anyway
             log.warning("could not publish %s decision: %s", decision.kind, exc)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ---- operator commands -----------------------------------------------------------------------------------
 
@@ -325,6 +404,8 @@ class PlacementService:
             message = await self.drain(cmd.worker_id)
         elif cmd.op == "migrate":
             message = await self.migrate(cmd.request_id, cmd.target)
+        elif cmd.op == "role":
+            message = await self.switch_role(cmd.worker_id, cmd.role)
         return self.status(message)
 
     def status(self, message: str = "") -> PlacementStatus:
@@ -336,11 +417,7 @@ class PlacementService:
     async def drain(self, worker_id: str | None) -> str:
         """Tell `worker_id` to take nothing new and exit once empty; the loop then moves a decode
         worker's requests away (a prefill worker finishes its own)."""
-        worker = self._workers.get(worker_id or "")
-        if worker is None:
-            raise InvalidRequest(f"no live worker {worker_id!r}; live: {', '.join(sorted(self._workers)) or 'none'}",
-                                 param="worker_id")
-        info = worker.info
+        info = self._live(worker_id).info
         with self._tracer.start_as_current_span("placement.drain", kind=trace.SpanKind.CLIENT,
                                                 attributes={"worker.id": info.worker_id}) as span:
             try:
@@ -362,6 +439,39 @@ class PlacementService:
             return (f"{info.worker_id} drains, but no other active decode worker has room: its "
                     f"{len(info.requests)} requests stay until one has")
         return f"{info.worker_id} drains: its {len(info.requests)} requests move to other decode workers, then it exits"
+
+    def _live(self, worker_id: str | None) -> _Worker:
+        worker = self._workers.get(worker_id or "")
+        if worker is None:
+            raise InvalidRequest(f"no live worker {worker_id!r}; live: {', '.join(sorted(self._workers)) or 'none'}",
+                                 param="worker_id")
+        return worker
+
+    async def switch_role(self, worker_id: str | None, role: Role | None) -> str:
+        """Have `worker_id`, built with both roles, serve `role` now (it finishes what it holds of
+        the other); the worker's answer. The policy switches nothing for a cooldown after it."""
+        self._live(worker_id)
+        if role is None:
+            raise InvalidRequest("say which role it should serve: prefill or decode", param="role")
+        views = self._views()
+        view = views[worker_id]
+        if not switchable(view):
+            raise InvalidRequest(f"{worker_id} is not built with both roles: it serves {view.role} only",
+                                 param="worker_id")
+        if view.role == role:
+            return f"{worker_id} already serves {role}"
+        if worker_id in self._switching:
+            return f"{worker_id} is already switching roles"
+        if not any(v.worker_id != worker_id and v.state == "active"
+                   and (v.role, v.model, v.fingerprint) == (view.role, view.model, view.fingerprint)
+                   for v in views.values()):
+            raise InvalidRequest(f"{worker_id} is the last active {view.role} worker of its model and KV layout",
+                                 param="worker_id")
+        self._role_balance[(view.model, view.fingerprint)] = RoleBalance(last_switch_at=self._clock())
+        result, refusal = await asyncio.shield(self._start_role(view, role, "manual"))
+        if result == "accepted":
+            return f"{worker_id}: {view.role} -> {role}: accepted"
+        return f"{worker_id} stays {view.role} ({result}): {refusal}"
 
     async def migrate(self, request_id: str | None, target: str | None) -> str:
         """Move `request_id` to `target` (default: the freest other active decode worker with room)

@@ -44,6 +44,7 @@ class PrefillService:
             # "stop" (EOS or a stop string) ends the request here; "length" only if 1 token was asked for.
             finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
             kv_params = final.kv_transfer_params or {}
+            self.worker.count_preemptions(kv_params)
             kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=kv_params.get("block_size", 1),
                           block_hashes=kv_params.get("block_hashes", []), num_tokens=len(token_ids),
                           kv_layout=kv_params.get("kv_layout"),

@@ -184,19 +184,24 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                                              "logprobs": None}])
-        return self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish_reason,
-                                                   "logprobs": None}])
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def chunk_event(self, text: str, finish_reason: str | None, first: bool = False) -> bytes:
+    def chunk_event(self, text: str, finish_reason: str | None, first: bool = False,
+                    token_ids: list[int] | None = None) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
-        envelope for every token, and only the text changes."""
-        if self.chat and not text and not first:  # an empty chat delta has no content key
-            return sse(self.chunk(text, finish_reason, first))
+        envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
+        extension, are rendered in full)."""
+        if (self.chat and not text and not first) or token_ids is not None:  # an empty chat delta has no content key
+            return sse(self.chunk(text, finish_reason, first, token_ids))
         key = (finish_reason, first)
         template = self._templates.get(key)
         if template is None:

@@ -156,10 +156,11 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         async def events() -> AsyncIterator[bytes]:
             last = first
             try:
-                yield shape.chunk_event(first.text, first.finish_reason, first=True)
+                ids = body.return_token_ids
+                yield shape.chunk_event(first.text, first.finish_reason, True, first.token_ids if ids else None)
                 async for delta in deltas:
                     last = delta
-                    yield shape.chunk_event(delta.text, delta.finish_reason)
+                    yield shape.chunk_event(delta.text, delta.finish_reason, token_ids=delta.token_ids if ids else None)
                 if body.include_usage:
                     yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
                 yield sse("[DONE]")

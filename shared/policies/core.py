@@ -93,6 +93,7 @@ class WorkerView:
     block_size: int = 0
     prefill_tokens_per_s: float = 0.0
     requests: tuple[RunningRequest, ...] = ()
+    roles: tuple[Role, ...] = ()  # the roles it can serve (both: it switches on command; empty: `role` only)
 
     @property
     def load(self) -> float:

@@ -343,6 +343,35 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
     asyncio.run(go())
 
 
+def test_a_decode_resumed_inside_a_character_shows_the_rest_of_the_text(mesh, model_path):
+    """A leg that resumes after a character's first byte (the client was shown nothing for it) shows
+    that byte's text with the next token: nothing lost, nothing repeated, not the prompt's text
+    (vLLM's own detokenizer, given a prompt that ends inside a character, emits the whole prompt)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    first_byte = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")
+    prompt, outputs = token_prompt(40, seed=5), [300, first_byte]
+
+    async def go():
+        decode = await live_worker(mesh, "decode")
+        bus = await Bus.connect(mesh.nats_url, "test-detokenize")
+        try:
+            replies = await bus.stream(Subjects.worker("decode", decode.worker_id), DecodeRequest(
+                request_id="inside-a-character", model=MODEL, prompt_token_ids=prompt, output_token_ids=outputs,
+                sampling=SamplingOptions(max_tokens=8, temperature=0, ignore_eos=True), fingerprint=decode.fingerprint,
+                deadline=time.time() + 60), deadline=time.time() + 60)
+            return [delta async for delta, _ in replies]
+        finally:
+            await bus.close()
+
+    deltas = asyncio.run(go())
+    new = [t for d in deltas for t in d.token_ids]
+    assert len(new) == 6
+    shown_before = tokenizer.decode(outputs[:1])
+    assert shown_before + "".join(d.text for d in deltas) == tokenizer.decode(outputs + new)
+
+
 # ---- the other KV load mode ----------------------------------------------------------------------------------
 
 

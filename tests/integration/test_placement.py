@@ -1,5 +1,5 @@
-"""The placement service on a real nats-server and redis-server, with fake decode workers: only
-heartbeats and the migrate/drain subjects, recording the commands they get."""
+"""The placement service on a real nats-server and redis-server, with fake workers: only heartbeats
+and the migrate/drain/role subjects, recording the commands they get."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from llmesh.messages import (
     PlacementRequest,
     PlacementStatus,
     RequestProgress,
+    RoleCommand,
+    RoleOutcome,
     Subjects,
     WorkerInfo,
 )
@@ -36,23 +38,31 @@ BLOCK = 16
 
 
 class FakeWorker:
-    """Heartbeats every 0.2 s; answers migrations (accepting: the request leaves its list) and drains."""
+    """Heartbeats every 0.2 s; answers migrations (accepting: the request leaves its list), drains and,
+    built with both `roles`, role switches (accepting: it serves the new role at once)."""
 
-    def __init__(self, bus: Bus, worker_id: str, requests: list[RequestProgress], role: str, accept: bool):
+    def __init__(self, bus: Bus, worker_id: str, requests: list[RequestProgress], role: str, accept: bool,
+                 roles: list[str]):
         self.bus, self.worker_id, self.requests, self.role, self.accept = bus, worker_id, requests, role, accept
+        self.roles = roles
         self.state = "active"
         self.migrations: list[tuple[float, MigrateCommand]] = []
         self.drains: list[DrainCommand] = []
+        self.role_commands: list[RoleCommand] = []
         self._beating: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True) -> FakeWorker:
+    async def start(cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True,
+                    roles=()) -> FakeWorker:
         """`requests`: (id, prompt tokens, generated, priority) of each."""
         bus = await Bus.connect(nats_url, worker_id)
         worker = cls(bus, worker_id, [RequestProgress(request_id=r, prompt_tokens=p, generated=g, max_tokens=512,
-                                                      priority=prio) for r, p, g, prio in requests], role, accept)
+                                                      priority=prio) for r, p, g, prio in requests], role, accept,
+                     list(roles))
         await bus.serve(Subjects.migrate(worker_id), worker._on_migrate)
         await bus.serve(Subjects.drain(worker_id), worker._on_drain)
+        if roles:
+            await bus.serve(Subjects.role(worker_id), worker._on_role)
         await bus.publish(Subjects.HEARTBEAT, worker.info())
         worker._beating = asyncio.create_task(worker._beat())
         return worker
@@ -62,7 +72,7 @@ class FakeWorker:
         return WorkerInfo(worker_id=self.worker_id, role=self.role, model="m", fingerprint="f" * 32,
                           max_model_len=4096, running=len(self.requests), queued_tokens=0, capacity=8,
                           heartbeat_s=0.2, state=self.state, kv_blocks_used=used, kv_blocks_total=100,
-                          block_size=BLOCK, requests=self.requests)
+                          block_size=BLOCK, requests=self.requests, roles=self.roles)
 
     async def _beat(self) -> None:
         while True:
@@ -81,6 +91,11 @@ class FakeWorker:
         self.state = "draining"
         await self.bus.publish(Subjects.HEARTBEAT, self.info())
         return Ack()
+
+    async def _on_role(self, cmd: RoleCommand, blob) -> RoleOutcome:
+        self.role_commands.append(cmd)
+        self.role = cmd.role
+        return RoleOutcome(command_id=cmd.command_id, worker_id=self.worker_id, role=cmd.role, accepted=True)
 
     def moved(self) -> list[tuple[str, str, str]]:
         """(request, target, reason) of each command, in order."""
@@ -134,6 +149,17 @@ async def until(predicate, timeout, step=0.02):
     while not predicate():
         assert time.monotonic() < give_up, f"not within {timeout}s"
         await asyncio.sleep(step)
+
+
+async def recorded_events(bus) -> list[PlacementDecision]:
+    """The decisions published from now on, as they come."""
+    events = []
+
+    async def on_event(decision, blob):
+        events.append(decision)
+
+    await bus.serve(Subjects.PLACEMENT_EVENTS, on_event)
+    return events
 
 
 async def ask(bus, **request) -> PlacementStatus:
@@ -217,13 +243,8 @@ async def test_skewed_load_moves_the_cheapest_request_to_the_freest_worker_once_
     busy_requests = [("big", 1200, 1, 0), ("small", 100, 10, 0), ("urgent", 20, 1, -1)]
     async with fakes(nats_url, (("bal-busy", busy_requests), {"accept": False}), (("bal-idle",), {}),
                      (("bal-mid", [("m", 400, 1, 0)]), {})) as (busy, idle, mid):
-        events = []
         watcher = await Bus.connect(nats_url, "bal-events")
-
-        async def on_event(decision, blob):
-            events.append(decision)
-
-        await watcher.serve(Subjects.PLACEMENT_EVENTS, on_event)
+        events = await recorded_events(watcher)
         try:
             async with placement(nats_url, "bal", placement_cooldown_s=3.0) as replica:
                 await until(lambda: busy.migrations, 3)
@@ -281,7 +302,57 @@ async def test_drain_moves_every_request_away_and_manual_migration(nats_url):
             await client.close()
 
 
-# ---- (d) the CLI -----------------------------------------------------------------------------------------------------
+# ---- (d) role switching ---------------------------------------------------------------------------------------------
+
+
+async def test_busy_prefill_pool_gets_a_switchable_decode_worker_and_manual_role_commands(nats_url, capsys):
+    prompts = [(f"p{i}", 200, 0, 0) for i in range(8)]  # a full prefill worker: U = 8/8 + 104/100
+    async with fakes(nats_url, (("ro-p1", prompts), {"role": "prefill"}),
+                     (("ro-p2", [(f"q{i}", 200, 0, 0) for i in range(8)]), {"role": "prefill"}),
+                     (("ro-d1", [("r1", 50, 4, 0)]), {"roles": ("prefill", "decode")}),
+                     (("ro-d2",), {"roles": ("prefill", "decode")}), (("ro-d3",), {})
+                     ) as (p1, p2, d1, d2, d3):
+        client = await Bus.connect(nats_url, "ro-client")
+        events = await recorded_events(client)
+        try:
+            async with placement(nats_url, "ro", placement_role_hold_s=0.3, placement_role_cooldown_s=30.0):
+                await until(lambda: d2.role_commands, 3)  # the least loaded switchable decode worker
+                cmd = d2.role_commands[0]
+                assert (cmd.role, cmd.reason) == ("prefill", "banaserve")
+                await until(lambda: any(e.kind == "role" for e in events), 1)
+                decision = next(e for e in events if e.kind == "role")
+                assert decision.reason == "banaserve" and decision.detail["outcome"] == "accepted"
+                assert (decision.detail["worker_id"], decision.detail["from"], decision.detail["role"]) == \
+                    ("ro-d2", "decode", "prefill")
+                assert decision.detail["ratio"] >= 1.0 and decision.detail["prefill_load"] > 2.0
+
+                with pytest.raises(InvalidRequest, match="ro-d3 is not built with both roles"):
+                    await ask(client, op="role", worker_id="ro-d3", role="prefill")
+                assert (await ask(client, op="role", worker_id="ro-d2", role="prefill")).message == \
+                    "ro-d2 already serves prefill"
+                status = await ask(client, op="role", worker_id="ro-d1", role="prefill")
+                assert status.message == "ro-d1: decode -> prefill: accepted"
+                assert [c.reason for c in d1.role_commands] == ["manual"]
+                assert status.decisions["role/accepted"] == 2
+                # the CLI in a thread (the service runs on this loop)
+                rc_role = await asyncio.to_thread(cli_main, ["--nats", nats_url, "role", "ro-d2", "decode"])
+                switched = capsys.readouterr().out
+                rc_workers = await asyncio.to_thread(cli_main, ["--nats", nats_url, "workers"])
+                await asyncio.sleep(0.6)  # within the cooldown: no more switches
+                assert (len(d1.role_commands), len(d2.role_commands)) == (1, 2)
+        finally:
+            await client.close()
+        assert not p1.role_commands and not p2.role_commands and not d3.role_commands
+        workers = capsys.readouterr().out
+        print(switched, workers, sep="\n")
+        assert rc_role == 0 and switched == "ro-d2: prefill -> decode: accepted\n"
+        rows = {line.split()[0]: line.split()[1] for line in workers.splitlines() if line.startswith("ro-")}
+        assert rc_workers == 0 and rows == {"ro-p1": "prefill", "ro-p2": "prefill", "ro-d1": "prefill*",
+                                            "ro-d2": "decode*", "ro-d3": "decode"}
+        assert "* built with both roles" in workers
+
+
+# ---- (e) the CLI -----------------------------------------------------------------------------------------------------
 
 
 async def cli(nats_url, *args):

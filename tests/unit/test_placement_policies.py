@@ -1,9 +1,12 @@
-"""The placement service's pure decisions: which request moves, and the scaling band."""
+"""The placement service's pure decisions: which request moves, the scaling band, and role switching."""
+
+from dataclasses import replace
 
 import pytest
 
 from llmesh.messages import RequestProgress, WorkerInfo
 from llmesh.policies import RunningRequest, WorkerView
+from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, pool_utilisation, switchable
 from llmesh.policies.llumnix import pick_migration, scaling_advice
 from llmesh.views import worker_view
 
@@ -67,3 +70,105 @@ def test_worker_view_carries_the_heartbeat_over():
     assert (view.worker_id, view.state, view.kv_blocks_total, view.block_size, view.queued_tokens) == \
         ("d", "draining", 50, 16, 7)
     assert view.requests == (RunningRequest("r", 30, 2, 9, None, 1, migrating=True),)
+
+
+# ---- BanaServe's role switching (Algorithm 4-1) ---------------------------------------------------------------
+
+BOTH = ("prefill", "decode")
+PARAMS = RoleSwitchParams(threshold=0.3, hold_s=2.0, cooldown_s=10.0, min_ratio=1.0, switch_cost=0.1,
+                          request_cost=0.05)
+
+
+def u(worker_id, role, running, *, roles=BOTH, state="active", kv_used=0):
+    """A worker whose utilisation is running / 8 + kv_used / 100."""
+    return WorkerView(worker_id, role, "m", "f", capacity=8, running=running, state=state, kv_blocks_used=kv_used,
+                      kv_blocks_total=100, block_size=16, roles=roles)
+
+
+BUSY_PREFILL = [u("p1", "prefill", 8), u("p2", "prefill", 8)]  # L_p = 1
+IDLE_DECODE = [u("d1", "decode", 2), u("d2", "decode", 1), u("d3", "decode", 1, kv_used=10)]  # L_d ≈ 0.2
+HELD = RoleBalance(direction="prefill", imbalanced_since=0.0)  # prefill short of capacity since 0
+
+
+@pytest.mark.parametrize("workers, now, state, expected", [
+    ([u("p1", "prefill", 3), u("d1", "decode", 1), u("d2", "decode", 1)], 5.0, RoleBalance(), None),  # 0.25 <= δ
+    (BUSY_PREFILL + IDLE_DECODE, 5.0, RoleBalance(), None),  # imbalanced from now on: not held yet
+    (BUSY_PREFILL + IDLE_DECODE, 1.9, HELD, None),  # held 1.9 s of 2
+    (BUSY_PREFILL + IDLE_DECODE, 2.0, HELD, ("d2", "prefill")),  # held: the least loaded (d3 has KV in use)
+    (BUSY_PREFILL + IDLE_DECODE, 5.0, replace(HELD, last_switch_at=-4.0), None),  # 9 s after the last switch
+    (BUSY_PREFILL + IDLE_DECODE, 6.0, replace(HELD, last_switch_at=-4.0), ("d2", "prefill")),  # 10 s after
+    (BUSY_PREFILL + [u("d1", "decode", 0)], 5.0, HELD, None),  # never the last decode worker
+    (BUSY_PREFILL + [u("d1", "decode", 0), u("d2", "decode", 0, state="draining")], 5.0, HELD, None),  # ... active
+    (BUSY_PREFILL + [u("d1", "decode", 1, roles=()), u("d2", "decode", 0, roles=("decode",)),
+                     u("d3", "decode", 1)], 5.0, HELD, ("d3", "prefill")),  # only one built with both roles
+    (BUSY_PREFILL + [u("d1", "decode", 0, roles=()), u("d2", "decode", 0, roles=())], 5.0, HELD, None),
+    ([u("p1", "prefill", 1, kv_used=10), u("p2", "prefill", 0), u("d1", "decode", 7), u("d2", "decode", 8)], 5.0,
+     RoleBalance(direction="decode", imbalanced_since=0.0), ("p2", "decode")),  # the other way round
+    (BUSY_PREFILL + [u("d1", "decode", 1), u("d2", "decode", 1, kv_used=1)], 5.0, HELD, ("d1", "prefill")),
+    (BUSY_PREFILL + [u("d1", "decode", 1), u("d2", "decode", 1)], 5.0, HELD, ("d1", "prefill")),  # tie: by id
+    ([u("p1", "prefill", 8)], 5.0, HELD, None),  # no decode pool: nothing to compare
+])
+def test_role_switch(workers, now, state, expected):
+    switch, _ = pick_role_switch(workers, now, state, PARAMS)
+    assert ((switch.worker_id, switch.role) if switch else None) == expected
+
+
+def test_role_switch_prefers_fewer_requests_on_equal_load():
+    workers = BUSY_PREFILL + [u("d1", "decode", 2), replace(u("d2", "decode", 1, kv_used=0), capacity=4)]  # 0.25 each
+    assert pick_role_switch(workers, 5.0, HELD, PARAMS)[0].worker_id == "d2"
+
+
+def test_role_switch_reckoning_and_state():
+    # L_p = 1, L_d = (0.25 + 0.125 + 0.125 + 0.1) / 3 = 0.2; d2 (0.125, 1 request) joins the prefill pool:
+    # L_p' = 2.125 / 3, L_d' = 0.475 / 2; benefit = 0.8 - (0.7083 - 0.2375) = 0.3292; cost = 0.1 + 0.05
+    switch, state = pick_role_switch(BUSY_PREFILL + IDLE_DECODE, 7.0, HELD, PARAMS)
+    assert (switch.prefill_load, switch.decode_load) == pytest.approx((1.0, 0.2))
+    assert (switch.benefit, switch.cost, switch.ratio) == pytest.approx((0.32917, 0.15, 2.19444), rel=1e-4)
+    assert state == RoleBalance(last_switch_at=7.0)  # the next switch waits for a new imbalance, held anew
+    assert pick_role_switch(BUSY_PREFILL + IDLE_DECODE, 8.0, state, PARAMS) == (
+        None, RoleBalance(direction="prefill", imbalanced_since=8.0, last_switch_at=7.0))
+
+
+@pytest.mark.parametrize("min_ratio, request_cost, switches", [
+    (2.0, 0.05, True),  # ratio 2.19
+    (2.5, 0.05, False),
+    (1.0, 0.3, False),  # 0.3292 / (0.1 + 0.3)
+    (0.0, 0.3, True),
+])
+def test_role_switch_weighs_benefit_against_cost(min_ratio, request_cost, switches):
+    params = replace(PARAMS, min_ratio=min_ratio, request_cost=request_cost)
+    switch, state = pick_role_switch(BUSY_PREFILL + IDLE_DECODE, 5.0, HELD, params)
+    assert (switch is not None) == switches
+    assert state == (RoleBalance(last_switch_at=5.0) if switches else HELD)  # declined: the imbalance still counts
+
+
+def test_role_switch_forgets_an_imbalance_that_ends_or_turns():
+    balanced = [u("p1", "prefill", 2), u("d1", "decode", 2), u("d2", "decode", 2)]
+    assert pick_role_switch(balanced, 5.0, replace(HELD, last_switch_at=-9.0), PARAMS) == (
+        None, RoleBalance(last_switch_at=-9.0))
+    decode_short = [u("p1", "prefill", 0), u("p2", "prefill", 0), u("d1", "decode", 8)]
+    assert pick_role_switch(decode_short, 5.0, HELD, PARAMS) == (
+        None, RoleBalance(direction="decode", imbalanced_since=5.0))
+
+
+def test_prefill_backlog_counts_in_the_prefill_pools_load():
+    slow = replace(u("p1", "prefill", 1), queued_tokens=3000, prefill_tokens_per_s=1000.0)  # 3 s of prompts
+    assert pool_utilisation(slow, backlog_s=1.0) == 3.0
+    assert pool_utilisation(slow, backlog_s=6.0) == 0.5
+    assert pool_utilisation(slow, backlog_s=0.0) == 0.125  # requests only
+    assert pool_utilisation(replace(slow, prefill_tokens_per_s=0.0), backlog_s=1.0) == 0.125  # speed not measured
+    assert pool_utilisation(replace(slow, role="decode"), backlog_s=1.0) == 0.125  # decode: its remaining output
+    workers = [slow, u("d1", "decode", 1), u("d2", "decode", 1)]  # requests alone: balanced
+    assert pick_role_switch(workers, 5.0, HELD, PARAMS)[0].worker_id == "d1"
+
+
+def test_role_switch_params_are_checked():
+    with pytest.raises(ValueError, match="hold_s, request_cost must be >= 0"):
+        RoleSwitchParams(hold_s=-1, request_cost=-0.1)
+
+
+def test_worker_view_carries_the_roles_over():
+    info = WorkerInfo(worker_id="d", role="decode", model="m", fingerprint="f", max_model_len=2048, running=0,
+                      queued_tokens=0, capacity=4, heartbeat_s=1.0, roles=["prefill", "decode"])
+    assert worker_view(info).roles == BOTH and switchable(worker_view(info))
+    assert not switchable(worker_view(info.model_copy(update={"roles": []})))

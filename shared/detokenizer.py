@@ -1,0 +1,55 @@
+"""The text of a decode that continues a stream another engine (or leg) began.
+
+vLLM's detokenizer treats the engine's prompt as text already shown; a resumed decode's prompt
+ends with the outputs streamed so far, and when those end inside a character (a byte-fallback
+token whose character the next token completes) vLLM primes its stream with the whole prompt and
+emits the whole prompt's text as the first delta, and the held-back bytes are lost either way.
+So a decode leg asks vLLM for tokens only and makes its text here: primed with the prompt's last
+tokens and then the outputs already streamed (their text discarded: the client has it, or holds it
+back exactly as this would), every new token yields what a single detokenizer over the whole
+stream would have shown (vLLM's incremental algorithm: text is released once it does not end in
+an incomplete character).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+CONTEXT_TOKENS = 5  # of the prompt, before the outputs: enough for tokenizers that merge a space into a word
+
+
+class ContinuedText:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], streamed_ids: Sequence[int]):
+        self._tokenizer = tokenizer
+        # skipped, as vLLM skips them: the tokenizer's named ones and any added token marked special
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items() if t.special}
+        self._tokens = self._pieces(prompt_ids[-CONTEXT_TOKENS:])
+        self._prefix_offset, self._read_offset = 0, len(self._tokens)
+        for token_id in streamed_ids:
+            self.step(token_id)
+
+    def _pieces(self, token_ids: Sequence[int]) -> list[str]:
+        kept = [t for t in token_ids if t not in self._special]
+        return list(self._tokenizer.convert_ids_to_tokens(kept)) if kept else []
+
+    def step(self, token_id: int) -> str:
+        """The text `token_id` releases (empty while a character is incomplete, or for a special token)."""
+        pieces = self._pieces([token_id])
+        if not pieces:
+            return ""
+        self._tokens += pieces
+        to_string = self._tokenizer.convert_tokens_to_string
+        shown = to_string(self._tokens[self._prefix_offset:self._read_offset])
+        text = to_string(self._tokens[self._prefix_offset:])
+        if len(text) <= len(shown) or text.endswith("\ufffd"):
+            return ""
+        if self._read_offset > 64:  # keep a short window
+            del self._tokens[:self._read_offset]
+            self._prefix_offset, self._read_offset = 0, 0
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return text[len(shown):]
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        return "".join(self.step(t) for t in token_ids)

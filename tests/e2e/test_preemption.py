@@ -1,0 +1,64 @@
+"""Preemption under KV pressure (AdaptiveLLM's swap or recompute), on real engines.
+
+Two decode workers with too few KV blocks for the requests they are given at once: vLLM preempts
+one, and when it resumes, one worker's connector loads its KV back from the kv-store (swap), the
+other's lets vLLM compute it again (recompute). Either way the output equals a monolithic engine's,
+and each worker counts its choices in its heartbeat. (Which one `auto` picks is the cost model's,
+tested as a table in tests/unit/test_preemption_policy.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmesh.launcher import start_service
+
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from .test_mesh import disaggregated, live_worker, token_prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+KV_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE + 1  # one request of the longest context fits; three of these do not
+PROMPT, OUTPUT, CONCURRENT = 600, 420, 5  # 9 blocks each, 45 in all
+
+
+@pytest.fixture(scope="module")
+def small_kv_workers(mesh, model_dir):
+    """A decode worker per choice, each with `KV_BLOCKS` blocks (started at once: engines load in parallel)."""
+    base = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_KV_BLOCKS": str(KV_BLOCKS), "MESH_TRACE_DIR": str(mesh.trace_dir)}
+    children = {choice: start_service("decode-worker", base | {"MESH_WORKER_ID": f"decode-{choice}",
+                                                              "MESH_KV_PREEMPTION": choice},
+                                      mesh.logs / f"decode-{choice}.log") for choice in ("swap", "recompute")}
+    try:
+        give_up = time.monotonic() + 300
+        for choice, child in children.items():
+            while asyncio.run(live_worker(mesh, "decode", f"decode-{choice}")) is None:
+                assert child.alive() and time.monotonic() < give_up, f"decode-{choice} did not start"
+        yield {choice: f"decode-{choice}" for choice in children}
+    finally:
+        for child in children.values():
+            child.stop()
+
+
+@pytest.mark.parametrize("choice", ["swap", "recompute"])
+def test_preempted_requests_resume_exactly(mesh, reference, small_kv_workers, choice):
+    """Rounds of requests at once until the worker has had a choice to make (a resumed request whose
+    blocks vLLM's own prefix cache no longer holds); every output is exact."""
+    worker = small_kv_workers[choice]
+    for round in range(3):
+        prompts = [token_prompt(PROMPT, seed=900 + 10 * round + i) for i in range(CONCURRENT)]
+
+        async def together():
+            return await asyncio.gather(*(disaggregated(mesh, ids, OUTPUT, decode_worker=worker) for ids in prompts))
+
+        outputs = asyncio.run(together())
+        for ids, tokens in zip(prompts, outputs):
+            assert tokens == reference.generate(OUTPUT, prompt_token_ids=ids)["token_ids"]
+        counted = asyncio.run(live_worker(mesh, "decode", worker)).preemptions
+        if counted:
+            break
+    assert counted.get(choice, 0) >= 1 and set(counted) == {choice}, counted

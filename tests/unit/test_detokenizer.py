@@ -1,0 +1,38 @@
+"""A decode leg's text continues the stream exactly: whatever token it resumes after (one inside a
+multi-byte character included), what the legs show adds up to one detokenizer's text."""
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from llmesh.detokenizer import ContinuedText
+from llmesh.models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_a_stream_split_anywhere_shows_the_same_text(tokenizer):
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(40)]
+    partial = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]  # one byte of a character
+    assert partial
+    outputs = [rng.randrange(10, tokenizer.vocab_size) for _ in range(30)]
+    outputs[4:4] = [partial[0]]  # a character's first byte, never completed
+    outputs[12:12] = list(tokenizer.encode("é ü 日本", add_special_tokens=False))  # whole multi-byte characters
+    whole = ContinuedText(tokenizer, prompt, []).feed(outputs)
+    assert whole == tokenizer.decode(outputs)
+    for k in range(len(outputs)):
+        shown = ContinuedText(tokenizer, prompt, []).feed(outputs[:k])
+        assert shown + ContinuedText(tokenizer, prompt, outputs[:k]).feed(outputs[k:]) == whole, k
+
+
+def test_special_tokens_show_no_text(tokenizer):
+    text = ContinuedText(tokenizer, [5, 6], [])
+    assert text.feed([tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|system|>")]) == ""
+    assert text.feed(tokenizer.encode(" hello", add_special_tokens=False)) == " hello"
