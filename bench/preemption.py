@@ -1,10 +1,10 @@
 """Preemption under KV pressure: swap (reload from the kv-store) vs recompute vs the cost model's choice.
 
     .venv/bin/python bench/preemption.py [--model llmesh/tiny-llama] [--prompt 600] [--output 420]
-                                         [--concurrency 3] [--repeats 3]
+                                         [--concurrency 3] [--repeats 3] [--max-model-len 2048]
 
 Starts the mesh (the `make run` launcher, placement's balancing off) and three decode workers with
-KV for little more than one longest request (`MESH_KV_BLOCKS`), one per `MESH_KV_PREEMPTION` mode:
+KV for one longest request (`--max-model-len`) (`MESH_KV_BLOCKS`), one per `MESH_KV_PREEMPTION` mode:
 `recompute` (what vLLM does alone: the baseline), `swap` and `auto`. Each round prefills
 `concurrency` requests and decodes them together on one worker, so vLLM preempts some and resumes
 them later; the modes take turns. Reported per mode: the time to finish the round, the mean time
@@ -74,14 +74,14 @@ async def one_request(bus: Bus, model: str, prefill: str, decode: str, ids: list
 async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
     model_dir = Path.home() / ".cache" / "llmesh"
     resolve_model(args.model, model_dir)
-    max_len = args.prompt + args.output + BLOCK_SIZE
+    max_len = args.max_model_len
     port, nats_port = free_port(), free_port()
     env = {"MESH_MODEL": args.model, "MESH_MAX_MODEL_LEN": str(max_len), "MESH_MODEL_DIR": str(model_dir),
            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_REQUEST_TIMEOUT_S": "600", "MESH_PLACEMENT_BALANCE": "0"}
     mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port", str(nats_port),
                           "--logs", str(work)], env=env, log_path=work / "launcher.log")
     nats_url = f"nats://127.0.0.1:{nats_port}"
-    kv_blocks = -(-max_len // BLOCK_SIZE) + 1
+    kv_blocks = -(-max_len // BLOCK_SIZE) + 1  # the fewest vLLM accepts: room for one longest request
     workers: list[Child] = []
     rows = []
     try:
@@ -107,6 +107,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
                 outputs = await asyncio.gather(*(one_request(bus, args.model, prefill, f"decode-{mode}", ids,
                                                              args.output) for ids in prompts))
                 elapsed = time.perf_counter() - started
+                print(f"round {rep} {mode}: {elapsed:.1f} s", file=sys.stderr, flush=True)
                 await asyncio.sleep(1.5)  # a heartbeat with the counts
                 after = latest[f"decode-{mode}"].preemptions
                 for i, out in enumerate(outputs):
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=600)
     parser.add_argument("--output", type=int, default=420)
     parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-bench-preemption-"))
