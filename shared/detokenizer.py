@@ -3,7 +3,8 @@
 vLLM's detokenizer treats the engine's prompt as text already shown; a resumed decode's prompt
 ends with the outputs streamed so far, and when those end inside a character (a byte-fallback
 token whose character the next token completes) vLLM primes its stream with the whole prompt and
-emits the whole prompt's text as the first delta, and the held-back bytes are lost either way.
+emits the whole prompt's text as the first delta (vllm-project/vllm#48853), and the held-back
+bytes are lost either way.
 So a decode leg asks vLLM for tokens only and makes its text here: primed with the prompt's last
 tokens and then the outputs already streamed (their text discarded: the client has it, or holds it
 back exactly as this would), every new token yields what a single detokenizer over the whole

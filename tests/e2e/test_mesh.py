@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from llmesh.bus import Bus
+from llmesh.detokenizer import ContinuedText
 from llmesh.errors import KVFingerprintMismatch, MeshError
 from llmesh.launcher import start_service
 from llmesh.messages import (
@@ -158,6 +159,13 @@ def test_stop_sequences_and_seeded_sampling(client):
     assert seeded[0] == seeded[1]
 
 
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 # ---- exactness ------------------------------------------------------------------------------------------
 
 
@@ -168,7 +176,7 @@ def test_stop_sequences_and_seeded_sampling(client):
     1000, 1500,  # many blocks
     MAX_MODEL_LEN - 24,  # near the context limit
 ])
-def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, length):
+def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, tokenizer, length):
     ids = token_prompt(length, seed=length)
     before = asyncio.run(kv_stats(mesh))
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
@@ -176,7 +184,13 @@ def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, length):
     after = asyncio.run(kv_stats(mesh))
     expected = reference.generate(16, prompt_token_ids=ids)
     assert out.choices[0].token_ids == expected["token_ids"]
-    assert out.choices[0].text == expected["text"]
+    if tokenizer.decode(ids[-8:]).endswith("\ufffd"):
+        # The prompt ends inside a character: vLLM's own text starts with the whole prompt's
+        # (vllm-project/vllm#48853); the mesh's is its slow incremental algorithm's, which the fix
+        # there falls back to.
+        assert out.choices[0].text == ContinuedText(tokenizer, ids, []).feed(expected["token_ids"])
+    else:
+        assert out.choices[0].text == expected["text"]
     # decode loaded every block of the prompt (the partial last one too) from the store, missing none
     loaded_blocks = -(-length // BLOCK_SIZE)
     assert after.hits - before.hits == loaded_blocks * NUM_LAYERS
@@ -343,13 +357,10 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
     asyncio.run(go())
 
 
-def test_a_decode_resumed_inside_a_character_shows_the_rest_of_the_text(mesh, model_path):
+def test_a_decode_resumed_inside_a_character_shows_the_rest_of_the_text(mesh, tokenizer):
     """A leg that resumes after a character's first byte (the client was shown nothing for it) shows
     that byte's text with the next token: nothing lost, nothing repeated, not the prompt's text
     (vLLM's own detokenizer, given a prompt that ends inside a character, emits the whole prompt)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     first_byte = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")
     prompt, outputs = token_prompt(40, seed=5), [300, first_byte]
 
@@ -582,6 +593,7 @@ def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
 
 
+@pytest.mark.stops_the_mesh
 def test_ctrl_c_on_make_run_leaves_no_process_behind(mesh):
     """What a user's Ctrl-C does: SIGINT to the foreground process group of `make run`."""
     tree = descendants(mesh.launcher.pid)
