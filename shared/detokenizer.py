@@ -46,10 +46,10 @@ class ContinuedText:
         text = to_string(self._tokens[self._prefix_offset:])
         if len(text) <= len(shown) or text.endswith("\ufffd"):
             return ""
-        if self._read_offset > 64:  # keep a short window
-            del self._tokens[:self._read_offset]
-            self._prefix_offset, self._read_offset = 0, 0
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        if self._prefix_offset > 64:  # keep a short window
+            del self._tokens[:self._prefix_offset]
+            self._prefix_offset, self._read_offset = 0, self._read_offset - self._prefix_offset
         return text[len(shown):]
 
     def feed(self, token_ids: Sequence[int]) -> str:

@@ -188,7 +188,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._load_rate = RateEstimate(float(extra.get("load_bytes_per_s", 1e9)))
         self._prefill_rate = RateEstimate(float(extra.get("prefill_tokens_per_s", 2000.0)))
         config = self._kv_cache_config
-        self._block_bytes = sum(t.size for t in config.kv_cache_tensors) // max(config.num_blocks, 1)
+        self._block_bytes = sum(t.size for t in config.kv_cache_tensors) // max(config.num_blocks, 1)  # all layers
         self._preemptions: dict[str, dict[str, int]] = {}  # request id -> choice -> times
         self._decided: dict[str, int] = {}  # request id -> the preemption its resume was decided for
         # scheduler side
@@ -550,8 +550,7 @@ class MeshKVConnector(KVConnectorBase_V1):
     def _end_load(self, req_id: str) -> None:
         load = self._loads.pop(req_id)
         if not load.failed and load.last_arrival:
-            self._measured.load_bytes += len(load.transfer.block_ids) * sum(
-                cache[0].numel() * cache.element_size() for cache in self._kv_caches.values())
+            self._measured.load_bytes += len(load.transfer.block_ids) * self._block_bytes
             self._measured.load_s += load.last_arrival - load.started
         load.span.set_attribute("kv.failed", load.failed)
         load.span.end()

@@ -22,7 +22,8 @@ def test_a_stream_split_anywhere_shows_the_same_text(tokenizer):
     prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(40)]
     partial = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]  # one byte of a character
     assert partial
-    outputs = [rng.randrange(10, tokenizer.vocab_size) for _ in range(30)]
+    outputs = [rng.randrange(10, tokenizer.vocab_size) for _ in range(120)]  # past the 64-token window
+    outputs += tokenizer.encode(" end", add_special_tokens=False)  # nothing held back at the end
     outputs[4:4] = [partial[0]]  # a character's first byte, never completed
     outputs[12:12] = list(tokenizer.encode("é ü 日本", add_special_tokens=False))  # whole multi-byte characters
     whole = ContinuedText(tokenizer, prompt, []).feed(outputs)
