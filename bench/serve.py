@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--router-policy", nargs="*", default=[], metavar="WORKLOAD=POLICY",
                         help=f"vllm-router's policy per workload (default {ROUTER_POLICY})")
-    parser.add_argument("--quick", action="store_true", help="one repetition of 4 requests per workload at 2 req/s")
+    parser.add_argument("--quick", action="store_true", help="one repetition of 4 requests per workload at 2 req/s, without warm-up "
+                        "(a smoke test, not a measurement)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "llmesh")
     args = parser.parse_args(argv)
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "vllm-router" in deployments:
                     start_router(deployments["vllm-router"], backends, policies[workload], work / "logs")
                     wait_ready(deployments["vllm-router"], 60, args.model)
-                if rep == 0:  # warm every deployment up on this workload's shapes (not recorded)
+                if rep == 0 and not args.quick:  # warm every deployment up on this workload's shapes (not recorded)
                     client = workload_args(workload, 4, 2.0, -1, args.model, model_path, work)
                     prompts = sample(client, tokenizer)
                     for deployment in deployments.values():

@@ -41,6 +41,10 @@ T = TypeVar("T")
 SHM_MIN_BYTES = 16 * 1024**2  # smallest segment; grown to the largest transfer seen
 SLAB_BYTES = 8 * 1024**2  # arena space asked for at a time (at most 1/64 of the arena)
 MAX_REPLY_BYTES = 1 << 40
+# Shards announce themselves every second and answer a discover at once: a client that has heard
+# none this long after it started treats the store as absent (callers compute instead of loading)
+# rather than holding each request for its whole timeout.
+DISCOVERY_WAIT_S = 3.0
 
 
 def rendezvous_owner(key: str, shards: Sequence[str]) -> str:
@@ -55,8 +59,10 @@ class ShardDirectory:
         self.bus = bus
         self._shards: dict[str, tuple[KvShardInfo, float]] = {}
         self._known = threading.Event()
+        self._started = time.monotonic()
 
     async def start(self) -> None:
+        self._started = time.monotonic()
         await self.bus.nc.subscribe(Subjects.KV_SHARDS, cb=self._on_announce)
         await self.bus.publish(Subjects.KV_DISCOVER, KvDiscover())
 
@@ -72,8 +78,10 @@ class ShardDirectory:
         self._known.set()
 
     def live(self, wait_s: float = 0.0) -> dict[str, KvShardInfo]:
+        """The shards heard from lately; until a first one is heard, waits for it until `wait_s`
+        after `start()` (not `wait_s` per call: a store that never came costs each call nothing)."""
         if wait_s and not self._known.is_set():
-            self._known.wait(wait_s)
+            self._known.wait(max(0.0, self._started + wait_s - time.monotonic()))
         now = time.monotonic()
         return {s: info for s, (info, seen) in list(self._shards.items()) if now - seen < 3 * info.heartbeat_s}
 
@@ -370,7 +378,7 @@ class KvClient:
 
     def _by_shard(self, keys: Sequence[str]) -> dict[_Pool, list[int]]:
         """Indices of `keys` grouped by the pool of their owner shard."""
-        live = self.directory.live(wait_s=self.timeout)
+        live = self.directory.live(wait_s=min(self.timeout, DISCOVERY_WAIT_S))
         if not live:
             raise ServiceUnavailable("no kv-store shard is announcing itself")
         names = sorted(live)

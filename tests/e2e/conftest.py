@@ -26,6 +26,7 @@ class Mesh:
     def __init__(self, url: str, nats_url: str, work: Path, launcher: Child):
         self.url, self.nats_url, self.launcher = url, nats_url, launcher
         self.trace_dir, self.logs, self.kv_data = work / "traces", work / "logs", work / "kv-data"
+        self.replacements: list[Child] = []  # services a test started in place of the launcher's; stopped with it
 
     def spans(self) -> list[dict]:
         out = []
@@ -65,11 +66,14 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
     } | env
     work.mkdir(parents=True, exist_ok=True)
     launcher = Child("mesh", command, env=env, log_path=work / "launcher.log")
+    mesh = Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work, launcher)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", STARTUP_S, [launcher])
-        yield Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work, launcher)
+        wait_healthy(mesh.url, STARTUP_S, [launcher])
+        yield mesh
     finally:
         launcher.stop(30)
+        for child in mesh.replacements:
+            child.stop()
 
 
 def pytest_collection_modifyitems(items):

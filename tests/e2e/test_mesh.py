@@ -475,14 +475,13 @@ def test_async_load_mode_is_exact_too(mesh, reference, async_decode_worker):
 @pytest.fixture(scope="module")
 def replacement_kv_store(mesh):
     """Kill the mesh's kv-store abruptly and start another on the same data directory
-    (which then serves the rest of the module)."""
-    started = []
+    (which then serves the mesh for the rest of the session)."""
 
     async def restart():
         os.killpg(next(pid for pid in descendants(mesh.launcher.pid) if "llmesh_kvstore" in cmdline(pid)),
                   signal.SIGKILL)
         env = {"MESH_NATS_URL": mesh.nats_url, "MESH_DATA_DIR": str(mesh.kv_data)}
-        started.append(start_service("kv-store", env, mesh.logs / "kv-store-restarted.log"))
+        mesh.replacements.append(start_service("kv-store", env, mesh.logs / "kv-store-restarted.log"))
         give_up = time.monotonic() + 30
         while True:
             try:  # (briefly, the dying store's subscription may still take the request)
@@ -491,9 +490,7 @@ def replacement_kv_store(mesh):
                 assert time.monotonic() < give_up, "the restarted kv-store does not answer"
                 await asyncio.sleep(0.2)
 
-    yield restart
-    for child in started:
-        child.stop()
+    return restart
 
 
 def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh, reference, replacement_kv_store):

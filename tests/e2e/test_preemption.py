@@ -44,8 +44,6 @@ def small_kv_workers(mesh, model_dir):
             child.stop()
 
 
-@pytest.mark.xfail(strict=False, reason="open (issue 12): passed alone, but in the full suite at ceed74e its "
-                   "requests to the extra worker passed their deadline (cause not examined yet)")
 @pytest.mark.parametrize("choice", ["swap", "recompute"])
 def test_preempted_requests_resume_exactly(mesh, reference, small_kv_workers, choice):
     """Rounds of requests at once until the worker has had a choice to make (a resumed request whose

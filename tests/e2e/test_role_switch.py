@@ -33,8 +33,6 @@ async def complete(http: httpx.AsyncClient, url: str, ids: list[int]) -> list[in
     return resp.json()["choices"][0]["token_ids"]
 
 
-@pytest.mark.xfail(strict=False, reason="open (issue 12): passed alone, but in the full suite at ceed74e its "
-                   "requests to the extra worker passed their deadline (cause not examined yet)")
 def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_worker):
     """Long prompts with short answers, many at once: the prefill pool's load exceeds decode's for
     longer than the placement's hold time, so placement switches the switchable decode worker to

@@ -14,7 +14,7 @@ import pytest
 
 from llmesh.bus import Bus
 from llmesh.errors import BadMessage, KVStoreFull, ServiceUnavailable
-from llmesh.kvclient import KvClient, ShardDirectory, rendezvous_owner
+from llmesh.kvclient import DISCOVERY_WAIT_S, KvClient, ShardDirectory, rendezvous_owner
 from llmesh.kvwire import HEADER, MAGIC, recv_header, send_frame
 from llmesh.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
 from llmesh_kvstore.dataplane import DataPlaneServer
@@ -204,6 +204,20 @@ async def test_no_store_is_a_fast_clear_error(nats_url):
         with pytest.raises(ServiceUnavailable, match="no kv-store shard"):
             await get(kv, ["x"])
         assert time.monotonic() - started < 2
+
+
+async def test_a_store_that_never_came_does_not_hold_each_call_for_the_transfer_timeout(nats_url):
+    """Waiting for a first shard is bounded from the client's start, not per call (a decode
+    step that loads would otherwise stall the engine for the whole timeout, every time)."""
+    async with client(nats_url) as kv:  # the default 30 s transfer timeout
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="no kv-store shard"):
+            await get(kv, ["x"])
+        assert time.monotonic() - started < DISCOVERY_WAIT_S + 2
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="no kv-store shard"):
+            await put(kv, ["y"], [b"value"])
+        assert time.monotonic() - started < 1
 
 
 async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path):
