@@ -287,6 +287,11 @@ class EngineWorker:
     async def close(self) -> None:
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
+            self.state = "draining"  # a last heartbeat: routers stop sending work now, not 3 missed beats later
+            try:
+                await self.bus.publish(Subjects.HEARTBEAT, self.info())
+            except Exception as exc:
+                log.warning("could not announce leaving: %s", exc)
         for held in list(self._held.values()):
             held.task.cancel()
         await self.bus.close()

@@ -77,10 +77,10 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that stop the session's mesh run after every other e2e test (before the rest, which do not
-    need the engines' memory and CPU)."""
-    last = [item for item in items if item.get_closest_marker("stops_the_mesh")]
-    rest = [item for item in items if not item.get_closest_marker("stops_the_mesh")]
+    """Tests that stop the session's mesh or kill its decode worker run after every other e2e test
+    (before the rest, which do not need the engines' memory and CPU), in their own order."""
+    last = [item for item in items if item.get_closest_marker("breaks_the_mesh")]
+    rest = [item for item in items if not item.get_closest_marker("breaks_the_mesh")]
     at = 1 + max((k for k, item in enumerate(rest) if item.get_closest_marker("e2e")), default=len(rest) - 1)
     items[:] = rest[:at] + last + rest[at:]
 

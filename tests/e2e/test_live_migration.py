@@ -117,13 +117,20 @@ async def stream(mesh, ids: list[int], keep: int, on_token=None) -> Streamed:
     raise AssertionError(f"the stream ended after {got.chunks} chunks")
 
 
-def assert_exact(mesh, reference, ids: list[int], streamed: Streamed) -> None:
+def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0) -> None:
     """The streamed tokens (a token or more each chunk: deltas merge while a reader lags) and a
-    monolithic engine's output agree token for token, and so does the text."""
+    monolithic engine's output agree token for token, and so does the text. With `near_tie`, they
+    may part where the reference's two likeliest tokens are within that many nats and the stream
+    took the second (recomputed KV is not bit-identical to decoded KV)."""
     expected = reference.generate(len(streamed.token_ids), prompt_token_ids=ids, top2=True)
     assert len(streamed.token_ids) >= streamed.chunks
     if streamed.token_ids != expected["token_ids"]:
         at = next(i for i, (a, b) in enumerate(zip(streamed.token_ids, expected["token_ids"])) if a != b)
+        likeliest = expected["top2"][at]
+        if str(streamed.token_ids[at]) in likeliest and \
+                likeliest[str(expected["token_ids"][at])] - likeliest[str(streamed.token_ids[at])] <= near_tie:
+            print(f"{streamed.request_id} parted from the reference at token {at}, a near-tie: {likeliest}")
+            return
         raise AssertionError(f"{streamed.request_id} differs at token {at}: {streamed.token_ids[at:at + 5]} != "
                              f"{expected['token_ids'][at:at + 5]} (the reference's two likeliest there: "
                              f"{expected['top2'][at]}); its resumed decodes (worker, after, kv): "

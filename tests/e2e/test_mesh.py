@@ -575,6 +575,7 @@ def test_client_disconnect_aborts_the_request_in_the_worker(mesh):
     asyncio.run(go())
 
 
+@pytest.mark.breaks_the_mesh  # the mesh has no decode worker after it
 def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh):
     decode = asyncio.run(live_worker(mesh, "decode"))
     pid = int(decode.worker_id.rsplit("-", 1)[1])
@@ -590,7 +591,7 @@ def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
 
 
-@pytest.mark.stops_the_mesh
+@pytest.mark.breaks_the_mesh
 def test_ctrl_c_on_make_run_leaves_no_process_behind(mesh):
     """What a user's Ctrl-C does: SIGINT to the foreground process group of `make run`."""
     tree = descendants(mesh.launcher.pid)

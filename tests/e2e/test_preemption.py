@@ -5,11 +5,16 @@ one, and when it resumes, one worker's connector loads its KV back from the kv-s
 other's lets vLLM compute it again (recompute). Either way the output equals a monolithic engine's,
 and each worker counts its choices in its heartbeat. (Which one `auto` picks is the cost model's,
 tested as a table in tests/unit/test_preemption_policy.py.)
+
+Last, one of them is SIGKILLed mid-stream: without `MESH_KV_DURABLE_TAIL` (test_live_migration.py
+tests it with), the request resumes elsewhere from the full blocks in the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -17,6 +22,7 @@ import pytest
 from llmesh.launcher import start_service
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from .test_live_migration import assert_exact, move, other_decode, resumes, stream
 from .test_mesh import disaggregated, live_worker, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -38,7 +44,7 @@ def small_kv_workers(mesh, model_dir):
         for choice, child in children.items():
             while asyncio.run(live_worker(mesh, "decode", f"decode-{choice}")) is None:
                 assert child.alive() and time.monotonic() < give_up, f"decode-{choice} did not start"
-        yield {choice: f"decode-{choice}" for choice in children}
+        yield {choice: f"decode-{choice}" for choice in children} | {"children": children}
     finally:
         for child in children.values():
             child.stop()
@@ -62,3 +68,27 @@ def test_preempted_requests_resume_exactly(mesh, reference, small_kv_workers, ch
         if counted:
             break
     assert counted.get(choice, 0) >= 1 and set(counted) == {choice}, counted
+
+
+def test_sigkill_without_a_durable_tail_resumes_from_the_full_blocks_exactly_but_for_near_ties(
+        mesh, reference, small_kv_workers):
+    """The worker that takes the request over loads its full blocks from the store and computes the
+    tokens after them again (46 here) in one pass: greedy output equals a monolithic engine's, but
+    a recomputed token at a near-tie may come out as the other of the two (then the outputs part)."""
+    victim, swap = small_kv_workers["recompute"], small_kv_workers["swap"]
+    workers = {"a": asyncio.run(other_decode(mesh, {victim, swap})), "b": victim, "c": swap}
+    ids = token_prompt(330, seed=335)
+    killed = []
+
+    async def on_token(n, request_id):
+        if n == 2:
+            await move(mesh, request_id, workers, lambda source: victim)
+        if n == 100:  # 430 tokens: 3 full blocks stored, 46 tokens after them
+            os.killpg(small_kv_workers["children"]["recompute"].pid, signal.SIGKILL)
+            killed.append(request_id)
+
+    streamed = asyncio.run(stream(mesh, ids, 180, on_token))
+    assert killed
+    taken_over = [r for r in resumes(mesh, streamed.request_id, 2) if r[0] != victim]
+    assert taken_over and taken_over[-1][1] >= 100, resumes(mesh, streamed.request_id, 2, wait_s=0)
+    assert_exact(mesh, reference, ids, streamed, near_tie=0.1)
