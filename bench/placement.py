@@ -12,12 +12,13 @@ requests from the least free worker to the freest past its thresholds. Reported 
 and rate: P99 and mean TTFT and TPOT (median [min–max] over repetitions), the migrations placement
 made and the preemptions the workers counted.
 
-`drain`: the mesh with one decode worker; each repetition starts a second one, sends `--requests`
+`drain`: the mesh with one decode worker (and no placement service but the one a `migrate` run
+starts: placement empties any worker that says it drains); each repetition starts a second one, sends `--requests`
 long streaming requests through the router and, once that worker holds two or more of them, drains
 it in one of two ways, taking turns: `migrate` (the placement service's drain: its requests move to
 the other worker, then it exits) and `wait` (a `DrainCommand` alone, what a deployment without
 migration can do: it takes nothing new and exits when its requests end). Reported: time from the
-command to the worker holding nothing and to its exit, requests lost (an error or fewer tokens
+command to the worker holding nothing and to its exit (which adds vLLM's engine shutdown), requests lost (an error or fewer tokens
 than asked), and how many outputs equal the same request's in the other mode (greedy; vLLM is not
 batch-invariant, so a near-tie may part two runs under different batches, migration or not).
 """
@@ -36,11 +37,13 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (bench/serve.py: vLLM's client, deployments, tables)
 
 from llmesh.bus import Bus  # noqa: E402
+from llmesh.errors import MeshError  # noqa: E402
 from llmesh.launcher import Child, free_port, start_service, wait_healthy  # noqa: E402
 from llmesh.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo  # noqa: E402
 from llmesh.models import resolve_model  # noqa: E402
@@ -56,6 +59,7 @@ def mesh(work: Path, model: str, model_dir: Path, **env: str):
            "MESH_MODEL": model, "MESH_MODEL_DIR": str(model_dir), "MESH_LOG_DIR": str(work / "logs"),
            "MESH_DATA_DIR": str(work / "kv"), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_REQUEST_TIMEOUT_S": "600"} | env
+    work.mkdir(parents=True, exist_ok=True)
     launcher = Child("mesh", [sys.executable, "-m", "llmesh.launcher"], env=env, log_path=work / "launcher.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 900, [launcher])
@@ -216,10 +220,19 @@ async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, na
     victim = f"victim-{rep}-{mode}"
     worker = start_service("decode-worker", env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": victim},
                            work / f"{victim}.log")
+    # Placement empties any draining worker it sees: only the `migrate` runs have one.
+    placement = start_service("placement", {"MESH_NATS_URL": nats_url, "MESH_PLACEMENT_BALANCE": "0"},
+                              work / f"placement-{rep}.log") if mode == "migrate" else None
     bus = await Bus.connect(nats_url, "bench-drain")
     beats = await Heartbeats().watch(bus)
     try:
         await beats.until(lambda seen: victim in seen, 600, f"heartbeat of {victim}")
+        while placement is not None:
+            try:
+                await placement_status(bus)
+                break
+            except MeshError:
+                await asyncio.sleep(0.2)
         prompts = [[1] + [random.Random(1000 * rep + i).randrange(10, 2000) for _ in range(args.prompt - 1)]
                    for i in range(args.requests)]
         async with httpx.AsyncClient(timeout=600) as http:
@@ -244,6 +257,8 @@ async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, na
     finally:
         await bus.close()
         worker.stop()
+        if placement is not None:
+            placement.stop()
     lost = [o if isinstance(o, str) else f"{len(o)} tokens" for o in outputs
             if isinstance(o, str) or len(o) != args.output]
     print(f"drain {mode} rep {rep}: {held} requests on {victim}; empty after {emptied or exited:.2f} s, exited after "
@@ -255,7 +270,10 @@ async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, na
 def drain(args: argparse.Namespace, work: Path, model_path: str) -> str:
     runs = []
     model_dir = Path(model_path).parent
-    with mesh(work / "drain", args.model, model_dir, MESH_PLACEMENT_BALANCE="0") as (url, nats_url, _):
+    with mesh(work / "drain", args.model, model_dir, MESH_PLACEMENT_BALANCE="0") as (url, nats_url, launcher):
+        for process in psutil.Process(launcher.pid).children(recursive=True):
+            if "llmesh_placement" in " ".join(process.cmdline()):
+                process.terminate()  # the runs start their own, or none
         env = {"MESH_MODEL": args.model, "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
                "MESH_BLOCK_SIZE": str(BLOCK_SIZE)}
         for rep in range(args.reps):
