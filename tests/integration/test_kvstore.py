@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from llmesh.bus import Bus
-from llmesh.errors import BadMessage, KVStoreFull, ServiceUnavailable
+from llmesh.errors import KVStoreFull, ServiceUnavailable
 from llmesh.kvclient import DISCOVERY_WAIT_S, KvClient, ShardDirectory, rendezvous_owner
 from llmesh.kvwire import HEADER, MAGIC, recv_header, send_frame
 from llmesh.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
