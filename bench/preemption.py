@@ -99,6 +99,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
         prefill = next(i.worker_id for i in latest.values() if i.role == "prefill")
         reference: dict[int, list[int]] = {}
         results: dict[str, list[dict]] = {m: [] for m in MODES}
+        kept: list[dict] = []  # every output, written to outputs.json for checking against a reference
         for rep in range(args.repeats + 1):  # the first round warms every worker up
             prompts = [prompt_ids(args.prompt, seed=1000 * rep + i) for i in range(args.concurrency)]
             for mode in MODES:
@@ -112,6 +113,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
                 after = latest[f"decode-{mode}"].preemptions
                 for i, out in enumerate(outputs):
                     reference.setdefault(1000 * rep + i, out)
+                    kept.append({"mode": mode, "round": rep, "prompt_token_ids": prompts[i], "token_ids": out})
                 if rep:
                     results[mode].append({
                         "round_s": elapsed, "tpot_ms": 1e3 * elapsed / args.output,
@@ -121,6 +123,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
             row = {"mode": mode, **{k: [r[k] for r in results[mode]] for k in results[mode][0]}}
             rows.append(row)
             print(json.dumps(row), flush=True)
+        (work / "outputs.json").write_text(json.dumps(kept))
         await bus.close()
     finally:
         for child in workers:
