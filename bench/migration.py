@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -32,14 +31,10 @@ from llmesh.bus import Bus
 from llmesh.launcher import Child, free_port, start_service, wait_healthy
 from llmesh.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
 from llmesh.models import resolve_model
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 OUTPUT_TOKENS = 160  # long enough to outlive the hand-shake (the target prefetches meanwhile)
 SWITCH_AT = 8  # the chunk after which the migration is commanded
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
 
 
 async def decode_workers(bus: Bus, count: int, timeout: float = 600) -> list[str]:

@@ -39,16 +39,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve  # noqa: E402  (bench/serve.py: vLLM's client, deployments, tables)
-
-from llmesh.bus import Bus  # noqa: E402
-from llmesh.errors import MeshError  # noqa: E402
-from llmesh.launcher import Child, free_port, start_service, wait_healthy  # noqa: E402
-from llmesh.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo  # noqa: E402
-from llmesh.models import resolve_model  # noqa: E402
-
-BLOCK_SIZE, MAX_MODEL_LEN = 128, 2048
+import serve  # bench/serve.py: vLLM's client, deployments, tables (this folder is on sys.path when a script runs)
+from llmesh.bus import Bus
+from llmesh.errors import MeshError
+from llmesh.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo
+from llmesh.models import resolve_model
+from serve import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids, spread
 
 
 @contextlib.contextmanager
@@ -94,10 +91,6 @@ class Heartbeats:
 
 async def placement_status(bus: Bus) -> PlacementStatus:
     return (await bus.request(Subjects.PLACEMENT, PlacementRequest(op="status"), PlacementStatus, timeout=10))[0]
-
-
-def spread(values: list[float], digits: int = 0) -> str:
-    return serve.spread(values, digits)
 
 
 # ---- balance ------------------------------------------------------------------------------------------------------
@@ -233,8 +226,7 @@ async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, na
                 break
             except MeshError:
                 await asyncio.sleep(0.2)
-        prompts = [[1] + [random.Random(1000 * rep + i).randrange(10, 2000) for _ in range(args.prompt - 1)]
-                   for i in range(args.requests)]
+        prompts = [prompt_ids(args.prompt, seed=1000 * rep + i) for i in range(args.requests)]
         async with httpx.AsyncClient(timeout=600) as http:
             streams = [asyncio.create_task(stream(http, url, args.model, ids, args.output)) for ids in prompts]
             await beats.until(lambda seen: sum(r.generated >= 16 for r in seen[victim].requests) >= 2, 120,

@@ -35,14 +35,10 @@ from llmesh.messages import (
     WorkerInfo,
 )
 from llmesh.models import resolve_model
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 MODES = ("recompute", "swap", "auto")
 BLOCK_SIZE = 128
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
 
 
 async def heartbeats(bus: Bus) -> dict[str, WorkerInfo]:

@@ -24,15 +24,9 @@ from pathlib import Path
 from llmesh.bus import Bus
 from llmesh.launcher import Child, engine_cores, free_port, start_service, wait_healthy
 from llmesh.messages import PrefillRequest, PrefillResult, SamplingOptions, Subjects, WorkerInfo, decode
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 IDLE_S = 1.5  # a vLLM engine busy-polls for 1 s after its last step: let it go idle between runs
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
 
 
 async def prefill_workers(bus: Bus, count: int) -> list[str]:

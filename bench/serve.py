@@ -57,6 +57,14 @@ SUMMARY = ("completed", "failed", "duration", "total_output_tokens", "request_th
            "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
 
 
+def prompt_ids(length: int, seed: int) -> list[int]:
+    """A prompt of `length` random token ids after BOS (the tiny models' vocabulary), the same for a seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
+
+
 # ---- processes and their CPU time -----------------------------------------------------------------------------
 
 
@@ -360,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--router-policy", nargs="*", default=[], metavar="WORKLOAD=POLICY",
                         help=f"vllm-router's policy per workload (default {ROUTER_POLICY})")
-    parser.add_argument("--quick", action="store_true", help="one repetition of 4 requests per workload at 2 req/s, without warm-up "
-                        "(a smoke test, not a measurement)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one repetition of 4 requests per workload at 2 req/s, without warm-up (a smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "llmesh")
     args = parser.parse_args(argv)

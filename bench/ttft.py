@@ -28,15 +28,11 @@ import httpx
 
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_TOKENS = 32
 IDLE_S = 1.5  # a vLLM engine busy-polls for 1 s after its last step: let it go idle between runs
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
 
 
 def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, float, float, str]:

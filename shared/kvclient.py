@@ -62,7 +62,6 @@ class ShardDirectory:
         self._started = time.monotonic()
 
     async def start(self) -> None:
-        self._started = time.monotonic()
         await self.bus.nc.subscribe(Subjects.KV_SHARDS, cb=self._on_announce)
         await self.bus.publish(Subjects.KV_DISCOVER, KvDiscover())
 
@@ -79,7 +78,8 @@ class ShardDirectory:
 
     def live(self, wait_s: float = 0.0) -> dict[str, KvShardInfo]:
         """The shards heard from lately; until a first one is heard, waits for it until `wait_s`
-        after `start()` (not `wait_s` per call: a store that never came costs each call nothing)."""
+        after this directory was made (not `wait_s` per call: a store that never came costs each
+        call nothing)."""
         if wait_s and not self._known.is_set():
             self._known.wait(max(0.0, self._started + wait_s - time.monotonic()))
         now = time.monotonic()
