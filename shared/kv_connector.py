@@ -26,9 +26,11 @@ while layer i computes. In `async` mode the request waits outside the batch unti
 layers are in (other requests keep decoding meanwhile). Decode also writes back, without
 waiting, each block that generation fills (write-behind), so the next turn of a conversation
 finds its whole history in the store; with `durable_tail` it also writes the partial last block
-every step, so a failover loses at most the step in flight. A request aborted while it carries a
-`tail_id` (a migration's source stops it so) exports its last two blocks under `kvkeys.tail_hash`
-keys, and any full block not yet written, before its blocks are freed. A missing chunk is reported
+every step, so a failover loses at most the step in flight; a migration's source turns that on for
+the request it is handing over (`DurableTail` on `control_subject`), so at the switch its tail is
+already stored. A request aborted while it carries a `tail_id` (a migration's source stops it so)
+exports its last two blocks under `kvkeys.tail_hash` keys, and any full block not yet written, before
+its blocks are freed (the hand-over falls back on these). A missing chunk is reported
 as a load error and vLLM recomputes those blocks (`kv_load_failure_policy="recompute"`).
 
 A worker built with both roles (`kv_both`, a switchable decode worker) treats each request by what
@@ -64,9 +66,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from llmesh import telemetry
-from llmesh.errors import MeshError
+from llmesh.errors import InvalidRequest, MeshError
 from llmesh.kvclient import ThreadedKvClient
 from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout, tail_hash
+from llmesh.messages import Ack, DurableTail, Message
 from llmesh.policies.preemption import RateEstimate, swap_or_recompute
 
 if TYPE_CHECKING:
@@ -164,6 +167,11 @@ def _gather(cache: torch.Tensor, block_ids: list[int], views: list[memoryview]) 
         torch.frombuffer(view, dtype=cache.dtype).view(cache.shape[1:]).copy_(cache[block_id])
 
 
+def _tail_id(request: Any) -> str | None:
+    """The id a decode worker named the request's exported blocks by (`kvkeys.tail_hash`), if any."""
+    return (getattr(request, "kv_transfer_params", None) or {}).get("tail_id")
+
+
 def request_trace(request: Any) -> dict[str, str]:
     params = getattr(request, "kv_transfer_params", None) or {}
     return dict(params.get("trace") or {})
@@ -214,9 +222,12 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._exported: set[str] = set()
         self._kv: ThreadedKvClient | None = None
         self._lookup: ThreadedKvClient | None = None  # scheduler side: which prefix blocks are stored
+        self._durable_tails: set[str] = set()  # tail ids of requests migrating away: their tail is durable
         if role == KVConnectorRole.SCHEDULER and (self._is_consumer or extra.get("reuse_prefix", True)):
             self._lookup = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-lookup",
                                             threads=1, redis_url=extra.get("redis_url") or "")
+            if self._write_behind and extra.get("control_subject"):
+                self._lookup.serve(extra["control_subject"], self._on_control)
         if role == KVConnectorRole.WORKER:
             telemetry.setup_tracing(
                 extra.get("service_name", "vllm-worker"),
@@ -228,6 +239,18 @@ class MeshKVConnector(KVConnectorBase_V1):
                                         redis_url=extra.get("redis_url") or "")
 
     # ==== scheduler side ===================================================================
+
+    async def _on_control(self, msg: Message, blob: memoryview) -> Ack:
+        """The worker's commands (on the lookup client's thread): `DurableTail` for a migrating request."""
+        if not isinstance(msg, DurableTail):
+            raise InvalidRequest(f"expected DurableTail, got {type(msg).__name__}")
+        if not msg.on:
+            self._durable_tails.discard(msg.tail_id)
+        elif msg.tail_id in {_tail_id(r) for r in list(self._requests.values())}:
+            self._durable_tails.add(msg.tail_id)
+        else:
+            raise InvalidRequest(f"no request with tail id {msg.tail_id} is decoding here")
+        return Ack()
 
     def _seed(self, request: Request) -> str:
         """The request's chain seed: the fingerprint, its cache salt and its LoRA adapter's content."""
@@ -396,11 +419,12 @@ class MeshKVConnector(KVConnectorBase_V1):
             # With async scheduling the newest token may not be known yet: hash what is.
             known = min(tokens_done, len(request.all_token_ids)) if request is not None else 0
             ready = known // self._block_size
-            if request is not None and len(state.hashes) < ready and (ready > state.saved or self._durable_tail):
+            durable = self._durable_tail or (request is not None and _tail_id(request) in self._durable_tails)
+            if request is not None and len(state.hashes) < ready and (ready > state.saved or durable):
                 state.hashes = block_hashes(self._seed(request), request.all_token_ids[: ready * self._block_size],
                                             self._block_size)
             ready = min(ready, len(state.hashes))
-            if self._durable_tail and known % self._block_size and ready < len(state.block_ids):
+            if durable and known % self._block_size and ready < len(state.block_ids):
                 assert request is not None
                 parent = state.hashes[ready - 1] if ready else self._seed(request)
                 partial = block_hashes(parent, request.all_token_ids[ready * self._block_size : known],
@@ -415,6 +439,7 @@ class MeshKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._saves.pop(request.request_id, None)
         exporting = self._plan_export(request, block_ids, state)
+        self._durable_tails.discard(_tail_id(request))
         self._requests.pop(request.request_id, None)
         self._seeds.pop(request.request_id, None)
         self._load_plans.pop(request.request_id, None)
@@ -443,7 +468,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         block fewer tokens than the engine computed). True: its blocks stay until that is done."""
         from vllm.v1.request import RequestStatus
 
-        tail_id = (request.kv_transfer_params or {}).get("tail_id")
+        tail_id = _tail_id(request)
         computed = request.num_computed_tokens
         if not (self._is_consumer and tail_id and request.status == RequestStatus.FINISHED_ABORTED and computed
                 and block_ids):
@@ -522,9 +547,21 @@ class MeshKVConnector(KVConnectorBase_V1):
         return missing
 
     def _load_now(self, transfer: BlockTransfer, parent: Any) -> None:
-        load = self._start_fetch(transfer, parent, span=None)
-        for name in list(load.futures):
-            self._finish_layer(load, name)
+        """Load `transfer`'s blocks of every layer before the forward, in one fetch."""
+        assert self._kv is not None
+        names, count = list(self._kv_caches), len(transfer.hashes)
+
+        def copy_in(values: Sequence[memoryview | None]) -> list[int]:
+            return [block for i, name in enumerate(names) for block in
+                    self._copy_in(self._kv_caches[name], transfer.block_ids, values[i * count : (i + 1) * count])]
+
+        keys = [chunk_key(h, _layer_index(name)) for name in names for h in transfer.hashes]
+        try:
+            missing = self._kv.get(keys, copy_in, trace_context=parent).result(timeout=TRANSFER_TIMEOUT_S)
+        except Exception as exc:  # the store is down or slow: recompute instead
+            log.warning("request %s: loading its last block failed: %s", transfer.req_id, exc)
+            missing = transfer.block_ids
+        self._load_errors.update(missing)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._async_load:

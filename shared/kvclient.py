@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from llmesh import telemetry
-from llmesh.bus import Bus
+from llmesh.bus import Bus, Handler
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
 from llmesh.kvkeys import INDEX_KEY, chunk_key, decode_entry
 from llmesh.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
@@ -528,6 +528,10 @@ class ThreadedKvClient:
         self.client = KvClient(directory, connections_per_shard=threads,
                                locator=ChunkLocator(redis_url) if redis_url else None)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-kv")
+
+    def serve(self, subject: str, handler: Handler) -> None:
+        """Answer `subject` on this client's bus; `handler` runs on its event-loop thread."""
+        asyncio.run_coroutine_threadsafe(self._bus.serve(subject, handler, traced=False), self._loop).result(timeout=10)
 
     def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float,
             trace_context=None) -> concurrent.futures.Future:

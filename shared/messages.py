@@ -332,6 +332,15 @@ class MigratePrepare(Message):
     prefetch: bool = True  # load the stored blocks into the engine now (not for a `recompute` migration)
 
 
+class DurableTail(Message):
+    """A decode worker to its engine's connector (`Subjects.kv_control`): from the next step on, write
+    the partial last block of the request named by its `tail_id` every step, so that a migration's
+    hand-over finds it stored (Ack; an error if no such request is running there)."""
+
+    tail_id: str
+    on: bool = True  # False: back to writing only full blocks (the migration was called off)
+
+
 class Migrated(Message):
     """The last message of a decode stream whose request moved: go on with `output_tokens` outputs
     (all the stream carried) on `target`, loading `kv`."""
@@ -547,6 +556,11 @@ class Subjects:
     def migrate_in(worker_id: str) -> str:
         """A source worker's hand-shake with a migration's target."""
         return f"mesh.migrate_in.{worker_id}"
+
+    @staticmethod
+    def kv_control(worker_id: str) -> str:
+        """A worker to its own engine's KV connector (the scheduler's side, in the engine's process)."""
+        return f"mesh.kvctl.{worker_id}"
 
     @staticmethod
     def drain(worker_id: str) -> str:

@@ -78,6 +78,11 @@ def tokens_prompt(token_ids: list[int], cache_salt: str | None) -> Any:
     return prompt
 
 
+def worker_id(settings: WorkerSettings, role: Role) -> str:
+    """This process's worker id: the configured one, else made from the role, host and pid."""
+    return settings.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
 def engine_args(settings: WorkerSettings, role: Role) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -107,6 +112,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
                 "durable_tail": settings.kv_durable_tail,
                 "preemption": settings.kv_preemption,
                 "service_name": f"{role}-worker",
+                "control_subject": Subjects.kv_control(worker_id(settings, role)),
                 "otlp_endpoint": settings.otlp_endpoint,
                 "trace_dir": settings.trace_dir,
             },
@@ -133,6 +139,7 @@ class HeldRequest:
     tail_id: str = ""
     cache_salt: str | None = None
     migration: MigrateCommand | None = None  # being handed over
+    tail_durable: bool = False  # its engine writes its partial last block every step (for the hand-over)
     finished: bool = False  # the engine finished it (nothing left to hand over)
 
     def kv_blocks(self, block_size: int) -> int:
@@ -182,7 +189,7 @@ class EngineWorker:
 
     def __init__(self, settings: WorkerSettings, role: Role, bus: Bus, engine: Any):
         self.settings, self.role, self.bus, self.engine = settings, role, bus, engine
-        self.worker_id = settings.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.worker_id = worker_id(settings, role)
         self.subject = Subjects.worker(role, self.worker_id)
         self.layout = kv_layout(engine.vllm_config)
         self.fingerprint = fingerprint(self.layout)

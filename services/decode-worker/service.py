@@ -10,12 +10,13 @@
   exactly as a monolithic engine does.
 - `migrate` (as the source) and `prepare` (as the target): live migration, Llumnix's protocol
   through the kv-store. While the source keeps decoding, the target fetches the blocks already
-  stored (full blocks are written behind as they fill) into its engine's prefix cache. Then the
-  source stops the request at a step boundary, exports what the store lacks (the partial last
-  block), waits until the store holds every block, and ends its stream with `Migrated`; the
-  router resumes the request on the target with the tokens it streamed. A target that refuses
-  leaves the request running on the source; one that fails after the hand-over is replaced by
-  the router (llmesh_router.dispatch), as a dead source is.
+  stored (full blocks are written behind as they fill) into its engine's prefix cache, and the
+  source's engine writes the request's partial last block every step too (`DurableTail`). Then the
+  source stops the request at a step boundary, waits until the store holds every block of what it
+  streamed (the partial one written at its step; else the one its engine exports as it stops), and
+  ends its stream with `Migrated`; the router resumes the request on the target with the tokens it
+  streamed. A target that refuses leaves the request running on the source; one that fails after
+  the hand-over is replaced by the router (llmesh_router.dispatch), as a dead source is.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from vllm.sampling_params import RequestOutputKind
 from llmesh.detokenizer import ContinuedText
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
 from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory
-from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
+from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, chunk_key, tail_hash
 from llmesh.messages import (
     Ack,
     DecodeRequest,
+    DurableTail,
     KvHandle,
     LengthPrediction,
     MigrateCommand,
@@ -57,6 +59,8 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 10.0  # the target's answer to a hand-shake (its prefetch included)
 PREFETCH_BUDGET_S = 2.0  # past this the target agrees without its prefetch (it loads everything at the hand-over)
 EXPORT_WAIT_S = 5.0  # how long the source waits for the store to hold the request's blocks
+CONTROL_TIMEOUT_S = 2.0  # the engine's connector's answer to `DurableTail`, and the steps waited after it
+DURABLE_STEPS = 2  # tokens awaited after `DurableTail` is on: the step in flight was planned before it
 OUTCOMES_KEPT = 1024  # answers to recent migration commands, for idempotent retries
 
 
@@ -149,9 +153,12 @@ class DecodeService:
         if predicted is not None:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
+        span = trace.get_current_span()
         async for out in self.worker.engine.generate(tokens_prompt(token_ids, cache_salt), params,
                                                      request_id=engine_request_id):
             o = out.outputs[0]
+            if not held.token_ids[len(token_ids):]:
+                span.add_event("first output")
             held.generated += len(o.token_ids)
             held.token_ids.extend(o.token_ids)
             # stopped for a migration: the engine's "abort" is not the end of the request
@@ -200,20 +207,53 @@ class DecodeService:
         if cmd.target == self.worker.worker_id:
             return self._outcome(cmd, False, "the target is the source")
         held.migration = cmd
+        # the tail written every step from now on, so the switch need not wait for an export
+        durable = None if cmd.recompute else asyncio.create_task(self._durable_from(held))
         try:
             await self.worker.bus.request(Subjects.migrate_in(cmd.target), MigratePrepare(
                 migration_id=cmd.migration_id, request_id=cmd.request_id, model=self.worker.settings.model_name,
                 fingerprint=self.worker.fingerprint, token_ids=list(held.token_ids),
                 max_tokens_left=max(held.max_tokens - held.generated, 1), cache_salt=held.cache_salt,
                 hold_s=PREPARE_TIMEOUT_S, prefetch=not cmd.recompute), Ack, timeout=PREPARE_TIMEOUT_S)
+            durable_from = await durable if durable is not None else None
+            held.tail_durable = durable_from is not None and await self._generated_reaches(held, durable_from)
         except MeshError as exc:
-            held.migration = None
-            return self._outcome(cmd, False, f"{cmd.target} refused: {exc.message}")
+            return await self._refused(cmd, held, durable, f"{cmd.target} refused: {exc.message}")
         if held.finished or self.worker.held(cmd.request_id) is not held:
-            held.migration = None
-            return self._outcome(cmd, False, "the request finished during the hand-shake")
+            return await self._refused(cmd, held, durable, "the request finished during the hand-shake")
         await self.worker.engine.abort(held.engine_request_id)  # takes effect at the next step boundary
         return self._outcome(cmd, True)
+
+    async def _refused(self, cmd: MigrateCommand, held: HeldRequest, durable: asyncio.Task | None,
+                       reason: str) -> MigrateOutcome:
+        """The migration is off: the request decodes on here as before."""
+        held.migration, held.tail_durable = None, False
+        if durable is not None and await durable is not None:
+            await self._durable_tail(held, False)
+        return self._outcome(cmd, False, reason)
+
+    async def _durable_tail(self, held: HeldRequest, on: bool) -> bool:
+        """Turn writing `held`'s partial last block every step on or off in the engine's connector."""
+        try:
+            await self.worker.bus.request(Subjects.kv_control(self.worker.worker_id),
+                                          DurableTail(tail_id=held.tail_id, on=on), Ack, timeout=CONTROL_TIMEOUT_S)
+            return True
+        except MeshError as exc:
+            log.warning("request %s: the connector did not take DurableTail(on=%s): %s", held.request_id, on, exc)
+            return False
+
+    async def _durable_from(self, held: HeldRequest) -> int | None:
+        """Turn the durable tail on for `held`; from which count of its generated tokens on the tail
+        of what it streamed is surely stored (None: not on). The step in flight was planned before."""
+        return held.generated + DURABLE_STEPS if await self._durable_tail(held, True) else None
+
+    @staticmethod
+    async def _generated_reaches(held: HeldRequest, count: int) -> bool:
+        """Wait (a bounded time) until `held` has generated `count` tokens; False if it finished first."""
+        give_up = time.monotonic() + CONTROL_TIMEOUT_S
+        while held.generated < count and not held.finished and time.monotonic() < give_up:
+            await asyncio.sleep(0.001)
+        return held.generated >= count
 
     def _outcome(self, cmd: MigrateCommand, accepted: bool, reason: str = "") -> MigrateOutcome:
         outcome = MigrateOutcome(migration_id=cmd.migration_id, request_id=cmd.request_id,
@@ -235,19 +275,26 @@ class DecodeService:
         if cmd.recompute:
             return Migrated(migration_id=cmd.migration_id, target=cmd.target, kv=None, output_tokens=outputs)
         with self._tracer.start_as_current_span("migration.export") as span:
-            loadable = len(held.token_ids) - 1
-            full = loadable // self.block_size
-            hashes = block_hashes(chain_seed(self.worker.fingerprint, held.cache_salt),
-                                  held.token_ids[: full * self.block_size], self.block_size)
-            tail = tail_hash(held.tail_id, full) if loadable % self.block_size else None
-            stored = await self._wait_stored([*hashes, tail] if tail else hashes)
+            size, loadable = self.block_size, len(held.token_ids) - 1
+            full = loadable // size
+            seed = chain_seed(self.worker.fingerprint, held.cache_salt)
+            hashes = block_hashes(seed, held.token_ids[: full * size], size)
+            ends = []  # names of the partial last block, best first: written at its step, or exported at the stop
+            if loadable % size:
+                if held.tail_durable:
+                    ends += block_hashes(hashes[-1] if hashes else seed, held.token_ids[full * size : loadable], size,
+                                         partial=True)
+                ends.append(tail_hash(held.tail_id, full))
+            stored, end = await self._wait_stored(hashes, ends)
             if stored < len(hashes):  # a block missing: hand over the run before it (the target recomputes the rest)
-                hashes, tail = hashes[:stored], None
-            elif tail and stored == len(hashes):
-                tail = None
-            span.set_attributes({"kv.blocks": len(hashes) + bool(tail), "kv.complete": stored >= len(hashes) + bool(tail)})
-        kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=self.block_size, block_hashes=hashes,
-                      num_tokens=min(loadable, (len(hashes) + bool(tail)) * self.block_size), tail_hash=tail,
+                hashes, end = hashes[:stored], None
+            durable = end is not None and end != ends[-1]  # else an exported tail, named as such in the handle
+            span.set_attributes({"request.id": held.request_id, "kv.blocks": len(hashes) + bool(end),
+                                 "kv.complete": stored == full and bool(end or not ends),
+                                 "kv.tail": "durable" if durable else "exported" if end else "none"})
+        kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=size,
+                      block_hashes=[*hashes, end] if durable else hashes, tail_hash=None if durable else end,
+                      num_tokens=min(loadable, (len(hashes) + bool(end)) * size),
                       pinned_until=time.time() + self.worker.settings.kv_pin_s)
         return Migrated(migration_id=cmd.migration_id, target=cmd.target, kv=kv, output_tokens=outputs)
 
@@ -277,15 +324,29 @@ class DecodeService:
             log.warning("KV lookup failed: %s", exc)
             return 0
 
-    async def _wait_stored(self, hashes: list[str]) -> int:
-        """Wait (a bounded time) until the store holds every block of `hashes`; how many it holds."""
+    async def _wait_stored(self, hashes: list[str], ends: list[str]) -> tuple[int, str | None]:
+        """Wait (a bounded time) until the store holds every block of `hashes` (in every layer) and one
+        of `ends`, names of the block after them; how many of `hashes` it holds from the first, and
+        the first of `ends` it holds."""
         give_up = time.monotonic() + EXPORT_WAIT_S
-        while (stored := await self._stored_run(hashes)) < len(hashes) and time.monotonic() < give_up:
+        blocks = [*hashes, *ends]
+        while True:
+            try:
+                found = await asyncio.to_thread((await self._client()).contains,
+                                                [chunk_key(h, layer) for h in blocks for layer in range(self.layers)])
+            except MeshError as exc:
+                log.warning("KV lookup failed: %s", exc)
+                found = [False] * len(blocks) * self.layers
+            complete = [all(found[i * self.layers : (i + 1) * self.layers]) for i in range(len(blocks))]
+            stored = complete.index(False) if False in complete[: len(hashes)] else len(hashes)
+            end = next((name for name, ok in zip(ends, complete[len(hashes):]) if ok), None)
+            if (stored == len(hashes) and (end or not ends)) or time.monotonic() >= give_up:
+                break
             await asyncio.sleep(0.002)
-        if stored < len(hashes):
-            log.warning("the store holds %d of %d blocks to hand over after %.0f s", stored, len(hashes),
-                        EXPORT_WAIT_S)
-        return stored
+        if stored < len(hashes) or (ends and end is None):
+            log.warning("the store holds %d of %d blocks to hand over after %.0f s", stored + bool(end),
+                        len(hashes) + bool(ends), EXPORT_WAIT_S)
+        return stored, end
 
     # ---- live migration: the target ---------------------------------------------------------
 

@@ -488,7 +488,9 @@ class Dispatcher:
                     assert isinstance(delta, TokenDelta)
                     self.registry.heard_from(worker_id)
                     progress.seen(delta)
-                    if previous_at is not None and delta.token_ids:
+                    if previous_at is None:
+                        span.add_event("first delta")
+                    elif delta.token_ids:
                         self._token_gaps[worker_id].append((progress.last_at - previous_at) / len(delta.token_ids))
                     previous_at = progress.last_at
                     shown = _filtered(delta, stops)
