@@ -419,7 +419,8 @@ class MeshKVConnector(KVConnectorBase_V1):
             # With async scheduling the newest token may not be known yet: hash what is.
             known = min(tokens_done, len(request.all_token_ids)) if request is not None else 0
             ready = known // self._block_size
-            durable = self._durable_tail or (request is not None and _tail_id(request) in self._durable_tails)
+            durable = self._durable_tail or bool(self._durable_tails and request is not None
+                                                 and _tail_id(request) in self._durable_tails)
             if request is not None and len(state.hashes) < ready and (ready > state.saved or durable):
                 state.hashes = block_hashes(self._seed(request), request.all_token_ids[: ready * self._block_size],
                                             self._block_size)

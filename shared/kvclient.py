@@ -475,13 +475,16 @@ class KvClient:
                 found[i] = f
         return found
 
+    def stored_blocks(self, block_hashes: Sequence[str], num_layers: int) -> list[bool]:
+        """Whether the store holds each of `block_hashes` in every layer."""
+        if not block_hashes:
+            return []
+        found = self.contains([chunk_key(h, layer) for h in block_hashes for layer in range(num_layers)])
+        return [all(found[i : i + num_layers]) for i in range(0, len(found), num_layers)]
+
     def stored_run(self, block_hashes: Sequence[str], num_layers: int) -> int:
         """How many of `block_hashes`, from the first, the store holds in every layer."""
-        if not block_hashes:
-            return 0
-        found = self.contains([chunk_key(h, layer) for h in block_hashes for layer in range(num_layers)])
-        blocks = [all(found[i : i + num_layers]) for i in range(0, len(found), num_layers)]
-        return blocks.index(False) if False in blocks else len(blocks)
+        return leading_run(self.stored_blocks(block_hashes, num_layers))
 
     def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
         values: list[memoryview | None] = [None] * len(keys)
@@ -512,6 +515,11 @@ class KvClient:
             for pool in self._pools.values():
                 pool.close()
             self._pools.clear()
+
+
+def leading_run(held: Sequence[bool]) -> int:
+    """How many of `held`, from the first, are true."""
+    return next((i for i, h in enumerate(held) if not h), len(held))
 
 
 class ThreadedKvClient:

@@ -34,8 +34,8 @@ from vllm.sampling_params import RequestOutputKind
 
 from llmesh.detokenizer import ContinuedText
 from llmesh.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
-from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory
-from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, chunk_key, tail_hash
+from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
+from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
 from llmesh.messages import (
     Ack,
     DecodeRequest,
@@ -153,12 +153,13 @@ class DecodeService:
         if predicted is not None:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
-        span = trace.get_current_span()
+        span, first = trace.get_current_span(), True
         async for out in self.worker.engine.generate(tokens_prompt(token_ids, cache_salt), params,
                                                      request_id=engine_request_id):
             o = out.outputs[0]
-            if not held.token_ids[len(token_ids):]:
+            if first:
                 span.add_event("first output")
+                first = False
             held.generated += len(o.token_ids)
             held.token_ids.extend(o.token_ids)
             # stopped for a migration: the engine's "abort" is not the end of the request
@@ -329,17 +330,14 @@ class DecodeService:
         of `ends`, names of the block after them; how many of `hashes` it holds from the first, and
         the first of `ends` it holds."""
         give_up = time.monotonic() + EXPORT_WAIT_S
-        blocks = [*hashes, *ends]
         while True:
             try:
-                found = await asyncio.to_thread((await self._client()).contains,
-                                                [chunk_key(h, layer) for h in blocks for layer in range(self.layers)])
+                present = await asyncio.to_thread((await self._client()).stored_blocks, [*hashes, *ends], self.layers)
             except MeshError as exc:
                 log.warning("KV lookup failed: %s", exc)
-                found = [False] * len(blocks) * self.layers
-            complete = [all(found[i * self.layers : (i + 1) * self.layers]) for i in range(len(blocks))]
-            stored = complete.index(False) if False in complete[: len(hashes)] else len(hashes)
-            end = next((name for name, ok in zip(ends, complete[len(hashes):]) if ok), None)
+                present = [False] * (len(hashes) + len(ends))
+            stored = leading_run(present[: len(hashes)])
+            end = next((name for name, ok in zip(ends, present[len(hashes):]) if ok), None)
             if (stored == len(hashes) and (end or not ends)) or time.monotonic() >= give_up:
                 break
             await asyncio.sleep(0.002)
