@@ -87,7 +87,9 @@ def test_sigkill_without_a_durable_tail_resumes_from_the_full_blocks_exactly_but
             os.killpg(small_kv_workers["children"]["recompute"].pid, signal.SIGKILL)
             killed.append(request_id)
 
-    streamed = asyncio.run(stream(mesh, ids, 180, on_token))
+    # Read well past the kill: while `move` holds the reader, the victim's tokens pile up in the router
+    # and the socket, so chunk 100 may be read after the victim has generated a hundred more.
+    streamed = asyncio.run(stream(mesh, ids, 400, on_token))
     assert killed
     taken_over = [r for r in resumes(mesh, streamed.request_id, 2) if r[0] != victim]
     assert taken_over and taken_over[-1][1] >= 100, resumes(mesh, streamed.request_id, 2, wait_s=0)
