@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmesh import telemetry
-from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout
+from llmesh.errors import BadMessage, MeshError, NoResponders, ServiceUnavailable, Timeout
 from llmesh.messages import (
     ErrorReply,
     Message,
@@ -163,7 +163,7 @@ class ReplyStream:
             if isinstance(item, BaseException):
                 raise item
             if item is _NO_RESPONDERS:
-                raise ServiceUnavailable(f"nothing is serving {self._subject}")
+                raise NoResponders(f"nothing is serving {self._subject}")
             reply, blob = decode_any(item)
             if isinstance(reply, StreamEnd):
                 raise StopAsyncIteration
@@ -275,7 +275,7 @@ class Bus:
         try:
             reply = await self.nc.request(subject, encode(msg, blob), timeout=timeout, headers=telemetry.inject())
         except nats.errors.NoRespondersError:
-            raise ServiceUnavailable(f"nothing is serving {subject}") from None
+            raise NoResponders(f"nothing is serving {subject}") from None
         except nats.errors.TimeoutError:
             raise Timeout(f"{subject} did not answer within {timeout:.1f}s") from None
         return decode(reply.data, expected)

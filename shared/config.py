@@ -91,7 +91,8 @@ class WorkerSettings(CommonSettings):
     switchable: bool = Field(
         False, description="A decode worker that also serves prefill (one engine holding both KV roles): the "
         "`role` in its heartbeat says which the routers send it, and the placement service switches it as load "
-        "shifts (BanaServe's adaptive module migration). It finishes what it holds of the other role.")
+        "shifts (BanaServe's adaptive module migration). Switched to prefill, its decodes migrate to the decode "
+        "pool; switched to decode, it finishes the prompts it holds.")
     kv_preemption: Literal["auto", "swap", "recompute"] = Field(
         "auto", description="A request vLLM preempted under memory pressure resumes by loading its KV from the "
         "kv-store ('swap') or by computing it again ('recompute'); 'auto' picks the cheaper per request from the "

@@ -51,6 +51,13 @@ class ServiceUnavailable(MeshError):
     http_status = 503
 
 
+class NoResponders(ServiceUnavailable):
+    """Nothing subscribes to the subject (NATS has no responders): the worker or service is gone, and
+    the message reached no one."""
+
+    code = "no_responders"
+
+
 class AtCapacity(ServiceUnavailable):
     """Every worker that fits the request is full, or over the dispatch policy's threshold: it may
     wait for room (the router's queue)."""

@@ -380,7 +380,8 @@ class DrainCommand(Message):
 
 class RoleCommand(Message):
     """To a worker built with both roles (`Subjects.role`): serve `role` from now on (BanaServe's
-    adaptive module migration). It finishes what it holds of the other role; idempotent by id."""
+    adaptive module migration). Its prompts in flight finish there; its decodes, once it serves prefill, the
+    placement service migrates to the decode pool. Idempotent by id."""
 
     command_id: str
     role: Literal["prefill", "decode"]

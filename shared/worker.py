@@ -140,6 +140,7 @@ class HeldRequest:
     cache_salt: str | None = None
     migration: MigrateCommand | None = None  # being handed over
     tail_durable: bool = False  # its engine writes its partial last block every step (for the hand-over)
+    stopping: asyncio.Event | None = None  # set by the stream once it stopped it after its next token (the switch)
     finished: bool = False  # the engine finished it (nothing left to hand over)
 
     def kv_blocks(self, block_size: int) -> int:
@@ -392,7 +393,8 @@ class EngineWorker:
 
     async def _on_role(self, cmd: RoleCommand, blob: memoryview) -> RoleOutcome:
         """Serve `cmd.role` from now on: the routers send this worker that role's requests once they
-        hear its next heartbeat (sent at once); what it holds of the other role runs to its end."""
+        hear its next heartbeat (sent at once); the placement service moves its decodes away once it
+        serves prefill, and what else it holds of the other role runs to its end."""
         if not isinstance(cmd, RoleCommand):
             raise InvalidRequest(f"expected RoleCommand, got {type(cmd).__name__}")
         if (known := self._role_outcomes.get(cmd.command_id)) is not None:

@@ -2,8 +2,9 @@
 
 Every replica tracks the workers' heartbeats; only the lease holder (`lease.py`) acts. Each period
 the leader, over the decode workers:
-- empties the draining ones: each of their requests goes to the freest active worker with room
-  (one command per request at a time; a refused one is tried again the next period);
+- empties the draining ones, and hands the decodes of a worker switched to prefill to the decode
+  pool: each request goes to the freest active decode worker with room (one command per request
+  at a time; a refused one is tried again the next period);
 - balances load as Llumnix does: `migration_pairs` matches the least free workers with the
   freest, and `pick_migration` chooses what moves; a request moved (or refused) is left alone
   for `placement_cooldown_s`, and a worker party to a move takes no other until the move is done
@@ -179,14 +180,15 @@ class PlacementService:
             self._workers[info.worker_id] = _Worker(info, self._clock())
 
     def step(self) -> None:
-        """One period: forget silent workers and old moves; as leader, empty the draining decode
-        workers, balance the others, advise on scaling and switch a worker's role if the pools need it."""
+        """One period: forget silent workers and old moves; as leader, move the decodes off draining
+        and switched workers, balance the others, advise on scaling and switch a worker's role if the
+        pools need it."""
         self._expire()
         if not self._lease.held:
             return
         views = self._views()
         decode = self._decode_views(views)
-        self._evacuate(decode)
+        self._evacuate(views)
         if self.settings.placement_balance:
             self._balance(decode)
         self._advise(decode)
@@ -240,20 +242,27 @@ class PlacementService:
     def _destination(self, views: dict[str, WorkerView], source: WorkerView) -> WorkerView | None:
         """The freest active decode worker with room that can take `source`'s requests (model, KV layout)."""
         headroom = self.settings.placement_priority_headroom_blocks
-        fits = [v for v in views.values() if v.worker_id != source.worker_id and v.state == "active" and v.has_room
+        fits = [v for v in views.values() if v.worker_id != source.worker_id and v.role == "decode"
+                and v.state == "active" and v.has_room
                 and (v.model, v.fingerprint) == (source.model, source.fingerprint)]
         return min(fits, key=lambda v: (-freeness(v, headroom), v.worker_id), default=None)
 
     def _evacuate(self, views: dict[str, WorkerView]) -> None:
-        """Move every request of the draining decode workers to the freest destination."""
-        for source in sorted((v for v in views.values() if v.state == "draining"), key=lambda v: v.worker_id):
+        """Move every decode off the workers that should hold none to the freest destination: the
+        draining decode workers, and those built with both roles that serve prefill now (BanaServe's
+        module migration: the decodes leave with the role, so the prefills it now takes do not stall them)."""
+        for source in sorted(views.values(), key=lambda v: v.worker_id):
+            reason = ("drain" if source.role == "decode" and source.state == "draining"
+                      else "role" if source.role == "prefill" and "decode" in source.roles else None)
+            if reason is None:
+                continue
             for request in source.requests:
                 if not self._movable(request, source.worker_id, cooldown_s=0.0):
-                    continue
+                    continue  # a prompt (its own prefill) or a request already moving
                 destination = self._destination(views, source)
                 if destination is None:
                     break  # nowhere to go now: the next period tries again
-                self._start(request, views[source.worker_id], destination, "drain", views)
+                self._start(request, views[source.worker_id], destination, reason, views)
 
     def _balance(self, views: dict[str, WorkerView]) -> None:
         """Llumnix's load balancing, per model and KV layout, among the workers no move involves."""
@@ -448,8 +457,8 @@ class PlacementService:
         return worker
 
     async def switch_role(self, worker_id: str | None, role: Role | None) -> str:
-        """Have `worker_id`, built with both roles, serve `role` now (it finishes what it holds of
-        the other); the worker's answer. The policy switches nothing for a cooldown after it."""
+        """Have `worker_id`, built with both roles, serve `role` now (the loop moves its decodes away
+        when that is prefill); the worker's answer. The policy switches nothing for a cooldown after it."""
         self._live(worker_id)
         if role is None:
             raise InvalidRequest("say which role it should serve: prefill or decode", param="role")

@@ -29,7 +29,7 @@ from opentelemetry import context, trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.errors import MeshError, ServiceUnavailable, Timeout, WorkerLost
+from llmesh.errors import MeshError, NoResponders, ServiceUnavailable, Timeout, WorkerLost
 from llmesh.lengths import cut_prompt
 from llmesh.messages import (
     AbortRequest,
@@ -61,6 +61,7 @@ CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, befo
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
 MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died or refused
+MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet known dead) is placed again
 
 
 @dataclass
@@ -293,11 +294,28 @@ class Dispatcher:
             self._streams[worker_id].pop(request_id, None)
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
-        """Token deltas of `gen`; spans are children of `parent`.
+        """Token deltas of `gen`; spans are children of `parent`. A request whose first worker turns
+        out to be gone before anything was streamed (NATS had no responder: it died since its last
+        heartbeat) is placed again on another; past the first token, decode failover resumes it.
 
         Spans are never kept current across a `yield`: the consumer may resume this generator
         from another task, where detaching a context attached here would fail.
         """
+        for redispatches in range(MAX_REDISPATCHES + 1):
+            started = False
+            try:
+                async for delta in self._generate(gen, parent):
+                    started = True
+                    yield delta
+                return
+            except NoResponders as exc:
+                if started or redispatches == MAX_REDISPATCHES:
+                    raise
+                log.warning("request %s reached no worker (%s): placing it again", gen.request_id, exc.message)
+                self.metrics.redispatches.inc()
+                trace.get_current_span(parent).add_event("redispatched", {"error": exc.message})
+
+    async def _generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
         predicted = await self.predict_length(gen, parent) if self.predict_before_dispatch else None
         view = self._request_view(gen, self.estimate_prompt_tokens(gen), predicted)
         prefill = await self._admit("prefill", view, parent)
@@ -337,7 +355,7 @@ class Dispatcher:
                             timeout=gen.deadline - time.time()))
                         self.metrics.prefill_seconds.observe(time.monotonic() - started)
                 except BaseException as exc:
-                    await self._abort_unless_given_up(prefill.worker_id, gen.request_id, exc)
+                    await self._after_failure(prefill.worker_id, gen.request_id, exc)
                     raise
             self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
             # The first token comes from the prefill: the client sees it before decode starts.
@@ -503,17 +521,20 @@ class Dispatcher:
             raise MeshError(f"{worker_id} ended the stream without a result")
         except BaseException as exc:
             if not finished:
-                await self._abort_unless_given_up(worker_id, gen.request_id, exc)
+                await self._after_failure(worker_id, gen.request_id, exc)
             raise
         finally:
             if replies is not None:
                 await replies.close()
             span.end()
 
-    async def _abort_unless_given_up(self, worker_id: str, request_id: str, exc: BaseException) -> None:
+    async def _after_failure(self, worker_id: str, request_id: str, exc: BaseException) -> None:
         """Free the worker's slot after `exc` (the client left, the deadline passed, a step broke),
-        unless it is a typed error from the worker itself, which means it already gave up."""
-        if not isinstance(exc, MeshError) or isinstance(exc, Timeout):
+        unless it is a typed error from the worker itself, which means it already gave up; send
+        nothing new to a worker NATS found nothing serving."""
+        if isinstance(exc, NoResponders):
+            self.registry.unreachable(worker_id)
+        elif not isinstance(exc, MeshError) or isinstance(exc, Timeout):
             await self._abort(worker_id, request_id)
 
     async def _while_alive(self, worker_id: str, work: Awaitable[T]) -> T:

@@ -37,4 +37,6 @@ class RouterMetrics:
         self.resumes = Counter("llmesh_decode_resumes", "Decodes continued on another worker: migrated (a live "
                                "migration's hand-over), failover (the worker died or refused; resumed from the "
                                "KV in the store)", ["kind"], registry=r)
+        self.redispatches = Counter("llmesh_redispatches", "Requests placed again because the worker first chosen "
+                                    "was gone before it got them (NATS had no responder)", registry=r)
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)

@@ -28,11 +28,13 @@ class _Entry:
     released: int = 0  # requests finished since its last heartbeat
     watchers: set[Callable[[BaseException], None]] = field(default_factory=set)
     heartbeat_view: WorkerView | None = None  # what the policies see of `info`, built once per heartbeat
+    unreachable: bool = False  # NATS found nothing serving it since its last heartbeat: it takes nothing new
 
     def view(self) -> WorkerView:
         """What the policies see of this worker: its last heartbeat and what was sent it since."""
         if self.heartbeat_view is None:
-            self.heartbeat_view = worker_view(self.info)
+            view = worker_view(self.info)
+            self.heartbeat_view = replace(view, state="draining") if self.unreachable else view
         if not self.assigned and not self.released:
             return self.heartbeat_view
         # A finished request was either sent since the heartbeat or counted in it.
@@ -62,6 +64,7 @@ class WorkerRegistry:
         else:
             entry.info, entry.last_seen, entry.heartbeat_view = info, self._clock(), None
             entry.assigned = entry.released = 0
+            entry.unreachable = False
         self.room_changed()
 
     def _warn_on_layout_mismatch(self, info: WorkerInfo) -> None:
@@ -84,6 +87,14 @@ class WorkerRegistry:
                     self._prefixes.forget(worker_id)
                 for notify in list(entry.watchers):
                     notify(WorkerLost(f"worker {worker_id} stopped answering"))
+
+    def unreachable(self, worker_id: str) -> None:
+        """NATS found nothing serving `worker_id`: send it nothing new until its next heartbeat (a
+        dead one sends none and is dropped as usual, failing what it held)."""
+        entry = self._workers.get(worker_id)
+        if entry is not None and not entry.unreachable:
+            log.warning("worker %s serves nothing on its subject: no new requests until it beats again", worker_id)
+            entry.unreachable, entry.heartbeat_view = True, None
 
     async def run_expiry(self, period: float = 0.25) -> None:
         while True:

@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llmesh.config import EMBEDDED_MODEL
@@ -17,7 +19,7 @@ from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 8192  # a long context makes long requests: the tiny model decodes 2k tokens in about a second
 BLOCK_SIZE = 128
 STARTUP_S = 420
 
@@ -76,6 +78,29 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
             child.stop()
 
 
+def router_workers(url: str) -> dict[str, int]:
+    """Live workers by role, as the router at `url` counts them."""
+    return httpx.get(f"{url}/health", timeout=5).json()["workers"]
+
+
+@contextmanager
+def extra_workers(mesh: Mesh, timeout: float = 30) -> Iterator[None]:
+    """Around a fixture that starts workers beside the mesh's and stops or kills them: afterwards,
+    waits until the mesh's router counts no more workers of any role than before (a stopped worker
+    stays counted until it misses its heartbeats), so later tests see the mesh as it was."""
+    before = router_workers(mesh.url)
+    try:
+        yield
+    finally:
+        give_up = time.monotonic() + timeout
+        while mesh.launcher.alive():
+            now = router_workers(mesh.url)
+            if all(n <= before.get(role, 0) for role, n in now.items()):
+                return
+            assert time.monotonic() < give_up, f"the router still counts {now} workers, {before} before"
+            time.sleep(0.2)
+
+
 def pytest_collection_modifyitems(items):
     """Tests that stop the session's mesh or kill its decode worker run after every other e2e test
     (before the rest, which do not need the engines' memory and CPU), in their own order."""
@@ -100,9 +125,18 @@ class Reference:
         self.proc, self.log_name, self.ready = proc, log_name, False
 
     def generate(self, max_tokens: int, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                 top2: bool = False) -> dict:
-        req = {"max_tokens": max_tokens, "top2": top2} | ({"prompt": prompt} if prompt is not None else
-                                                          {"prompt_token_ids": prompt_token_ids})
+                 top2: bool = False, ignore_eos: bool = False) -> dict:
+        return self._ask({"max_tokens": max_tokens, "top2": top2, "ignore_eos": ignore_eos} | (
+            {"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids}))
+
+    def greedy_gaps(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[float]:
+        """How far each output token's logprob falls below the likeliest token's, given the prompt
+        and the outputs before it (0 where this engine's greedy decoding would have chosen it): a
+        check of every token of an output, not only up to where it first parts from this engine's."""
+        return self._ask({"prompt_token_ids": [*prompt_token_ids, *output_token_ids], "max_tokens": 1,
+                          "score_from": len(prompt_token_ids)})["gaps"]
+
+    def _ask(self, req: dict) -> dict:
         if not self.ready:
             assert self.proc.stdout.readline().strip(), f"reference engine failed to start (see {self.log_name})"
             self.ready = True

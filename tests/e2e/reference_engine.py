@@ -3,7 +3,11 @@
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
-"top2": true it adds each step's two likeliest tokens and logprobs; with "timing": true, TTFT and TPOT.
+"top2": true it adds each step's two likeliest tokens and logprobs; with "timing": true, TTFT and
+TPOT; with "ignore_eos": true it generates past the end-of-sequence token. With "score_from": k it
+generates nothing and answers {"gaps": [...]}: for each prompt token from the k-th on, how far
+(in nats) its logprob falls below the likeliest token's there, given the tokens before it (0 where
+greedy decoding would have chosen it).
 """
 
 import asyncio
@@ -37,8 +41,13 @@ async def main(model: str, max_model_len: int, block_size: int) -> None:
         req = json.loads(line)
         prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"]) if "prompt_token_ids" in req else req["prompt"]
         n += 1
+        if "score_from" in req:
+            print(json.dumps({"gaps": await gaps(engine, prompt, req["score_from"], f"ref-{n}")}), file=protocol,
+                  flush=True)
+            continue
         started, stamps = time.perf_counter(), []
-        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=2 if req.get("top2") else None)
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=2 if req.get("top2") else None,
+                                ignore_eos=bool(req.get("ignore_eos")))
         async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
             stamps.append(time.perf_counter())
             final = out
@@ -51,6 +60,18 @@ async def main(model: str, max_model_len: int, block_size: int) -> None:
                        "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1)}
         print(json.dumps(answer), file=protocol, flush=True)
     engine.shutdown()
+
+
+async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:
+    """Per prompt token from `start` on: the likeliest token's logprob there minus its own."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    async for out in engine.generate(prompt, params, request_id=request_id):
+        final = out
+    tokens, steps = final.prompt_token_ids, final.prompt_logprobs
+    return [max(lp.logprob for lp in steps[i].values()) - steps[i][tokens[i]].logprob
+            for i in range(max(start, 1), len(tokens))]
 
 
 if __name__ == "__main__":

@@ -28,14 +28,14 @@ from llmesh.bus import Bus
 from llmesh.launcher import SERVICES, Child, engine_cores, free_port, start_service, stop_all, wait_for_port
 from llmesh.messages import AbortRequest, PrefillRequest, SamplingOptions, Subjects, WorkerInfo
 
-from .conftest import BLOCK_SIZE
+from .conftest import BLOCK_SIZE, extra_workers
 from .test_mesh import MODEL, live_worker, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 BUSY_WORKER = "decode-small-kv"
-# A long context on the capped worker, so that one request fills most of its KV and keeps it full
-# for as long as the bursts take (at 2048 tokens, the mesh's context, it would be done in seconds).
+# A long context on the capped worker (the mesh's), so that one request fills most of its KV and
+# keeps it full for as long as the bursts take.
 BUSY_CONTEXT = 8192
 BUSY_KV_BLOCKS = 72  # 9216 tokens: the context (vLLM checks it fits) plus room for a burst's blocks
 LONG_PROMPT = 5600  # 44 blocks of 128: 61% of the capped worker's KV before its first output token
@@ -85,23 +85,23 @@ def busy_worker(mesh, model_dir):
     env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_WORKER_ID": BUSY_WORKER,
            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_MAX_MODEL_LEN": str(BUSY_CONTEXT),
            "MESH_KV_BLOCKS": str(BUSY_KV_BLOCKS)} | engine_cores().get("decode-worker", {})
-    child = Child(BUSY_WORKER, ["nice", "-n", "19", sys.executable, "-m", SERVICES["decode-worker"]], env=env,
-                  log_path=mesh.logs / f"{BUSY_WORKER}.log")
-    try:
-        # Each service runs in its own session, and where the kernel groups sessions for the scheduler
-        # (autogroups), nice values count only within a group: lower the group's too. (Measured here:
-        # at equal priority, the mesh's decode engine once took 23 s for a burst that takes 2.)
-        Path(f"/proc/{child.pid}/autogroup").write_text("19")
-    except OSError:
-        pass  # no autogroups: `nice` alone does it
-    try:
-        give_up = time.monotonic() + 300
-        while asyncio.run(live_worker(mesh, "decode", BUSY_WORKER)) is None:
-            assert child.alive() and time.monotonic() < give_up, f"{BUSY_WORKER} did not start"
-        yield BUSY_WORKER
-    finally:
-        child.stop()
-    wait_for_decode_workers(mesh.url, 1)  # later tests see the mesh as it was
+    with extra_workers(mesh):
+        child = Child(BUSY_WORKER, ["nice", "-n", "19", sys.executable, "-m", SERVICES["decode-worker"]], env=env,
+                      log_path=mesh.logs / f"{BUSY_WORKER}.log")
+        try:
+            # Each service runs in its own session, and where the kernel groups sessions for the scheduler
+            # (autogroups), nice values count only within a group: lower the group's too. (Measured here:
+            # at equal priority, the mesh's decode engine once took 23 s for a burst that takes 2.)
+            Path(f"/proc/{child.pid}/autogroup").write_text("19")
+        except OSError:
+            pass  # no autogroups: `nice` alone does it
+        try:
+            give_up = time.monotonic() + 300
+            while asyncio.run(live_worker(mesh, "decode", BUSY_WORKER)) is None:
+                assert child.alive() and time.monotonic() < give_up, f"{BUSY_WORKER} did not start"
+            yield BUSY_WORKER
+        finally:
+            child.stop()
 
 
 @pytest.fixture(scope="module")
@@ -223,16 +223,16 @@ def test_banaserve_keeps_a_burst_off_the_worker_with_full_kv_where_least_loaded_
 
             # A burst through each router in turn (alike but for the prompts' tokens, so that the second
             # finds no prefix of the first in the kv-store), the long request running throughout.
-            windows, placed = {}, {}
+            windows, placed, kv_seen = {}, {}, {}
             async with httpx.AsyncClient(timeout=120) as http:
                 for seed, (policy, (url, trace_dir)) in enumerate(routers.items()):
-                    await beats.next_of(BUSY_WORKER)  # each burst starts on a fresh heartbeat
+                    fresh = await beats.next_of(BUSY_WORKER)  # each burst starts on a fresh heartbeat
                     begin = time.monotonic()
                     ids = await burst(http, url, seed)
                     windows[policy] = (begin, time.monotonic())
                     placed[policy] = Counter(decode_workers_of(trace_dir, ids).values())
-            kv_seen = {policy: [round(usage(i), 3) for i in beats.of(BUSY_WORKER, since, until)]
-                       for policy, (since, until) in windows.items()}
+                    # what the routers saw as the burst came (a burst may end within a heartbeat period)
+                    kv_seen[policy] = [round(usage(i), 3) for i in [fresh, *beats.of(BUSY_WORKER, *windows[policy])]]
             # (None: its stream is still open, the worker still runs it)
             return roomy, windows, placed, kv_seen, len(generated), ended[0] if ended else None
         finally:
@@ -250,7 +250,7 @@ def test_banaserve_keeps_a_burst_off_the_worker_with_full_kv_where_least_loaded_
     (mesh.logs / "policy_choice.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     assert long_ended is None, f"the long request ended before the bursts did: {summary}"
-    for policy in placed:  # both bursts saw the capped worker's KV this full, on every heartbeat
+    for policy in placed:  # both bursts saw the capped worker's KV this full, on every heartbeat from their start
         assert kv_seen[policy] and min(kv_seen[policy]) >= HIGH_KV_USAGE, summary
     # BanaServe: U = load + KV usage; the capped worker's U (0.6 + 1/64) stays above the other's
     # (k/64 for the k burst requests it holds, its KV usage ~0), so none goes there.

@@ -37,7 +37,7 @@ from llmesh.messages import (
     WorkerInfo,
 )
 
-from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, extra_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MODEL = "llmesh/tiny-llama"
@@ -390,14 +390,15 @@ def start_extra_worker(mesh, model_dir, role: str, worker_id: str, **env: str):
     """Another worker of the mesh's model beside the ones `make run` started (a fixture body)."""
     env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_WORKER_ID": worker_id,
            "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "MESH_BLOCK_SIZE": str(BLOCK_SIZE)} | env
-    child = start_service(f"{role}-worker", env, mesh.logs / f"{worker_id}.log")
-    try:
-        give_up = time.monotonic() + 300
-        while asyncio.run(live_worker(mesh, role, worker_id)) is None:
-            assert child.alive() and time.monotonic() < give_up, f"{worker_id} did not start"
-        yield worker_id
-    finally:
-        child.stop()
+    with extra_workers(mesh):
+        child = start_service(f"{role}-worker", env, mesh.logs / f"{worker_id}.log")
+        try:
+            give_up = time.monotonic() + 300
+            while asyncio.run(live_worker(mesh, role, worker_id)) is None:
+                assert child.alive() and time.monotonic() < give_up, f"{worker_id} did not start"
+            yield worker_id
+        finally:
+            child.stop()
 
 
 @pytest.fixture

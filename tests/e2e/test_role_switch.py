@@ -1,6 +1,6 @@
 """BanaServe's adaptive module migration on real engines: a decode worker built with both roles
 (`MESH_SWITCHABLE=1`) is switched to prefill by the placement service when prefill load piles up,
-and then prefills requests itself, exactly."""
+prefills requests itself, exactly, and hands a decode it holds to the decode pool (a live migration)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,33 @@ import pytest
 from llmesh.bus import Bus
 from llmesh.messages import PlacementDecision, Subjects
 
-from .conftest import MAX_MODEL_LEN
+from .test_live_migration import NEAR_TIE, Streamed, assert_exact, migrate, other_decode, stream
+from .test_dispatch_policy import start_router, wait_for_decode_workers
 from .test_mesh import MODEL, live_worker, start_extra_worker, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SWITCHABLE = "decode-switchable"
+PROMPT = 2032  # tokens of each prompt of the load
+CLIENTS, MORE_CLIENTS, MAX_CLIENTS = 12, 6, 60  # clients of the load at first, added every few seconds without a switch
 
 
 @pytest.fixture(scope="module")
 def switchable_worker(mesh, model_dir):
     yield from start_extra_worker(mesh, model_dir, "decode", SWITCHABLE, MESH_SWITCHABLE="1")
+
+
+@pytest.fixture(scope="module")
+def disaggregating_router(mesh, switchable_worker):
+    """A router beside the mesh's that prefills every request on a prefill worker: the mesh's own
+    would run some on the decode workers once the prefill queue grows (llmesh.policies.disagg),
+    which relieves the prefill pool as a role switch would, and could keep the switch from coming."""
+    child, url = start_router(mesh, "least_loaded", mesh.trace_dir)
+    try:
+        wait_for_decode_workers(url, 2)
+        yield url
+    finally:
+        child.stop()
 
 
 async def complete(http: httpx.AsyncClient, url: str, ids: list[int]) -> list[int]:
@@ -33,44 +49,89 @@ async def complete(http: httpx.AsyncClient, url: str, ids: list[int]) -> list[in
     return resp.json()["choices"][0]["token_ids"]
 
 
-def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_worker):
-    """Long prompts with short answers, many at once: the prefill pool's load exceeds decode's for
-    longer than the placement's hold time, so placement switches the switchable decode worker to
-    prefill (decode keeps the mesh's own worker); the routers then send it prefills, and every answer
-    equals a monolithic engine's."""
+def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_worker, disaggregating_router):
+    """Long prompts with short answers, kept in flight by more and more clients until the prefill
+    pool's load exceeds decode's for longer than the placement's hold time (how many that takes
+    depends on the machine's speed), so placement switches the switchable decode worker to
+    prefill (decode keeps the mesh's own worker); the routers then send it prefills, and every output
+    token is greedy under a monolithic engine (but for batching's near-ties). A
+    decode found on it after the switch is migrated to the decode pool and goes on exactly. (The
+    test moves one there, as a switch in the middle of a decode leaves it: on this machine a decode
+    started before the switch would end before the policy's hold time has passed.)"""
     assert (asyncio.run(live_worker(mesh, "decode", SWITCHABLE))).roles == ["prefill", "decode"]
-    prompts = [token_prompt(MAX_MODEL_LEN - 16, seed=3000 + i) for i in range(12)]
+    mesh_decode = asyncio.run(other_decode(mesh, {SWITCHABLE}))
+    prompts = [token_prompt(PROMPT, seed=3000 + i) for i in range(MAX_CLIENTS)]
+    held_ids = token_prompt(300, seed=3100)
 
-    async def load() -> tuple[list[PlacementDecision], dict[int, list[int]]]:
+    async def load() -> tuple[list[PlacementDecision], list[PlacementDecision], dict[int, set], Streamed]:
         bus = await Bus.connect(mesh.nats_url, "test-roles")
-        decisions: list[PlacementDecision] = []
+        switches: list[PlacementDecision] = []
+        hand_backs: list[PlacementDecision] = []  # decodes placement moved off a switched worker
 
         async def on_decision(decision, blob):
             if decision.kind == "role" and decision.detail.get("worker_id") == SWITCHABLE:
-                decisions.append(decision)
+                switches.append(decision)
+            if decision.kind == "migrate" and decision.reason == "role":
+                hand_backs.append(decision)
+
+        answers: dict[int, set[tuple[int, ...]]] = {i: set() for i in range(MAX_CLIENTS)}  # every distinct output
+        stop = asyncio.Event()
+
+        async def client(http: httpx.AsyncClient, i: int) -> None:
+            while not stop.is_set():
+                answers[i].add(tuple(await complete(http, disaggregating_router, prompts[i])))
+
+        left_at: list[int] = []  # the chunk by which the held decode had been handed back
+
+        async def on_token(n, request_id):
+            """Move the decode onto the switched worker; hang up 20 chunks after placement moved it off."""
+            if n == 3:
+                give_up = time.monotonic() + 10
+                while not (outcome := await migrate(mesh, request_id, mesh_decode, SWITCHABLE)).accepted:
+                    assert time.monotonic() < give_up, outcome
+                    await asyncio.sleep(0.02)
+            if not left_at and any(d.detail["request_id"] == request_id and d.detail["outcome"] == "accepted"
+                                   for d in hand_backs):
+                left_at.append(n)
+            return bool(left_at) and n >= left_at[0] + 20
 
         await bus.serve(Subjects.PLACEMENT_EVENTS, on_decision)
-        answers: dict[int, list[int]] = {}
         try:
             async with httpx.AsyncClient(timeout=300) as http:
-                give_up = time.monotonic() + 240
-                switched_at = None
-                while switched_at is None or time.monotonic() < switched_at + 8:  # and a while after
-                    assert time.monotonic() < give_up, "no role switch under prefill load"
-                    outs = await asyncio.gather(*(complete(http, mesh.url, ids) for ids in prompts))
-                    answers.update(enumerate(outs))
-                    if switched_at is None and any(d.detail.get("outcome") == "accepted" for d in decisions):
-                        switched_at = time.monotonic()
+                clients = [asyncio.create_task(client(http, i)) for i in range(CLIENTS)]
+                try:
+                    give_up = time.monotonic() + 240
+                    more_at = time.monotonic() + 5
+                    while not any(d.detail.get("outcome") == "accepted" for d in switches):
+                        assert time.monotonic() < give_up, f"no role switch under prefill load ({len(clients)} clients)"
+                        assert not any(c.done() for c in clients), "a request of the load failed"
+                        if time.monotonic() > more_at and len(clients) < MAX_CLIENTS:
+                            clients += [asyncio.create_task(client(http, i))
+                                        for i in range(len(clients), len(clients) + MORE_CLIENTS)]
+                            more_at = time.monotonic() + 5
+                        await asyncio.sleep(0.1)
+                    print(f"switched with {len(clients)} clients")
+                    switched_at = time.monotonic()
+                    streamed = await asyncio.wait_for(stream(mesh, held_ids, 1500, on_token), 120)
+                    await asyncio.sleep(max(switched_at + 8 - time.monotonic(), 0))  # the switched worker prefills
+                finally:
+                    stop.set()
+                    await asyncio.gather(*clients)
         finally:
             await bus.close()
-        return decisions, answers
+        return switches, hand_backs, answers, streamed
 
-    decisions, answers = asyncio.run(load())
-    decision = next(d for d in decisions if d.detail.get("outcome") == "accepted")
-    assert decision.reason == "banaserve" and decision.detail["role"] == "prefill", decision
+    switches, hand_backs, answers, streamed = asyncio.run(load())
+    switch = next(d for d in switches if d.detail.get("outcome") == "accepted")
+    assert switch.reason == "banaserve" and switch.detail["role"] == "prefill", switch
+    (hand_back,) = [d for d in hand_backs if d.detail["request_id"] == streamed.request_id]
+    assert (hand_back.detail["source"], hand_back.detail["outcome"]) == (SWITCHABLE, "accepted"), hand_back
+    assert_exact(mesh, reference, held_ids, streamed)
     assert (asyncio.run(live_worker(mesh, "prefill", SWITCHABLE))) is not None  # it now heart-beats as prefill
     prefilled_there = [s for s in mesh.spans() if s.get("name") == "router request"
                        and (s.get("attributes") or {}).get("dispatch.prefill.worker") == SWITCHABLE]
     assert prefilled_there, "the router sent the switched worker no prefill"
-    for i in (0, 5, 11):
-        assert answers[i] == reference.generate(4, prompt_token_ids=prompts[i])["token_ids"]
+    for i, outputs in answers.items():  # each output token greedy, but for batching's near-ties
+        for output in outputs:
+            gaps = reference.greedy_gaps(prompts[i], list(output))
+            assert max(gaps) <= NEAR_TIE, (i, output, gaps)

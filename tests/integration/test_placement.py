@@ -352,6 +352,27 @@ async def test_busy_prefill_pool_gets_a_switchable_decode_worker_and_manual_role
         assert "* built with both roles" in workers
 
 
+async def test_a_worker_switched_to_prefill_hands_its_decodes_to_the_decode_pool(nats_url):
+    # sw serves prefill now: its decodes (r1, r2) move to the decode worker; its prompt (p1) stays
+    async with fakes(nats_url, (("sw-w", [("r1", 50, 4, 0), ("r2", 70, 1, 0), ("p1", 80, 0, 0)]),
+                                {"role": "prefill", "roles": ("prefill", "decode")}),
+                     (("sw-d", [("m1", 30, 3, 0)]), {}), (("sw-p", [("q1", 30, 0, 0)]), {"role": "prefill"})
+                     ) as (switched, decode, prefill):
+        client = await Bus.connect(nats_url, "sw-client")
+        events = await recorded_events(client)
+        try:
+            async with placement(nats_url, "sw", placement_balance=False):
+                await until(lambda: len(switched.migrations) == 2, 3)
+                await asyncio.sleep(0.6)  # a period more: nothing else moves
+                status = await ask(client, op="status")
+        finally:
+            await client.close()
+    assert sorted(switched.moved()) == [("r1", "sw-d", "role"), ("r2", "sw-d", "role")]
+    assert not decode.migrations and not prefill.migrations
+    assert status.decisions["migrate/accepted"] == 2
+    assert sorted(e.detail["request_id"] for e in events if e.kind == "migrate" and e.reason == "role") == ["r1", "r2"]
+
+
 # ---- (e) the CLI -----------------------------------------------------------------------------------------------------
 
 

@@ -222,6 +222,34 @@ async def _one_slot_workers(nats_url, prefill_s):
     return workers, registry, order
 
 
+async def test_a_request_sent_to_a_worker_gone_since_its_heartbeat_is_placed_again(nats_url):
+    """Ghosts heart-beat (not yet known dead) with more room than the live workers, so the policy
+    picks them first; NATS has no responder on their subjects: the router sends each ghost nothing
+    more until it beats again and places the request on a live worker, which answers it."""
+    workers, registry, order = await _one_slot_workers(nats_url, prefill_s=0.0)
+    registry.on_heartbeat(info("one-slot", capacity=2))
+    for worker_id in ("one-slot", "dec"):
+        registry.reserve(worker_id)  # a request on its way: the (idle) ghosts are less loaded
+    registry.on_heartbeat(info("ghost-prefill"))
+    registry.on_heartbeat(info("ghost-decode", role="decode"))
+    bus, client = await _client(nats_url, registry)
+    try:
+        for prompt in ("p0", "p1"):
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == "ab"
+        assert order == ["p0", "p1"]
+        metrics = (await client.get("/metrics")).text
+        # the prefill ghost once (the second request went straight to the live worker); the decode
+        # ghost's request had its first token, so it failed over instead
+        assert "llmesh_redispatches_total 1.0" in metrics
+        assert 'llmesh_decode_resumes_total{kind="failover"} 1.0' in metrics
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
 async def test_requests_wait_in_the_router_queue_for_a_full_worker_and_run_in_order(nats_url):
     from llmesh_router.admission import AdmissionQueue
 
