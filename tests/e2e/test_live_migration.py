@@ -27,6 +27,7 @@ from llmesh.messages import (
     MigrateCommand,
     MigrateOutcome,
     MigratePrepare,
+    PlacementDecision,
     PlacementRequest,
     PlacementStatus,
     Subjects,
@@ -320,7 +321,11 @@ def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference,
     no new requests, placement migrates its running one away, and the worker exits cleanly."""
     c = decode_workers["c"]
     ids = token_prompt(400, seed=404)
-    drained_at = []
+    moved, moved_at = [], []  # requests placement moved off the drained worker; the chunk by which it had
+
+    async def on_decision(decision: PlacementDecision, blob) -> None:
+        if (decision.kind, decision.reason, decision.detail["outcome"]) == ("migrate", "drain", "accepted"):
+            moved.append(decision.detail["request_id"])
 
     async def on_token(n, request_id):
         if n == 2:
@@ -328,11 +333,20 @@ def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference,
         if n == 5:
             status = await command(mesh.nats_url, Subjects.PLACEMENT, PlacementRequest(op="drain", worker_id=c),
                                    PlacementStatus)
-            assert "requests move to other decode workers" in status.message, status.message
-            drained_at.append(time.monotonic())
-        return bool(drained_at) and time.monotonic() > drained_at[0] + 2.0  # placement acts every 0.5 s
+            assert "drains" in status.message, status.message
+        if request_id in moved and not moved_at:
+            moved_at.append(n)
+        return bool(moved_at) and n >= moved_at[0] + 20
 
-    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token))
+    async def run() -> Streamed:
+        events = await Bus.connect(mesh.nats_url, "test-drain-events")
+        try:
+            await events.serve(Subjects.PLACEMENT_EVENTS, on_decision)
+            return await stream(mesh, ids, 100_000, on_token)
+        finally:
+            await events.close()
+
+    streamed = asyncio.run(run())
     moved_off = [r for r in resumes(mesh, streamed.request_id, 2) if r[0] != c]
     assert moved_off and moved_off[-1][2] == "handle", resumes(mesh, streamed.request_id, 2, wait_s=0)
     assert_exact(mesh, reference, ids, streamed)
@@ -364,11 +378,17 @@ def test_sigkill_of_a_migrations_source_mid_hand_shake_resumes_from_the_store_ex
                     killed.append(msg.migration_id)
 
                 await spy.serve(Subjects.migrate_in(a), kill_the_source)
-                commands.append(asyncio.create_task(migrate(mesh, request_id, b, a, timeout=5)))
                 give_up = time.monotonic() + 10
-                while not killed:
-                    assert time.monotonic() < give_up, "no hand-shake reached the target"
-                    await asyncio.sleep(0.001)
+                while True:
+                    command = asyncio.create_task(migrate(mesh, request_id, b, a, timeout=5))
+                    while not killed and not command.done():
+                        await asyncio.sleep(0.001)
+                    if killed:
+                        break
+                    outcome = command.result()  # refused before any hand-shake: b has not taken the request yet
+                    assert "not decoding" in outcome.reason and time.monotonic() < give_up, outcome
+                    await asyncio.sleep(0.02)
+                commands.append(command)
                 killed_at.append(n)
             finally:
                 await spy.close()
