@@ -9,9 +9,10 @@ workers, alternating the mechanisms: `kv` (the mesh's: the target prefetches the
 the source decodes on; at the switch it loads what was generated since and computes one token) and
 `recompute` (the target computes the whole context again, as a migration without a KV store must).
 Downtime is what the client sees: the gap between the source's last token and the target's first
-(the longest gap after the hand-shake was accepted), also in decode steps (over the source's time
-per output token before the command). The hand-shake (prefetch included) runs while the source
-keeps streaming; the longest gap the client saw meanwhile is reported beside it.
+(the longest gap after the hand-shake was accepted), also in decode steps (over the stream's time per
+output token, end to end but for that gap). The hand-shake (prefetch included) runs while the source
+keeps streaming; the longest gap the client saw meanwhile is reported beside it. Each stream is
+hung up a few tokens after the switch.
 """
 
 from __future__ import annotations
@@ -34,8 +35,14 @@ from llmesh.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
 from llmesh.models import resolve_model
 from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
-OUTPUT_TOKENS = 160  # long enough to outlive the hand-shake (the target prefetches meanwhile)
+OUTPUT_TOKENS = 3500  # long enough to outlive the hand-shake (the target prefetches meanwhile) on a fast machine
 SWITCH_AT = 8  # the chunk after which the migration is commanded
+AFTER_SWITCH = 20  # chunks read after the hand-over before hanging up
+
+
+class EndedFirst(RuntimeError):
+    """No worker took the migration: the request had ended (a reader starved of CPU got to the
+    command's chunk too late); the run is repeated with another prompt."""
 
 
 async def decode_workers(bus: Bus, count: int, timeout: float = 600) -> list[str]:
@@ -74,7 +81,7 @@ async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, worke
                     accepted_at, handshake_s = time.perf_counter(), time.perf_counter() - sent
                     return
             await asyncio.sleep(0.005)
-        raise RuntimeError(f"no worker accepted migrating {request_id}")
+        raise EndedFirst(f"no worker accepted migrating {request_id}")
 
     async with http.stream("POST", f"{url}/v1/completions", json={
             "model": model, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -90,14 +97,29 @@ async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, worke
                 if len(stamps) == SWITCH_AT:  # from a task: the reader's own stamps must not wait on it
                     sent_at = time.perf_counter()
                     commanding = asyncio.create_task(migrate(request_id))
+                if accepted_at and sum(s > accepted_at for s in stamps) > AFTER_SWITCH:
+                    break  # (the router aborts the rest)
     await commanding
     assert len(stamps) > SWITCH_AT + 1, f"{len(stamps)} chunks"  # (a lagging reader gets merged deltas)
     # the switch follows the acceptance (the source stops as it answers); the hand-shake precedes it
     downtime = max(b - a for a, b in zip(stamps, stamps[1:]) if b > accepted_at)
     during = [b - a for a, b in zip(stamps, stamps[1:]) if sent_at < b <= accepted_at]
-    step = (stamps[SWITCH_AT - 1] - stamps[1]) / sum(tokens[2:SWITCH_AT])  # the source's time per token
+    # time per token over the whole stream but the switch (end to end: robust to deltas merged while the reader lags)
+    step = (stamps[-1] - stamps[1] - downtime) / max(sum(tokens[2:]) - 1, 1)
     return {"downtime_ms": 1e3 * downtime, "steps": downtime / step, "tpot_ms": 1e3 * step,
             "handshake_ms": 1e3 * handshake_s, "handshake_gap_ms": 1e3 * max(during, default=0.0)}
+
+
+async def measured(http: httpx.AsyncClient, bus: Bus, url: str, model: str, workers: list[str], prompt_len: int,
+                   seed: int, recompute: bool) -> dict[str, float]:
+    """`one_run` on a random prompt, again on another if the request ended before its command."""
+    for attempt in range(3):
+        try:
+            return await one_run(http, bus, url, model, workers, prompt_ids(prompt_len, seed=seed + 1000 * attempt),
+                                 recompute)
+        except EndedFirst as exc:
+            print(f"{exc}: again with another prompt", file=sys.stderr, flush=True)
+    raise EndedFirst(f"three requests ended before their migration command ({prompt_len} tokens)")
 
 
 def spread(values: list[float]) -> str:
@@ -126,14 +148,15 @@ async def bench_model(model: str, contexts: list[int], repeats: int, work: Path)
         bus = await Bus.connect(nats_url, "bench-migration")
         workers = await decode_workers(bus, 2)
         async with httpx.AsyncClient(timeout=300) as http:
-            await one_run(http, bus, url, model, workers, prompt_ids(300, 1), False)  # warm both paths
-            await one_run(http, bus, url, model, workers, prompt_ids(300, 2), True)
+            await measured(http, bus, url, model, workers, 300, 1, False)  # warm both paths
+            await measured(http, bus, url, model, workers, 300, 2, True)
             for context in contexts:
                 runs: dict[str, list[dict]] = {"kv": [], "recompute": []}
                 for rep in range(repeats):
                     for mode in ("kv", "recompute"):
-                        ids = prompt_ids(context - SWITCH_AT, seed=10_000 * context + 2 * rep + (mode == "kv"))
-                        runs[mode].append(await one_run(http, bus, url, model, workers, ids, mode == "recompute"))
+                        runs[mode].append(await measured(http, bus, url, model, workers, context - SWITCH_AT,
+                                                         10_000 * context + 2 * rep + (mode == "kv"),
+                                                         mode == "recompute"))
                 for mode, results in runs.items():
                     row = {"model": model, "context": context, "mode": mode,
                            **{k: [r[k] for r in results] for k in results[0]}}

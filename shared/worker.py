@@ -140,7 +140,6 @@ class HeldRequest:
     cache_salt: str | None = None
     migration: MigrateCommand | None = None  # being handed over
     tail_durable: bool = False  # its engine writes its partial last block every step (for the hand-over)
-    stopping: asyncio.Event | None = None  # set by the stream once it stopped it after its next token (the switch)
     finished: bool = False  # the engine finished it (nothing left to hand over)
 
     def kv_blocks(self, block_size: int) -> int:

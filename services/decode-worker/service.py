@@ -12,11 +12,11 @@
   through the kv-store. While the source keeps decoding, the target fetches the blocks already
   stored (full blocks are written behind as they fill) into its engine's prefix cache, and the
   source's engine writes the request's partial last block every step too (`DurableTail`). Then the
-  source stops the request right after its next token, waits until the store holds every block of
-  what it streamed (the partial one written at its step; else the one its engine exports as it
-  stops), and ends its stream with `Migrated`; the router resumes the request on the target with
-  the tokens it streamed. A target that refuses leaves the request running on the source; one that
-  fails after the hand-over is replaced by the router (llmesh_router.dispatch), as a dead source is.
+  source stops the request at a step boundary, waits until the store holds every block of what it
+  streamed (the partial one written at its step; else the one its engine exports as it stops), and
+  ends its stream with `Migrated`; the router resumes the request on the target with the tokens it
+  streamed. A target that refuses leaves the request running on the source; one that fails after
+  the hand-over is replaced by the router (llmesh_router.dispatch), as a dead source is.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ PREPARE_TIMEOUT_S = 10.0  # the target's answer to a hand-shake (its prefetch in
 PREFETCH_BUDGET_S = 2.0  # past this the target agrees without its prefetch (it loads everything at the hand-over)
 EXPORT_WAIT_S = 5.0  # how long the source waits for the store to hold the request's blocks
 CONTROL_TIMEOUT_S = 2.0  # the engine's connector's answer to `DurableTail`, and the steps waited after it
-STOP_WAIT_S = 1.0  # a migrating request that streams no token for this long is stopped wherever it is
 DURABLE_STEPS = 2  # tokens awaited after `DurableTail` is on: the step in flight was planned before it
 OUTCOMES_KEPT = 1024  # answers to recent migration commands, for idempotent retries
 
@@ -173,13 +172,6 @@ class DecodeService:
                 yield TokenDelta(text=o.text if text is None else text.feed(o.token_ids), token_ids=list(o.token_ids),
                                  finish_reason=finish_reason,
                                  prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
-            if held.stopping is not None and (o.token_ids or out.finished):
-                if not out.finished:
-                    # a token just went out: stopped now, the client waits from it for the target's first
-                    # (not from a token a step older, had the stop come mid-step); the step in flight is lost
-                    await self.worker.engine.abort(engine_request_id)
-                held.stopping.set()
-                held.stopping = None
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)
 
@@ -230,12 +222,7 @@ class DecodeService:
             return await self._refused(cmd, held, durable, f"{cmd.target} refused: {exc.message}")
         if held.finished or self.worker.held(cmd.request_id) is not held:
             return await self._refused(cmd, held, durable, "the request finished during the hand-shake")
-        stopped = held.stopping = asyncio.Event()  # the stream stops it right after its next token
-        try:
-            await asyncio.wait_for(stopped.wait(), STOP_WAIT_S)
-        except TimeoutError:  # no token coming (stalled, or just finished): stop it where it is
-            held.stopping = None
-            await self.worker.engine.abort(held.engine_request_id)
+        await self.worker.engine.abort(held.engine_request_id)  # takes effect at the next step boundary
         return self._outcome(cmd, True)
 
     async def _refused(self, cmd: MigrateCommand, held: HeldRequest, durable: asyncio.Task | None,
