@@ -76,7 +76,8 @@ class WorkerSettings(CommonSettings):
         "before sleeping (vLLM: 1 s, keeping two processes per active engine at 100% CPU). Empty: 0.02 on CPU, "
         "where the mesh's services need those cores (measured: a third less engine CPU at the same latency), "
         "vLLM's own on GPU hosts. Applied by the llmesh vLLM plugin (llmesh.vllm_plugin).")
-    capacity: int = Field(64, description="Requests a worker accepts at once; more get 503.")
+    capacity: int = Field(256, ge=1, description="Requests a worker accepts at once (more get 503), and its "
+                          "engine's batch limit (vLLM's max_num_seqs; vLLM's server defaults to 256 here).")
     heartbeat_s: float = Field(1.0, description="Heartbeat period; the router drops a worker after 3 misses.")
     kv_pin_s: float = Field(60.0, description="How long prefilled KV stays pinned in the kv-store for its decode.")
     kv_reuse_prefix: bool = Field(True, description="Prefill loads a prompt's leading blocks that any instance "

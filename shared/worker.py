@@ -96,6 +96,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         num_gpu_blocks_override=settings.kv_blocks,
+        max_num_seqs=settings.capacity,
         disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
