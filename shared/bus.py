@@ -243,6 +243,15 @@ class Bus:
     def max_payload(self) -> int:
         return self.nc.max_payload
 
+    async def synced(self) -> None:
+        """Return once the server has processed every command sent so far. nats-py 2.16's `flush()`
+        writes its PING straight to the socket, ahead of commands still in its pending buffer (such
+        as the SUB just made), so one round trip can end before the server has the SUB (in tests a
+        request right after `serve` got "no responders" about one run in three). The first round
+        trip lets nats-py's flusher write what was pending; the second PING follows it."""
+        await self.nc.flush()
+        await self.nc.flush()
+
     async def close(self) -> None:
         """Cancel in-flight handlers, send what is buffered, close. (No drain: the handlers are
         already cancelled, and nats-py's drain races its own flush futures on shutdown.)"""
@@ -300,7 +309,7 @@ class Bus:
             self._spawn(self._handle(msg, handler, span or subject, traced))
 
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
-        await self.nc.flush()  # the server knows the subscription once we return
+        await self.synced()  # the server knows the subscription once we return
 
     async def _handle(self, msg: Msg, handler: Handler, span_name: str, traced: bool) -> None:
         parent = telemetry.extract(msg.headers)

@@ -58,7 +58,7 @@ def test_preempted_requests_resume_exactly(mesh, reference, small_kv_workers, ch
     blocks vLLM's own prefix cache no longer holds); every output token is greedy under a monolithic
     engine given the tokens before it (but for batching's near-ties)."""
     worker = small_kv_workers[choice]
-    for round in range(3):
+    for round in range(5):
         prompts = [token_prompt(PROMPT, seed=900 + 10 * round + i) for i in range(CONCURRENT)]
 
         async def together():
