@@ -324,7 +324,7 @@ def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference,
     moved, moved_at = [], []  # requests placement moved off the drained worker; the chunk by which it had
 
     async def on_decision(decision: PlacementDecision, blob) -> None:
-        if (decision.kind, decision.reason, decision.detail["outcome"]) == ("migrate", "drain", "accepted"):
+        if (decision.kind, decision.reason, decision.detail.get("outcome")) == ("migrate", "drain", "accepted"):
             moved.append(decision.detail["request_id"])
 
     async def on_token(n, request_id):

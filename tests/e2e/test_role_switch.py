@@ -124,8 +124,10 @@ def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_work
     switches, hand_backs, answers, streamed = asyncio.run(load())
     switch = next(d for d in switches if d.detail.get("outcome") == "accepted")
     assert switch.reason == "banaserve" and switch.detail["role"] == "prefill", switch
-    (hand_back,) = [d for d in hand_backs if d.detail["request_id"] == streamed.request_id]
-    assert (hand_back.detail["source"], hand_back.detail["outcome"]) == (SWITCHABLE, "accepted"), hand_back
+    # placement retries a hand-back the target refused: one of its tries was accepted
+    (hand_back,) = [d for d in hand_backs if d.detail["request_id"] == streamed.request_id
+                    and d.detail["outcome"] == "accepted"]
+    assert hand_back.detail["source"] == SWITCHABLE, hand_back
     assert_exact(mesh, reference, held_ids, streamed)
     assert (asyncio.run(live_worker(mesh, "prefill", SWITCHABLE))) is not None  # it now heart-beats as prefill
     prefilled_there = [s for s in mesh.spans() if s.get("name") == "router request"
