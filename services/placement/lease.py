@@ -67,7 +67,10 @@ class LeaderLease:
                 if not self._mine:
                     log.warning("%s: the leader lease passed to another replica", self.holder)
             else:
-                self._mine = bool(await self._redis.set(LEADER_KEY, self.holder, nx=True, px=lease_ms))
+                # a key still naming this replica (a renewal that timed out, e.g. starved of CPU) is
+                # taken back at once, not after it expires
+                self._mine = (bool(await self._renew(keys=[LEADER_KEY], args=[self.holder, lease_ms]))
+                              or bool(await self._redis.set(LEADER_KEY, self.holder, nx=True, px=lease_ms)))
                 if not self._mine:
                     left_ms = await self._redis.pttl(LEADER_KEY)  # -2: gone meanwhile, -1: no expiry
                     wait = 0.0 if left_ms == -2 else min(period, left_ms / 1000 + 0.005) if left_ms >= 0 else period

@@ -404,7 +404,7 @@ class PlacementService:
     # ---- operator commands -----------------------------------------------------------------------------------
 
     async def _on_command(self, cmd: Message, blob: memoryview) -> PlacementStatus | None:
-        if not self._lease.held:
+        if not await self._leading_within(self.settings.placement_lease_s):
             return None  # the leader answers
         if not isinstance(cmd, PlacementRequest):
             raise InvalidRequest(f"expected PlacementRequest, got {type(cmd).__name__}")
@@ -416,6 +416,16 @@ class PlacementService:
         elif cmd.op == "role":
             message = await self.switch_role(cmd.worker_id, cmd.role)
         return self.status(message)
+
+    async def _leading_within(self, wait_s: float) -> bool:
+        """Whether this replica leads, waiting up to `wait_s` for a lease it lost for a moment (a
+        renewal that timed out) to come back, so that an operator's command is not dropped meanwhile."""
+        give_up = time.monotonic() + wait_s
+        while not self._lease.held:
+            if time.monotonic() >= give_up:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def status(self, message: str = "") -> PlacementStatus:
         workers = [w.info.model_copy(update={"state": "draining"}) if worker_id in self._draining else w.info

@@ -326,6 +326,17 @@ async def test_a_policy_that_reads_predictions_gets_them_before_dispatch(service
         await bus.close()
 
 
+async def settled_predictions(client, replica: str) -> int:
+    """The replica's prediction count once it has stayed the same for half a second."""
+    count = (await stats(client, replica)).predictions
+    while True:
+        await asyncio.sleep(0.5)
+        now = (await stats(client, replica)).predictions
+        if now == count:
+            return count
+        count = now
+
+
 async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying_it(service, client, nats_url,
                                                                                     spans):
     # The prediction (tens of ms) is in before this prefill ends: decode carries it, prefill did not wait.
@@ -359,7 +370,7 @@ async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying
     # None sampled: the predictor is not asked at all.
     bus, http, metrics, seen = await router_with_fake_workers(nats_url, "unsampled", length_sample_fraction=0.0)
     try:
-        before = (await stats(client, service.replica)).predictions
+        before = await settled_predictions(client, service.replica)  # the late ones above may still be computing
         resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
         assert resp.status_code == 200 and outcomes(metrics)["unsampled"] == 1
         assert (await stats(client, service.replica)).predictions == before

@@ -4,6 +4,7 @@ and the migrate/drain/role subjects, recording the commands they get."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -199,6 +200,28 @@ async def test_a_leader_that_loses_redis_stops_leading(nats_url):
             await until(lambda: not replica.service.leading, 1.0)  # before its lease could pass to anyone else
             print(f"stood down {time.monotonic() - lost:.2f}s after Redis died")
     finally:
+        redis.stop()
+
+
+async def test_a_leader_starved_for_a_moment_takes_its_lease_back_and_answers_what_came_meanwhile(nats_url):
+    """Redis paused past a renewal's socket timeout (as a CPU-starved replica sees it): the leader stands
+    by, takes its own key back at its next try once Redis answers, and a command sent while it stood by
+    is answered, not dropped."""
+    redis, url = start_redis()
+    client = await Bus.connect(nats_url, "starved-client")
+    try:
+        async with placement(nats_url, "starved", url) as replica:
+            await until(lambda: replica.service.leading, 2)
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                await until(lambda: not replica.service.leading, 2)
+                asked = asyncio.ensure_future(ask(client, op="status"))
+                await asyncio.sleep(0.2)
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            assert (await asked).leader == replica.service.placement_id
+    finally:
+        await client.close()
         redis.stop()
 
 
