@@ -30,6 +30,26 @@ class InvalidRequest(MeshError):
     error_type = "invalid_request_error"
 
 
+class Unauthenticated(MeshError):
+    """The request carries no valid credential."""
+
+    code = "unauthenticated"
+    http_status = 401
+    error_type = "invalid_request_error"
+
+
+class MissingApiKey(Unauthenticated):
+    """No API key was sent."""
+
+    code = "missing_api_key"
+
+
+class InvalidApiKey(Unauthenticated):
+    """The API key sent is not one the router accepts (OpenAI's code)."""
+
+    code = "invalid_api_key"
+
+
 class ContextLengthExceeded(InvalidRequest):
     """Prompt plus max_tokens does not fit the model's context."""
 

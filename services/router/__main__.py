@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import uvicorn
@@ -19,6 +20,8 @@ from .metrics import RouterMetrics
 from .registry import WorkerRegistry
 from .service import create_app
 from .settings import RouterSettings
+
+log = logging.getLogger("llmesh_router")
 
 
 class _Server(uvicorn.Server):
@@ -48,7 +51,12 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
                             tpot_slo_s=settings.slo_tpot_ms / 1000,
                             admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s,
                                                      queue_policy))
-    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s)
+    keys = settings.keyring()
+    if keys.enabled:
+        log.info("the OpenAI API needs one of %d API keys", len(keys))
+    else:
+        log.warning("no API keys configured: anyone who reaches %s:%d can use the API", settings.host, settings.port)
+    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys)
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -20,6 +20,7 @@ from llmesh import telemetry
 from llmesh.errors import InvalidRequest, MeshError
 from llmesh.messages import TokenDelta
 
+from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher, Generation
 from .metrics import RouterMetrics
 from .openai_api import (
@@ -39,9 +40,15 @@ DISCONNECT_POLL_S = 0.2
 
 
 def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
-               request_timeout_s: float) -> FastAPI:
+               request_timeout_s: float, keys: KeyRing | None = None) -> FastAPI:
+    """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
+    for probes and scrapers, do not: bind them to a private address, as vLLM's server does)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
     tracer = telemetry.tracer("llmesh.router")
+    keyring = keys or KeyRing(())
+
+    def api_key(request: Request) -> ApiKey | None:
+        return keyring.admit(request.headers.get("authorization"))
 
     def counted_error(exc: MeshError, endpoint: str) -> JSONResponse:
         metrics.requests.labels(endpoint, str(exc.http_status)).inc()
@@ -75,26 +82,28 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             metrics.workers.labels(role).set(len(registry.live(role)))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmesh"}
                                            for m in registry.models()]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(request, body, chat=False)
+    async def completions(body: CompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)) -> Response:
+        return await generate(request, body, key, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(request, body, chat=True)
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               key: ApiKey | None = Depends(api_key)) -> Response:
+        return await generate(request, body, key, chat=True)
 
-    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
+    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, key: ApiKey | None,
+                       chat: bool) -> Response:
         endpoint = request.url.path
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         arrived = time.monotonic()
         span = tracer.start_span("router request", kind=trace.SpanKind.SERVER, context=telemetry.extract(request.headers),
                                  attributes={"request.id": request_id, "model": body.model, "stream": body.stream,
-                                             "endpoint": endpoint})
+                                             "endpoint": endpoint, "api_key.name": key.name if key else ""})
         parent = trace.set_span_in_context(span)
         gen = Generation(
             request_id=request_id,

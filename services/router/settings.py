@@ -1,12 +1,22 @@
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from llmesh.config import CommonSettings
 from llmesh.policies import POLICIES, QUEUE_POLICIES, Policy, QueuePolicy, make_policy, make_queue_policy
 
+from .auth import KeyRing
+
 
 class RouterSettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, description="HTTP port.")
+    api_keys: str = Field("", description="API keys the OpenAI endpoints accept (`Authorization: Bearer`), "
+                          "comma-separated: each a key or its `sha256:` digest, optionally followed by a name and a "
+                          "rate in requests per minute. Empty, with no key file: the API is open.")
+    api_keys_file: Path | None = Field(None, description="A file of API key digests, one per line: `sha256:<hex> "
+                                       "<name> [<requests per minute>]` (`python -m llmesh_router.auth new NAME "
+                                       "--file F` makes a key and adds its line).")
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
     policy: str = Field("least_loaded", description="Dispatch policy (llmesh.policies): " + ", ".join(POLICIES) + ".")
@@ -41,7 +51,11 @@ class RouterSettings(CommonSettings):
     def _known_policy(self) -> "RouterSettings":
         self.dispatch_policy()  # an unknown policy or parameter fails at start, not at the first request
         self.admission_policy()
+        self.keyring()  # and a broken key file
         return self
+
+    def keyring(self) -> KeyRing:
+        return KeyRing.load(self.api_keys, self.api_keys_file)
 
     def dispatch_policy(self) -> Policy:
         return make_policy(self.policy, self.policy_params)

@@ -12,6 +12,7 @@ from llmesh.bus import Bus
 from llmesh.errors import WorkerLost
 from llmesh.messages import WorkerInfo
 from llmesh.policies import RequestView
+from llmesh_router.auth import KeyRing
 from llmesh_router.dispatch import Dispatcher
 from llmesh_router.metrics import RouterMetrics
 from llmesh_router.registry import WorkerRegistry
@@ -25,11 +26,11 @@ def info(worker_id, role="prefill", fingerprint="f" * 32, model="m", capacity=4)
                       running=0, queued_tokens=0, capacity=capacity, heartbeat_s=1.0)
 
 
-async def _client(nats_url, registry, admission=None):
+async def _client(nats_url, registry, admission=None, keys=None):
     bus = await Bus.connect(nats_url, "router-test")
     metrics = RouterMetrics()
     app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s=0.1, admission=admission), registry, metrics,
-                     request_timeout_s=5)
+                     request_timeout_s=5, keys=keys)
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
@@ -45,6 +46,32 @@ async def test_no_live_worker_is_503_within_a_second(nats_url):
         health = await client.get("/health")
         assert health.status_code == 503
         assert "llmesh_request_errors_total" in (await client.get("/metrics")).text
+    finally:
+        await client.aclose()
+        await bus.close()
+
+
+async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_request_reaches_no_worker(nats_url):
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("p1"))  # a worker that never answers: a request past the door would wait on it
+    bus, client = await _client(nats_url, registry, keys=KeyRing.load("sk-good alice 1", None))
+    completion = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    try:
+        for headers, code in [({}, "missing_api_key"), ({"Authorization": "Bearer sk-bad"}, "invalid_api_key"),
+                              ({"Authorization": "sk-good"}, "missing_api_key")]:
+            for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", completion),
+                                       ("POST", "/v1/chat/completions", {"model": "m", "messages": []})]:
+                resp = await client.request(method, path, json=body, headers=headers)
+                assert resp.status_code == 401 and resp.json()["error"]["code"] == code, (path, headers, resp.text)
+                assert resp.json()["error"]["type"] == "invalid_request_error"
+        assert registry.live("prefill")[0].worker_id == "p1" and not registry._workers["p1"].assigned
+        good = {"Authorization": "Bearer sk-good"}
+        assert (await client.get("/v1/models", headers=good)).json()["data"][0]["id"] == "m"
+        limited = await client.get("/v1/models", headers=good)  # 1 request per minute
+        assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+        assert int(limited.headers["Retry-After"]) == 60
+        assert (await client.get("/health")).status_code == 503  # probes and scrapers need no key
+        assert 'llmesh_request_errors_total{code="invalid_api_key"} 3.0' in (await client.get("/metrics")).text
     finally:
         await client.aclose()
         await bus.close()
