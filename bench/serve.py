@@ -41,6 +41,7 @@ from typing import TextIO
 
 import httpx
 
+from llmesh.credentials import MeshSecrets
 from llmesh.launcher import Child, free_port
 from llmesh.models import resolve_model
 
@@ -126,6 +127,7 @@ class Deployment:
     url: str  # what clients call ("" until vllm-router is started)
     children: list[Child] = field(default_factory=list)
     backends: list[str] = field(default_factory=list)  # vllm-router's servers
+    headers: dict[str, str] = field(default_factory=dict)  # what its clients send (the mesh's API key)
 
     def roots(self) -> dict[str, int]:
         return {child.name: child.pid for child in self.children}
@@ -148,9 +150,11 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
         env = {"MESH_PORT": str(port), "MESH_NATS_PORT": str(free_port()), "MESH_REDIS_PORT": str(free_port()),
                "MESH_MODEL": model, "MESH_MODEL_DIR": str(Path(model_path).parent), "MESH_LOG_DIR": str(logs / "mesh"),
                "MESH_DATA_DIR": str(work / "mesh-kv"), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-               "MESH_BLOCK_SIZE": str(BLOCK_SIZE)}
+               "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_SECRETS_DIR": str(work / "mesh-secrets")}
+        key = MeshSecrets.load_or_create(work / "mesh-secrets").api_key
         return Deployment(name, f"http://127.0.0.1:{port}", [Child("mesh", [sys.executable, "-m", "llmesh.launcher"],
-                                                                   env=env, log_path=logs / "mesh.log")])
+                                                                   env=env, log_path=logs / "mesh.log")],
+                          headers={"Authorization": f"Bearer {key}"})
     if name == "vllm":
         child, url = vllm_server("vllm", model_path, model, logs)
         return Deployment(name, url, [child])
@@ -182,7 +186,7 @@ def wait_ready(deployment: Deployment, timeout: float, model: str | None = None)
             if not child.alive():
                 raise RuntimeError(f"{deployment.name}: {child.name} exited with {child.proc.returncode}")
         try:
-            resp = httpx.post(f"{deployment.url}/v1/completions", timeout=30, json={
+            resp = httpx.post(f"{deployment.url}/v1/completions", timeout=30, headers=deployment.headers, json={
                 "model": model or "", "prompt": "warm up", "max_tokens": 4, "temperature": 0})
             if resp.status_code == 200:
                 return
@@ -252,15 +256,18 @@ def sample(args: argparse.Namespace, tokenizer) -> list:
     return get_samples(args, tokenizer)
 
 
-async def run_point(args: argparse.Namespace, requests: list, tokenizer, url: str, slo: dict[str, float]) -> dict:
+async def run_point(args: argparse.Namespace, requests: list, tokenizer, deployment: Deployment,
+                    slo: dict[str, float]) -> dict:
     from vllm.benchmarks.serve import TaskType, benchmark
 
     return await benchmark(
-        task_type=TaskType.GENERATION, endpoint_type="vllm", api_url=f"{url}/v1/completions", base_url=url,
+        task_type=TaskType.GENERATION, endpoint_type="vllm", api_url=f"{deployment.url}/v1/completions",
+        base_url=deployment.url,
         model_id=args.model, model_name=args.served_model_name, tokenizer=tokenizer, input_requests=requests,
         logprobs=None, request_rate=args.request_rate, burstiness=1.0, disable_tqdm=True, num_warmups=0,
         profile=False, selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"], selected_percentiles=[50, 99],
-        ignore_eos=True, goodput_config_dict=slo, max_concurrency=None, lora_modules=None, extra_headers=None,
+        ignore_eos=True, goodput_config_dict=slo, max_concurrency=None, lora_modules=None,
+        extra_headers=deployment.headers or None,
         extra_body={"temperature": 0.0}, ready_check_timeout_sec=0,
         self_timed=args.dataset_name == "timed_trace")
 
@@ -465,7 +472,7 @@ def measure(deployment: Deployment, client: argparse.Namespace, prompts: list, t
     roots = deployment.roots()
     cpu_before, client_before = cpu_by_process(roots), time.process_time()
     with contextlib.redirect_stdout(log):
-        result = asyncio.run(run_point(client, prompts, tokenizer, deployment.url, slo))
+        result = asyncio.run(run_point(client, prompts, tokenizer, deployment, slo))
     cpu_after, client_cpu = cpu_by_process(roots), time.process_time() - client_before
     errors = sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
     return {"deployment": deployment.name, **labels, **{k: result.get(k) for k in SUMMARY},

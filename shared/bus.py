@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmesh import telemetry
+from llmesh.credentials import inbox_prefix, redacted, url_user
 from llmesh.errors import BadMessage, MeshError, NoResponders, ServiceUnavailable, Timeout
 from llmesh.messages import (
     ErrorReply,
@@ -222,11 +223,13 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("nats reconnected (%s)", name)
 
+        user = url_user(url)
         try:
             # With unlimited reconnects nats-py retries the first connection forever too: bound it.
             await asyncio.wait_for(nc.connect(
                 servers=url.split(","),
                 name=name,
+                inbox_prefix=inbox_prefix(user) if user else "_INBOX",  # where this user may read replies
                 connect_timeout=2,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
@@ -236,7 +239,8 @@ class Bus:
                 reconnected_cb=on_reconnect,
             ), connect_timeout)
         except (OSError, nats.errors.Error, TimeoutError) as exc:
-            raise ServiceUnavailable(f"cannot reach NATS at {url} within {connect_timeout:.0f}s: {exc!r}") from exc
+            raise ServiceUnavailable(f"cannot reach NATS at {redacted(url)} within {connect_timeout:.0f}s: "
+                                     f"{exc!r}") from exc
         return cls(nc, name)
 
     @property

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
-from pydantic import AliasChoices, Field, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_MODEL = "llmesh/tiny-llama"
@@ -28,6 +28,11 @@ class CommonSettings(BaseSettings):
     trace_dir: str | None = Field(None, description="Also write spans as JSON lines into this directory.")
     redis_url: str = Field("", description="Redis for shared metadata (e.g. redis://127.0.0.1:6379/0); "
                            "empty: none (each kv-store shard then knows only its own chunks).")
+    secrets_dir: Path | None = Field(
+        None, description="The mesh's credentials (`python -m llmesh.credentials DIR`; `make run` keeps them in "
+        ".mesh-secrets): a NATS or Redis URL without a password gets this service's from there.")
+    # the NATS user this service connects as (llmesh.credentials.PERMISSIONS)
+    NATS_USER: ClassVar[str] = "admin"
 
     @field_validator("*", mode="before")
     @classmethod
@@ -38,9 +43,23 @@ class CommonSettings(BaseSettings):
                 return None
         return value
 
+    @model_validator(mode="after")
+    def _credentials(self) -> "CommonSettings":
+        if self.secrets_dir is not None:
+            from llmesh.credentials import MeshSecrets, url_user
+
+            secrets = MeshSecrets.load(self.secrets_dir)
+            if not url_user(self.nats_url):
+                self.nats_url = secrets.nats_url(self.nats_url, self.NATS_USER)
+            if self.redis_url and "@" not in self.redis_url:
+                self.redis_url = secrets.redis_url(self.redis_url)
+        return self
+
 
 class WorkerSettings(CommonSettings):
     """Shared by prefill and decode workers: the engine must be configured identically on both."""
+
+    NATS_USER: ClassVar[str] = "worker"
 
     worker_id: str = Field("", description="Unique worker name; default: <role>-<host>-<pid>.")
     model: str = Field(

@@ -85,6 +85,11 @@ class ShardDirectory:
         now = time.monotonic()
         return {s: info for s, (info, seen) in list(self._shards.items()) if now - seen < 3 * info.heartbeat_s}
 
+    def token(self, shard: str) -> str:
+        """The data-plane token of `shard`'s latest announcement."""
+        entry = self._shards.get(shard)
+        return entry[0].token if entry else ""
+
 
 class ChunkLocator:
     """Reads the shards' chunk index in Redis: where a chunk is when it is not on its owner
@@ -127,7 +132,8 @@ def _map_arena(name: str, size: int) -> ShmSegment:
 class DirectConnection:
     """One blocking connection to a shard's data plane; not thread-safe (pools hand it out)."""
 
-    def __init__(self, host: str, port: int, *, timeout: float, use_shm: bool):
+    def __init__(self, host: str, port: int, *, token: str, timeout: float, use_shm: bool):
+        """Connect and show `token` (from the shard's announcement: llmesh_kvstore.dataplane)."""
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -141,6 +147,11 @@ class DirectConnection:
         self.arena: ShmSegment | None = None  # the shard's shared arena, mapped here
         self._slab = (0, 0)  # the part of it granted to this connection and not yet used: [start, end)
         self.reused = False  # handed out again by its pool (the shard may have restarted since)
+        try:
+            self._call({"op": "hello", "token": token})
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.sock.close()
@@ -305,8 +316,8 @@ class DirectConnection:
 
 
 class _Pool:
-    def __init__(self, info: KvShardInfo, *, size: int, timeout: float, use_shm: bool):
-        self.info, self._timeout, self._use_shm = info, timeout, use_shm
+    def __init__(self, info: KvShardInfo, token: Callable[[], str], *, size: int, timeout: float, use_shm: bool):
+        self.info, self._token, self._timeout, self._use_shm = info, token, timeout, use_shm
         self._idle: queue.LifoQueue[DirectConnection] = queue.LifoQueue()
         self._slots = threading.Semaphore(size)
 
@@ -321,8 +332,8 @@ class _Pool:
             except queue.Empty:
                 pass
         try:
-            return DirectConnection(self.info.data_host, self.info.data_port, timeout=self._timeout,
-                                    use_shm=self._use_shm)
+            return DirectConnection(self.info.data_host, self.info.data_port, token=self._token(),
+                                    timeout=self._timeout, use_shm=self._use_shm)
         except BaseException:
             self._slots.release()
             raise
@@ -405,7 +416,8 @@ class KvClient:
         with self._lock:
             pool = self._pools.get(ident)
             if pool is None:
-                pool = self._pools[ident] = _Pool(info, size=self._connections_per_shard, timeout=self.timeout,
+                pool = self._pools[ident] = _Pool(info, lambda: self.directory.token(info.shard),
+                                                  size=self._connections_per_shard, timeout=self.timeout,
                                                   use_shm=self.use_shm)
             return pool
 

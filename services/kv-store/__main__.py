@@ -9,7 +9,7 @@ from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging
 from llmesh.messages import KvShardInfo
 
-from .dataplane import DataPlaneServer
+from .dataplane import DataPlaneServer, Tokens
 from .index import RedisIndex
 from .lmcache_protocol import start_lmcache_server
 from .metrics import serve_metrics
@@ -25,11 +25,12 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
     state = ShardState(ChunkStore(settings.capacity_bytes, ssd, shared_arena=settings.shared_arena))
     state.start_cleaner(settings.ssd_clean_watermark)
-    data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes)
+    tokens = Tokens(settings.kv_shard)
+    data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes, tokens)
     info = KvShardInfo(shard=settings.kv_shard, data_host=settings.data_advertise_host or settings.data_host,
                        data_port=data_plane.port, heartbeat_s=settings.heartbeat_s)
     bus = await Bus.connect(settings.nats_url, f"kv-store-{settings.kv_shard}")
-    service = KvStoreService(bus, state, info)
+    service = KvStoreService(bus, state, info, tokens)
     index = RedisIndex(settings.redis_url, settings.kv_shard, state) if settings.redis_url else None
     index_task = asyncio.create_task(index.run()) if index else None
     lmcache = None
@@ -37,7 +38,8 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
         await service.start()
         if settings.lmcache_port:
             lmcache = await start_lmcache_server(state.store, settings.data_host, settings.lmcache_port,
-                                                 lock=state.lock, max_value_bytes=settings.max_value_bytes)
+                                                 lock=state.lock, max_value_bytes=settings.max_value_bytes,
+                                                 allow=settings.lmcache_networks())
         if settings.metrics_port:
             serve_metrics(state.snapshot, settings.kv_shard, settings.metrics_port, settings.metrics_host)
         await stop.wait()

@@ -4,6 +4,11 @@ Blocking `recv_into`/`sendall` release the GIL, so transfers on different connec
 parallel with each other and with the shard's NATS loop; the store itself is touched only
 under `ShardState.lock`, and values are immutable once stored, so they are sent outside it.
 
+A connection first shows a token (`hello` {token}): the shard hands tokens out only over NATS, in
+its announcements, which only NATS users allowed to read `mesh.kv.shards` (workers) receive
+(llmesh.credentials); each lasts `TOKEN_TTL_S` and is signed with a key the shard made at start.
+Anything else first, or a wrong or expired token, is refused and the connection closed.
+
 Ops (metadata `op`): `put` {keys, sizes, pin_s, shm_offset?}, `get` {keys, pin_s, shm_offset?,
 shm_capacity?} answered with {sizes} (-1: missing), `has` {keys} answered with {found}, `attach`
 {name, size} (offer a shared-memory segment; answered with the shard's shared arena, if it has
@@ -17,13 +22,18 @@ payload was not consumed, also closes the connection. Other connections are unaf
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from llmesh import telemetry
-from llmesh.errors import BadMessage, MeshError
+from llmesh.errors import BadMessage, MeshError, Unauthenticated
 from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
 
 from .state import ShardState
@@ -33,16 +43,43 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("llmesh.kv-store")
 
 
+TOKEN_TTL_S = 60.0
+HELLO_TIMEOUT_S = 10.0
+
+
+class Tokens:
+    """This shard's data-plane tokens: `<expiry>.<HMAC-SHA256 of shard and expiry>`."""
+
+    def __init__(self, shard: str, ttl_s: float = TOKEN_TTL_S, clock: Callable[[], float] = time.time):
+        self._key, self._shard, self._ttl_s, self._clock = secrets.token_bytes(32), shard, ttl_s, clock
+
+    def _mac(self, expiry: str) -> str:
+        return hmac.new(self._key, f"{self._shard}.{expiry}".encode(), hashlib.sha256).hexdigest()
+
+    def mint(self, ttl_s: float | None = None) -> str:
+        expiry = str(int(self._clock() + (self._ttl_s if ttl_s is None else ttl_s)))
+        return f"{expiry}.{self._mac(expiry)}"
+
+    def check(self, token: object) -> None:
+        """Raise Unauthenticated unless `token` is one of ours and not expired."""
+        expiry, _, mac = token.partition(".") if isinstance(token, str) else ("", "", "")
+        if not (expiry.isdigit() and hmac.compare_digest(mac, self._mac(expiry))):
+            raise Unauthenticated("not a data-plane token of this shard (take one from its announcement on NATS)")
+        if int(expiry) < self._clock():
+            raise Unauthenticated("the data-plane token has expired")
+
+
 class _Connection:
-    def __init__(self, state: ShardState, sock: socket.socket, max_value_bytes: int):
-        self.state, self.sock, self.max_value_bytes = state, sock, max_value_bytes
+    def __init__(self, state: ShardState, sock: socket.socket, max_value_bytes: int, tokens: Tokens):
+        self.state, self.sock, self.max_value_bytes, self.tokens = state, sock, max_value_bytes, tokens
         self.shm: ShmSegment | None = None
         self.slab: Slab | None = None  # shared-arena space this client lays put values out in
 
     def serve(self) -> None:
         try:
-            while self._one_frame():
-                pass
+            if self._admitted():
+                while self._one_frame():
+                    pass
         except (ConnectionError, OSError) as exc:
             log.debug("data connection closed: %s", exc)
         finally:
@@ -51,6 +88,36 @@ class _Connection:
             if self.shm is not None:
                 self.shm.close()
             self.sock.close()
+
+    def _admitted(self) -> bool:
+        """Whether the first frame is a `hello` with a valid token (answered either way)."""
+        peer = self._peer()
+        self.sock.settimeout(HELLO_TIMEOUT_S)
+        try:
+            got = recv_header(self.sock, 0)
+            if got is None:
+                return False
+            meta, _ = got
+            if meta.get("op") != "hello":
+                raise Unauthenticated(f"a connection starts with hello and a token, not {meta.get('op')!r}")
+            self.tokens.check(meta.get("token"))
+        except (BadMessage, Unauthenticated) as exc:
+            log.warning("refused a data connection from %s: %s", peer, exc.message)
+            self._send_error(exc if isinstance(exc, Unauthenticated) else Unauthenticated(exc.message))
+            return False
+        except TimeoutError:
+            log.warning("refused a data connection from %s: no hello within %.0f s", peer, HELLO_TIMEOUT_S)
+            return False
+        self.sock.settimeout(None)
+        send_frame(self.sock, {})
+        return True
+
+    def _peer(self) -> str:
+        try:
+            host, port = self.sock.getpeername()[:2]
+            return f"{host}:{port}"
+        except OSError:
+            return "?"
 
     def _one_frame(self) -> bool:
         try:
@@ -203,8 +270,8 @@ def _keys(meta: dict[str, Any]) -> list[str]:
 
 
 class DataPlaneServer:
-    def __init__(self, state: ShardState, host: str, port: int, max_value_bytes: int):
-        self.state, self.max_value_bytes = state, max_value_bytes
+    def __init__(self, state: ShardState, host: str, port: int, max_value_bytes: int, tokens: Tokens):
+        self.state, self.max_value_bytes, self.tokens = state, max_value_bytes, tokens
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._closed = False
@@ -217,7 +284,7 @@ class DataPlaneServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(self.state, sock, self.max_value_bytes)
+            conn = _Connection(self.state, sock, self.max_value_bytes, self.tokens)
             threading.Thread(target=conn.serve, name="kv-data", daemon=True).start()
 
     def close(self) -> None:

@@ -38,6 +38,8 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections.abc import Sequence
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from llmesh.errors import KVStoreFull
 
 from .store import ChunkStore
@@ -55,6 +57,7 @@ DTYPE_REPLY = (0, 2, 2, 3, 4, 5, 6, 7, 8)  # request dtype code -> the code LMCa
 N_FORMATS = 10  # MemoryFormat 0..9 in LMCache 0.5.6
 N_LOCATIONS = 3
 DEFAULT_MAX_VALUE_BYTES = 1 << 30
+LOOPBACK = (ip_network("127.0.0.1/32"), ip_network("::1/128"))
 _EMPTY = (1, 2, 0, 0, 0, 0)  # fmt, dtype, shape of replies without a memory object
 
 
@@ -63,8 +66,9 @@ class _BadRequest(Exception):
 
 
 class _Connection(asyncio.BufferedProtocol):
-    def __init__(self, store: ChunkStore, lock: contextlib.AbstractContextManager, max_value_bytes: int):
-        self.store, self.lock, self.max_value_bytes = store, lock, max_value_bytes
+    def __init__(self, store: ChunkStore, lock: contextlib.AbstractContextManager, max_value_bytes: int,
+                 allow: Sequence[IPv4Network | IPv6Network]):
+        self.store, self.lock, self.max_value_bytes, self.allow = store, lock, max_value_bytes, allow
         self.header = bytearray(REQUEST.size)
         self.buf = memoryview(self.header)  # what is being received: a header or a PUT's value
         self.filled = 0
@@ -75,6 +79,11 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.peer = transport.get_extra_info("peername")
+        address = ip_address(self.peer[0]) if isinstance(self.peer, tuple) else None
+        if address is None or not any(address in network for network in self.allow):
+            log.warning("lm:// refused a connection from %s: not in the allowed networks (MESH_LMCACHE_ALLOW)",
+                        self.peer)
+            transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.filled or self.put_key is not None:
@@ -173,14 +182,17 @@ class _Connection(asyncio.BufferedProtocol):
 
 async def start_lmcache_server(store: ChunkStore, host: str, port: int, *,
                                lock: contextlib.AbstractContextManager | None = None,
-                               max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> asyncio.base_events.Server:
+                               max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                               allow: Sequence[IPv4Network | IPv6Network] = LOOPBACK) -> asyncio.base_events.Server:
     """Serve LMCache's lm:// protocol on host:port (0: an ephemeral port; read it from `server.sockets`).
 
     `lock` guards every store access; pass the lock other threads hold while they touch the store.
+    LMCache's protocol carries no credential, so only clients from the `allow`ed networks are served
+    (others are cut off at once, and logged); its keys ("lmc:...") never name the mesh's own chunks.
     """
     lock = lock if lock is not None else contextlib.nullcontext()
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(store, lock, max_value_bytes), host, port)
+    return await loop.create_server(lambda: _Connection(store, lock, max_value_bytes, allow), host, port)
 
 
 if __name__ == "__main__":  # a standalone endpoint over an in-memory store, for benchmarks and debugging

@@ -11,14 +11,15 @@ import logging
 from llmesh.bus import Bus
 from llmesh.messages import KvDiscover, KvFlush, KvShardInfo, KvStats, KvStatsRequest, Subjects
 
+from .dataplane import Tokens
 from .state import ShardState
 
 log = logging.getLogger(__name__)
 
 
 class KvStoreService:
-    def __init__(self, bus: Bus, state: ShardState, info: KvShardInfo):
-        self.bus, self.state, self.info = bus, state, info
+    def __init__(self, bus: Bus, state: ShardState, info: KvShardInfo, tokens: Tokens):
+        self.bus, self.state, self.info, self.tokens = bus, state, info, tokens
         self._announcer: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -33,11 +34,15 @@ class KvStoreService:
 
     async def _announce_forever(self) -> None:
         while True:
-            await self.bus.publish(Subjects.KV_SHARDS, self.info)
+            await self.announce()
             await asyncio.sleep(self.info.heartbeat_s)
 
+    async def announce(self) -> None:
+        """Where the data plane listens, with a fresh token for it."""
+        await self.bus.publish(Subjects.KV_SHARDS, self.info.model_copy(update={"token": self.tokens.mint()}))
+
     async def discover(self, msg: KvDiscover, blob: memoryview) -> None:
-        await self.bus.publish(Subjects.KV_SHARDS, self.info)
+        await self.announce()
 
     async def stats(self, msg: KvStatsRequest, blob: memoryview) -> KvStats:
         return await asyncio.to_thread(self.state.snapshot)

@@ -1,11 +1,14 @@
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from llmesh.config import CommonSettings
 
 
 class KvStoreSettings(CommonSettings):
+    NATS_USER: ClassVar[str] = "kv-store"
     kv_shard: str = Field("0", description="This shard's name: keys are spread over the live shards by "
                           "rendezvous hashing of the names; its stats answer on mesh.kv.<shard>.stats.")
     capacity_bytes: int = Field(2 * 1024**3, description="Memory the store may hold, in bytes.")
@@ -24,7 +27,18 @@ class KvStoreSettings(CommonSettings):
     max_value_bytes: int = Field(1024**3, gt=0, description="Largest transfer one data-plane frame may carry.")
     lmcache_port: int = Field(0, ge=0, description="Also serve LMCache's lm:// protocol on this port (binding "
                               "`data_host`), for vLLM+LMCache's `remote_url`; 0: off.")
+    lmcache_allow: str = Field("127.0.0.1/32,::1/128", description="Networks whose clients the lm:// port serves, "
+                               "comma-separated (LMCache's protocol carries no credential); others are cut off "
+                               "and logged.")
     heartbeat_s: float = Field(1.0, gt=0, description="How often the shard announces itself on NATS.")
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     metrics_port: int = Field(0, ge=0, description="Serve Prometheus /metrics on this port; 0: no HTTP endpoint "
                               "(the same counters answer on NATS at mesh.kv.<shard>.stats).")
+
+    @model_validator(mode="after")
+    def _valid_networks(self) -> "KvStoreSettings":
+        self.lmcache_networks()  # a typo fails at start
+        return self
+
+    def lmcache_networks(self) -> list[IPv4Network | IPv6Network]:
+        return [ip_network(n.strip()) for n in self.lmcache_allow.split(",") if n.strip()]

@@ -18,6 +18,7 @@ import sys
 from pydantic import ValidationError
 
 from llmesh.bus import Bus
+from llmesh.credentials import operator_nats_url
 from llmesh.errors import MeshError
 from llmesh.messages import LengthRefit, LengthRefitResult, Subjects
 
@@ -45,7 +46,7 @@ def main() -> None:
     except ValidationError as exc:
         parser.error("; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors()))
     try:
-        result = asyncio.run(refit(args.nats_url, request))
+        result = asyncio.run(refit(operator_nats_url(args.nats_url), request))
     except (MeshError, OSError) as exc:
         sys.exit(f"refit failed: {exc}")
     print(json.dumps(result.model_dump(), indent=2))

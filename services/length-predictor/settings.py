@@ -1,5 +1,5 @@
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -10,6 +10,7 @@ ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact"
 
 class LengthPredictorSettings(CommonSettings):
     """Named `length_*`: `make run` gives every service the same environment."""
+    NATS_USER: ClassVar[str] = "length-predictor"
 
     length_replica: str = Field(
         "", description="This replica's name (predictions name it, so that reports of actual lengths come back "

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from llmesh.bus import Bus
 from llmesh.config import CommonSettings
+from llmesh.credentials import operator_nats_url
 from llmesh.errors import MeshError, ServiceUnavailable, Timeout
 from llmesh.messages import PlacementRequest, PlacementStatus, Subjects
 from llmesh.policies.banaserve import switchable
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                "role": PlacementRequest(op="role", worker_id=getattr(args, "worker", None),
                                         role=getattr(args, "role", None))}[args.command]
     timeout = args.timeout or (20.0 if args.command in ("migrate", "role") else 5.0)
-    nats_url = args.nats or CommonSettings().nats_url
+    nats_url = operator_nats_url(args.nats or CommonSettings().nats_url)
     try:
         status = asyncio.run(ask(nats_url, request, timeout))
     except Timeout:

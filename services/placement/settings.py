@@ -1,3 +1,5 @@
+from typing import ClassVar
+
 from pydantic import Field, model_validator
 
 from llmesh.config import CommonSettings
@@ -7,6 +9,7 @@ class PlacementSettings(CommonSettings):
     """Named `placement_*`: `make run` gives every service the same environment (the kv-store
     reads MESH_METRICS_PORT, for one). Freeness is Llumnix's: free KV blocks per request in the
     batch (llmesh.policies.llumnix.freeness)."""
+    NATS_USER: ClassVar[str] = "placement"
 
     placement_id: str = Field("", description="This replica's name (the leader lease holds it); default: "
                               "placement-<host>-<pid>.")

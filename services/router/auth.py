@@ -11,29 +11,18 @@ Key file lines: `sha256:<hex digest>  <name>  [<requests per minute>]`; `#` star
 from __future__ import annotations
 
 import argparse
-import hashlib
 import hmac
 import logging
-import secrets
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmesh.credentials import DIGEST_PREFIX, key_digest, new_api_key
 from llmesh.errors import InvalidApiKey, MissingApiKey, Overloaded
 
 log = logging.getLogger(__name__)
-DIGEST_PREFIX = "sha256:"
-KEY_PREFIX = "sk-mesh-"
-
-
-def digest(key: str) -> str:
-    return DIGEST_PREFIX + hashlib.sha256(key.encode()).hexdigest()
-
-
-def new_key() -> str:
-    return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
 @dataclass
@@ -79,7 +68,7 @@ def parse_entries(lines: Iterable[str], source: str) -> list[ApiKey]:
             if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
                 raise ValueError(f"{source} line {number}: a digest is sha256: and 64 lowercase hex digits")
         else:
-            secret = digest(secret)
+            secret = key_digest(secret)
         try:
             rate = float(fields[2]) if len(fields) > 2 else None
         except ValueError:
@@ -124,11 +113,11 @@ class KeyRing:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise MissingApiKey("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
-        presented = digest(token.strip())
+        presented = key_digest(token.strip())
         key = self._by_digest.get(presented)
         # the dictionary lookup is by digest; compare again in constant time all the same
         if key is None or not hmac.compare_digest(key.digest, presented):
-            log.warning("refused a request with an unknown API key (%s...)", token.strip()[:len(KEY_PREFIX) + 2])
+            log.warning("refused a request with an unknown API key")
             raise InvalidApiKey("Incorrect API key provided.")
         wait_s = key.take(self._clock())
         if wait_s:
@@ -148,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.name or any(c.isspace() or c == "#" for c in args.name):
         parser.error("the name must not be empty or hold spaces or '#'")
-    key = new_key()
-    entry = f"{digest(key)} {args.name}" + (f" {args.rpm:g}" if args.rpm else "")
+    key = new_api_key()
+    entry = f"{key_digest(key)} {args.name}" + (f" {args.rpm:g}" if args.rpm else "")
     existing = args.file.read_text() if args.file.exists() else ""
     KeyRing(parse_entries((existing + entry).splitlines(), str(args.file)))  # refuse a broken file
     args.file.touch(mode=0o600)

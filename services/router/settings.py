@@ -1,14 +1,17 @@
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field, model_validator
 
 from llmesh.config import CommonSettings
+from llmesh.credentials import API_KEYS_FILE
 from llmesh.policies import POLICIES, QUEUE_POLICIES, Policy, QueuePolicy, make_policy, make_queue_policy
 
 from .auth import KeyRing
 
 
 class RouterSettings(CommonSettings):
+    NATS_USER: ClassVar[str] = "router"
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, description="HTTP port.")
     api_keys: str = Field("", description="API keys the OpenAI endpoints accept (`Authorization: Bearer`), "
@@ -16,7 +19,7 @@ class RouterSettings(CommonSettings):
                           "rate in requests per minute. Empty, with no key file: the API is open.")
     api_keys_file: Path | None = Field(None, description="A file of API key digests, one per line: `sha256:<hex> "
                                        "<name> [<requests per minute>]` (`python -m llmesh_router.auth new NAME "
-                                       "--file F` makes a key and adds its line).")
+                                       "--file F` makes a key and adds its line). Default: MESH_SECRETS_DIR's, if set.")
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
     policy: str = Field("least_loaded", description="Dispatch policy (llmesh.policies): " + ", ".join(POLICIES) + ".")
@@ -55,7 +58,9 @@ class RouterSettings(CommonSettings):
         return self
 
     def keyring(self) -> KeyRing:
-        return KeyRing.load(self.api_keys, self.api_keys_file)
+        """The API keys: MESH_API_KEYS and the key file (default: the one in MESH_SECRETS_DIR)."""
+        file = self.api_keys_file or (self.secrets_dir / API_KEYS_FILE if self.secrets_dir else None)
+        return KeyRing.load(self.api_keys, file)
 
     def dispatch_policy(self) -> Policy:
         return make_policy(self.policy, self.policy_params)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from llmesh.config import EMBEDDED_MODEL
+from llmesh.credentials import EVERYTHING, MeshSecrets
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
 
@@ -25,8 +26,13 @@ STARTUP_S = 420
 
 
 class Mesh:
-    def __init__(self, url: str, nats_url: str, work: Path, launcher: Child):
-        self.url, self.nats_url, self.launcher = url, nats_url, launcher
+    def __init__(self, url: str, nats_url: str, work: Path, launcher: Child, secrets: MeshSecrets):
+        """`nats_url` carries the test harness's NATS user (it plays every part: router, placement,
+        workers); `headers` the API key."""
+        self.url, self.launcher, self.secrets = url, launcher, secrets
+        self.nats_url = secrets.nats_url(nats_url, "harness")
+        self.api_key = secrets.api_key
+        self.headers = {"Authorization": f"Bearer {secrets.api_key}"}
         self.trace_dir, self.logs, self.kv_data = work / "traces", work / "logs", work / "kv-data"
         self.replacements: list[Child] = []  # services a test started in place of the launcher's; stopped with it
 
@@ -51,7 +57,9 @@ def model_path(model_dir) -> str:
 def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) -> Iterator[Mesh]:
     """A whole mesh started by `command` (the launcher) with its state under `work`."""
     port, nats_port, redis_port = free_port(), free_port(), free_port()
+    secrets = MeshSecrets.load_or_create(work / "secrets", extra_users={"harness": EVERYTHING})
     env = {
+        "MESH_SECRETS_DIR": str(work / "secrets"),
         "MESH_PORT": str(port),
         "MESH_NATS_PORT": str(nats_port),
         "MESH_REDIS_PORT": str(redis_port),
@@ -68,7 +76,7 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
     } | env
     work.mkdir(parents=True, exist_ok=True)
     launcher = Child("mesh", command, env=env, log_path=work / "launcher.log")
-    mesh = Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work, launcher)
+    mesh = Mesh(f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", work, launcher, secrets)
     try:
         wait_healthy(mesh.url, STARTUP_S, [launcher])
         yield mesh

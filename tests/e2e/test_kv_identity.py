@@ -36,7 +36,7 @@ async def kv_request(nats_url: str, request) -> KvStats:
 
 
 def complete(mesh, ids: list[int]) -> list[int]:
-    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=120, json={
+    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=120, headers=mesh.headers, json={
         "model": SERVED, "prompt": ids, "max_tokens": 16, "temperature": 0, "return_token_ids": True})
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["token_ids"]

@@ -109,7 +109,7 @@ async def stream(mesh, ids: list[int], keep: int, on_token=None) -> Streamed:
     after the n-th chunk (while the stream waits), and hang up after `keep` chunks or when it
     returns true.
     The request generates up to the context limit, so it outlives the commands sent meanwhile."""
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, headers=mesh.headers) as http:
         async with http.stream("POST", f"{mesh.url}/v1/completions", json={
                 "model": MODEL, "prompt": ids, "max_tokens": MAX_MODEL_LEN - len(ids) - 8, "temperature": 0,
                 "ignore_eos": True, "stream": True, "return_token_ids": True}) as resp:

@@ -86,7 +86,7 @@ def token_prompt(length: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def client(reference, mesh):  # reference first: its engine loads while the mesh starts
-    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=60)
 
 
 async def kv_stats(mesh, op: str = "stats", timeout: float = 30) -> KvStats:
@@ -199,7 +199,7 @@ def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, tokenizer
 
 def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference, mesh):
     prompts = [token_prompt(40 + 97 * i, seed=100 + i) for i in range(16)]
-    aclient = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    aclient = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=120)
 
     async def one(ids):
         r = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
@@ -236,7 +236,7 @@ def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference
 
 def test_one_trace_spans_router_prefill_kvstore_decode(mesh):
     trace_id, root_span = "%032x" % random.getrandbits(128), "%016x" % random.getrandbits(64)
-    httpx.post(f"{mesh.url}/v1/completions", timeout=60, headers={"traceparent": f"00-{trace_id}-{root_span}-01"},
+    httpx.post(f"{mesh.url}/v1/completions", timeout=60, headers={**mesh.headers, "traceparent": f"00-{trace_id}-{root_span}-01"},
                json={"model": MODEL, "prompt": token_prompt(600, seed=5), "max_tokens": 4}).raise_for_status()
     time.sleep(1)
     spans = [s for s in mesh.spans() if s["context"]["trace_id"] == f"0x{trace_id}"]
@@ -279,7 +279,7 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
     before = asyncio.run(length_stats(mesh))
     trace_id = "%032x" % random.getrandbits(128)
     resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60,
-                      headers={"traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01"},
+                      headers={**mesh.headers, "traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01"},
                       json={"model": MODEL, "prompt": "Write a short poem about the sea. " * 120, "max_tokens": 6})
     resp.raise_for_status()
     time.sleep(1)
@@ -324,8 +324,8 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
                               "cache_salt": "a/b"}, 400, "invalid_request"),
 ])
 def test_bad_input_gets_openai_error(mesh, path, body, status, code):
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
-        else {"json": body}
+    kwargs = {"content": body, "headers": {**mesh.headers, "content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body, "headers": mesh.headers}
     resp = httpx.post(f"{mesh.url}{path}", timeout=30, **kwargs)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
@@ -534,7 +534,7 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
 
         try:
             await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
-            async with httpx.AsyncClient(timeout=60) as http:
+            async with httpx.AsyncClient(timeout=60, headers=mesh.headers) as http:
                 async with http.stream("POST", f"{mesh.url}/v1/completions", json={
                         "model": MODEL, "prompt": "Tell me a long story " * 20, "max_tokens": 1800, "ignore_eos": True,
                         "stream": True, "priority": -2}) as resp:
@@ -561,7 +561,7 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
 
 def test_client_disconnect_aborts_the_request_in_the_worker(mesh):
     async def go():
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=30, headers=mesh.headers) as http:
             async with http.stream("POST", f"{mesh.url}/v1/completions", json={
                     "model": MODEL, "prompt": "Tell me everything", "max_tokens": 1500, "stream": True}) as resp:
                 async for line in resp.aiter_lines():
@@ -588,7 +588,8 @@ def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh
                 started = time.monotonic()
                 os.killpg(pid, signal.SIGKILL)  # the worker and its engine process, abruptly
     assert time.monotonic() - started < 10
-    resp = httpx.post(f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
+    resp = httpx.post(f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5,
+                      headers=mesh.headers)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
 
 

@@ -17,7 +17,7 @@ from llmesh.errors import KVStoreFull, ServiceUnavailable
 from llmesh.kvclient import DISCOVERY_WAIT_S, KvClient, ShardDirectory, rendezvous_owner
 from llmesh.kvwire import HEADER, MAGIC, recv_header, send_frame
 from llmesh.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
-from llmesh_kvstore.dataplane import DataPlaneServer
+from llmesh_kvstore.dataplane import DataPlaneServer, Tokens
 from llmesh_kvstore.service import KvStoreService
 from llmesh_kvstore.ssd import SsdTier
 from llmesh_kvstore.state import ShardState
@@ -30,10 +30,11 @@ pytestmark = pytest.mark.timeout(60)
 async def shard(url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier | None = None,
                 shared_arena: bool = False):
     state = ShardState(ChunkStore(capacity, ssd, shared_arena=shared_arena))
-    data_plane = DataPlaneServer(state, "127.0.0.1", 0, max_value_bytes=256 * 1024**2)
+    tokens = Tokens(name)
+    data_plane = DataPlaneServer(state, "127.0.0.1", 0, max_value_bytes=256 * 1024**2, tokens=tokens)
     bus = await Bus.connect(url, f"kv-{name}")
     service = KvStoreService(bus, state, KvShardInfo(shard=name, data_host="127.0.0.1", data_port=data_plane.port,
-                                                     heartbeat_s=0.5))
+                                                     heartbeat_s=0.5), tokens)
     await service.start()
     try:
         yield data_plane
@@ -151,8 +152,11 @@ async def test_lru_eviction_skips_pinned_chunks(nats_url):
         assert stats.evictions == 1 and stats.pinned_bytes == 1000
 
 
-def _raw(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+def _raw(plane: DataPlaneServer) -> socket.socket:
+    """A connection that has shown a valid token."""
+    sock = socket.create_connection(("127.0.0.1", plane.port), timeout=5)
+    send_frame(sock, {"op": "hello", "token": plane.tokens.mint()})
+    assert _reply(sock) == {}
     return sock
 
 
@@ -172,15 +176,15 @@ def _reply(sock: socket.socket) -> dict:
 async def test_bad_frames_get_clear_errors_and_the_shard_keeps_serving(nats_url):
     async with shard(nats_url, "bad") as plane, client(nats_url) as kv:
         def probe():
-            with _raw(plane.port) as s:  # not our protocol at all: an error, then the connection closes
+            with _raw(plane) as s:  # not our protocol at all: an error, then the connection closes
                 s.sendall(b"GET / HTTP/1.1\r\n\r\n")
                 assert _reply(s)["error"]["code"] == "bad_message"
                 _assert_closed(s)
-            with _raw(plane.port) as s:  # a payload larger than the shard accepts
+            with _raw(plane) as s:  # a payload larger than the shard accepts
                 s.sendall(HEADER.pack(MAGIC, 2, 1 << 40) + msgpack.packb({}))
                 assert "exceeds" in _reply(s)["error"]["message"]
                 _assert_closed(s)
-            with _raw(plane.port) as s:  # metadata that lies about the payload: error, connection still usable
+            with _raw(plane) as s:  # metadata that lies about the payload: error, connection still usable
                 send_frame(s, {"op": "put", "keys": ["k"], "sizes": [10]}, [memoryview(b"x" * 4)])
                 assert "sizes sum" in _reply(s)["error"]["message"]
                 send_frame(s, {"op": "nope"})
@@ -189,13 +193,44 @@ async def test_bad_frames_get_clear_errors_and_the_shard_keeps_serving(nats_url)
                 assert _reply(s)["shm"] is False
                 send_frame(s, {"op": "get", "keys": ["k"]})
                 assert _reply(s)["sizes"] == [-1]
-            with _raw(plane.port) as s:  # truncated: the peer vanishes mid-payload
+            with _raw(plane) as s:  # truncated: the peer vanishes mid-payload
                 s.sendall(HEADER.pack(MAGIC, 30, 1000) + msgpack.packb({"op": "put", "keys": ["t"], "sizes": [1000]}))
                 s.sendall(b"y" * 10)
 
         await asyncio.to_thread(probe)
         await put(kv, ["still"], [b"works"])
         assert await get(kv, ["still", "t"]) == [b"works", None]
+
+
+async def test_a_connection_without_a_valid_token_is_refused_before_it_touches_the_store(nats_url, caplog):
+    """The door: a token is handed out only in the shard's announcement on NATS; nothing else opens it."""
+    async with shard(nats_url, "door") as plane, client(nats_url) as kv:
+        await put(kv, ["kept"], [b"v" * 100])
+        other_shard = Tokens("door")  # a shard of the same name, but another key
+        cases = [({"op": "get", "keys": ["kept"]}, "starts with hello"),
+                 ({"op": "put", "keys": ["k"], "sizes": [0]}, "starts with hello"),
+                 ({"op": "hello"}, "not a data-plane token"),
+                 ({"op": "hello", "token": "9999999999.deadbeef"}, "not a data-plane token"),
+                 ({"op": "hello", "token": other_shard.mint()}, "not a data-plane token"),
+                 ({"op": "hello", "token": plane.tokens.mint(ttl_s=-2)}, "expired"),
+                 ({"op": "hello", "token": plane.tokens.mint() + "0"}, "not a data-plane token")]
+
+        def probe():
+            for first, reason in cases:
+                with socket.create_connection(("127.0.0.1", plane.port), timeout=5) as s:
+                    send_frame(s, first)
+                    error = _reply(s)["error"]
+                    assert error["code"] == "unauthenticated" and reason in error["message"], (first, error)
+                    _assert_closed(s)
+            with socket.create_connection(("127.0.0.1", plane.port), timeout=5) as s:  # not even a frame
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                assert _reply(s)["error"]["code"] == "unauthenticated"
+                _assert_closed(s)
+
+        await asyncio.to_thread(probe)
+        refused = [r for r in caplog.records if r.getMessage().startswith("refused a data connection from 127.0.0.1")]
+        assert len(refused) == len(cases) + 1
+        assert await get(kv, ["kept", "k"]) == [b"v" * 100, None]  # nothing changed; real clients still served
 
 
 async def test_no_store_is_a_fast_clear_error(nats_url):

@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import time
+from ipaddress import ip_network
 
 import pytest
 
@@ -275,3 +276,33 @@ async def test_bad_input_closes_only_that_connection(caplog):
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_clients_from_outside_the_allowed_networks_are_cut_off(caplog):
+    """LMCache's protocol has no credential: the lm:// door is by address (loopback by default). A
+    client from 127.0.0.2 stands in for another host."""
+    store = ChunkStore(1024**2)
+    caplog.set_level(logging.WARNING, "llmesh_kvstore.lmcache_protocol")
+    server, port = await _serve(store)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        writer.write(_request(PUT, length=5) + b"hello" + _request(HEALTH))
+        with pytest.raises(asyncio.IncompleteReadError):
+            await asyncio.wait_for(reader.readexactly(REPLY.size), 10)
+        writer.close()
+        assert not store.keys()
+        assert "lm:// refused a connection from ('127.0.0.2'" in caplog.text
+        local_reader, local_writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await _health(local_reader, local_writer) == 200
+        local_writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    wider, port = await _serve(store, allow=[ip_network("127.0.0.0/8")])
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        assert await _health(reader, writer) == 200
+        writer.close()
+    finally:
+        wider.close()
+        await wider.wait_closed()

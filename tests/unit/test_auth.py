@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llmesh.errors import InvalidApiKey, MissingApiKey, Overloaded
-from llmesh_router.auth import KeyRing, digest, main, parse_entries
+from llmesh.credentials import key_digest as digest
+from llmesh_router.auth import KeyRing, main, parse_entries
 
 
 class Clock:

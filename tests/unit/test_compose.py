@@ -1,4 +1,4 @@
-"""docker-compose.yml agrees with the code: modules, environment variables, GPUs, NATS config.
+"""docker-compose.yml agrees with the code: modules, environment variables, GPUs, NATS config, secrets.
 
 No Docker engine is needed: the file is parsed (YAML anchors and `<<` merges resolved by PyYAML)
 and compared with `llmesh.launcher.SERVICES` and the services' pydantic settings classes.
@@ -19,6 +19,7 @@ from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
 from llmesh.config import WorkerSettings
+from llmesh.credentials import MeshSecrets
 from llmesh.launcher import SERVICES
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
@@ -38,7 +39,7 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "placement": PlacementSettings,
 }
 LLMESH_SERVICES = sorted(SETTINGS)
-EXPECTED_SERVICES = {"nats", "jaeger", *LLMESH_SERVICES}
+EXPECTED_SERVICES = {"secrets", "nats", "redis", "jaeger", *LLMESH_SERVICES}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_environment_is_read_by_the_settings_class(services, name):
 
 
 @pytest.mark.parametrize("name", LLMESH_SERVICES)
-def test_environment_values_parse(services, name, monkeypatch):
+def test_environment_values_parse(services, name, monkeypatch, tmp_path):
     """With the host's variables unset, the settings class accepts the compose defaults."""
     settings = SETTINGS[name]
     for key in env_names(settings):
@@ -155,6 +156,9 @@ def test_environment_values_parse(services, name, monkeypatch):
     for key, value in environment(services[name]).items():
         if value is not None:
             monkeypatch.setenv(key, interpolate(value))
+    if "MESH_SECRETS_DIR" in environment(services[name]):  # what the `secrets` service makes there
+        MeshSecrets.load_or_create(tmp_path / "secrets")
+        monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path / "secrets"))
     try:
         settings(_env_file=None)
     except Exception as exc:  # noqa: BLE001 - report which service
@@ -194,23 +198,35 @@ def test_traces_go_to_jaeger(services):
         f"service 'router': OTLP endpoint {endpoints[0]!r} is not a port of the jaeger service")
 
 
-def test_nats_config_sets_max_payload(services):
-    nats = services["nats"]
+def test_nats_takes_its_users_and_max_payload_from_the_generated_config(services, tmp_path):
+    """nats-server reads the config `secrets` writes (llmesh.credentials --nats-listen) from the shared
+    volume, after it has run; that config has the users and a max_payload."""
+    nats, made = services["nats"], services["secrets"]
     cmd = command(nats)
-    flag = next((f for f in ("-c", "--config") if f in cmd), None)
-    assert flag, f"service 'nats': command {cmd} passes no -c/--config file (max_payload is not a CLI flag)"
-    conf_in_container = cmd[cmd.index(flag) + 1]
-    host_path = None
-    for volume in nats.get("volumes") or []:
-        if isinstance(volume, dict):
-            source, target = volume.get("source"), volume.get("target")
-        else:
-            source, target = (str(volume).split(":") + [None])[:2]
-        if target == conf_in_container:
-            host_path = (COMPOSE_FILE.parent / source).resolve()
-    assert host_path, f"service 'nats': {conf_in_container} is not mounted from the repository"
-    assert host_path.is_file(), f"service 'nats': mounted config {host_path} does not exist"
-    match = re.search(r"^\s*max_payload\s*[:=]?\s*(\S+)", host_path.read_text(), re.MULTILINE)
-    assert match, f"{host_path} does not set max_payload"
-    assert re.fullmatch(r"\d+\s*([KMG]i?B?)?", match.group(1), re.IGNORECASE), (
-        f"{host_path}: unexpected max_payload {match.group(1)!r}")
+    assert cmd[:1] == ["-c"], f"service 'nats': command {cmd} passes no -c config file"
+    volume = "mesh-secrets:/secrets"
+    assert f"{volume}:ro" in nats["volumes"] and volume in made["volumes"], "nats does not share the secrets volume"
+    assert nats["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+    made_cmd = command(made)
+    assert made_cmd[0] == "llmesh.credentials" and cmd[1] == f"{made_cmd[1]}/nats.conf", (cmd, made_cmd)
+    from llmesh.credentials import main
+
+    assert main([str(tmp_path / "s"), *made_cmd[2:]]) == 0
+    conf = (tmp_path / "s" / "nats.conf").read_text()
+    assert re.search(r"^max_payload: \d+MB$", conf, re.MULTILINE) and "listen: 0.0.0.0:4222" in conf
+    assert 'user: "router"' in conf and "$2a$" in conf
+
+
+@pytest.mark.parametrize("name", [*LLMESH_SERVICES, "redis"])
+def test_every_service_gets_the_secrets_and_starts_after_they_are_made(services, name):
+    service = services[name]
+    assert "mesh-secrets:/secrets:ro" in service["volumes"], f"service {name!r} does not mount the secrets"
+    assert service["depends_on"]["secrets"]["condition"] == "service_completed_successfully", name
+    if name != "redis":
+        assert environment(service)["MESH_SECRETS_DIR"] == "/secrets", name
+
+
+def test_published_ports_listen_on_the_hosts_loopback_unless_configured(services):
+    for name, service in services.items():
+        for entry in service.get("ports") or []:
+            assert interpolate(str(entry)).startswith("127.0.0.1:"), f"service {name!r} publishes {entry} to all"
