@@ -97,8 +97,12 @@ class ShardState:
         self._stopping.set()
 
     def flush_to_ssd(self) -> None:
+        """A chunk at a time, so that puts and gets go on meanwhile (a full store takes seconds)."""
         with self.lock:
-            self.store.flush_to_ssd()
+            keys = self.store.in_memory()
+        for key in keys:
+            with self.lock:
+                self.store.demote(key)
 
     def snapshot(self) -> KvStats:
         with self.lock:

@@ -285,14 +285,21 @@ class ChunkStore:
 
     def flush_to_ssd(self) -> None:
         """Move every chunk not in flight, pinned or not, to the SSD tier (see KvFlush)."""
-        if self.ssd is None:
+        for key in self.in_memory():
+            self.demote(key)
+
+    def in_memory(self) -> list[str]:
+        return list(self._chunks) if self.ssd is not None else []
+
+    def demote(self, key: str) -> None:
+        """Move `key` to the SSD tier, unless it is gone or in flight."""
+        chunk = self._chunks.get(key)
+        if chunk is None or chunk.readers or self.ssd is None:
             return
-        for key in [k for k, c in self._chunks.items() if c.readers == 0]:
-            chunk = self._chunks[key]
-            if key in self.ssd or self.ssd.write(key, self.arena.view[chunk.offset : chunk.offset + chunk.size]):
-                del self._chunks[key]
-                self._free(chunk)
-                self.demotions += 1
+        if key in self.ssd or self.ssd.write(key, self.arena.view[chunk.offset : chunk.offset + chunk.size]):
+            del self._chunks[key]
+            self._free(chunk)
+            self.demotions += 1
 
     def stats(self) -> KvStats:
         now = self._clock()

@@ -89,8 +89,9 @@ def client(reference, mesh):  # reference first: its engine loads while the mesh
     return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=60)
 
 
-async def kv_stats(mesh, op: str = "stats", timeout: float = 30) -> KvStats:
-    """The kv-store's counters; `op="flush"` spills its memory to SSD first."""
+async def kv_stats(mesh, op: str = "stats", timeout: float = 120) -> KvStats:
+    """The kv-store's counters; `op="flush"` spills its memory to SSD first (every earlier test's KV:
+    once 30 s did not do under the suite's load)."""
     bus = await Bus.connect(mesh.nats_url, f"test-{op}")
     try:
         request = KvFlush() if op == "flush" else KvStatsRequest()
