@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from llmesh import telemetry
 from llmesh.bus import Bus, Handler
+from llmesh.credentials import redacted
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
 from llmesh.kvkeys import INDEX_KEY, chunk_key, decode_entry
 from llmesh.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
@@ -98,7 +99,7 @@ class ChunkLocator:
     def __init__(self, url: str, timeout_s: float = 0.5):
         import redis
 
-        self.url = url
+        self.url = redacted(url)  # for logs
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._failing = False
 

@@ -21,6 +21,7 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from llmesh.credentials import redacted
 from llmesh.kvkeys import INDEX_KEY, encode_entry
 
 from .state import ShardState
@@ -34,7 +35,7 @@ class RedisIndex:
     def __init__(self, url: str, shard: str, state: ShardState, *, flush_s: float = 0.1, timeout_s: float = 1.0):
         self.shard, self.state, self.flush_s = shard, state, flush_s
         self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self.url = url
+        self.url = redacted(url)  # for logs
         self._updates: dict[str, int | None] = {}  # key -> size to record, None to remove
         self._accessed: set[str] = set()
         self._lock = threading.Lock()
