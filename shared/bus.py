@@ -191,6 +191,8 @@ class Bus:
         self._mux: _StreamMux | None = None
         self._mux_started: asyncio.Task | None = None
         self._outboxes: dict[str, _Outbox] = {}
+        # called after a reconnection: NATS delivers at most once, so what was in flight may be lost
+        self.reconnected: list[Callable[[], None]] = []
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -220,8 +222,12 @@ class Bus:
             if not nc.is_closed:  # not our own close
                 log.warning("nats disconnected (%s)", name)
 
+        connected: list[Bus] = []
+
         async def on_reconnect() -> None:
             log.info("nats reconnected (%s)", name)
+            for callback in list(connected[0].reconnected) if connected else []:
+                callback()
 
         user = url_user(url)
         try:
@@ -241,7 +247,8 @@ class Bus:
         except (OSError, nats.errors.Error, TimeoutError) as exc:
             raise ServiceUnavailable(f"cannot reach NATS at {redacted(url)} within {connect_timeout:.0f}s: "
                                      f"{exc!r}") from exc
-        return cls(nc, name)
+        connected.append(cls(nc, name))
+        return connected[0]
 
     @property
     def max_payload(self) -> int:

@@ -105,6 +105,13 @@ class WorkerLost(MeshError):
     http_status = 502
 
 
+class StreamInterrupted(WorkerLost):
+    """The bus reconnected while the request was in flight: what the worker sent meanwhile may be lost
+    (NATS delivers at most once), so the request is sent again from what arrived."""
+
+    code = "stream_interrupted"
+
+
 class Timeout(MeshError, asyncio.TimeoutError):
     """The request's deadline passed."""
 

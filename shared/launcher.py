@@ -174,9 +174,10 @@ SERVICES = {
 }
 
 
-# Without these the launcher stops everything. Redis, the length predictor and placement are not: the
-# mesh serves on without shared metadata, predictions or migrations.
-ESSENTIAL = {"nats", "router"}
+# Without the router the launcher stops everything. nats-server and redis-server are restarted where
+# they were (the services reconnect); the mesh serves on without the length predictor, placement or a
+# worker or store (the router answers 503 or recomputes).
+ESSENTIAL = {"router"}
 
 
 def start_service(service: str, env: dict[str, str], log_path: Path | None = None, name: str | None = None) -> Child:
@@ -262,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         secrets_dir = args.secrets.resolve()
         secrets = MeshSecrets.load_or_create(secrets_dir)
-        nats, nats_url = start_nats(workdir, args.nats_port, log_path=log("nats"),
-                                    authorization=secrets.nats_authorization())
+        authorization = secrets.nats_authorization()
+        restart = {"nats": lambda: start_nats(workdir, args.nats_port, log_path=log("nats"),
+                                              authorization=authorization),
+                   "redis": lambda: start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)}
+        nats, nats_url = restart["nats"]()
         children.append(nats)
-        redis, redis_url = start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)
+        redis, redis_url = restart["redis"]()
         children.append(redis)
         # Each service takes its own credentials from the secrets (llmesh.config.CommonSettings): no
         # password goes into an environment.
@@ -296,8 +300,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"Authorization: Bearer $(cat {args.secrets}/api-key); Ctrl-C stops everything)", flush=True)
         reported: set[str] = set()
         while not stopping:
-            for child in children:
+            for i, child in enumerate(children):
                 if child.alive() or child.name in reported:
+                    continue
+                if child.name in restart:
+                    print(f"llmesh: {child.name} exited with {child.proc.returncode}; restarting it", flush=True)
+                    child.stop()
+                    children[i] = restart[child.name]()[0]
                     continue
                 if child.name in ESSENTIAL:
                     print(f"llmesh: {child.name} exited with {child.proc.returncode}; stopping", flush=True)

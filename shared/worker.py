@@ -44,6 +44,7 @@ from llmesh.models import resolve_model
 from llmesh.policies.core import kv_blocks
 
 log = logging.getLogger(__name__)
+SUPERSEDE_WAIT_S = 5.0  # how long a request sent again waits for the leg it replaces to stop
 
 Role = Literal["prefill", "decode"]
 CPU_ENGINE_SPIN_S = 0.02
@@ -433,8 +434,15 @@ class EngineWorker:
         (`migration_id`) takes the slot held for it."""
         if model != self.settings.model_name:
             raise ModelNotFound(f"this worker serves {self.settings.model_name!r}, not {model!r}")
-        if request_id in self._held:
-            raise InvalidRequest(f"request {request_id} is already running on {self.worker_id}")
+        earlier = self._held.get(request_id)
+        if earlier is not None:
+            # A router sends a request again only once it has given up on the leg running here (its
+            # replies were lost in a NATS outage): the new leg replaces it.
+            log.info("request %s arrived again: replacing the leg running here", request_id)
+            earlier.task.cancel()
+            await asyncio.wait({earlier.task}, timeout=SUPERSEDE_WAIT_S)
+            if request_id in self._held:
+                raise InvalidRequest(f"request {request_id} is already running on {self.worker_id}")
         self.check_room(migration_id)
         self._reserved.pop(migration_id or "", None)
         remaining = deadline - time.time()
@@ -451,7 +459,8 @@ class EngineWorker:
         except TimeoutError:
             raise Timeout(f"request {request_id} passed its deadline on {self.worker_id}") from None
         finally:
-            self._held.pop(request_id, None)
+            if self._held.get(request_id) is held:
+                del self._held[request_id]
 
 
 def run_worker(role: Role, make_handlers: Any) -> None:

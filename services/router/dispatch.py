@@ -29,7 +29,7 @@ from opentelemetry import context, trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.errors import MeshError, NoResponders, ServiceUnavailable, Timeout, WorkerLost
+from llmesh.errors import MeshError, NoResponders, ServiceUnavailable, StreamInterrupted, Timeout, WorkerLost
 from llmesh.lengths import cut_prompt
 from llmesh.messages import (
     AbortRequest,
@@ -61,6 +61,9 @@ CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, befo
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
 MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died or refused
+# after this router's bus reconnected, how long to give the workers' connections to come back too
+# (nats-py retries every 0.5 s) before sending a request again
+RECONNECT_GRACE_S = 1.0
 MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet known dead) is placed again
 
 
@@ -167,6 +170,7 @@ class Dispatcher:
                  local_prefill_margin_s: float | None = 0.25, tpot_slo_s: float = 0.05,
                  admission: AdmissionQueue | None = None):
         self.bus, self.registry, self.metrics = bus, registry, metrics
+        bus.reconnected.append(registry.interrupt_all)
         self.admission = AdmissionQueue(max_waiting=1024, max_wait_s=30.0) if admission is None else admission
         registry.room_changed = self.admission.room_changed
         self.admission.service_s = self._prefill_seconds
@@ -308,9 +312,11 @@ class Dispatcher:
                     started = True
                     yield delta
                 return
-            except NoResponders as exc:
+            except (NoResponders, StreamInterrupted) as exc:
                 if started or redispatches == MAX_REDISPATCHES:
                     raise
+                if isinstance(exc, StreamInterrupted):
+                    await asyncio.sleep(RECONNECT_GRACE_S)
                 log.warning("request %s reached no worker (%s): placing it again", gen.request_id, exc.message)
                 self.metrics.redispatches.inc()
                 trace.get_current_span(parent).add_event("redispatched", {"error": exc.message})
@@ -417,8 +423,12 @@ class Dispatcher:
                 self.metrics.resumes.labels("failover").inc()
                 trace.get_current_span(parent).add_event("decode failover", {"worker.id": worker_id,
                                                                              "error": exc.code})
-                # a migration's target that failed before taking over: its source resumes
+                # a migration's target that failed before taking over: its source resumes; a stream cut by a
+                # reconnection goes on where it was (the worker replaces the leg it still runs)
                 source = moved_from if len(session.output_token_ids) == leg_tokens else None
+                if isinstance(exc, StreamInterrupted):
+                    source = leg_worker
+                    await asyncio.sleep(RECONNECT_GRACE_S)
                 try:
                     worker_id, moved_from = await self._resume_site(gen, session, source, parent, predicted), None
                 except MeshError:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, WorkerLost
+from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, StreamInterrupted, WorkerLost
 from llmesh.messages import WorkerInfo
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, RequestView, WorkerView
 from llmesh.policies.baseline import least_loaded
@@ -87,6 +87,14 @@ class WorkerRegistry:
                     self._prefixes.forget(worker_id)
                 for notify in list(entry.watchers):
                     notify(WorkerLost(f"worker {worker_id} stopped answering"))
+
+    def interrupt_all(self) -> None:
+        """This router's bus reconnected: every request in flight may have lost replies; tell each."""
+        watchers = [notify for entry in self._workers.values() for notify in entry.watchers]
+        if watchers:
+            log.warning("the bus reconnected: %d requests in flight are sent again from what arrived", len(watchers))
+        for notify in watchers:
+            notify(StreamInterrupted("the bus reconnected while the request was in flight"))
 
     def unreachable(self, worker_id: str) -> None:
         """NATS found nothing serving `worker_id`: send it nothing new until its next heartbeat (a

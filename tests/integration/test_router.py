@@ -529,3 +529,47 @@ async def test_a_migration_target_gone_before_the_hand_over_sends_the_request_ba
         await client.aclose()
         await workers.close()
         await bus.close()
+
+
+async def test_a_nats_restart_mid_stream_resends_the_request_from_what_arrived_and_loses_nothing(tmp_path):
+    """nats-server dies and comes back on its port while a decode streams: the worker's replies meanwhile
+    are lost (NATS delivers at most once), so the router, once reconnected, sends the request again to
+    the same worker with every token it got; the client's answer has each token once, without waiting
+    for the deadline."""
+    from llmesh.launcher import free_port, start_nats
+    from llmesh.messages import TokenDelta
+
+    port = free_port()
+    nats, url = start_nats(tmp_path, port)
+    cut = asyncio.Event()
+
+    async def slow(req):
+        for i in range(len(req.output_token_ids), 6):
+            if i == 3:
+                cut.set()
+            await asyncio.sleep(0.15)
+            yield TokenDelta(text=str(i), token_ids=[10 + i], finish_reason="length" if i == 5 else None,
+                             prompt_tokens=2, completion_tokens=i + 1)
+
+    workers, registry, seen, _ = await _resumable_workers(url, slow)
+    registry.on_heartbeat(info("dec-b", role="decode").model_copy(update={"running": 4, "capacity": 4}))  # full
+    bus, client = await _client(url, registry)
+    try:
+        answer = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x",
+                                                                          "return_token_ids": True}))
+        await asyncio.wait_for(cut.wait(), 10)
+        nats.kill()
+        started = time.monotonic()
+        nats, _ = start_nats(tmp_path, port)
+        resp = await asyncio.wait_for(answer, 20)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15]
+        assert time.monotonic() - started < 10
+        assert [worker for worker, _ in seen] == ["dec-a", "dec-a"]
+        resent = seen[1][1].output_token_ids
+        assert 2 <= len(resent) <= 4 and resent == [7, 11, 12, 13][:len(resent)]  # what arrived before the cut
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+        nats.stop()
