@@ -466,6 +466,8 @@ def encode(msg: Message, blob: bytes | bytearray | memoryview = b"") -> bytes:
         )
     except UnicodeEncodeError as exc:  # a lone surrogate: not representable in UTF-8
         raise BadMessage(f"{type(msg).__name__} holds text that is not valid Unicode: {exc.reason}") from None
+    except OverflowError:  # MessagePack's integers are 64-bit
+        raise BadMessage(f"{type(msg).__name__} holds an integer beyond 64 bits") from None
     return b"".join((len(header).to_bytes(_HEADER_LEN, "big"), header, blob))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,22 +14,27 @@ from llmesh.errors import InvalidRequest, MeshError
 from llmesh.messages import ChatMessage, SamplingOptions
 
 
+# What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: PositiveInt64 | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: completion token ids in each choice
     cache_salt: str | None = None  # vLLM extension: prefix-cache isolation between tenants
     ignore_eos: bool = False  # vLLM extension: generate max_tokens even past EOS (benchmarks use it)
-    priority: int = 0  # vLLM extension: lower is more urgent (read by the dispatch policy)
+    priority: Int64 = 0  # vLLM extension: lower is more urgent (read by the dispatch policy)
     ttft_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: this request's time-to-first-token target
     tpot_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: its time-per-output-token target
 
@@ -86,8 +91,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[Int64]
+    max_tokens: PositiveInt64 | None = 16
     echo: bool = False
     logprobs: int | None = None
 
@@ -129,7 +134,7 @@ class _ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[_ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool = False
 
     @model_validator(mode="after")

@@ -179,6 +179,12 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 metrics.errors.labels(exc.code).inc()
                 finish(exc.http_status, exc)
                 yield sse(error_body(exc))
+            except Exception as exc:  # a bug: the client still gets a typed end, not a cut stream
+                log.exception("request %s failed mid-stream", request_id)
+                internal = MeshError(f"internal error: {type(exc).__name__}")
+                metrics.errors.labels(internal.code).inc()
+                finish(internal.http_status, exc)
+                yield sse(error_body(internal))
             finally:
                 await deltas.aclose()  # client gone: the dispatcher aborts the request in the worker
                 finish(499)

@@ -18,6 +18,7 @@ from llmesh.config import EMBEDDED_MODEL
 from llmesh.credentials import EVERYTHING, MeshSecrets
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
+from otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 8192  # a long context makes long requests: the tiny model decodes 2k tokens in about a second
@@ -119,10 +120,21 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def mesh(tmp_path_factory, model_dir, model_path):
+def otlp():
+    """Where the session mesh's services export their spans over OTLP/HTTP."""
+    receiver = OtlpReceiver()
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory, model_dir, model_path, otlp):
     # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
     with running_mesh(tmp_path_factory.mktemp("mesh"), model_dir,
-                      ["make", "--no-print-directory", "-C", str(ROOT), "run"]) as mesh:
+                      ["make", "--no-print-directory", "-C", str(ROOT), "run"],
+                      OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="500") as mesh:
         yield mesh
 
 

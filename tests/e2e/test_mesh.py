@@ -22,6 +22,7 @@ from llmesh.errors import KVFingerprintMismatch, MeshError
 from llmesh.launcher import start_service
 from llmesh.messages import (
     DecodeRequest,
+    KvDiscover,
     KvFlush,
     KvHandle,
     KvStats,
@@ -30,11 +31,14 @@ from llmesh.messages import (
     LengthPredictRequest,
     LengthStats,
     LengthStatsRequest,
+    PlacementRequest,
     PrefillRequest,
     PrefillResult,
     SamplingOptions,
     Subjects,
     WorkerInfo,
+    decode_any,
+    encode,
 )
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, extra_workers
@@ -261,6 +265,109 @@ def test_one_trace_spans_router_prefill_kvstore_decode(mesh):
             assert chain[0] == "decode-worker" and "router" in chain
     names = {s["name"] for s in spans}
     assert {"router request", "router.prefill", "router.decode", "kv-store put", "kv-store get", "kv.load"} <= names
+
+
+def test_one_trace_per_request_reaches_an_otlp_collector_with_every_service_linked(mesh, otlp):
+    """What Jaeger would get over OTLP/HTTP (protobuf, decoded with the OpenTelemetry package): the
+    request's spans in one trace, rooted at the router's, each with its parent in the trace, from the
+    router, the length predictor, the prefill worker (a KV put per layer, each parented on it), the
+    kv-store and the decode worker (its engine's KV load)."""
+    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60, headers=mesh.headers,
+                      json={"model": MODEL, "prompt": "Tell me about the tides. " * 60, "max_tokens": 4})  # text:
+    resp.raise_for_status()  # token-id prompts are not predicted
+    request_id = resp.json()["id"]
+
+    def trace() -> list[dict]:
+        spans = otlp.spans()
+        root = [s for s in spans if s["name"] == "router request" and s["attributes"].get("request.id") == request_id]
+        return [s for s in spans if root and s["trace_id"] == root[0]["trace_id"]]
+
+    give_up = time.monotonic() + 30  # spans leave in batches (every 0.5 s here)
+    needed = {"router request", "length-predictor predict", "prefill-worker prefill", "kv-store put",
+              "decode-worker decode", "kv-store get", "kv.load"}
+    while not needed <= {s["name"] for s in trace()} and time.monotonic() < give_up:
+        time.sleep(0.2)
+    spans = trace()
+    assert needed <= {s["name"] for s in spans}, sorted({s["name"] for s in spans})
+    assert not otlp.rejected
+    by_id = {s["span_id"]: s for s in spans}
+    roots = [s for s in spans if not s["parent_id"]]
+    assert [r["name"] for r in roots] == ["router request"], [(r["name"], r["service"]) for r in roots]
+    assert all(s["parent_id"] in by_id for s in spans if s["parent_id"]), "a span's parent is not in the trace"
+
+    def services_above(span) -> list[str]:
+        chain = []
+        while span["parent_id"]:
+            span = by_id[span["parent_id"]]
+            chain.append(span["service"])
+        return chain
+
+    assert {"router", "length-predictor", "prefill-worker", "kv-store", "decode-worker"} <= {s["service"] for s in spans}
+    prefill_puts = [s for s in spans if s["name"] == "kv-store put" and "prefill-worker" in services_above(s)]
+    assert len(prefill_puts) >= NUM_LAYERS, len(prefill_puts)  # each layer's blocks as the layer is computed
+    loads = [s for s in spans if s["name"] == "kv.load"]
+    assert loads and all("decode-worker" in services_above(s) for s in loads)
+
+
+def garbage_frames(rng: random.Random, n: int) -> list[bytes]:
+    """Random bytes, and real messages cut inside their header (what a crashed or hostile peer sends)."""
+    whole = [encode(m) for m in (KvDiscover(), LengthStatsRequest(), PlacementRequest(op="status"),
+                                 LengthPredictRequest(prompt="x" * 50))]
+    out = [rng.randbytes(rng.randint(0, 200)) for _ in range(n // 2)]
+    out += [w[:rng.randint(0, 4 + int.from_bytes(w[:4], "big") - 1)] for w in rng.choices(whole, k=n - n // 2)]
+    return out
+
+
+def test_garbage_on_every_subject_crashes_nothing_leaks_no_request_and_the_mesh_stays_exact(mesh, reference):
+    """Every subject the session mesh's services listen on gets random and truncated frames, as events
+    and as requests: each request is answered with a typed bad_message, no service dies, no worker
+    holds a request afterwards, and a greedy completion still equals the monolithic engine's."""
+    prefill, decode = asyncio.run(live_worker(mesh, "prefill")), asyncio.run(live_worker(mesh, "decode"))
+    replica = asyncio.run(length_stats(mesh)).replica
+    health_before = httpx.get(f"{mesh.url}/health", timeout=5).json()
+    answered = [Subjects.worker("prefill", prefill.worker_id), Subjects.worker("decode", decode.worker_id),
+                Subjects.generate(decode.worker_id), Subjects.migrate(decode.worker_id),
+                Subjects.migrate_in(decode.worker_id), Subjects.drain(prefill.worker_id),
+                Subjects.drain(decode.worker_id), Subjects.kv_control(decode.worker_id),
+                Subjects.LENGTH_PREDICT, Subjects.LENGTH_REFIT, Subjects.length_stats(replica), Subjects.PLACEMENT,
+                Subjects.kv("0", "stats"), Subjects.kv("0", "flush")]
+    events = [Subjects.HEARTBEAT, Subjects.abort(decode.worker_id), Subjects.abort(prefill.worker_id),
+              Subjects.LENGTH_HEAD, Subjects.length_observed(replica), Subjects.KV_DISCOVER, Subjects.KV_SHARDS,
+              Subjects.PLACEMENT_EVENTS]
+    rng = random.Random(7)
+
+    async def send() -> dict[str, set[str]]:
+        bus = await Bus.connect(mesh.nats_url, "test-garbage")
+        codes: dict[str, set[str]] = {}
+        try:
+            for subject in answered + events:
+                for data in garbage_frames(rng, 20):
+                    await bus.nc.publish(subject, data)
+            for subject in answered:
+                for data in garbage_frames(rng, 4):
+                    reply = await bus.nc.request(subject, data, timeout=10)
+                    try:
+                        decode_any(reply.data)
+                        codes.setdefault(subject, set()).add("answered")
+                    except MeshError as exc:
+                        codes.setdefault(subject, set()).add(exc.code)
+            await bus.nc.flush()
+            return codes
+        finally:
+            await bus.close()
+
+    codes = asyncio.run(send())
+    assert all(found == {"bad_message"} for found in codes.values()), codes
+    assert set(codes) == set(answered)
+    time.sleep(2)  # every worker has beaten since
+    assert mesh.launcher.alive() and httpx.get(f"{mesh.url}/health", timeout=5).json() == health_before
+    for role, worker in (("prefill", prefill), ("decode", decode)):
+        after = asyncio.run(live_worker(mesh, role, worker.worker_id))
+        assert after is not None and after.running == 0 and after.state == "active", after
+    asyncio.run(kv_stats(mesh))
+    asyncio.run(length_stats(mesh))
+    ids = token_prompt(300, seed=77)
+    assert asyncio.run(disaggregated(mesh, ids)) == reference.generate(16, prompt_token_ids=ids)["token_ids"]
 
 
 async def length_stats(mesh) -> LengthStats:

@@ -1,0 +1,74 @@
+"""schemathesis over the router's own OpenAPI schema, against the session mesh (real engines): valid
+and invalid requests to every endpoint, streaming and not, get no 5xx, no hang, and every error in
+OpenAI's shape. Generated requests ask for at most 32 tokens (the suite's time) and name the served
+model half the time, so that most valid ones reach the engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from .test_mesh import MODEL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# (named to run after test_bench_serve.py, which needs the machine before the session mesh starts)
+OPERATIONS = [("POST", "/v1/completions", 40), ("POST", "/v1/chat/completions", 40), ("GET", "/v1/models", 10),
+              ("GET", "/health", 5), ("GET", "/metrics", 5)]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def schema(mesh):
+    loaded = schemathesis.openapi.from_url(f"{mesh.url}/openapi.json")
+    loaded.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+    return loaded
+
+
+def bounded(case, served: bool):
+    """The case asking for at most MAX_TOKENS tokens (invalid values are left for the router to refuse)."""
+    if isinstance(case.body, dict):
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = case.body.get(field)
+            if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS):
+                case.body[field] = MAX_TOKENS
+        if served:
+            case.body["model"] = MODEL
+    return case
+
+
+def assert_openai_error(response) -> None:
+    body = response.json()
+    error = body.get("error") if isinstance(body, dict) else None
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["code"], str)
+
+
+@pytest.mark.parametrize("method, path, examples", OPERATIONS)
+def test_any_request_gets_an_answer_without_a_5xx_and_errors_in_openais_shape(mesh, schema, method, path, examples):
+    operation = schema[path][method]
+    statuses: list[int] = []
+
+    @given(st.tuples(operation.as_strategy(), st.booleans()))
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def check(drawn):
+        case = bounded(*drawn)
+        response = case.call(headers=mesh.headers, timeout=90)  # no hang: the router's deadline is 120 s
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (case.body, response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            assert_openai_error(response)
+        elif method == "POST" and isinstance(case.body, dict) and case.body.get("stream") is True:
+            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events, response.text[-500:]
+            if events[-1] != "[DONE]":  # a stream that failed midway ends with an OpenAI error event
+                assert set(json.loads(events[-1])) == {"error"}, response.text[-500:]
+
+    check()
+    if path.startswith("/v1/") and method == "POST":  # both kinds of answer were exercised
+        assert any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses), statuses
