@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m llmesh.launcher
+	$(PY) -m llmesh.launcher $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest
