@@ -401,7 +401,8 @@ class Dispatcher:
             leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
             span = "router.generate" if isinstance(request, PrefillRequest) else "router.decode"
             try:
-                async for item in self._relay(worker_id, subject, request, gen, stops, parent, span, progress):
+                async for item in self._relay(worker_id, subject, request, gen, stops, parent, span, progress,
+                                              generated=len(session.output_token_ids)):
                     if isinstance(item, Migrated):
                         handed = item
                         break
@@ -491,11 +492,13 @@ class Dispatcher:
             self.registry.release(worker_id)
 
     async def _relay(self, worker_id: str, subject: str, request: Message, gen: Generation, stops: StopFilter,
-                     parent: context.Context, span_name: str,
-                     progress: _Progress) -> AsyncIterator[TokenDelta | Migrated]:
+                     parent: context.Context, span_name: str, progress: _Progress,
+                     generated: int) -> AsyncIterator[TokenDelta | Migrated]:
         """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes
         or the worker hands the request over (`Migrated`, the last item then); meanwhile `progress`
-        counts among the streams the worker decodes (for the stall bound).
+        counts among the streams the worker decodes (for the stall bound). A delta that does not
+        follow the `generated` tokens so far (NATS lost one before it, in a reconnection) ends the
+        relay with StreamInterrupted, before anything past the gap is shown.
 
         The worker is told to abort if the client leaves, the deadline passes, a stop string ends
         the text early, or a step breaks (a typed error from the worker means it already gave up).
@@ -514,6 +517,10 @@ class Dispatcher:
                         yield delta
                         return
                     assert isinstance(delta, TokenDelta)
+                    if delta.completion_tokens - len(delta.token_ids) != generated:
+                        raise StreamInterrupted(f"{worker_id}'s stream went from token {generated} to "
+                                                f"{delta.completion_tokens - len(delta.token_ids)}: replies were lost")
+                    generated = delta.completion_tokens
                     self.registry.heard_from(worker_id)
                     progress.seen(delta)
                     if previous_at is None:

@@ -563,7 +563,8 @@ async def test_a_nats_restart_mid_stream_resends_the_request_from_what_arrived_a
         nats, _ = start_nats(tmp_path, port)
         resp = await asyncio.wait_for(answer, 20)
         assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15]
+        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15], [(w, r.output_token_ids)
+                                                                                    for w, r in seen]
         assert time.monotonic() - started < 10
         assert [worker for worker, _ in seen] == ["dec-a", "dec-a"]
         resent = seen[1][1].output_token_ids
