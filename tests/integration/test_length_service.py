@@ -362,8 +362,12 @@ async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying
         for _ in range(3):  # the real replica or the slow one answers: never waited for
             resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[1], "max_tokens": 4})
             assert resp.status_code == 200, resp.text
-        assert time.monotonic() - started < 1.5 and all(r.predicted_length is None for r in seen)
-        assert outcomes(metrics)["late"] == 3
+        assert time.monotonic() - started < 1.5
+        # none from the slow one; the real replica's only where it beat the prefill (in CI, loaded, it once did)
+        in_time = await predict(client, PROMPTS[1])
+        carried = [r.predicted_length for r in seen if r.predicted_length is not None]
+        assert all(p == in_time for p in carried)
+        assert outcomes(metrics)["late"] == 3 - len(carried) and outcomes(metrics).get("ok", 0) == len(carried)
     finally:
         await http.aclose()
         await bus.close()
