@@ -8,14 +8,28 @@ which is how tests read traces back.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
 _configured = False
+
+
+class _SystemRandomIds(IdGenerator):
+    """Trace and span ids from the OS's randomness: OpenTelemetry's default draws from `random`, which
+    vLLM seeds alike in every engine process, so a prefill and a decode engine made the same span
+    ids (seen in a trace: the decode's KV load had the id of the prefill's last KV put)."""
+
+    def generate_span_id(self) -> int:
+        return secrets.randbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return secrets.randbits(128) or 1
 
 
 def setup_tracing(service_name: str, *, otlp_endpoint: str | None, trace_dir: str | None) -> None:
@@ -24,7 +38,7 @@ def setup_tracing(service_name: str, *, otlp_endpoint: str | None, trace_dir: st
     if _configured:
         return
     _configured = True
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), id_generator=_SystemRandomIds())
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -351,6 +351,7 @@ async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying
         await http.aclose()
         await bus.close()
     # A prefill that ends first does not wait: the prediction is late and dropped.
+    in_time = await predict(client, PROMPTS[1])  # what the real replica says (asked before the slow one joins)
     bus, http, metrics, seen = await router_with_fake_workers(nats_url, "late")
 
     async def slow(req, blob):
@@ -364,7 +365,6 @@ async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying
             assert resp.status_code == 200, resp.text
         assert time.monotonic() - started < 1.5
         # none from the slow one; the real replica's only where it beat the prefill (in CI, loaded, it once did)
-        in_time = await predict(client, PROMPTS[1])
         carried = [r.predicted_length for r in seen if r.predicted_length is not None]
         assert all(p == in_time for p in carried)
         assert outcomes(metrics)["late"] == 3 - len(carried) and outcomes(metrics).get("ok", 0) == len(carried)
