@@ -134,7 +134,7 @@ def mesh(tmp_path_factory, model_dir, model_path, otlp):
     # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
     with running_mesh(tmp_path_factory.mktemp("mesh"), model_dir,
                       ["make", "--no-print-directory", "-C", str(ROOT), "run"],
-                      OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="500") as mesh:
+                      OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint) as mesh:
         yield mesh
 
 

@@ -282,7 +282,7 @@ def test_one_trace_per_request_reaches_an_otlp_collector_with_every_service_link
         root = [s for s in spans if s["name"] == "router request" and s["attributes"].get("request.id") == request_id]
         return [s for s in spans if root and s["trace_id"] == root[0]["trace_id"]]
 
-    give_up = time.monotonic() + 30  # spans leave in batches (every 0.5 s here)
+    give_up = time.monotonic() + 30  # spans leave in batches (every 5 s by default)
     needed = {"router request", "length-predictor predict", "prefill-worker prefill", "kv-store put",
               "decode-worker decode", "kv-store get", "kv.load"}
     while not needed <= {s["name"] for s in trace()} and time.monotonic() < give_up:

@@ -112,7 +112,10 @@ def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_work
                         await asyncio.sleep(0.1)
                     print(f"switched with {len(clients)} clients")
                     switched_at = time.monotonic()
-                    streamed = await asyncio.wait_for(stream(mesh, held_ids, 1500, on_token), 120)
+                    # long enough to outlast a stalled placement (in CI at 849f943, starved under this load, it
+                    # stood by for 15 s and handed back after a 1500-token stream had ended); it hangs up
+                    # 20 chunks after the hand-back anyway
+                    streamed = await asyncio.wait_for(stream(mesh, held_ids, 6000, on_token), 180)
                     await asyncio.sleep(max(switched_at + 8 - time.monotonic(), 0))  # the switched worker prefills
                 finally:
                     stop.set()
