@@ -44,10 +44,9 @@ PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
     "admin": (["mesh.placement", "mesh.length.refit", "mesh.length.stats.*", "mesh.kv.*.stats"],
               ["mesh.placement.events", "mesh.heartbeat"]),
 }
-# the NATS user each service runs as (both worker roles share one: a worker may switch roles)
-SERVICE_USERS = {"router": "router", "prefill-worker": "worker", "decode-worker": "worker", "kv-store": "kv-store",
-                 "length-predictor": "length-predictor", "placement": "placement"}
-EVERYTHING = ([">"], ["_INBOX.>", ">"])  # for a test harness that plays every part; never in a deployment
+# (each service's settings class names its user: `NATS_USER`; both worker roles share one, as a worker
+# may switch roles)
+EVERYTHING = ([">"], [">"])  # for a test harness that plays every part; never in a deployment
 
 
 API_KEY_PREFIX = "sk-mesh-"

@@ -13,13 +13,16 @@ import pytest
 import redis
 
 from llmesh.bus import Bus
-from llmesh.credentials import SERVICE_USERS, MeshSecrets, inbox_prefix, operator_nats_url, redacted
+from llmesh.config import WorkerSettings
+from llmesh.credentials import EVERYTHING, MeshSecrets, inbox_prefix, operator_nats_url, redacted
 from llmesh.errors import ServiceUnavailable
 from llmesh.launcher import start_nats, start_redis
 from llmesh.messages import KvDiscover, Subjects
+from llmesh_kvstore.settings import KvStoreSettings
+from llmesh_router.settings import RouterSettings
 
 pytestmark = pytest.mark.timeout(60)
-HARNESS = {"harness": ([">"], [">"])}
+HARNESS = {"harness": EVERYTHING}
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +146,9 @@ async def test_request_and_reply_work_across_users_through_their_own_inboxes(sec
     """The router asks a worker and gets the stream back; a worker asks a shard: each reply comes to
     the asker's own `_INBOX.<user>` (llmesh.bus sets it from the URL's user)."""
     secrets, url, _, _ = secured
-    router = await Bus.connect(secrets.nats_url(url, SERVICE_USERS["router"]), "router")
-    worker = await Bus.connect(secrets.nats_url(url, SERVICE_USERS["decode-worker"]), "decode-worker")
-    shard = await Bus.connect(secrets.nats_url(url, SERVICE_USERS["kv-store"]), "kv-store")
+    router = await Bus.connect(secrets.nats_url(url, RouterSettings.NATS_USER), "router")
+    worker = await Bus.connect(secrets.nats_url(url, WorkerSettings.NATS_USER), "decode-worker")
+    shard = await Bus.connect(secrets.nats_url(url, KvStoreSettings.NATS_USER), "kv-store")
     try:
         async def echo(msg: KvDiscover, blob: memoryview):
             return msg
