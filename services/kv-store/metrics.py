@@ -43,8 +43,13 @@ class _StoreCollector:
             yield family
 
 
-def serve_metrics(stats: Callable[[], KvStats], shard: str, port: int, host: str = "127.0.0.1") -> CollectorRegistry:
+def store_registry(stats: Callable[[], KvStats], shard: str) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(_StoreCollector(stats, shard))
+    return registry
+
+
+def serve_metrics(stats: Callable[[], KvStats], shard: str, port: int, host: str = "127.0.0.1") -> CollectorRegistry:
+    registry = store_registry(stats, shard)
     start_http_server(port, addr=host, registry=registry)
     return registry
