@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmesh import telemetry
-from llmesh.credentials import inbox_prefix, redacted, url_user
+from llmesh.credentials import inbox_prefix, nats_tls, redacted, url_user
 from llmesh.errors import BadMessage, MeshError, NoResponders, ServiceUnavailable, Timeout
 from llmesh.messages import (
     ErrorReply,
@@ -211,7 +211,9 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 30.0) -> Bus:
-        """Connect within `connect_timeout` (nats-py retries meanwhile); afterwards reconnect forever."""
+        """Connect within `connect_timeout` (nats-py retries meanwhile); afterwards reconnect forever. A `url`
+        that names a CA (`llmesh.credentials.trusting_nats_ca`) goes over TLS from its first byte, trusting
+        that CA alone."""
 
         nc = nats.NATS()
 
@@ -231,9 +233,12 @@ class Bus:
 
         user = url_user(url)
         try:
+            servers, tls = nats_tls(url)
             # With unlimited reconnects nats-py retries the first connection forever too: bound it.
             await asyncio.wait_for(nc.connect(
-                servers=url.split(","),
+                servers=servers,
+                tls=tls,
+                tls_handshake_first=tls is not None,  # never a byte in the clear (llmesh.credentials.nats_tls_block)
                 name=name,
                 inbox_prefix=inbox_prefix(user) if user else "_INBOX",  # where this user may read replies
                 connect_timeout=2,

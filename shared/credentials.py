@@ -12,19 +12,27 @@ publish and subscribe only where its part of the protocol needs it:
 password, and the router's API keys are stored as digests (llmesh_router.auth); the operator's copy of
 the generated key lies beside them. `python -m llmesh.credentials DIR` writes a set into DIR (mode 0700,
 files 0600) or keeps the one already there; the launcher (`make run`) and compose do this themselves.
+
+NATS over TLS is one switch of the set (`--tls`, `MESH_NATS_TLS`): a private CA and nats-server's certificate
+lie beside the passwords, and a service whose secrets hold that CA reaches NATS over TLS trusting it alone, so
+the passwords and everything on the bus cross the network encrypted, to the real server only.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import ipaddress
 import json
 import os
 import secrets
+import ssl
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, urlencode, urlsplit, urlunsplit
 
 API_KEYS_FILE = "api-keys"  # in a secrets directory: the digests the router accepts
 REPLIES = "_INBOX.>"  # responders answer wherever a request's reply subject points
@@ -49,6 +57,11 @@ PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
 EVERYTHING = ([">"], [">"])  # for a test harness that plays every part; never in a deployment
 
 
+# NATS over TLS: the CA's certificate (present: TLS is on), nats-server's certificate and key
+NATS_CA, NATS_CERT, NATS_KEY = "nats-ca.pem", "nats-server.pem", "nats-server-key.pem"
+NATS_TLS_HOSTS = ("127.0.0.1", "localhost", "nats")  # where `make run` and compose's services reach nats-server
+NATS_TLS_VALIDITY = timedelta(days=3650)  # no rotation to keep up with: `--no-tls` then `--tls` makes a new set
+
 API_KEY_PREFIX = "sk-mesh-"
 DIGEST_PREFIX = "sha256:"
 
@@ -70,12 +83,20 @@ def _secret() -> str:
     return secrets.token_urlsafe(24)
 
 
+def write_private(path: Path, text: str | bytes) -> None:
+    """Write `path` readable by its owner alone (0600, also when it was there before)."""
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+
+
 @dataclass
 class MeshSecrets:
     nats_passwords: dict[str, str]
     redis_password: str
     api_key: str
     permissions: dict[str, tuple[list[str], list[str]]] = field(default_factory=lambda: dict(PERMISSIONS))
+    directory: Path | None = None  # where the set lies (`load`, `write`), with NATS's CA if NATS uses TLS
 
     FILE = "secrets.json"
 
@@ -93,7 +114,7 @@ class MeshSecrets:
             raise ValueError(f"no mesh secrets at {path} ({exc.strerror}): make them with "
                              f"`python -m llmesh.credentials {directory}`") from None
         return cls(raw["nats_passwords"], raw["redis_password"], raw["api_key"],
-                   {user: (pub, sub) for user, (pub, sub) in raw["permissions"].items()})
+                   {user: (pub, sub) for user, (pub, sub) in raw["permissions"].items()}, directory)
 
     @classmethod
     def load_or_create(cls, directory: Path,
@@ -106,6 +127,7 @@ class MeshSecrets:
         return made
 
     def write(self, directory: Path) -> None:
+        self.directory = directory
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         directory.chmod(0o700)
         files = {self.FILE: json.dumps({"nats_passwords": self.nats_passwords, "redis_password": self.redis_password,
@@ -114,10 +136,7 @@ class MeshSecrets:
                  "api-key": self.api_key + "\n",  # the operator's copy, for clients
                  "redis-password": self.redis_password}  # for a redis-server started apart (compose)
         for name, text in files.items():
-            target = directory / name
-            target.touch(mode=0o600)
-            target.chmod(0o600)
-            target.write_text(text)
+            write_private(directory / name, text)
 
     def nats_authorization(self) -> str:
         """nats-server's `authorization` block: each user with its password's bcrypt hash and permissions."""
@@ -130,8 +149,10 @@ class MeshSecrets:
         return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
 
     def nats_url(self, url: str, user: str) -> str:
-        """`url` (one or several, comma-separated) with `user`'s credentials in each."""
-        return ",".join(with_userinfo(u, user, self.nats_passwords[user]) for u in url.split(","))
+        """`url` (one or several, comma-separated) with `user`'s credentials in each, over TLS trusting the
+        deployment's CA if NATS uses TLS (`set_nats_tls`)."""
+        url = ",".join(with_userinfo(u, user, self.nats_passwords[user]) for u in url.split(","))
+        return trusting_nats_ca(url, self.directory) if self.directory else url
 
     def redis_url(self, url: str) -> str:
         return with_userinfo(url, "", self.redis_password)
@@ -176,11 +197,11 @@ def redacted(url: str) -> str:
 def operator_nats_url(url: str, secrets_dir: Path | None = None) -> str:
     """For operators' commands: `url` with the `admin` user's credentials from `secrets_dir` (default:
     MESH_SECRETS_DIR, else `.mesh-secrets` where `make run` keeps them), unless `url` names a user or
-    there are no secrets there (an open mesh)."""
+    there are no secrets there (an open mesh), and over TLS trusting the CA there, if NATS uses TLS."""
     directory = secrets_dir or Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets")
-    if url_user(url) or not (directory / MeshSecrets.FILE).exists():
+    if not (directory / MeshSecrets.FILE).exists():
         return url
-    return MeshSecrets.load(directory).nats_url(url, "admin")
+    return trusting_nats_ca(url, directory) if url_user(url) else MeshSecrets.load(directory).nats_url(url, "admin")
 
 
 def url_user(url: str) -> str | None:
@@ -188,21 +209,160 @@ def url_user(url: str) -> str | None:
     return urlsplit(url.split(",")[0]).username
 
 
+def set_nats_tls(directory: Path, on: bool | None, hosts: Iterable[str] = ()) -> bool:
+    """Turn NATS's TLS on for the deployment whose secrets are in `directory` (a private CA and a certificate
+    for nats-server naming NATS_TLS_HOSTS and `hosts`, made unless those there name them all), off (their
+    files removed), or leave it as it is (None: off for a new set). Returns whether it is on."""
+    ca = directory / NATS_CA
+    if on is None:
+        on = ca.exists()
+    if not on:
+        for name in (NATS_CA, NATS_CERT, NATS_KEY):  # the CA first: it says that TLS is on
+            (directory / name).unlink(missing_ok=True)
+        return False
+    wanted = {_host_name(host) for host in (*NATS_TLS_HOSTS, *hosts)}
+    if not (ca.exists() and (directory / NATS_KEY).exists() and wanted <= _certificate_names(directory / NATS_CERT)):
+        _make_nats_tls(directory, wanted)
+    return True
+
+
+def _host_name(host: str) -> str:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower()
+
+
+def _certificate_names(path: Path) -> set[str]:
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError:
+        return set()
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(name.value) for name in names}
+
+
+def _make_nats_tls(directory: Path, hosts: set[str]) -> None:
+    """A new CA and nats-server's certificate for `hosts`. The CA's key signs that one certificate and is not
+    kept: no service that reads the secrets can make a certificate the others trust."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.now(timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmesh NATS CA")])
+    ca_id = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+
+    def certificate(subject: x509.Name, key: ec.EllipticCurvePrivateKey, ca: bool,
+                    extensions: list[x509.ExtensionType]) -> x509.Certificate:
+        usage = dict.fromkeys(["content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
+                               "encipher_only", "decipher_only"], False)
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + NATS_TLS_VALIDITY)
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+                   .add_extension(x509.KeyUsage(digital_signature=not ca, key_cert_sign=ca, crl_sign=ca, **usage),
+                                  critical=True)
+                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_id),
+                                  critical=False))
+        for extension in extensions:
+            builder = builder.add_extension(extension, critical=False)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    def names(host: str) -> x509.GeneralName:
+        try:
+            return x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            return x509.DNSName(host)
+
+    server = certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nats-server")]), server_key, False,
+                         [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                          x509.SubjectAlternativeName([names(host) for host in sorted(hosts)])])
+    pem = serialization.Encoding.PEM
+    write_private(directory / NATS_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                                 serialization.NoEncryption()))
+    write_private(directory / NATS_CERT, server.public_bytes(pem))
+    write_private(directory / NATS_CA, certificate(ca_name, ca_key, True, []).public_bytes(pem))  # last: TLS is on
+
+
+def nats_tls_block(directory: Path) -> str:
+    """nats-server's `tls` block for the deployment whose secrets are in `directory` ("" without TLS). Clients
+    must start with the TLS handshake, before the server's INFO: none ever sends its password in the clear, not
+    even to a server (or someone in between) that offers no TLS; a plaintext client gets nothing. Users and
+    passwords are checked as without TLS; clients show no certificate. A handshake may take 5 s (nats-server's
+    default is 2): the mesh's hosts often run loaded."""
+    if not (directory / NATS_CA).exists():
+        return ""
+    return "tls {\n  cert_file: %s\n  key_file: %s\n  handshake_first: true\n  timeout: 5\n}\n" % (
+        json.dumps(str((directory / NATS_CERT).resolve())), json.dumps(str((directory / NATS_KEY).resolve())))
+
+
+def trusting_nats_ca(url: str, directory: Path) -> str:
+    """`url` (one or several, comma-separated) over TLS, trusting only the CA in `directory` (`?ca=` on each
+    server, which `Bus.connect` reads), if NATS uses TLS there; else `url` itself."""
+    ca = directory / NATS_CA
+    if not ca.exists():
+        return url
+    query = urlencode({"ca": str(ca.resolve())}, safe="/")
+    return ",".join(urlunsplit(urlsplit(one)._replace(scheme="tls", query=query)) for one in url.split(","))
+
+
+def nats_tls(url: str) -> tuple[list[str], ssl.SSLContext | None]:
+    """`url`'s servers as nats-py takes them, and, if they name a CA (`trusting_nats_ca`), a TLS context that
+    trusts it alone (not the system's CAs) and checks the server's name against its certificate."""
+    servers, cas = [], set()
+    for one in url.split(","):
+        parts = urlsplit(one)
+        cas.update(parse_qs(parts.query).get("ca", []))
+        servers.append(urlunsplit(parts._replace(query="")))
+    if not cas:
+        return servers, None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for ca in sorted(cas):
+        context.load_verify_locations(ca)
+    return servers, context
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off environment variable (1/0, true/false, yes/no, on/off); None when unset or empty."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: set it to 1 or 0")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmesh.credentials", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where the secrets go (kept if already there)")
     parser.add_argument("--nats-listen", metavar="HOST:PORT",
                         help="also write DIRECTORY/nats.conf, a whole nats-server config listening there")
+    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=env_switch("MESH_NATS_TLS"),
+                        help="NATS over TLS only: a private CA and nats-server's certificate in DIRECTORY, trusted by "
+                        "every service that reads it (--no-tls removes them); default: MESH_NATS_TLS, else as "
+                        "DIRECTORY has it (off for a new set)")
+    parser.add_argument("--tls-host", action="append", default=[], metavar="NAME",
+                        help="another DNS name or IP address by which clients reach nats-server, for its certificate "
+                        f"(besides {', '.join(NATS_TLS_HOSTS)}); repeatable")
     args = parser.parse_args(argv)
     existed = (args.directory / MeshSecrets.FILE).exists()
     secrets = MeshSecrets.load_or_create(args.directory)
+    tls = set_nats_tls(args.directory, args.tls, args.tls_host)
     if args.nats_listen:
         from llmesh.launcher import nats_server_config
 
-        conf = args.directory / "nats.conf"
-        conf.touch(mode=0o600)
-        conf.write_text(nats_server_config(args.nats_listen, authorization=secrets.nats_authorization()))
-    print(f"{'kept' if existed else 'wrote'} the mesh's secrets in {args.directory}", file=sys.stderr)
+        write_private(args.directory / "nats.conf", nats_server_config(
+            args.nats_listen, authorization=secrets.nats_authorization(), tls=nats_tls_block(args.directory)))
+    print(f"{'kept' if existed else 'wrote'} the mesh's secrets in {args.directory} "
+          f"(NATS {'over TLS' if tls else 'without TLS'})", file=sys.stderr)
     return 0
 
 

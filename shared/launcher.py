@@ -19,7 +19,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-from llmesh.credentials import MeshSecrets, with_userinfo, without_userinfo
+from llmesh.credentials import (
+    MeshSecrets,
+    env_switch,
+    nats_tls_block,
+    set_nats_tls,
+    with_userinfo,
+    without_userinfo,
+    write_private,
+)
 
 PR_SET_PDEATHSIG = 1
 
@@ -128,19 +136,19 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "") -> str:
+def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "", tls: str = "") -> str:
     """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit)."""
-    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{authorization}"
+    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{authorization}{tls}"
 
 
 def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
-               log_path: Path | None = None, authorization: str = "") -> tuple[Child, str]:
+               log_path: Path | None = None, authorization: str = "", tls: str = "") -> tuple[Child, str]:
     """nats-server with a config file (max_payload is not a command-line flag), readable by its
-    owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`) if given."""
+    owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`) and a `tls` block
+    (`llmesh.credentials.nats_tls_block`) if given."""
     port = port or free_port()
     conf = workdir / f"nats-{port}.conf"
-    conf.touch(mode=0o600)
-    conf.write_text(nats_server_config(f"127.0.0.1:{port}", max_payload, authorization))
+    write_private(conf, nats_server_config(f"127.0.0.1:{port}", max_payload, authorization, tls))
     child = Child("nats", [nats_server_binary(), "-c", str(conf)], log_path=log_path)
     wait_for_port(port, 10, child.proc)
     return child, f"nats://127.0.0.1:{port}"
@@ -241,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secrets", type=Path, default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
                         help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
                         "use and kept (llmesh.credentials)")
+    parser.add_argument("--nats-tls", action=argparse.BooleanOptionalAction, default=env_switch("MESH_NATS_TLS"),
+                        help="NATS over TLS only, every service trusting a private CA made in the secrets "
+                        "(--no-nats-tls: without TLS, the CA removed); default: MESH_NATS_TLS, else as the "
+                        "secrets have it (off for new ones)")
     parser.add_argument("--logs", type=Path, default=os.environ.get("MESH_LOG_DIR") or None,
                         help="write each service's log to a file in this directory (default: the terminal)")
     args = parser.parse_args(argv)
@@ -264,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         secrets_dir = args.secrets.resolve()
         secrets = MeshSecrets.load_or_create(secrets_dir)
         authorization = secrets.nats_authorization()
+        tls = set_nats_tls(secrets_dir, args.nats_tls)  # the services see it in the secrets and trust its CA
         restart = {"nats": lambda: start_nats(workdir, args.nats_port, log_path=log("nats"),
-                                              authorization=authorization),
+                                              authorization=authorization, tls=nats_tls_block(secrets_dir)),
                    "redis": lambda: start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)}
         nats, nats_url = restart["nats"]()
         children.append(nats)
@@ -285,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         for service in ("router", "placement"):
             children.append(start_service(service, env, log(service)))
         url = f"http://{args.host}:{args.port}"
-        print(f"llmesh: starting (nats {nats_url}, credentials in {args.secrets}); engines take about a minute to "
-              "load...", flush=True)
+        print(f"llmesh: starting (nats {nats_url}{' over TLS' if tls else ''}, credentials in {args.secrets}); "
+              "engines take about a minute to load...", flush=True)
         give_up = time.monotonic() + 600
         while not stopping:
             try:
