@@ -11,14 +11,17 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from llmesh import telemetry
 from llmesh.bus import Bus
@@ -120,6 +123,28 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
             },
         ),
     )
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = generate_latest(REGISTRY)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # a scrape is no news
+        pass
+
+
+def serve_metrics(host: str, port: int) -> ThreadingHTTPServer:
+    """Serve prometheus_client's default registry (vLLM's engine metrics) on a thread, always in
+    Prometheus's text format: asked for OpenMetrics, as Prometheus asks first, prometheus_client 0.26
+    writes the samples of `vllm:x` as `vllm_x` (client_python issue 1177), and no vLLM name would fit."""
+    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
 
 
 @dataclass
