@@ -30,7 +30,8 @@ class CommonSettings(BaseSettings):
                            "empty: none (each kv-store shard then knows only its own chunks).")
     secrets_dir: Path | None = Field(
         None, description="The mesh's credentials (`python -m llmesh.credentials DIR`; `make run` keeps them in "
-        ".mesh-secrets): a NATS or Redis URL without a password gets this service's from there.")
+        ".mesh-secrets): a NATS or Redis URL without a password gets this service's from there, and where NATS "
+        "uses TLS (`MESH_NATS_TLS` when they were made) the service reaches it over TLS trusting only the CA there.")
     # the NATS user this service connects as (llmesh.credentials.PERMISSIONS)
     NATS_USER: ClassVar[str] = "admin"
 
@@ -46,11 +47,13 @@ class CommonSettings(BaseSettings):
     @model_validator(mode="after")
     def _credentials(self) -> "CommonSettings":
         if self.secrets_dir is not None:
-            from llmesh.credentials import MeshSecrets, url_user
+            from llmesh.credentials import MeshSecrets, trusting_nats_ca, url_user
 
             secrets = MeshSecrets.load(self.secrets_dir)
             if not url_user(self.nats_url):
                 self.nats_url = secrets.nats_url(self.nats_url, self.NATS_USER)
+            else:  # a user of its own, and the deployment's CA all the same
+                self.nats_url = trusting_nats_ca(self.nats_url, self.secrets_dir)
             if self.redis_url and "@" not in self.redis_url:
                 self.redis_url = secrets.redis_url(self.redis_url)
         return self
@@ -98,6 +101,10 @@ class WorkerSettings(CommonSettings):
     capacity: int = Field(256, ge=1, description="Requests a worker accepts at once (more get 503), and its "
                           "engine's batch limit (vLLM's max_num_seqs; vLLM's server defaults to 256 here).")
     heartbeat_s: float = Field(1.0, description="Heartbeat period; the router drops a worker after 3 misses.")
+    worker_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
+    worker_metrics_port: int = Field(
+        0, ge=0, description="Serve the engine's own Prometheus metrics (vLLM's `vllm:*`: KV cache usage, "
+        "preemptions, prefix cache hits...) on this port; 0: none, and vLLM keeps no per-step statistics.")
     kv_pin_s: float = Field(60.0, description="How long prefilled KV stays pinned in the kv-store for its decode.")
     kv_reuse_prefix: bool = Field(True, description="Prefill loads a prompt's leading blocks that any instance "
                                   "already stored instead of recomputing them.")

@@ -125,6 +125,17 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
     )
 
 
+def _stat_loggers(settings: WorkerSettings) -> list[Any] | None:
+    """The engine's stat loggers: vLLM's Prometheus logger where the worker serves metrics. A custom
+    logger turns vLLM's statistics on (`disable_log_stats` still keeps its periodic log lines off); it
+    registers `vllm:*` in prometheus_client's default registry, which `serve_metrics` serves."""
+    if not settings.worker_metrics_port:
+        return None
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    return [PrometheusStatLogger]
+
+
 class _MetricsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = generate_latest(REGISTRY)
@@ -251,12 +262,14 @@ class EngineWorker:
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         try:
-            engine = AsyncLLM.from_engine_args(engine_args(settings, role))
+            engine = AsyncLLM.from_engine_args(engine_args(settings, role), stat_loggers=_stat_loggers(settings))
         except BaseException:
             await bus.close()
             raise
         worker = cls(settings, role, bus, engine)
         await worker._warm_up()
+        if settings.worker_metrics_port:
+            serve_metrics(settings.worker_metrics_host, settings.worker_metrics_port)
         return worker
 
     async def _warm_up(self) -> None:

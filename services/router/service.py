@@ -22,7 +22,7 @@ from llmesh.messages import TokenDelta
 
 from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher, Generation
-from .metrics import RouterMetrics
+from .metrics import RequestTimes, RouterMetrics
 from .openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,6 +80,7 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     async def prometheus() -> Response:
         for role in ("prefill", "decode"):
             metrics.workers.labels(role).set(len(registry.live(role)))
+        metrics.set_request_states(registry.models())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(api_key)])
@@ -100,7 +101,6 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                        chat: bool) -> Response:
         endpoint = request.url.path
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        arrived = time.monotonic()
         span = tracer.start_span("router request", kind=trace.SpanKind.SERVER, context=telemetry.extract(request.headers),
                                  attributes={"request.id": request_id, "model": body.model, "stream": body.stream,
                                              "endpoint": endpoint, "api_key.name": key.name if key else ""})
@@ -120,17 +120,16 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         )
         shape = ResponseShape(chat, request_id, body.model)
         deltas = dispatcher.generate(gen, parent)
-        metrics.inflight.inc()
+        times = metrics.request(body.model)
         done = False
 
-        def finish(status: int, exc: BaseException | None = None) -> None:
+        def finish(status: int, exc: BaseException | None = None, finished_reason: str | None = None) -> None:
             nonlocal done
             if done:
                 return
             done = True
-            metrics.inflight.dec()
+            times.ended(finished_reason or ("abort" if status == 499 else "error"))
             metrics.requests.labels(endpoint, str(status)).inc()
-            metrics.latency.labels(endpoint).observe(time.monotonic() - arrived)
             span.set_attribute("http.status_code", status)
             if exc is not None:
                 span.record_exception(exc)
@@ -140,15 +139,13 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
         try:
             # Wait for the first token before answering, so that errors found by the workers
             # (context too long, no capacity) still get their proper HTTP status.
-            first = await _unless_disconnected(request, anext(deltas))
-            metrics.ttft.observe(time.monotonic() - arrived)
+            first = times.seen(await _unless_disconnected(request, anext(deltas)))
             if not body.stream:
                 parts = [first]
                 if first.finish_reason is None:
-                    parts += await _unless_disconnected(request, _collect(deltas))
+                    parts += await _unless_disconnected(request, _collect(deltas, times))
                 last = parts[-1]
-                metrics.tokens.inc(last.completion_tokens)
-                finish(200)
+                finish(200, finished_reason=last.finish_reason)
                 token_ids = [t for p in parts for t in p.token_ids] if body.return_token_ids else None
                 return JSONResponse(shape.final("".join(p.text for p in parts), last.finish_reason,
                                                 last.prompt_tokens, last.completion_tokens, token_ids))
@@ -168,13 +165,12 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 ids = body.return_token_ids
                 yield shape.chunk_event(first.text, first.finish_reason, True, first.token_ids if ids else None)
                 async for delta in deltas:
-                    last = delta
+                    last = times.seen(delta)
                     yield shape.chunk_event(delta.text, delta.finish_reason, token_ids=delta.token_ids if ids else None)
                 if body.include_usage:
                     yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
                 yield sse("[DONE]")
-                metrics.tokens.inc(last.completion_tokens)
-                finish(200)
+                finish(200, finished_reason=last.finish_reason)
             except MeshError as exc:  # mid-stream failure: an OpenAI error event, then the end
                 metrics.errors.labels(exc.code).inc()
                 finish(exc.http_status, exc)
@@ -195,8 +191,8 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     return app
 
 
-async def _collect(deltas: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
-    return [d async for d in deltas]
+async def _collect(deltas: AsyncIterator[TokenDelta], times: RequestTimes) -> list[TokenDelta]:
+    return [times.seen(d) async for d in deltas]
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

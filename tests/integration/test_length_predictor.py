@@ -52,4 +52,6 @@ def test_onnx_export_computes_what_torch_computes():
             expected = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         got = exported(batch["input_ids"], batch["attention_mask"]).last_hidden_state
         assert got.shape == expected.shape
-        assert torch.allclose(got, expected, atol=1e-4), float((got - expected).abs().max())
+        # fp32 kernels of two runtimes round apart: onnxruntime 1.32 differs from torch by up to 1.8e-4 here (a
+        # wrong export differs by tenths)
+        assert torch.allclose(got, expected, atol=1e-3), float((got - expected).abs().max())

@@ -29,6 +29,7 @@ from llmesh_router.settings import RouterSettings
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
+PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
 
 SETTINGS: dict[str, type[BaseSettings]] = {
     "kv-store": KvStoreSettings,
@@ -39,7 +40,16 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "placement": PlacementSettings,
 }
 LLMESH_SERVICES = sorted(SETTINGS)
-EXPECTED_SERVICES = {"secrets", "nats", "redis", "jaeger", *LLMESH_SERVICES}
+EXPECTED_SERVICES = {"secrets", "nats", "redis", "jaeger", "prometheus", "grafana", *LLMESH_SERVICES}
+# where each service serves Prometheus's /metrics: its settings' (port, bind address) fields
+METRICS_FIELDS = {
+    "kv-store": ("metrics_port", "metrics_host"),
+    "length-predictor": ("length_metrics_port", "length_metrics_host"),
+    "prefill-worker": ("worker_metrics_port", "worker_metrics_host"),
+    "decode-worker": ("worker_metrics_port", "worker_metrics_host"),
+    "router": ("port", "host"),
+    "placement": ("placement_metrics_port", "placement_metrics_host"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +157,8 @@ def test_environment_is_read_by_the_settings_class(services, name):
         f"does not read (it reads: {', '.join(sorted(accepted))})")
 
 
-@pytest.mark.parametrize("name", LLMESH_SERVICES)
-def test_environment_values_parse(services, name, monkeypatch, tmp_path):
-    """With the host's variables unset, the settings class accepts the compose defaults."""
+def compose_settings(services: dict[str, dict], name: str, monkeypatch, tmp_path: Path) -> BaseSettings:
+    """The service's settings as its compose environment makes them, the host's variables unset."""
     settings = SETTINGS[name]
     for key in env_names(settings):
         monkeypatch.delenv(key, raising=False)
@@ -159,10 +168,57 @@ def test_environment_values_parse(services, name, monkeypatch, tmp_path):
     if "MESH_SECRETS_DIR" in environment(services[name]):  # what the `secrets` service makes there
         MeshSecrets.load_or_create(tmp_path / "secrets")
         monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path / "secrets"))
+    return settings(_env_file=None)
+
+
+@pytest.mark.parametrize("name", LLMESH_SERVICES)
+def test_environment_values_parse(services, name, monkeypatch, tmp_path):
+    """With the host's variables unset, the settings class accepts the compose defaults."""
     try:
-        settings(_env_file=None)
+        compose_settings(services, name, monkeypatch, tmp_path)
     except Exception as exc:  # noqa: BLE001 - report which service
-        pytest.fail(f"service {name!r}: {settings.__name__} rejects its compose environment: {exc}")
+        pytest.fail(f"service {name!r}: {SETTINGS[name].__name__} rejects its compose environment: {exc}")
+
+
+def scrape_targets() -> dict[str, set[tuple[str, int]]]:
+    """{job: {(host, port)}} of docker/prometheus/prometheus.yml (static targets and DNS names)."""
+    jobs: dict[str, set[tuple[str, int]]] = {}
+    for job in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]:
+        targets = jobs.setdefault(job["job_name"], set())
+        for static in job.get("static_configs", []):
+            targets.update((host, int(port)) for host, port in (t.rsplit(":", 1) for t in static["targets"]))
+        for dns in job.get("dns_sd_configs", []):
+            assert dns.get("type") == "A" and "port" in dns, f"job {job['job_name']!r}: DNS lookups need A and a port"
+            targets.update((host, int(dns["port"])) for host in dns["names"])
+    return jobs
+
+
+def test_prometheus_scrapes_every_service_where_it_serves_metrics(services, monkeypatch, tmp_path):
+    jobs = scrape_targets()
+    scraped = {host: port for targets in jobs.values() for host, port in targets}
+    assert len(scraped) == sum(map(len, jobs.values())), f"a service is scraped twice: {jobs}"
+    assert set(scraped) == set(METRICS_FIELDS), (
+        f"Prometheus scrapes {sorted(scraped)}, the services with /metrics are {sorted(METRICS_FIELDS)}")
+    for name, (port_field, host_field) in METRICS_FIELDS.items():
+        settings = compose_settings(services, name, monkeypatch, tmp_path)
+        port, host = getattr(settings, port_field), getattr(settings, host_field)
+        assert port and scraped[name] == port, f"Prometheus scrapes {name}:{scraped[name]}, its /metrics is on {port}"
+        assert host == "0.0.0.0", f"service {name!r} serves /metrics on {host}, out of Prometheus's reach"
+
+
+def test_prometheus_and_grafana_get_their_committed_configuration(services):
+    mounts = {name: {src: dst.removesuffix(":ro") for src, dst in (v.split(":", 1) for v in services[name]["volumes"])}
+              for name in ("prometheus", "grafana")}
+    assert mounts["prometheus"].get("./docker/prometheus/prometheus.yml") == "/etc/prometheus/prometheus.yml"
+    grafana = mounts["grafana"]
+    assert grafana.get("./docker/grafana/provisioning") == "/etc/grafana/provisioning"
+    providers = yaml.safe_load((ROOT / "docker/grafana/provisioning/dashboards/llmesh.yml").read_text())["providers"]
+    assert [p["options"]["path"] for p in providers] == [grafana.get("./docker/grafana/dashboards")]
+    for source in grafana:
+        assert (ROOT / source).exists(), f"grafana mounts {source}, which is not in the repository"
+    assert 9090 in port_numbers(services["prometheus"]) and 3000 in port_numbers(services["grafana"])
+    env = environment(services["grafana"])
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
 
 
 @pytest.mark.parametrize("name", ["prefill-worker", "decode-worker"])

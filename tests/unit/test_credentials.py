@@ -179,3 +179,11 @@ def test_a_tls_switch_that_is_neither_on_nor_off_is_an_error(monkeypatch):
     with pytest.raises(ValueError, match="MESH_NATS_TLS"):
         env_switch("MESH_NATS_TLS")
 
+
+def test_a_url_that_names_its_user_still_trusts_the_ca_where_nats_uses_tls(tmp_path, monkeypatch):
+    MeshSecrets.generate().write(tmp_path)
+    set_nats_tls(tmp_path, True)
+    monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path))
+    monkeypatch.setenv("MESH_NATS_URL", "nats://me:pw@a:4222")
+    url = RouterSettings().nats_url
+    assert (urlsplit(url).scheme, urlsplit(url).username, nats_tls(url)[1] is not None) == ("tls", "me", True)

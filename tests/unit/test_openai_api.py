@@ -38,3 +38,110 @@ def test_a_message_with_an_integer_beyond_64_bits_is_a_bad_message():
 
     with pytest.raises(BadMessage, match="beyond 64 bits"):
         encode(SamplingOptions(max_tokens=1, seed=2**70))
+
+
+# ---- the router's /metrics, in-process (FastAPI over httpx's ASGI transport, a stand-in dispatcher) ----------
+
+
+class _Dispatcher:
+    """Streams `outputs` (token ids per delta) for each request of a served model, once `go` is set;
+    meanwhile a request of `queued_model` counts as waiting in the router's queue."""
+
+    def __init__(self, metrics, registry, outputs: list[list[int]], queued_model: str = ""):
+        import asyncio
+
+        self.metrics, self.registry, self.outputs, self.queued_model = metrics, registry, outputs, queued_model
+        self.go = asyncio.Event()
+        self.go.set()
+
+    async def generate(self, gen, parent):
+        from llmesh.errors import ModelNotFound
+        from llmesh.messages import TokenDelta
+
+        if gen.model == self.queued_model:
+            with self.metrics.queued(gen.model):
+                await self.go.wait()
+        await self.go.wait()
+        if gen.model not in self.registry.models():
+            raise ModelNotFound(f"no {gen.model}")
+        done = 0
+        for i, ids in enumerate(self.outputs):
+            done += len(ids)
+            yield TokenDelta(text="x" * len(ids), token_ids=ids, prompt_tokens=5, completion_tokens=done,
+                             finish_reason="length" if i == len(self.outputs) - 1 else None)
+
+
+def _router(outputs, queued_model=""):
+    import httpx
+
+    from llmesh.messages import WorkerInfo
+    from llmesh_router.metrics import RouterMetrics
+    from llmesh_router.registry import WorkerRegistry
+    from llmesh_router.service import create_app
+
+    registry = WorkerRegistry()
+    for model in ("m", "n"):
+        registry.on_heartbeat(WorkerInfo(worker_id=model, role="prefill", model=model, fingerprint="f",
+                                         max_model_len=64, running=0, queued_tokens=0, capacity=4, heartbeat_s=1.0))
+    metrics = RouterMetrics()
+    dispatcher = _Dispatcher(metrics, registry, outputs, queued_model)
+    app = create_app(dispatcher, registry, metrics, request_timeout_s=5)
+    return dispatcher, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+def _samples(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_metrics_after_requests_carry_vllms_names_labels_and_buckets():
+    from llmesh_router.metrics import INTER_TOKEN_LATENCY_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
+
+    outputs = [[1], [2, 3], [4]]  # the first token, then 3 more in 2 deltas
+    _, client = _router(outputs)
+    async with client:
+        for stream in (False, True):
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "stream": stream})
+            assert resp.status_code == 200, resp.text
+        text = (await client.get("/metrics")).text
+    got, model = _samples(text), "model_name=m"
+    assert got[f"vllm:time_to_first_token_seconds_count{{{model}}}"] == 2
+    assert got[f"vllm:inter_token_latency_seconds_count{{{model}}}"] == 2 * 3  # one per token after the first
+    assert got[f"vllm:request_time_per_output_token_seconds_count{{{model}}}"] == 2
+    assert got[f"vllm:e2e_request_latency_seconds_count{{{model}}}"] == 2
+    assert got[f"vllm:prompt_tokens_total{{{model}}}"] == 2 * 5
+    assert got[f"vllm:generation_tokens_total{{{model}}}"] == 2 * 4
+    assert got[f"vllm:request_success_total{{finished_reason=length,{model}}}"] == 2
+    assert got[f"vllm:num_requests_running{{{model}}}"] == got[f"vllm:num_requests_waiting{{{model}}}"] == 0
+    for metric, buckets in [("vllm:time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS),
+                            ("vllm:inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS)]:
+        bounds = sorted(float(k.split("le=")[1].split(",")[0].rstrip("}")) for k in got
+                        if k.startswith(f"{metric}_bucket{{"))
+        assert bounds == [*buckets, float("inf")], metric
+    for old in ("llmesh_time_to_first_token_seconds", "llmesh_generated_tokens", "llmesh_request_seconds",
+                "llmesh_requests_inflight", "llmesh_queue_wait_seconds"):
+        assert old not in text  # replaced by vLLM's names, not exported twice
+
+
+async def test_running_and_waiting_requests_per_served_model():
+    """A request in flight runs; one in the router's queue waits; a model nobody serves is no series."""
+    import asyncio
+
+    dispatcher, client = _router([[1]], queued_model="m")
+    dispatcher.go.clear()
+    async with client:
+        calls = [asyncio.create_task(client.post("/v1/completions", json={"model": model, "prompt": "hi"}))
+                 for model in ("m", "m", "n", "made-up")]
+        await asyncio.sleep(0.1)
+        during = _samples((await client.get("/metrics")).text)
+        dispatcher.go.set()
+        statuses = [r.status_code for r in await asyncio.gather(*calls)]
+        after = _samples((await client.get("/metrics")).text)
+    assert statuses == [200, 200, 200, 404]
+    waiting, running = "vllm:num_requests_waiting{model_name=%s}", "vllm:num_requests_running{model_name=%s}"
+    assert (during[waiting % "m"], during[running % "m"], during[waiting % "n"], during[running % "n"]) == (2, 0, 0, 1)
+    assert not any("made-up" in key for key in [*during, *after])
+    assert [after[name % model] for name in (waiting, running) for model in "mn"] == [0, 0, 0, 0]
+    assert after["vllm:request_success_total{finished_reason=length,model_name=n}"] == 1
