@@ -36,7 +36,8 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
     policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
-    registry = WorkerRegistry(settings.missed_heartbeats, policy, settings.seed)
+    registry = WorkerRegistry(settings.missed_heartbeats, policy, settings.seed,
+                              max_backlog_s=settings.prefill_max_queue_s)
 
     async def on_heartbeat(info: WorkerInfo, blob: memoryview) -> None:
         registry.on_heartbeat(info)

@@ -3,8 +3,8 @@
 Bounded in length (`max_waiting`) and in time (`max_wait_s`, and each request's deadline). A
 request that could not be served in time is refused up front with `Overloaded` (HTTP 429 with
 `Retry-After`): when the queue is full, when its expected wait (the requests ahead of it, at the
-rate the queue has been draining) would pass its deadline, or when the queue policy names it
-as unable to meet its time-to-first-token target. As room appears, waiters are placed in the
+rate the queue has been draining) would pass its deadline or `max_wait_s`, or when the queue
+policy names it as unable to meet its time-to-first-token target. As room appears, waiters are placed in the
 queue policy's order (llmesh.policies.queueing; default: arrival); one that cannot be placed
 yet does not block the others (they may need other workers).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -30,6 +30,7 @@ SMOOTHING = 0.2  # of the EMA of the time between two requests leaving the queue
 class _Waiter(Generic[T]):
     place: Callable[[], T]  # raises AtCapacity while there is no room
     request: RequestView
+    group: Hashable | None  # waiters whose `place` finds room in the same workers (None: its own)
     placed: asyncio.Future[T] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -53,10 +54,11 @@ class AdmissionQueue:
     def _retry_after_s(self) -> float:
         return max(1.0, math.ceil(self.expected_wait_s(len(self._waiting))))
 
-    async def admit(self, place: Callable[[], T], request: RequestView) -> tuple[T, bool]:
+    async def admit(self, place: Callable[[], T], request: RequestView, group: Hashable | None = None) -> tuple[T, bool]:
         """`place()`'s result, and whether it waited in line for it (it does not if nobody waits and
         `place` finds room). Raises Overloaded when the request cannot be served in time, and any
-        other error of `place`."""
+        other error of `place`. Waiters of one `group` look for room in the same workers: once one
+        finds none, the others behind it in the policy's order are not tried until room changes again."""
         if not self._waiting:
             try:
                 return place(), False
@@ -67,10 +69,12 @@ class AdmissionQueue:
         if len(self._waiting) >= self.max_waiting:
             raise Overloaded(f"the router's queue is full ({self.max_waiting} requests waiting)",
                              retry_after_s=self._retry_after_s())
-        if now + wait > request.deadline:
-            raise Overloaded(f"the {len(self._waiting)} requests ahead would take ~{wait:.1f}s, past this "
-                             f"request's deadline", retry_after_s=self._retry_after_s())
-        waiter = _Waiter(place, request)
+        if now + wait > request.deadline or wait > self.max_wait_s:
+            raise Overloaded(f"the {len(self._waiting)} requests ahead would take ~{wait:.1f}s, past "
+                             + ("this request's deadline" if now + wait > request.deadline else
+                                f"the router's longest wait ({self.max_wait_s:g}s)"),
+                             retry_after_s=self._retry_after_s())
+        waiter = _Waiter(place, request, group)
         self._waiting.append(waiter)
         if self._left_at is None:
             self._left_at = now
@@ -93,11 +97,16 @@ class AdmissionQueue:
         now = self._clock()
         self._refuse_hopeless(now)
         by_id = {w.request.request_id: w for w in self._waiting if not w.placed.done()}
+        full: set[Hashable] = set()  # groups a waiter found no room for
         for request in self.policy.order(now, [w.request for w in by_id.values()]):
             waiter = by_id[request.request_id]
+            if waiter.group is not None and waiter.group in full:
+                continue
             try:
                 waiter.placed.set_result(waiter.place())
             except AtCapacity:
+                if waiter.group is not None:
+                    full.add(waiter.group)
                 continue
             except MeshError as exc:  # e.g. its workers are gone: fail it now, not at its deadline
                 waiter.placed.set_exception(exc)

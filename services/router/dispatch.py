@@ -19,7 +19,7 @@ import logging
 import random
 import time
 import statistics
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -29,7 +29,8 @@ from opentelemetry import context, trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.errors import MeshError, NoResponders, ServiceUnavailable, StreamInterrupted, Timeout, WorkerLost
+from llmesh.errors import (AtCapacity, MeshError, NoResponders, ServiceUnavailable, StreamInterrupted, Timeout,
+                           WorkerLost)
 from llmesh.lengths import cut_prompt
 from llmesh.messages import (
     AbortRequest,
@@ -65,6 +66,9 @@ MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died or
 # (nats-py retries every 0.5 s) before sending a request again
 RECONNECT_GRACE_S = 1.0
 MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet known dead) is placed again
+# times a request a worker refused as full is placed again (each time it waits in the router's queue until a
+# slot frees: the refusal marks that worker full in this router's view)
+MAX_REFUSALS = 8
 
 
 @dataclass
@@ -113,16 +117,46 @@ class _DecodeSession:
 
 
 class _Placed:
-    """A request's prompt in a worker's backlog (this router's account), until it is computed."""
+    """A request's prompt in a worker's backlog (the registry's account, counted when it was
+    reserved), until it is computed."""
 
-    def __init__(self, backlog: dict[str, int], worker_id: str, prompt_tokens: int):
-        self._backlog, self._worker_id, self._tokens = backlog, worker_id, prompt_tokens
-        backlog[worker_id] += prompt_tokens
+    def __init__(self, registry: WorkerRegistry, worker_id: str, prompt_tokens: int):
+        self._registry, self._worker_id, self._tokens = registry, worker_id, prompt_tokens
 
     def prompt_done(self) -> None:
         if self._tokens:
-            self._backlog[self._worker_id] -= self._tokens
+            self._registry.prompt_done(self._worker_id, self._tokens)
             self._tokens = 0
+
+
+@dataclass(eq=False)
+class _DecodeClaim:
+    """Room on the decode workers that a request admitted to prefill holds until its decode is placed,
+    so that the router admits no prompt it could not go on to decode: past the decode pool's room, a
+    request waits before its prompt (and is refused with 429 at the door if it waits too long), not
+    after its first token, when a refusal could only end its stream with an error."""
+
+    claims: Counter[str]  # model -> requests holding a claim
+    model: str
+    held: bool = False
+
+    def take(self, registry: WorkerRegistry) -> None:
+        """Claim a decode slot, or raise AtCapacity (every free one is claimed) or ServiceUnavailable
+        (no live decode worker serves the model)."""
+        registry.check_served(self.model)
+        room = registry.decode_room(self.model)
+        if room is None:
+            raise ServiceUnavailable(f"no live decode worker for {self.model!r}")
+        if room <= self.claims[self.model]:
+            raise AtCapacity(f"the decode workers of {self.model!r} have room for {room} more requests, all "
+                             "claimed by prompts admitted before this one")
+        self.claims[self.model] += 1
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.claims[self.model] -= 1
+            self.held = False
 
 
 @dataclass(frozen=True)
@@ -177,10 +211,10 @@ class Dispatcher:
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
         self.tpot_slo_s = tpot_slo_s
         self._streams: dict[str, dict[str, _Progress]] = defaultdict(dict)  # worker id -> request id -> progress
+        self._decode_claims: Counter[str] = Counter()  # model -> requests admitted to prefill, decode not placed
         # worker id -> recent gaps between a stream's tokens; the median is its step time, whatever stalls the
         # last few steps had (a stall lengthens one gap per stream)
         self._token_gaps: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=STEP_SAMPLES))
-        self._backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
         self._tokens_per_char = 0.25
         self.length_timeout_s = length_timeout_s
         self.predict_before_dispatch = predict_before_dispatch  # the dispatch policy reads predicted lengths
@@ -279,8 +313,10 @@ class Dispatcher:
             return None
         # This router's own account, not the heartbeat's queued tokens: those are up to a second old,
         # and a finished prompt still counted there would send the next one to a decode worker at idle.
-        remote = PrefillSite(self._backlog[prefill.worker_id], prefill.prefill_tokens_per_s)
-        here = PrefillSite(self._backlog[local.worker_id], local.prefill_tokens_per_s)
+        # (the prefill worker's includes this request's prompt, reserved there)
+        remote = PrefillSite(self.registry.backlog.get(prefill.worker_id, 0) - request.prompt_tokens,
+                             prefill.prefill_tokens_per_s)
+        here = PrefillSite(self.registry.backlog.get(local.worker_id, 0), local.prefill_tokens_per_s)
         now = time.monotonic()
         streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
         gaps = self._token_gaps[local.worker_id]
@@ -305,15 +341,23 @@ class Dispatcher:
         Spans are never kept current across a `yield`: the consumer may resume this generator
         from another task, where detaching a context attached here would fail.
         """
-        for redispatches in range(MAX_REDISPATCHES + 1):
+        redispatches = refusals = 0
+        while True:
             started = False
             try:
                 async for delta in self._generate(gen, parent):
                     started = True
                     yield delta
                 return
+            except AtCapacity as exc:  # the worker was fuller than this router knew: wait for room again
+                refusals += 1
+                if started or refusals > MAX_REFUSALS:
+                    raise
+                log.info("request %s refused (%s): placing it again", gen.request_id, exc.message)
+                trace.get_current_span(parent).add_event("refused", {"error": exc.message})
             except (NoResponders, StreamInterrupted) as exc:
-                if started or redispatches == MAX_REDISPATCHES:
+                redispatches += 1
+                if started or redispatches > MAX_REDISPATCHES:
                     raise
                 if isinstance(exc, StreamInterrupted):
                     await asyncio.sleep(RECONNECT_GRACE_S)
@@ -324,12 +368,24 @@ class Dispatcher:
     async def _generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
         predicted = await self.predict_length(gen, parent) if self.predict_before_dispatch else None
         view = self._request_view(gen, self.estimate_prompt_tokens(gen), predicted)
-        prefill = await self._admit("prefill", view, parent)
+        claim = _DecodeClaim(self._decode_claims, gen.model)
+        try:
+            async for delta in self._prefill_then_decode(gen, view, claim, predicted, parent):
+                yield delta
+        finally:
+            claim.release()
+
+    async def _prefill_then_decode(self, gen: Generation, view: RequestView, claim: _DecodeClaim,
+                                   predicted: LengthPrediction | None,
+                                   parent: context.Context) -> AsyncIterator[TokenDelta]:
+        prefill = await self._admit("prefill", view, parent, claim=None if gen.sampling.max_tokens == 1 else claim)
         predicting = None if self.predict_before_dispatch else self._predict_beside(gen, parent)
         local = self._local_prefill_site(view, prefill)
         if local is not None:  # moves the request's reservation from the prefill worker
-            self.registry.reserve(local.worker_id)
+            self.registry.reserve(local.worker_id, view.prompt_tokens)
             self.registry.release(prefill.worker_id)
+            self.registry.prompt_done(prefill.worker_id, view.prompt_tokens)
+            claim.release()  # its decode slot is reserved itself
         request = PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
                                  prompt_token_ids=gen.prompt_token_ids, messages=gen.messages, sampling=gen.sampling,
                                  deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt,
@@ -340,7 +396,7 @@ class Dispatcher:
                 self.metrics.prefill_sites.labels("decode").inc()
                 session = _DecodeSession([], [], gen.sampling.max_tokens or 0, local.fingerprint,
                                          context_len=local.max_model_len)
-                placed = _Placed(self._backlog, local.worker_id, view.prompt_tokens)
+                placed = _Placed(self.registry, local.worker_id, view.prompt_tokens)
                 try:
                     async for delta in self._decode(gen, session, local.worker_id, (Subjects.generate(local.worker_id),
                                                     request), stops, parent, _Progress(gen.sampling.max_tokens or 0),
@@ -374,7 +430,7 @@ class Dispatcher:
             session = _DecodeSession(list(result.prompt_token_ids), list(result.first.token_ids), result.max_tokens,
                                      result.fingerprint, result.kv)
             decode = await self._admit("decode", self._decode_view(gen, session, predicted), parent,
-                                       fingerprint=result.fingerprint)
+                                       fingerprint=result.fingerprint, claim=claim)
             progress = _Progress(result.max_tokens)
             progress.seen(first)
             async for delta in self._decode(gen, session, decode.worker_id, None, stops, parent, progress, predicted):
@@ -395,7 +451,7 @@ class Dispatcher:
         begins there or else a `DecodeRequest` of `session`, until it finishes; resumed on another decode
         worker after a live migration's hand-over (`Migrated`) or when a worker dies or refuses."""
         subject, request = start or (Subjects.worker("decode", worker_id), session.request(gen, predicted))
-        failovers, moved_from = 0, None
+        failovers, refusals, moved_from = 0, 0, None
         while True:
             handed: Migrated | None = None
             leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
@@ -414,19 +470,24 @@ class Dispatcher:
                 if handed is None:
                     return
             except (WorkerLost, ServiceUnavailable) as exc:
-                if not session.output_token_ids or failovers >= MAX_FAILOVERS or time.time() >= gen.deadline:
+                refused = isinstance(exc, AtCapacity)  # it never took the leg: not a failure, wait for room
+                if (not session.output_token_ids or time.time() >= gen.deadline
+                        or (refusals if refused else failovers) >= (MAX_REFUSALS if refused else MAX_FAILOVERS)):
                     raise
-                failovers += 1
+                if refused:
+                    refusals += 1
+                else:
+                    failovers += 1
                 if len(session.output_token_ids) > leg_tokens or session.kv_outputs != len(session.output_token_ids):
                     session.kv = None  # what the handle lists is outdated: the new worker looks the store up
-                log.warning("request %s: %s; resuming it after %d tokens", gen.request_id, exc.message,
-                            len(session.output_token_ids))
-                self.metrics.resumes.labels("failover").inc()
-                trace.get_current_span(parent).add_event("decode failover", {"worker.id": worker_id,
-                                                                             "error": exc.code})
+                (log.info if refused else log.warning)("request %s: %s; resuming it after %d tokens", gen.request_id,
+                                                        exc.message, len(session.output_token_ids))
+                self.metrics.resumes.labels("refused" if refused else "failover").inc()
+                trace.get_current_span(parent).add_event("decode refused" if refused else "decode failover",
+                                                         {"worker.id": worker_id, "error": exc.code})
                 # a migration's target that failed before taking over: its source resumes; a stream cut by a
                 # reconnection goes on where it was (the worker replaces the leg it still runs)
-                source = moved_from if len(session.output_token_ids) == leg_tokens else None
+                source = moved_from if len(session.output_token_ids) == leg_tokens and not refused else None
                 if isinstance(exc, StreamInterrupted):
                     source = leg_worker
                     await asyncio.sleep(RECONNECT_GRACE_S)
@@ -463,18 +524,35 @@ class Dispatcher:
                                    fingerprint=session.fingerprint)
         return chosen.worker_id
 
-    async def _admit(self, role: str, view: RequestView, parent: context.Context,
-                     fingerprint: str | None = None) -> WorkerInfo:
+    async def _admit(self, role: str, view: RequestView, parent: context.Context, fingerprint: str | None = None,
+                     claim: _DecodeClaim | None = None) -> WorkerInfo:
         """A worker of `role` for the request by the dispatch policy, reserved; waiting in the router's
-        queue while none has room. The choice is counted and put on the request's span."""
+        queue while none has room. A prefill with a decode `claim` also waits for decode room and takes
+        the claim; the decode then releases it. The choice is counted and put on the request's span."""
+        def place() -> WorkerInfo:
+            if claim is not None and role == "prefill":
+                claim.take(self.registry)
+                try:
+                    return self.registry.pick(role, view, fingerprint=fingerprint)
+                except BaseException:
+                    claim.release()
+                    raise
+            chosen = self.registry.pick(role, view, fingerprint=fingerprint)
+            if claim is not None:
+                claim.release()
+            return chosen
+
+        # requests of one role, model and layout find room in the same workers, unless the policy holds
+        # back some requests but not others
+        group = None if self.registry.policy.declines_by_request else (role, view.model, fingerprint, claim is None)
         started = time.monotonic()
-        worker, queued = await self.admission.admit(lambda: self.registry.pick(role, view, fingerprint=fingerprint),
-                                                    view)
+        with self.metrics.queued(view.model):
+            worker, queued = await self.admission.admit(place, view, group)
         waited = time.monotonic() - started
         policy = self.registry.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
-        if queued:
-            self.metrics.queue_seconds.observe(waited)
+        if role == "prefill":  # its first worker: what vLLM's queue time measures
+            self.metrics.queue_time.labels(view.model).observe(waited)
         trace.get_current_span(parent).set_attributes({f"dispatch.{role}.policy": policy,
                                                        f"dispatch.{role}.worker": worker.worker_id,
                                                        f"dispatch.{role}.queue_s": waited if queued else 0.0})
@@ -484,7 +562,7 @@ class Dispatcher:
     def _placed(self, worker_id: str, prompt_tokens: int) -> Iterator[_Placed]:
         """The request on `worker_id` while the block runs: its prompt in this router's backlog of the
         worker until `prompt_done()`, its reserved slot released at the end."""
-        placed = _Placed(self._backlog, worker_id, prompt_tokens)
+        placed = _Placed(self.registry, worker_id, prompt_tokens)
         try:
             yield placed
         finally:
@@ -548,9 +626,12 @@ class Dispatcher:
     async def _after_failure(self, worker_id: str, request_id: str, exc: BaseException) -> None:
         """Free the worker's slot after `exc` (the client left, the deadline passed, a step broke),
         unless it is a typed error from the worker itself, which means it already gave up; send
-        nothing new to a worker NATS found nothing serving."""
+        nothing new to a worker NATS found nothing serving, nor to one that refused as full until a
+        slot frees."""
         if isinstance(exc, NoResponders):
             self.registry.unreachable(worker_id)
+        elif isinstance(exc, AtCapacity):
+            self.registry.refused_at_capacity(worker_id)
         elif not isinstance(exc, MeshError) or isinstance(exc, Timeout):
             await self._abort(worker_id, request_id)
 

@@ -8,6 +8,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, StreamInterrupted, WorkerLost
@@ -30,23 +31,27 @@ class _Entry:
     heartbeat_view: WorkerView | None = None  # what the policies see of `info`, built once per heartbeat
     unreachable: bool = False  # NATS found nothing serving it since its last heartbeat: it takes nothing new
 
-    def view(self) -> WorkerView:
-        """What the policies see of this worker: its last heartbeat and what was sent it since."""
+    def view(self, sent_backlog: int = 0) -> WorkerView:
+        """What the policies see of this worker: its last heartbeat and what was sent it since (and
+        `sent_backlog`, the prompt tokens this router sent it that are not computed yet)."""
         if self.heartbeat_view is None:
             view = worker_view(self.info)
             self.heartbeat_view = replace(view, state="draining") if self.unreachable else view
-        if not self.assigned and not self.released:
+        if not self.assigned and not self.released and not sent_backlog:
             return self.heartbeat_view
         # A finished request was either sent since the heartbeat or counted in it.
         from_assigned = min(self.released, self.assigned)
         return replace(self.heartbeat_view, assigned=self.assigned - from_assigned,
-                       running=max(self.heartbeat_view.running - (self.released - from_assigned), 0))
+                       running=max(self.heartbeat_view.running - (self.released - from_assigned), 0),
+                       sent_backlog=sent_backlog)
 
 
 class WorkerRegistry:
     def __init__(self, missed_heartbeats: int = 3, policy: Policy | None = None, seed: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_backlog_s: float | None = None):
         self._workers: dict[str, _Entry] = {}
+        self.max_backlog_s = max_backlog_s  # llmesh.policies.core.has_room
+        self.backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
         self._missed = missed_heartbeats
         self.policy = policy or least_loaded()
         self._rng = random.Random(seed)
@@ -104,6 +109,22 @@ class WorkerRegistry:
             log.warning("worker %s serves nothing on its subject: no new requests until it beats again", worker_id)
             entry.unreachable, entry.heartbeat_view = True, None
 
+    def refused_at_capacity(self, worker_id: str) -> None:
+        """`worker_id` refused a request as full: it held its capacity then, whatever this router's
+        view of it said (requests sent before its heartbeat reached here, another router's). Count it
+        full from now on; each request that ends here frees a slot again, as does its next heartbeat."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.heartbeat_view = replace(entry.view(), running=entry.info.capacity, assigned=0)
+            entry.assigned, entry.released = 1, 0  # the refused request's reservation, released after this
+
+    def decode_room(self, model: str) -> int | None:
+        """Requests the active decode workers of `model` take now, by this router's view of them (None:
+        there is none)."""
+        views = [v for v in (e.view() for e in self._workers.values())
+                 if v.role == "decode" and v.model == model and v.state == "active"]
+        return sum(max(v.capacity - v.running - v.assigned, 0) for v in views) if views else None
+
     async def run_expiry(self, period: float = 0.25) -> None:
         while True:
             due = self._clock() + period
@@ -130,21 +151,26 @@ class WorkerRegistry:
     def live(self, role: str | None = None) -> list[WorkerInfo]:
         return [e.info for e in self._workers.values() if role is None or e.info.role == role]
 
+    def check_served(self, model: str) -> None:
+        """Raise unless a live worker serves `model`."""
+        if not self._workers:
+            raise ServiceUnavailable("no live workers: the mesh is starting or its workers are down")
+        if model not in self.models():
+            raise ModelNotFound(f"The model {model!r} does not exist. Available: "
+                                f"{', '.join(self.models()) or 'none'}", param="model")
+
     def pick(self, role: str, request: RequestView, fingerprint: str | None = None, generates: bool = False,
              reserve: bool = True) -> WorkerInfo:
         """Choose a live worker for `request` by the dispatch policy (with KV layout `fingerprint`,
         among those that run whole requests if `generates`) and count the request against it unless
         not `reserve`d; raise a typed error when none fits."""
-        if not self._workers:
-            raise ServiceUnavailable("no live workers: the mesh is starting or its workers are down")
-        if request.model not in self.models():
-            raise ModelNotFound(f"The model {request.model!r} does not exist. Available: "
-                                f"{', '.join(self.models()) or 'none'}", param="model")
+        self.check_served(request.model)
         cached = self._prefixes.matches(list(self._workers), request.prefix_hashes) if self._prefixes else {}
         ctx = DispatchContext(now=self._clock(), rng=self._rng, request=request,
-                              workers=tuple(e.view() for e in self._workers.values()), role=role,  # type: ignore[arg-type]
-                              fingerprint=fingerprint, generates=generates, dispatched=self._dispatched[role],
-                              cached_blocks=cached)
+                              workers=tuple(e.view(self.backlog.get(w, 0)) for w, e in self._workers.items()),
+                              role=role, fingerprint=fingerprint, generates=generates,  # type: ignore[arg-type]
+                              dispatched=self._dispatched[role], cached_blocks=cached,
+                              max_backlog_s=self.max_backlog_s)
         chosen = self.policy.pick(ctx)
         if chosen is None:
             detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
@@ -153,17 +179,27 @@ class WorkerRegistry:
             raise AtCapacity(f"no {role} worker for {request.model!r}{detail} can take the request now "
                              f"(policy {self.policy.name}: all at capacity or over its threshold)")
         if reserve:
-            self.reserve(chosen.worker_id)
+            self.reserve(chosen.worker_id, request.prompt_tokens if role == "prefill" else 0)
             if self._prefixes is not None:
                 self._prefixes.record(chosen.worker_id, request.prefix_hashes)
         return self._workers[chosen.worker_id].info
 
-    def reserve(self, worker_id: str) -> None:
-        """Count a request sent to `worker_id` until its next heartbeat says how loaded it is."""
+    def reserve(self, worker_id: str, prompt_tokens: int = 0) -> None:
+        """Count a request sent to `worker_id` until its next heartbeat says how loaded it is, and the
+        `prompt_tokens` it is to compute in its backlog until `prompt_done`."""
         entry = self._workers.get(worker_id)
         if entry is not None:
             entry.assigned += 1
             self._dispatched[entry.info.role] += 1
+        self.backlog[worker_id] += prompt_tokens
+
+    def prompt_done(self, worker_id: str, prompt_tokens: int) -> None:
+        """`worker_id` computed (or gave up) a prompt `reserve` counted: out of its backlog."""
+        left = self.backlog[worker_id] - prompt_tokens
+        if left > 0:
+            self.backlog[worker_id] = left
+        else:
+            self.backlog.pop(worker_id, None)
 
     @contextmanager
     def watch(self, worker_id: str, notify: Callable[[BaseException], None]):

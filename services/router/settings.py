@@ -32,8 +32,14 @@ class RouterSettings(CommonSettings):
                                                   "as JSON.")
     queue_max_waiting: int = Field(1024, ge=0, description="Requests that may wait for a worker with room; past "
                                    "it, 429 with Retry-After.")
-    queue_max_wait_s: float = Field(30.0, gt=0, description="Longest wait for a worker with room (and never past "
-                                    "the request's deadline); past it, 429 with Retry-After.")
+    queue_max_wait_s: float = Field(10.0, gt=0, description="Longest wait for a worker with room (and never past "
+                                    "the request's deadline); a request expected to wait longer, or that does, "
+                                    "gets 429 with Retry-After.")
+    prefill_max_queue_s: float | None = Field(
+        1.0, gt=0, description="A prefill worker takes prompts while those it holds, the new one included, take at "
+        "most this long at its measured prefill speed (an idle one takes any); the rest wait in the router's queue, "
+        "in MESH_QUEUE_POLICY's order, bounded by MESH_QUEUE_MAX_WAIT_S. Empty: up to the worker's capacity in "
+        "requests (its engine then queues them, with no bound on the wait).")
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
     local_prefill_margin_s: float | None = Field(
         0.25, ge=0, description="Run a whole request on a decode worker when that computes its prompt sooner "

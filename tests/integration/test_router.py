@@ -324,6 +324,121 @@ async def test_a_full_queue_or_a_long_wait_is_429_with_retry_after(nats_url, max
         await bus.close()
 
 
+async def _slow_decode_workers(nats_url, decode_s, decode_capacity=1):
+    """A prefill worker with room to spare and a decode worker with `decode_capacity` slots whose
+    decodes take `decode_s`; returns what each was sent, with when, in order."""
+    from llmesh.messages import PrefillResult, TokenDelta
+
+    workers = await Bus.connect(nats_url, "fake-workers")
+    sent: list[tuple[str, float]] = []
+
+    async def prefill(req, blob):
+        sent.append(("prefill", time.monotonic()))
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
+                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+
+    async def decode(req, blob):
+        sent.append(("decode", time.monotonic()))
+        await asyncio.sleep(decode_s)
+        yield TokenDelta(text="b", token_ids=[8], finish_reason="length", prompt_tokens=2, completion_tokens=2)
+
+    await workers.serve("mesh.prefill.pre", prefill)
+    await workers.serve("mesh.decode.dec", decode)
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("pre", capacity=8))
+    registry.on_heartbeat(info("dec", role="decode", capacity=decode_capacity))
+    return workers, registry, sent
+
+
+@pytest.mark.parametrize("max_wait_s, expected", [(5.0, [200, 200]), (0.2, [200, 429])])
+async def test_a_prompt_is_admitted_only_with_decode_room_for_it(nats_url, max_wait_s, expected):
+    """The decode worker has one slot: the second request waits before its prompt, not after its first
+    token, and one that cannot wait long enough is a 429 at the door that reached no worker."""
+    from llmesh_router.admission import AdmissionQueue
+
+    workers, registry, sent = await _slow_decode_workers(nats_url, decode_s=0.5)
+    bus, client = await _client(nats_url, registry, AdmissionQueue(max_waiting=8, max_wait_s=max_wait_s))
+    try:
+        calls = []
+        for i in range(2):
+            calls.append(asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})))
+            await asyncio.sleep(0.05)
+        resps = await asyncio.gather(*calls)
+        assert [r.status_code for r in resps] == expected, [r.text for r in resps]
+        kinds = [kind for kind, _ in sent]
+        if expected[1] == 200:
+            assert kinds == ["prefill", "decode", "prefill", "decode"]
+            assert sent[2][1] - sent[1][1] >= 0.5  # p1's prompt only once p0's decode had ended
+        else:
+            assert kinds == ["prefill", "decode"]
+            assert resps[1].json()["error"]["code"] == "rate_limit_exceeded" and "Retry-After" in resps[1].headers
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+async def test_a_worker_fuller_than_the_router_knew_refuses_and_the_request_waits_for_room(nats_url):
+    """The decode worker's last heartbeat shows room, but it is full (another router's requests): it
+    refuses the decode. The router counts it full until it beats again, and the request, its first
+    token already streamed, goes on there then instead of failing."""
+    from llmesh.errors import AtCapacity
+    from llmesh.messages import PrefillResult, TokenDelta
+
+    workers = await Bus.connect(nats_url, "fake-workers")
+    decodes: list[float] = []
+
+    async def prefill(req, blob):
+        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
+                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+
+    async def decode(req, blob):
+        decodes.append(time.monotonic())
+        if len(decodes) == 1:
+            raise AtCapacity("dec is at capacity (4 requests)")
+        yield TokenDelta(text="b", token_ids=[8], finish_reason="length", prompt_tokens=2, completion_tokens=2)
+
+    await workers.serve("mesh.prefill.pre", prefill)
+    await workers.serve("mesh.decode.dec", decode)
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("pre"))
+    registry.on_heartbeat(info("dec", role="decode"))
+    bus, client = await _client(nats_url, registry)
+    try:
+        async def beat_later():
+            while not decodes:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            registry.on_heartbeat(info("dec", role="decode").model_copy(update={"running": 3}))
+
+        beating = asyncio.create_task(beat_later())
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await beating
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == "ab"
+        assert len(decodes) == 2 and decodes[1] - decodes[0] >= 0.3  # it waited for the heartbeat, not retried at once
+        assert 'llmesh_decode_resumes_total{kind="refused"} 1.0' in (await client.get("/metrics")).text
+    finally:
+        await client.aclose()
+        await workers.close()
+        await bus.close()
+
+
+def test_a_refusal_counts_the_worker_full_until_a_request_ends_or_it_beats():
+    registry = WorkerRegistry()
+    registry.on_heartbeat(info("d", role="decode", capacity=4))
+    request = RequestView("r1", "m", prompt_tokens=8, arrival=0.0, deadline=60.0)
+    assert registry.decode_room("m") == 4 and registry.decode_room("other") is None
+    assert registry.pick("decode", request).worker_id == "d"
+    registry.refused_at_capacity("d")
+    registry.release("d")  # the refused request's own reservation
+    assert registry.decode_room("m") == 0
+    registry.release("d")  # a request that ran there ended
+    assert registry.decode_room("m") == 1
+    registry.on_heartbeat(info("d", role="decode", capacity=4).model_copy(update={"running": 2}))
+    assert registry.decode_room("m") == 2
+
+
 async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_url):
     """vLLM's `priority` and the mesh's SLO fields, from the OpenAI request to what the dispatch
     policy reads and what the workers hold (and report on heartbeats)."""

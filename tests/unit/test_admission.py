@@ -63,6 +63,39 @@ async def test_a_hopeless_deadline_is_refused_up_front_with_a_retry_hint():
     waiting.cancel()
 
 
+async def test_a_wait_expected_past_the_longest_is_refused_up_front_not_after_it():
+    now = [0.0]
+    queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=2.5, clock=lambda: now[0]), Slots()
+    queue.interval_s = 1.0
+    ahead = [asyncio.create_task(queue.admit(slots.placer(n), rv(n))) for n in ("a", "b")]
+    await asyncio.sleep(0)
+    assert len(queue) == 2  # expected waits 1 s and 2 s: both within 2.5 s
+    with pytest.raises(Overloaded, match=r"the router's longest wait \(2.5s\)") as refused:
+        await queue.admit(slots.placer("c"), rv("c"))  # 3 s
+    assert refused.value.retry_after_s == 3
+    for waiting in ahead:
+        waiting.cancel()
+
+
+async def test_once_a_waiter_finds_no_room_the_rest_of_its_group_wait_untried():
+    queue, tried = AdmissionQueue(max_waiting=8, max_wait_s=10), []
+
+    def full(name):
+        def place():
+            tried.append(name)
+            raise AtCapacity("full")
+        return place
+
+    waits = [asyncio.create_task(queue.admit(full(n), rv(n), group)) for n, group in
+             [("a", "prefill"), ("b", "prefill"), ("c", "decode"), ("d", None), ("e", None)]]
+    await asyncio.sleep(0)
+    tried.clear()
+    queue.room_changed()
+    assert tried == ["a", "c", "d", "e"]  # b would look where a found nothing; ungrouped ones are all tried
+    for waiting in waits:
+        waiting.cancel()
+
+
 async def test_an_error_other_than_capacity_fails_the_waiter_at_once():
     queue = AdmissionQueue(max_waiting=8, max_wait_s=10)
     broken = [False]

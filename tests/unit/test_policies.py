@@ -1,4 +1,5 @@
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -51,6 +52,33 @@ def test_least_loaded(workers, expected):
 ])
 def test_every_policy_filters_the_same_way(policy, workers, kw, expected):
     assert picked(policy, workers, **kw) == expected
+
+
+def prefiller(worker_id, *, speed=1000.0, backlog=0, sent=0, running=0):
+    """A prefill worker measured at `speed` tokens/s holding `backlog` prompt tokens (heartbeat) and sent
+    `sent` more by the caller's account."""
+    held = (RunningRequest("held", backlog, 0, 16),) if backlog else ()
+    return replace(w(worker_id, running=running, role="prefill", requests=held), prefill_tokens_per_s=speed,
+                   sent_backlog=sent)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("workers, bound, expected", [
+    ([prefiller("a", sent=950)], 1.0, None),  # 950 + 100 tokens at 1000/s: 1.05 s of prompts
+    ([prefiller("a", sent=950)], 2.0, "a"),
+    ([prefiller("a", sent=950)], None, "a"),  # no bound: slots only
+    ([prefiller("a", backlog=950, sent=100)], 1.0, "a"),  # the caller's own account, not the older heartbeat's
+    ([prefiller("a", sent=950), prefiller("b", sent=400, running=2)], 1.0, "b"),
+    ([prefiller("a", speed=0.0, sent=10_000)], 1.0, "a"),  # speed not measured: no estimate
+    ([prefiller("a", speed=10.0)], 1.0, "a"),  # nothing sent it: it takes any prompt
+])
+def test_a_prefill_worker_has_room_only_while_its_prompts_fit_the_backlog_bound(policy, workers, bound, expected):
+    assert picked(policy, workers, role="prefill", max_backlog_s=bound) == expected
+
+
+def test_the_backlog_bound_leaves_decode_workers_alone():
+    busy = replace(w("d"), prefill_tokens_per_s=1000.0, sent_backlog=5000)
+    assert picked("least_loaded", [busy], role="decode", max_backlog_s=1.0) == "d"
 
 
 def test_round_robin_takes_workers_in_turn():
