@@ -97,13 +97,17 @@ class _StreamMux:
 
 
 class _Outbox:
-    """Replies to one client's streams, sent as one `StreamBatch` per turn of the event loop."""
+    """Replies to one client's streams, sent as one `StreamBatch` per turn of the event loop. Each batch
+    names `gone_subject` as its reply subject, where NATS answers "no responders" once the client's
+    subscription is gone (its process died): the handlers producing its streams are then cancelled,
+    which frees what they hold (a worker's engine slot) at once instead of at their end."""
 
-    def __init__(self, bus: Bus, subject: str):
-        self._bus, self._subject = bus, subject
+    def __init__(self, bus: Bus, subject: str, gone_subject: str):
+        self._bus, self._subject, self._gone_subject = bus, subject, gone_subject
         self._ids: list[str] = []
         self._frames: list[bytes] = []
         self._sending: asyncio.Task | None = None
+        self.producers: set[asyncio.Task] = set()  # the handlers streaming to this client
 
     def add(self, stream_id: str, frame: bytes) -> None:
         if not self._frames:
@@ -120,9 +124,14 @@ class _Outbox:
         if previous is not None:
             await asyncio.wait({previous})
         try:
-            await self._bus.nc.publish(self._subject, batch)
+            await self._bus.nc.publish(self._subject, batch, reply=self._gone_subject)
         except nats.errors.Error as exc:
             log.warning("could not send replies on %s: %s", self._subject, exc)
+
+    def produced_by(self, task: asyncio.Task) -> None:
+        if task not in self.producers:
+            self.producers.add(task)
+            task.add_done_callback(self.producers.discard)
 
 
 class ReplyStream:
@@ -190,7 +199,8 @@ class Bus:
         self._tracer = telemetry.tracer(f"llmesh.{name}")
         self._mux: _StreamMux | None = None
         self._mux_started: asyncio.Task | None = None
-        self._outboxes: dict[str, _Outbox] = {}
+        self._outboxes: dict[str, _Outbox] = {}  # a stream client's reply prefix -> its outbox
+        self._gone_subject: str | None = None  # where NATS says a stream client is gone (subscribed on first use)
         # called after a reconnection: NATS delivers at most once, so what was in flight may be lost
         self.reconnected: list[Callable[[], None]] = []
 
@@ -357,6 +367,26 @@ class Bus:
                 span.record_exception(exc)
                 await self._reply(msg, ErrorReply(code="internal_error", message=f"{type(exc).__name__}: {exc}"))
 
+    async def _gone_inbox(self) -> str:
+        if self._gone_subject is None:
+            subject = f"{self.nc.new_inbox()}.gone"
+            await self.nc.subscribe(subject, cb=self._on_client_gone)
+            self._gone_subject = subject
+        return self._gone_subject
+
+    async def _on_client_gone(self, msg: Msg) -> None:
+        """NATS found no subscriber for a batch of stream replies: that client is gone; stop producing."""
+        if not _is_no_responders(msg):
+            return
+        batch_subject = msg.headers.get("Nats-Subject", "")
+        outbox = self._outboxes.pop(batch_subject.removesuffix(f".{_BATCH}"), None)
+        if outbox is None:
+            return
+        if outbox.producers:
+            log.warning("the client reading %s is gone: stopping its %d streams", batch_subject, len(outbox.producers))
+        for task in list(outbox.producers):
+            task.cancel()
+
     async def _reply(self, request: Msg, reply: Reply) -> None:
         if not request.reply:
             return
@@ -365,7 +395,10 @@ class Bus:
             parent, stream_id = request.reply.rsplit(".", 1)
             outbox = self._outboxes.get(parent)
             if outbox is None:
-                outbox = self._outboxes[parent] = _Outbox(self, f"{parent}.{_BATCH}")
+                outbox = self._outboxes[parent] = _Outbox(self, f"{parent}.{_BATCH}", await self._gone_inbox())
+            task = asyncio.current_task()
+            if task is not None:
+                outbox.produced_by(task)
             outbox.add(stream_id, encode(msg, blob))
             return
         try:

@@ -106,6 +106,10 @@ class WorkerSettings(CommonSettings):
         0, ge=0, description="Serve the engine's own Prometheus metrics (vLLM's `vllm:*`: KV cache usage, "
         "preemptions, prefix cache hits...) on this port; 0: none, and vLLM keeps no per-step statistics.")
     kv_pin_s: float = Field(60.0, description="How long prefilled KV stays pinned in the kv-store for its decode.")
+    kv_timeout_s: float = Field(
+        10.0, gt=0, description="Longest wait for one kv-store transfer (connecting included): past it a load is a "
+        "miss that the engine recomputes and a put is dropped, so a shard that hangs (its host cut off) stalls the "
+        "engine that long at most.")
     kv_reuse_prefix: bool = Field(True, description="Prefill loads a prompt's leading blocks that any instance "
                                   "already stored instead of recomputing them.")
     kv_write_behind: bool = Field(True, description="Decode writes the KV of generated tokens back to the kv-store "

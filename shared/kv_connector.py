@@ -83,7 +83,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmesh.kv_connector")
 
-TRANSFER_TIMEOUT_S = 30.0
 PREFILL_SAMPLE_TOKENS = 64  # steps computing fewer tokens (decode steps) say little about prefill throughput
 
 
@@ -189,6 +188,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
         self._async_load = extra.get("load_mode", "layerwise") == "async"
         self._pin_s = float(extra.get("pin_s", 60.0))
+        self._timeout_s = float(extra.get("timeout_s", 10.0))  # one transfer's longest wait: then recompute
         self._preemption = extra.get("preemption", "auto")  # or "swap" / "recompute" always
         if self._preemption not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption must be auto, swap or recompute, not {self._preemption!r}")
@@ -225,7 +225,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         self._durable_tails: set[str] = set()  # tail ids of requests migrating away: their tail is durable
         if role == KVConnectorRole.SCHEDULER and (self._is_consumer or extra.get("reuse_prefix", True)):
             self._lookup = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-lookup",
-                                            threads=1, redis_url=extra.get("redis_url") or "")
+                                            threads=1, redis_url=extra.get("redis_url") or "", timeout=self._timeout_s)
             if self._write_behind and extra.get("control_subject"):
                 self._lookup.serve(extra["control_subject"], self._on_control)
         if role == KVConnectorRole.WORKER:
@@ -236,7 +236,7 @@ class MeshKVConnector(KVConnectorBase_V1):
             )
             self._tracer = telemetry.tracer("llmesh.kv_connector")
             self._kv = ThreadedKvClient(extra["nats_url"], f"{extra.get('service_name', 'vllm')}-connector",
-                                        redis_url=extra.get("redis_url") or "")
+                                        redis_url=extra.get("redis_url") or "", timeout=self._timeout_s)
 
     # ==== scheduler side ===================================================================
 
@@ -558,7 +558,7 @@ class MeshKVConnector(KVConnectorBase_V1):
 
         keys = [chunk_key(h, _layer_index(name)) for name in names for h in transfer.hashes]
         try:
-            missing = self._kv.get(keys, copy_in, trace_context=parent).result(timeout=TRANSFER_TIMEOUT_S)
+            missing = self._kv.get(keys, copy_in, trace_context=parent).result(timeout=self._timeout_s)
         except Exception as exc:  # the store is down or slow: recompute instead
             log.warning("request %s: loading its last block failed: %s", transfer.req_id, exc)
             missing = transfer.block_ids
@@ -577,7 +577,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         if future is None:
             return
         try:
-            missing = future.result(timeout=TRANSFER_TIMEOUT_S)
+            missing = future.result(timeout=self._timeout_s)
         except Exception as exc:  # the store is down or slow: recompute instead
             log.warning("request %s: loading %s failed: %s", load.transfer.req_id, layer_name, exc)
             missing = load.transfer.block_ids
@@ -641,7 +641,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         started_ns = time.time_ns()
         for future, req_id in self._pending_puts:
             try:
-                future.result(timeout=TRANSFER_TIMEOUT_S)
+                future.result(timeout=self._timeout_s)
             except Exception as exc:  # the decode side will miss and recompute
                 log.warning("request %s: saving KV failed: %s", req_id, exc)
         self._pending_puts.clear()

@@ -539,14 +539,14 @@ class ThreadedKvClient:
     """A KvClient with its directory on a private event-loop thread; transfers run on a thread
     pool and return futures (for synchronous code: the vLLM connector)."""
 
-    def __init__(self, nats_url: str, name: str, *, threads: int = 8, redis_url: str = ""):
+    def __init__(self, nats_url: str, name: str, *, threads: int = 8, redis_url: str = "", timeout: float = 30.0):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-kv", daemon=True)
         self._thread.start()
         self._bus = asyncio.run_coroutine_threadsafe(Bus.connect(nats_url, name), self._loop).result()
         directory = ShardDirectory(self._bus)
         asyncio.run_coroutine_threadsafe(directory.start(), self._loop).result()
-        self.client = KvClient(directory, connections_per_shard=threads,
+        self.client = KvClient(directory, timeout=timeout, connections_per_shard=threads,
                                locator=ChunkLocator(redis_url) if redis_url else None)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-kv")
 

