@@ -67,7 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from llmesh import telemetry
 from llmesh.errors import InvalidRequest, MeshError
-from llmesh.kvclient import ThreadedKvClient
+from llmesh.kvclient import FillGuard, ThreadedKvClient
 from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout, tail_hash
 from llmesh.messages import Ack, DurableTail, Message
 from llmesh.policies.preemption import RateEstimate, swap_or_recompute
@@ -213,7 +213,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._loads: dict[str, _PendingLoad] = {}
-        self._pending_puts: list[tuple[concurrent.futures.Future, str]] = []
+        self._pending_puts: list[tuple[concurrent.futures.Future, FillGuard, str]] = []
         self._write_behind_puts: list[tuple[concurrent.futures.Future, str]] = []
         self._load_errors: set[int] = set()
         self._measured = MeshWorkerMetadata()
@@ -611,10 +611,11 @@ class MeshKVConnector(KVConnectorBase_V1):
                 # the transfer thread gathers them straight into the buffers they are sent from.
                 keys = [chunk_key(h, layer) for h in transfer.hashes]
                 block_bytes = kv_layer[0].numel() * kv_layer.element_size()
+                guard = FillGuard()
                 future = self._kv.put_filled(keys, [block_bytes] * len(keys),
-                                             partial(_gather, kv_layer, transfer.block_ids),
+                                             guard.guarded(partial(_gather, kv_layer, transfer.block_ids)),
                                              pin_s=self._pin_s, trace_context=telemetry.extract(transfer.trace))
-                self._pending_puts.append((future, transfer.req_id))
+                self._pending_puts.append((future, guard, transfer.req_id))
             else:  # write-behind is not waited for: copy the blocks now, they may be reused later
                 self._put_copies(kv_layer, transfer, layer, pin_s=0.0)
 
@@ -639,10 +640,11 @@ class MeshKVConnector(KVConnectorBase_V1):
         if not self._pending_puts:
             return
         started_ns = time.time_ns()
-        for future, req_id in self._pending_puts:
+        for future, guard, req_id in self._pending_puts:
             try:
                 future.result(timeout=self._timeout_s)
             except Exception as exc:  # the decode side will miss and recompute
+                guard.revoke()  # its blocks may be reused once the step ends: a late copy would store those
                 log.warning("request %s: saving KV failed: %s", req_id, exc)
         self._pending_puts.clear()
         if meta is not None:

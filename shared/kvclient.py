@@ -246,9 +246,12 @@ class DirectConnection:
         return out
 
     def _grant(self, needed: int) -> int:
-        """New space in the shard's arena for at least `needed` bytes; returns where it starts."""
+        """New space in the shard's arena for at least `needed` bytes (more, up to a slab, where the
+        shard has it without evicting); returns where it starts."""
         assert self.arena is not None
-        reply, _ = self._call({"op": "grant", "size": max(needed, min(SLAB_BYTES, self.arena.size // 64))})
+        self._slab = (0, 0)  # the shard gives back what is left of the last grant, whether this one succeeds or not
+        reply, _ = self._call({"op": "grant", "size": max(needed, min(SLAB_BYTES, self.arena.size // 64)),
+                               "min": needed})
         offset, size = reply.get("offset"), reply.get("size")
         if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < needed or \
                 offset + size > self.arena.size:
@@ -533,6 +536,29 @@ class KvClient:
 def leading_run(held: Sequence[bool]) -> int:
     """How many of `held`, from the first, are true."""
     return next((i for i, h in enumerate(held) if not h), len(held))
+
+
+class FillGuard:
+    """Lets whoever owns the data a transfer thread is to copy take it back: once `revoke()` returns,
+    the copy has been made or never will be (the put then fails). A caller that gives up waiting for
+    a put must revoke before its data changes, or the store could keep what the memory held later
+    under the keys of what it held before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._revoked = False
+
+    def guarded(self, fill: Callable[[list[memoryview]], None]) -> Callable[[list[memoryview]], None]:
+        def run(views: list[memoryview]) -> None:
+            with self._lock:
+                if self._revoked:
+                    raise Timeout("the data to store was taken back before it was copied")
+                fill(views)
+        return run
+
+    def revoke(self) -> None:
+        with self._lock:  # waits out a copy under way
+            self._revoked = True
 
 
 class ThreadedKvClient:

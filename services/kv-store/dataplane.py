@@ -12,9 +12,9 @@ Anything else first, or a wrong or expired token, is refused and the connection 
 Ops (metadata `op`): `put` {keys, sizes, pin_s, shm_offset?}, `get` {keys, pin_s, shm_offset?,
 shm_capacity?} answered with {sizes} (-1: missing), `has` {keys} answered with {found}, `attach`
 {name, size} (offer a shared-memory segment; answered with the shard's shared arena, if it has
-one), and `grant` {size}: space in that arena that the client lays its next puts' values out
-in, from the front, sending `put` {keys, sizes, arena_offsets} to have them adopted as chunks
-without a copy. What is left of a grant returns to the store with the next grant or when the
+one), and `grant` {size, min?}: space in that arena (`size` bytes if free, else at least `min`)
+that the client lays its next puts' values out in, from the front, sending `put` {keys, sizes,
+arena_offsets} to have them adopted as chunks without a copy. What is left of a grant returns to the store with the next grant or when the
 connection closes. Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
 payload was not consumed, also closes the connection. Other connections are unaffected.
 """
@@ -213,16 +213,16 @@ class _Connection:
 
     def _grant(self, meta: dict[str, Any], payload_len: int) -> None:
         """Space in the shared arena for this client's next puts (what is left of the last grant
-        is given back)."""
-        size = meta.get("size")
+        is given back): `size` bytes if they are free, else at least `min`, evicting for them."""
+        size, least = meta.get("size"), meta.get("min", meta.get("size"))
         if payload_len or self.shm is None or self.state.store.arena.name is None or not isinstance(size, int) \
-                or size <= 0:
-            raise BadMessage("grant: needs a size, and an attached client on the shard's host")
+                or not isinstance(least, int) or not 0 < least <= size:
+            raise BadMessage("grant: needs a size (and a min up to it), and an attached client on the shard's host")
         if self.slab is not None:
             self.state.release_slab(self.slab)
             self.slab = None
         try:
-            self.slab = self.state.grant(size)
+            self.slab = self.state.grant(size, least)
         except MeshError as exc:
             send_frame(self.sock, _error(exc))
             return

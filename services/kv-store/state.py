@@ -39,9 +39,9 @@ class ShardState:
         with self.lock:
             self.store.abort(res)
 
-    def grant(self, size: int) -> Slab:
+    def grant(self, size: int, least: int | None = None) -> Slab:
         with self.lock:
-            return self.store.grant(size)
+            return self.store.grant(size, least)
 
     def adopt(self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int],
               pin_s: float) -> None:

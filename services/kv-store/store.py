@@ -128,9 +128,15 @@ class ChunkStore:
             self._free(chunk)
         res.chunks.clear()
 
-    def grant(self, size: int) -> Slab:
+    def grant(self, size: int, least: int | None = None) -> Slab:
+        """`size` bytes of arena for a client's puts in place if they are free; else `least` (default:
+        `size`), evicting for them. Evicting for a slab larger than the client needs would empty a
+        fragmented arena of chunks (each written to SSD, under the store's lock) to make it contiguous."""
         size = footprint(size)
-        offset = self._alloc(size)
+        offset = self.arena.alloc(size) if self._bytes + size <= self.capacity_bytes else None
+        if offset is None:
+            size = footprint(least if least is not None else size)
+            offset = self._alloc(size)
         self._bytes += size
         return Slab(offset, offset + size, offset)
 

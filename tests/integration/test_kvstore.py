@@ -297,3 +297,33 @@ async def test_puts_in_place_span_several_grants_of_arena_space(nats_url):
 
         await asyncio.gather(*(asyncio.to_thread(put_all, keys[i::4]) for i in range(4)))
         assert await get(kv, keys) == [values[k] for k in keys]
+
+
+async def test_a_failed_grant_leaves_no_stale_space_to_write_into(nats_url):
+    """A connection's next put needs more than what is left of its grant, and the shard, full of
+    pinned chunks, cannot grant it: that remainder went back to the store (another client's chunk
+    may lie there now), so the connection's next, smaller put must not be written into it."""
+    capacity = 8 * 1024**2  # grants of 128 KiB (1/64 of the arena)
+    async with shard(nats_url, "stale", capacity=capacity, shared_arena=True), \
+            client(nats_url, connections_per_shard=1) as kv, client(nats_url) as others:
+        def put_in_place(client_kv, key, value, pin_s=60.0):
+            with client_kv.staged_put([key], [len(value)], pin_s=pin_s) as (view,):
+                view[:] = value
+
+        await asyncio.to_thread(put_in_place, kv, "first", os.urandom(64 * 1024))  # 64 KiB of its grant left
+        filled = 0
+        with pytest.raises(KVStoreFull):
+            while True:  # pinned chunks everywhere else
+                await asyncio.to_thread(put_in_place, others, f"fill{filled}", os.urandom(64 * 1024))
+                filled += 1
+        with pytest.raises(KVStoreFull):
+            await asyncio.to_thread(put_in_place, kv, "big", os.urandom(200 * 1024))  # its grant is given back
+        async with client(nats_url) as third:
+            victim = os.urandom(64 * 1024)
+            await asyncio.to_thread(put_in_place, third, "victim", victim)  # where that remainder was
+            small = os.urandom(32 * 1024)
+            try:  # a new grant, if the store has room for it
+                await asyncio.to_thread(put_in_place, kv, "small", small)
+            except KVStoreFull:
+                small = None
+            assert await get(third, ["victim", "small"]) == [victim, small]

@@ -128,3 +128,48 @@ def test_the_cleaner_copies_lru_chunks_to_ssd_so_eviction_writes_nothing(tmp_pat
     assert state.store.get("a") == chunk("a")  # from SSD
     assert state.clean_once(0.99) == 1  # promoting "a" filled memory again: the oldest dirty chunk is copied
     assert state.clean_once(0.99) == 0  # what lies over the mark is clean: nothing to do
+
+
+def test_a_grant_takes_what_is_free_rather_than_evicting_for_a_whole_slab():
+    """Half the store is held by chunks: a client's slab of the whole store would evict them all, while
+    what it needs fits in what is free."""
+    store = ChunkStore(64 * 1024)
+    for key in "abcd":
+        store.put_many([(key, chunk(key, 8 * 1024))], pin_s=0)
+    slab = store.grant(64 * 1024, least=16 * 1024)
+    assert slab.end - slab.offset >= 16 * 1024
+    assert store.stats().evictions == 0 and all(key in store for key in "abcd")
+    store.release_slab(slab)
+    whole = store.grant(48 * 1024)  # without `least`: the size asked, contiguous, evicting for it
+    assert whole.end - whole.offset == 48 * 1024 and store.stats().evictions == 4  # all, to join the free space
+
+
+def test_a_fill_guard_revoked_before_the_copy_stops_it_and_after_it_changes_nothing():
+    import threading
+
+    from llmesh.errors import Timeout
+    from llmesh.kvclient import FillGuard
+
+    copied = []
+    early = FillGuard()
+    early.revoke()
+    with pytest.raises(Timeout):
+        early.guarded(lambda views: copied.append("early"))([])
+    late, started, release = FillGuard(), threading.Event(), threading.Event()
+
+    def slow_copy(views):
+        started.set()
+        release.wait(5)
+        copied.append("late")
+
+    copier = threading.Thread(target=late.guarded(slow_copy), args=([],))
+    copier.start()
+    started.wait(5)
+    revoked = threading.Thread(target=late.revoke)
+    revoked.start()
+    revoked.join(0.2)
+    assert revoked.is_alive()  # revoke waits for the copy under way
+    release.set()
+    revoked.join(5)
+    copier.join(5)
+    assert copied == ["late"]
