@@ -11,15 +11,18 @@ completed, goodput, and how long after the last arrival the deployment took to f
 
 `soak`: the mesh at `--rate` for `--minutes`; every 10 s each service's resident memory and open
 files (its whole process tree, engines included) are sampled, and their slopes after the first
-minute are reported (MB and files per minute), with every request accounted for and every ERROR or
-Traceback line in the services' logs counted. Prints markdown tables for docs/benchmarks.md.
+minute are reported (MB and files per minute; the samples are kept in the run's folder), with every
+request accounted for, every ERROR or Traceback line in the services' logs counted, and the mesh's
+own WARNING lines counted by message. Prints markdown tables for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
+import json
 import re
 import signal
 import statistics
@@ -132,6 +135,10 @@ def soak(args, model_path: str, tokenizer, work: Path, log) -> str:
             sampler.join()
     log_text = "\n".join(p.read_text(errors="replace") for p in (work / "logs" / "mesh").glob("*.log"))
     error_lines = [line for line in log_text.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
+    # the mesh's own warnings (not vLLM's start-up notices), by message with request ids and numbers blanked
+    warnings = collections.Counter(re.sub(r"cmpl-[\w/-]+|\d+", "N", line.split(" WARNING ", 1)[1])[:150]
+                                   for line in log_text.splitlines() if " WARNING " in line and "llmesh" in line)
+    (work / "samples.json").write_text(json.dumps(samples))
     lines = [f"{result['sent']} requests sent at {args.rate:g} req/s for {args.minutes:g} min: {result['completed']} "
              f"completed, {result['refused']} refused (429), {result['failed']} failed otherwise; TTFT P50 "
              f"{result['ttft_p50'] or 0:.0f} ms, P99 {result['ttft_p99'] or 0:.0f} ms; {len(error_lines)} ERROR or "
@@ -146,6 +153,10 @@ def soak(args, model_path: str, tokenizer, work: Path, log) -> str:
                      f"| {rows[0][2]} → {rows[-1][2]} | {slope([(t, f) for t, _, f in steady]):+.2f} |")
     if error_lines:
         lines += ["", "First error lines:", *[f"    {line[:200]}" for line in error_lines[:10]]]
+    if warnings:
+        lines += ["", f"{sum(warnings.values())} WARNING lines of the mesh's own; the most frequent:",
+                  *[f"    {n} × {message}" for message, n in warnings.most_common(5)]]
+    lines.append(f"\nSamples (seconds, MB, open files per service): {work / 'samples.json'}")
     return "\n".join(lines)
 
 
