@@ -26,7 +26,7 @@ from llmesh.bus import Bus
 from llmesh.credentials import EVERYTHING, MeshSecrets, without_userinfo
 from llmesh.errors import MeshError
 from llmesh.launcher import Child, free_port, start_nats, start_redis, start_service, stop_all, wait_healthy
-from llmesh.messages import KvFlush, KvStats, KvStatsRequest, Subjects
+from llmesh.messages import KvFlush, KvStats, KvStatsRequest, Subjects, WorkerInfo
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from .test_faults import check_outputs, stream
@@ -160,33 +160,54 @@ def test_a_full_ssd_tier_is_reported_and_the_shard_serves_on(hosts_mesh, referen
 
 
 def test_a_host_cut_off_mid_load_fails_its_streams_over(hosts_mesh, reference):
-    """Four long streams spread over b and c; c's link goes down (its packets vanish: no reset, no
-    goodbye). The router hears no more heartbeats from c, and c's streams resume on b from the KV in
-    the store; every stream completes within its deadline."""
-    prompts = [token_prompt(300, seed=9400 + i) for i in range(4)]
+    """Long streams, two at a time until c holds some (the router spreads them, but whether c gets any
+    is its choice); then c's link goes down (its packets vanish: no reset, no goodbye). The router hears
+    no more heartbeats from c, and c's streams resume on b from the KV in the store; every stream
+    completes within its deadline."""
+    prompts = [token_prompt(300, seed=9400 + i) for i in range(8)]
     output = 1500
 
     async def go():
-        started = [asyncio.Event() for _ in prompts]
+        tasks, on_c = [], set()
         async with httpx.AsyncClient(timeout=DEADLINE_S + 10, headers=hosts_mesh.headers) as http:
-            tasks = [asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output))
-                     for ids, s in zip(prompts, started)]
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            while not on_c:
+                assert len(tasks) < len(prompts), "the router sent host c none of the streams"
+                started = [asyncio.Event() for _ in range(2)]
+                tasks += [asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output))
+                          for ids, s in zip(prompts[len(tasks):], started)]
+                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+                on_c = await held_by(hosts_mesh, "decode-c")
             hosts_mesh.hosts.cut("c")
             cut = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
-            return results, time.monotonic() - cut
+            return results, time.monotonic() - cut, on_c
 
     before = failovers(hosts_mesh)
-    results, took = asyncio.run(go())
+    results, took, on_c = asyncio.run(go())
     assert all(error is None for _, error in results), results
-    check_outputs(reference, prompts, results, output=output)
-    assert failovers(hosts_mesh) > before  # c held some of them
+    check_outputs(reference, prompts[:len(results)], results, output=output)
+    assert failovers(hosts_mesh) - before >= len(on_c)  # c's streams resumed elsewhere
     give_up = time.monotonic() + 10
     while httpx.get(f"{hosts_mesh.url}/health", timeout=5).json()["workers"]["decode"] != 1:
         assert time.monotonic() < give_up, "the router still counts host c's decode worker"
         time.sleep(0.2)
     print(f"host c cut off: its streams completed on b {took:.1f} s later")
+
+
+async def held_by(mesh: HostsMesh, worker_id: str) -> set[str]:
+    """The requests `worker_id`'s next heartbeat says it holds."""
+    bus = await Bus.connect(mesh.nats_url, "test-heartbeats")
+    beats: asyncio.Queue[WorkerInfo] = asyncio.Queue()
+
+    async def on_heartbeat(info, blob):
+        if info.worker_id == worker_id:
+            beats.put_nowait(info)
+
+    try:
+        await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
+        return {r.request_id for r in (await asyncio.wait_for(beats.get(), 5)).requests}
+    finally:
+        await bus.close()
 
 
 def failovers(mesh: HostsMesh) -> float:

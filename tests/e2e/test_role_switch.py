@@ -13,7 +13,7 @@ import pytest
 from llmesh.bus import Bus
 from llmesh.messages import PlacementDecision, Subjects
 
-from .test_live_migration import NEAR_TIE, Streamed, assert_exact, migrate, other_decode, stream
+from .test_live_migration import NEAR_TIE, Streamed, migrate, other_decode, stream
 from .test_dispatch_policy import start_router, wait_for_decode_workers
 from .test_mesh import MODEL, live_worker, start_extra_worker, token_prompt
 
@@ -131,7 +131,9 @@ def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_work
     (hand_back,) = [d for d in hand_backs if d.detail["request_id"] == streamed.request_id
                     and d.detail["outcome"] == "accepted"]
     assert hand_back.detail["source"] == SWITCHABLE, hand_back
-    assert_exact(mesh, reference, held_ids, streamed)
+    # decoded in a batch with the load's requests: every token greedy, but for batching's near-ties (in a
+    # clean-clone run at 9f768d2 it took the second of two tokens 0.031 nats apart, before its hand-back)
+    assert max(reference.greedy_gaps(held_ids, streamed.token_ids)) <= NEAR_TIE
     assert (asyncio.run(live_worker(mesh, "prefill", SWITCHABLE))) is not None  # it now heart-beats as prefill
     prefilled_there = [s for s in mesh.spans() if s.get("name") == "router request"
                        and (s.get("attributes") or {}).get("dispatch.prefill.worker") == SWITCHABLE]
