@@ -215,11 +215,11 @@ def test_a_router_killed_mid_load_costs_only_its_own_streams_and_comes_back(mesh
                 os.killpg(killed, signal.SIGKILL)
                 at = time.monotonic()
                 while True:  # the decode worker drops the dead router's requests
-                    held = {r.request_id for r in (await live_worker(mesh, "decode")).requests}
-                    if not held & set(orphans):
+                    heartbeat = await live_worker(mesh, "decode")  # None: one missed under load, ask again
+                    if heartbeat is not None and not {r.request_id for r in heartbeat.requests} & set(orphans):
                         stopped_after = time.monotonic() - at
                         break
-                    assert time.monotonic() - at < 5, "the decode worker still runs the dead router's requests"
+                    assert time.monotonic() - at < 8, "the decode worker still runs the dead router's requests"
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             await restarted(mesh, "llmesh_router", killed)
             return stopped_after, results, await wait_serving(mesh, at)
@@ -234,6 +234,7 @@ def test_a_router_killed_mid_load_costs_only_its_own_streams_and_comes_back(mesh
               f"served again after {back_after:.1f} s")
     finally:
         second.stop()
+        wait_healthy(mesh.url, 60, [])  # the next test needs the launcher's router back, even after a failure
 
 
 def test_without_the_length_predictor_and_placement_the_mesh_serves_exactly_until_they_are_back(mesh, reference):

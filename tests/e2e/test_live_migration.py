@@ -194,17 +194,22 @@ def one_trace(mesh, request_id: str, resumed: int, wait_s: float = 15, whole: bo
     it (unless not `whole`: a worker SIGKILLed mid-leg never ends, so never exports, its leg's span),
     and a migration command the request's worker accepted, in a trace of its own, links to it."""
     resumes(mesh, request_id, resumed, wait_s)
-    spans = mesh.spans()
-    named = [s for s in spans if s["attributes"].get("request.id") == request_id]
-    (root,) = [s for s in named if s["name"] == "router request"]
-    trace_id = root["context"]["trace_id"]
+    give_up = time.monotonic() + wait_s
+    while True:  # a parent ends, so is exported, after its children: it may come in a later batch
+        spans = mesh.spans()
+        named = [s for s in spans if s["attributes"].get("request.id") == request_id]
+        (root,) = [s for s in named if s["name"] == "router request"]
+        trace_id = root["context"]["trace_id"]
+        trace = [s for s in spans if s["context"]["trace_id"] == trace_id]
+        by_id = {s["context"]["span_id"]: s for s in trace}
+        roots = [s["name"] for s in trace if s["parent_id"] not in by_id]
+        if (roots == ["router request"] if whole else "router request" in roots) or time.monotonic() > give_up:
+            break
+        time.sleep(0.5)
+    assert roots == ["router request"] if whole else "router request" in roots, roots
     legs = [s for s in named if s["attributes"].get("decode.resumed_at", 0) > 1]
     assert len(legs) >= resumed and all(s["context"]["trace_id"] == trace_id for s in legs), \
         [(s["name"], s["context"]["trace_id"]) for s in legs]
-    trace = [s for s in spans if s["context"]["trace_id"] == trace_id]
-    by_id = {s["context"]["span_id"]: s for s in trace}
-    roots = [s["name"] for s in trace if s["parent_id"] not in by_id]
-    assert roots == ["router request"] if whole else "router request" in roots, roots
     for s in named:
         if s["context"]["trace_id"] != trace_id and s["attributes"].get("migration.accepted"):
             assert any(link["context"]["trace_id"] == trace_id for link in s.get("links") or []), \
