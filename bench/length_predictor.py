@@ -1,21 +1,18 @@
-"""Length-predictor latency and throughput over NATS, against the model called in-process and
-against the same service with batching off, side by side in one run.
+"""Length-predictor latency, CPU and throughput: the models called in-process, and the service over
+NATS with batching on and off, side by side in one run.
 
     .venv/bin/python bench/length_predictor.py [--requests 300] [--rounds 30] [--seconds 10] [--idle 20]
-    .venv/bin/python bench/length_predictor.py --accuracy   # held-out scores in each runtime
 
-Starts nats-server and the service (`python -m llmesh_lengthpred`, the committed model) as
-separate processes, and asks with real AlpacaEval prompts from ../shared/data:
+Starts nats-server and the service (`python -m llmesh_lengthpred`, the committed models) as
+separate processes, and asks with real AlpacaEval prompts from ../shared/data, and for the
+remaining length with the prompt and the first 64-512 tokens of a real answer to it:
 - single: one request at a time, back to back; p50/p99 of each round trip (the client's view);
-- after idle: single requests 1 s apart, as a lightly used router sends them (the model's
-  weights have left the CPU caches by then);
+- after idle: single requests 1 s apart, as a lightly used router sends them;
 - batch of 32: 32 requests sent at once; p50/p99 of the time until all 32 are answered;
 - throughput: 64 requests kept in flight for `--seconds`; predictions per second.
-The in-process rows time `Predictor.predict` directly (no NATS, no queue), on one thread as the
-service runs it, with the encoder in each runtime (`MESH_LENGTH_RUNTIME`: torch fp32, torch int8,
-ONNX Runtime int8, the service's default); their CPU column is the process's CPU time per single
-prediction (p50). The last service runs with MESH_LENGTH_MAX_BATCH=1 (each prompt alone through
-the model).
+The in-process rows time `Predictor.predict` and `Predictor.predict_remaining` directly (no NATS,
+no queue) on one thread, as the service runs them; their CPU column is the process's CPU time per
+single prediction (p50). The last service runs with MESH_LENGTH_MAX_BATCH=1.
 """
 
 from __future__ import annotations
@@ -25,14 +22,14 @@ import asyncio
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
 from llmesh.bus import Bus
 from llmesh.launcher import Child, start_nats, start_service
 from llmesh.lengths import cut_prompt
-from llmesh.messages import LengthPrediction, LengthPredictRequest, Subjects
-from llmesh_lengthpred.settings import ARTIFACT_DIR, LengthPredictorSettings
+from llmesh.messages import LengthPrediction, LengthPredictRequest, LengthRemaining, LengthRemainingRequest, Subjects
+from llmesh_lengthpred.settings import ARTIFACT_DIR
 
 IN_FLIGHT = 64
 IDLE_GAP_S = 1.0
@@ -50,44 +47,68 @@ def row(name: str, single: list[float], batch: list[float], throughput: float, c
             f"{ms(percentile(batch, .5))} | {ms(percentile(batch, .99))} | {throughput:.0f} |")
 
 
-def prompts() -> list[str]:
+@dataclass(frozen=True)
+class Ask:
+    """One question to the predictor: a prompt, and for the remaining length the answer so far."""
+
+    prompt: str
+    generated: str | None = None
+    tokens: int = 0
+
+    def request(self) -> LengthPredictRequest | LengthRemainingRequest:
+        prompt = cut_prompt(self.prompt)[0]
+        if self.generated is None:
+            return LengthPredictRequest(prompt=prompt)
+        return LengthRemainingRequest(prompt=prompt, generated=self.generated, generated_tokens=self.tokens)
+
+
+def questions() -> dict[str, list[Ask]]:
     from llmesh_lengthpred import data
+    from llmesh_lengthpred.model import load_tokenizer
+    from llmesh_lengthpred.train import prefixes, token_counter
 
-    return sorted({e.prompt for e in data.load("llama", len)})
+    tokenizer = load_tokenizer()
+    examples = data.load(token_counter(tokenizer), ("alpaca-eval",), keep_text=True)
+    one_each = list({e.prompt: e for e in examples if e.generator == "gpt4_1106_preview"}.values())
+    cut = prefixes(tokenizer, one_each, (64, 256, 512))
+    return {"prompt": [Ask(e.prompt) for e in sorted(one_each, key=lambda e: e.prompt)],
+            "remaining": [Ask(p.example.prompt, p.text, p.seen) for p in cut]}
 
 
-# MESH_LENGTH_RUNTIME's values, the service's default last
-RUNTIMES = get_args(LengthPredictorSettings.model_fields["length_runtime"].annotation)[::-1]
+def call(predictor, asks: list[Ask]) -> list:
+    if asks[0].generated is None:
+        return predictor.predict(*map(list, zip(*(cut_prompt(a.prompt) for a in asks))))
+    return predictor.predict_remaining([cut_prompt(a.prompt)[0] for a in asks], [a.generated for a in asks],
+                                       [a.tokens for a in asks])
 
 
-def in_process(texts: list[str], args, runtime: str) -> str:
+def in_process(kind: str, asks: list[Ask], args) -> str:
     from llmesh_lengthpred.predictor import Predictor
 
-    predictor = Predictor(args.artifact, threads=1, runtime=runtime)
-    call = lambda batch: predictor.predict(*zip(*[cut_prompt(t) for t in batch]))  # noqa: E731
-    call(texts[:32])  # warm-up
+    predictor = Predictor(args.artifact)
+    call(predictor, asks[:32])  # warm-up
     single, cpu = [], []
     for i in range(args.requests):
         started, cpu_started = time.perf_counter(), time.process_time()
-        call([texts[i % len(texts)]])
+        call(predictor, [asks[i % len(asks)]])
         single.append(time.perf_counter() - started)
         cpu.append(time.process_time() - cpu_started)
     batch = []
     for r in range(args.rounds):
-        chunk = [texts[(r * 32 + j) % len(texts)] for j in range(32)]
         started = time.perf_counter()
-        call(chunk)
+        call(predictor, [asks[(r * 32 + j) % len(asks)] for j in range(32)])
         batch.append(time.perf_counter() - started)
-    name = f"in-process model call, {runtime}" + (" (service default)" if runtime == RUNTIMES[-1] else "")
-    return row(name, single, batch, 32 / statistics.median(batch), cpu)
+    return row(f"in-process, {kind}", single, batch, 32 / statistics.median(batch), cpu)
 
 
-async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float], list[float], float, list[float]]:
+async def over_nats(nats_url: str, texts: list[Ask], args) -> tuple[list[float], list[float], float, list[float]]:
     bus = await Bus.connect(nats_url, "bench-length")
 
-    async def ask(text: str) -> None:
-        await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt=cut_prompt(text)[0]), LengthPrediction,
-                          timeout=30)
+    async def ask(question: Ask) -> None:
+        if question.generated is None:
+            await bus.request(Subjects.LENGTH_PREDICT, question.request(), LengthPrediction, timeout=30)
+        else:
+            await bus.request(Subjects.LENGTH_REMAINING, question.request(), LengthRemaining, timeout=30)
 
     try:
         for text in texts[:32]:  # warm-up
@@ -124,7 +145,7 @@ async def over_nats(nats_url: str, texts: list[str], args) -> tuple[list[float],
         await bus.close()
 
 
-def service_run(workdir: Path, nats_url: str, max_batch: int, texts: list[str], args) -> tuple:
+def service_run(workdir: Path, nats_url: str, max_batch: int, asks: dict[str, list[Ask]], args) -> dict[str, tuple]:
     env = {"MESH_NATS_URL": nats_url, "MESH_LENGTH_MAX_BATCH": str(max_batch), "MESH_LOG_LEVEL": "WARNING"}
     child: Child = start_service("length-predictor", env, workdir / f"svc-{max_batch}.log")
     try:
@@ -143,32 +164,9 @@ def service_run(workdir: Path, nats_url: str, max_batch: int, texts: list[str], 
                 await bus.close()
 
         asyncio.run(ready())
-        return asyncio.run(over_nats(nats_url, texts, args))
+        return {kind: asyncio.run(over_nats(nats_url, texts, args)) for kind, texts in asks.items()}
     finally:
         child.stop()
-
-
-def accuracy(artifact: Path) -> None:
-    """An artifact on its training run's held-out split (same seed), with the encoder in each
-    runtime: what quantizing costs in accuracy."""
-    import numpy as np
-
-    from llmesh_lengthpred import data, train
-    from llmesh_lengthpred.predictor import Predictor
-
-    results = []
-    for runtime in RUNTIMES:
-        predictor = Predictor(artifact, threads=1, runtime=runtime)
-        meta = predictor.meta
-        count = lambda text: len(predictor.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        _, test = data.split_by_prompt(data.load(meta["family"], count), 0.2, meta["seed"])
-        prompts = sorted({e.prompt for e in test})
-        by_prompt = dict(zip(prompts, predictor.predict(*map(list, zip(*map(cut_prompt, prompts))))))
-        predictions = [by_prompt[e.prompt] for e in test]
-        results.append(train.score(f"MiniLM + LoRA, {runtime}", None,
-                                   np.array([p.bucket for p in predictions]),
-                                   np.array([p.expected_tokens for p in predictions]), [e.output_tokens for e in test]))
-    print(train.table(meta["family"], len(test), results))
 
 
 def main() -> None:
@@ -177,36 +175,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="batches of 32 timed")
     parser.add_argument("--seconds", type=float, default=10, help="throughput run length")
     parser.add_argument("--idle", type=int, default=20, help=f"single requests timed {IDLE_GAP_S:.0f} s apart")
-    parser.add_argument("--accuracy", action="store_true", help="held-out accuracy in each runtime instead")
-    parser.add_argument("--artifact", type=Path, default=ARTIFACT_DIR, help="the model (default: the committed one; "
-                        "the service rows always run the committed one)")
+    parser.add_argument("--artifact", type=Path, default=ARTIFACT_DIR, help="the models (default: the committed "
+                        "ones; the service rows always run the committed ones)")
     args = parser.parse_args()
-    if args.accuracy:
-        return accuracy(args.artifact)
-    texts = prompts()
+    asks = questions()
     workdir = Path(tempfile.mkdtemp(prefix="bench-length-"))
     nats, nats_url = start_nats(workdir)
     try:
-        batched = service_run(workdir, nats_url, 32, texts, args)
-        unbatched = service_run(workdir, nats_url, 1, texts, args)
+        batched = service_run(workdir, nats_url, 32, asks, args)
+        unbatched = service_run(workdir, nats_url, 1, asks, args)
     finally:
         nats.stop()
     lines = ["| path | single p50 ms | single p99 ms | single CPU p50 ms | batch of 32 p50 ms | batch of 32 p99 ms "
              "| predictions/s |",
              "|---|---|---|---|---|---|---|",
-             *(in_process(texts, args, runtime) for runtime in RUNTIMES),
-             row("service over NATS (batches up to 32)", *batched[:3]),
-             row("service over NATS, batching off", *unbatched[:3])]
-    print(f"{len(texts)} distinct AlpacaEval prompts; {args.requests} single requests, {args.rounds} batches of 32, "
-          f"{IN_FLIGHT} in flight for {args.seconds:.0f} s\n")
+             *(in_process(kind, asks[kind], args) for kind in asks),
+             *(row(f"service over NATS, {kind} (batches up to 32)", *batched[kind][:3]) for kind in asks),
+             *(row(f"service over NATS, {kind}, batching off", *unbatched[kind][:3]) for kind in asks)]
+    print(f"{len(asks['prompt'])} AlpacaEval prompts, {len(asks['remaining'])} answers cut at 64/256/512 tokens; "
+          f"{args.requests} single requests, {args.rounds} batches of 32, {IN_FLIGHT} in flight for "
+          f"{args.seconds:.0f} s\n")
     print("\n".join(lines))
     for name, run in (("batches up to 32", batched), ("batching off", unbatched)):
-        idle = [1000 * t for t in run[3]]
-        if idle:
-            print(f"\nsingle request after {IDLE_GAP_S:.0f} s idle, service ({name}): p50 {percentile(idle, .5):.1f} ms, "
-                  f"p99 {percentile(idle, .99):.1f} ms, max {max(idle):.1f} ms", end="")
+        for kind in asks:
+            idle = [1000 * t for t in run[kind][3]]
+            if idle:
+                print(f"\nsingle {kind} request after {IDLE_GAP_S:.0f} s idle, service ({name}): "
+                      f"p50 {percentile(idle, .5):.1f} ms, p99 {percentile(idle, .99):.1f} ms, max {max(idle):.1f} ms",
+                      end="")
     print()
-    print(f"\nthroughput, batching on / off: {batched[2] / unbatched[2]:.2f}x")
+    for kind in asks:
+        print(f"throughput, {kind}, batching on / off: {batched[kind][2] / unbatched[kind][2]:.2f}x")
 
 
 if __name__ == "__main__":

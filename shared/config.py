@@ -124,6 +124,10 @@ class WorkerSettings(CommonSettings):
         "`role` in its heartbeat says which the routers send it, and the placement service switches it as load "
         "shifts (BanaServe's adaptive module migration). Switched to prefill, its decodes migrate to the decode "
         "pool; switched to decode, it finishes the prompts it holds.")
+    length_refine_every: int = Field(
+        64, ge=0, description="Decode workers ask the length predictor for a running request's remaining output "
+        "every this many generated tokens (in the background, off the engine's path) and report it on heartbeats; "
+        "0: never.")
     kv_preemption: Literal["auto", "swap", "recompute"] = Field(
         "auto", description="A request vLLM preempted under memory pressure resumes by loading its KV from the "
         "kv-store ('swap') or by computing it again ('recompute'); 'auto' picks the cheaper per request from the "

@@ -43,8 +43,8 @@ WORKER_INBOXES = ["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.ab
 PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
     "router": (["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.length.predict"],
                ["mesh.heartbeat"]),
-    "worker": (["mesh.heartbeat", "mesh.length.observed.*", "mesh.migrate_in.*", "mesh.kvctl.*", "mesh.kv.discover",
-                "mesh.kv.*.token", REPLIES], WORKER_INBOXES + ["mesh.kv.shards"]),
+    "worker": (["mesh.heartbeat", "mesh.length.observed.*", "mesh.length.remaining", "mesh.migrate_in.*",
+                "mesh.kvctl.*", "mesh.kv.discover", "mesh.kv.*.token", REPLIES], WORKER_INBOXES + ["mesh.kv.shards"]),
     "kv-store": (["mesh.kv.shards", REPLIES], ["mesh.kv.>"]),
     "length-predictor": (["mesh.length.head", REPLIES], ["mesh.length.>"]),
     "placement": (["mesh.migrate.*", "mesh.role.*", "mesh.drain.*", "mesh.placement.events", REPLIES],

@@ -80,6 +80,10 @@ class RequestProgress(Message):
     predicted_tokens: float | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent
     migrating: bool = False  # being handed over to another worker
+    # the length predictor's refined estimate of the output still to come, made when `generated` was
+    # `remaining_at` (LengthRemainingRequest); None: none yet, or the predictor had no information
+    predicted_remaining: float | None = None
+    remaining_at: int = 0
 
 
 class WorkerInfo(Message):
@@ -123,11 +127,31 @@ class LengthPredictRequest(Message):
 class LengthPrediction(Message):
     bucket: int  # index into llmesh.lengths buckets
     label: str  # e.g. "[64,128)"
-    expected_tokens: float  # probability-weighted median length of the buckets
-    confidence: float  # probability of `bucket`
-    truncated: bool  # the model read only the prompt's first MAX_PROMPT_TOKENS tokens (and its length)
+    expected_tokens: float  # the median length estimate (its order across requests is the model's ranking)
+    confidence: float  # probability of `bucket` (0 when not `informative`)
+    truncated: bool  # the model read only the prompt's first MAX_PROMPT_CHARS characters (and its length)
     model_version: str
     replica: str  # the predictor replica that answered; LengthObserved goes back to it
+    # False: on the deployment's own lengths the model did not beat a constant; policies act as without it
+    informative: bool = True
+
+
+class LengthRemainingRequest(Message):
+    """How many more tokens a running request will generate, from its prompt and its output so far
+    (a decode worker asks every `MESH_LENGTH_REFINE_EVERY` tokens, off the engine's path)."""
+
+    request_id: str = ""
+    prompt: str  # cut as LengthPredictRequest's
+    generated: str  # the output so far (its end, when long)
+    generated_tokens: int = Field(ge=0)  # its length in the serving model's tokens
+
+
+class LengthRemaining(Message):
+    remaining_tokens: float  # in the serving model's tokens
+    generated_tokens: int
+    informative: bool
+    model_version: str
+    replica: str
 
 
 class LengthObserved(Message):
@@ -164,12 +188,12 @@ class LengthStats(Message):
 
 
 class LengthRefit(Message):
-    """Refit the head on recent (prompt, actual length) pairs; keep the current model unless the
-    refit has a lower log loss on the held-out part (split by prompt)."""
+    """Refit the head (the calibration of the model's score to lengths) on recent (prompt, actual
+    length) pairs; keep the current one unless the refit has a lower log loss on the held-out part
+    (split by prompt)."""
 
     min_samples: int = Field(default=50, ge=2)
     holdout_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
-    epochs: int = Field(default=200, ge=1)
 
 
 class LengthRefitResult(Message):
@@ -177,7 +201,7 @@ class LengthRefitResult(Message):
     reason: str
     samples: int
     held_out: int
-    before: dict[str, float]  # held-out log_loss, exact, within_one, mae_tokens of the current model
+    before: dict[str, float]  # held-out log_loss, exact, within_one, mae_tokens, constant_mae_tokens: current head
     after: dict[str, float]  # ... of the refit
     model_version: str  # the version serving now
 
@@ -525,6 +549,7 @@ class Subjects:
     KV_SHARDS: ClassVar[str] = "mesh.kv.shards"
     KV_DISCOVER: ClassVar[str] = "mesh.kv.discover"
     LENGTH_PREDICT: ClassVar[str] = "mesh.length.predict"  # queue group: one replica answers
+    LENGTH_REMAINING: ClassVar[str] = "mesh.length.remaining"  # queue group: decode workers' refinements
     LENGTH_REFIT: ClassVar[str] = "mesh.length.refit"  # queue group
     LENGTH_HEAD: ClassVar[str] = "mesh.length.head"  # an accepted refit, to every replica
     PLACEMENT: ClassVar[str] = "mesh.placement"  # operator commands to the active placement service

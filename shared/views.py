@@ -16,5 +16,6 @@ def worker_view(info: WorkerInfo) -> WorkerView:
         kv_blocks_total=info.kv_blocks_total, block_size=info.block_size,
         prefill_tokens_per_s=info.prefill_tokens_per_s,
         requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated, r.max_tokens, r.predicted_tokens,
-                                      r.priority, r.migrating) for r in info.requests),
+                                      r.priority, r.migrating, r.predicted_remaining, r.remaining_at)
+                       for r in info.requests),
         roles=tuple(info.roles))

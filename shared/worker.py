@@ -36,6 +36,8 @@ from llmesh.messages import (
     MigrateCommand,
     LengthObserved,
     LengthPrediction,
+    LengthRemaining,
+    LengthRemainingRequest,
     PrefillRequest,
     RequestProgress,
     RoleCommand,
@@ -44,10 +46,12 @@ from llmesh.messages import (
     Subjects,
     WorkerInfo,
 )
+from llmesh.lengths import MAX_PROMPT_CHARS
 from llmesh.models import resolve_model
 from llmesh.policies.core import kv_blocks
 
 log = logging.getLogger(__name__)
+REFINE_TIMEOUT_S = 2.0
 SUPERSEDE_WAIT_S = 5.0  # how long a request sent again waits for the leg it replaces to stop
 
 Role = Literal["prefill", "decode"]
@@ -182,6 +186,9 @@ class HeldRequest:
     tail_durable: bool = False  # its engine writes its partial last block every step (for the hand-over)
     finished: bool = False  # the engine finished it (nothing left to hand over)
     span_context: SpanContext | None = None  # of the span handling it here: commands about it link to its trace
+    predicted_remaining: float | None = None  # the predictor's refined estimate (`refine_length`)
+    remaining_at: int = 0  # `generated` when it was asked for
+    refining: bool = False  # a refinement is in flight
 
     def kv_blocks(self, block_size: int) -> int:
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
@@ -189,7 +196,8 @@ class HeldRequest:
     def progress(self) -> RequestProgress:
         return RequestProgress(request_id=self.request_id, prompt_tokens=self.prompt_tokens, generated=self.generated,
                                max_tokens=self.max_tokens, predicted_tokens=self.predicted_tokens,
-                               priority=self.priority, migrating=self.migration is not None)
+                               priority=self.priority, migrating=self.migration is not None,
+                               predicted_remaining=self.predicted_remaining, remaining_at=self.remaining_at)
 
 
 class PrefillMeter:
@@ -393,6 +401,33 @@ class EngineWorker:
         except Exception as exc:  # a lost report only costs the predictor one sample
             log.warning("could not report the length of %s: %s", request_id, exc)
 
+    def refine_length(self, held: HeldRequest) -> None:
+        """Every `length_refine_every` generated tokens, ask the predictor (in the background) how many
+        tokens `held` has still to come; the answer goes on its heartbeat. Without a predictor, or
+        while one is in flight, nothing happens."""
+        every = self.settings.length_refine_every
+        if not every or held.refining or held.generated < held.remaining_at + every or held.generated < every:
+            return
+        held.refining = True
+        asyncio.get_running_loop().create_task(self._refine(held, held.generated, list(held.token_ids)))
+
+    async def _refine(self, held: HeldRequest, generated: int, token_ids: list[int]) -> None:
+        try:
+            split = len(token_ids) - generated
+            prompt, text = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: (self.tokenizer.decode(token_ids[: min(split, MAX_PROMPT_CHARS)]),
+                               self.tokenizer.decode(token_ids[split:])))
+            answer, _ = await self.bus.request(Subjects.LENGTH_REMAINING, LengthRemainingRequest(
+                request_id=held.request_id, prompt=prompt, generated=text, generated_tokens=generated),
+                LengthRemaining, timeout=REFINE_TIMEOUT_S)
+            held.predicted_remaining = answer.remaining_tokens if answer.informative else None
+            held.remaining_at = generated
+        except Exception as exc:  # no predictor, or a slow one: the heartbeat carries the last estimate
+            log.debug("no refined length for %s: %s", held.request_id, exc)
+            held.remaining_at = generated  # ask again `length_refine_every` tokens on
+        finally:
+            held.refining = False
+
     async def _heartbeats(self) -> None:
         while True:
             try:
@@ -493,7 +528,7 @@ class EngineWorker:
         assert task is not None
         held = self._held[request_id] = HeldRequest(
             request_id, task, queued_tokens, prompt_tokens, max_tokens,
-            predicted.expected_tokens if predicted is not None else None, generated, priority,
+            predicted.expected_tokens if predicted is not None and predicted.informative else None, generated, priority,
             span_context=trace.get_current_span().get_span_context())
         try:
             async with asyncio.timeout(remaining):

@@ -1,19 +1,19 @@
 """Output-length predictions for trace requests: the real predictor's, an oracle's, or none.
 
 Traces carry lengths, not prompts, so the length predictor cannot run on them. What it can give
-is its error: `python -m llmesh_sim.predictions` runs the committed artifact, loaded as the
-service loads it, on the held-out split it was scored on (meta.json), and writes
-(actual, expected, bucket, confidence) per held-out response, numbers only:
+is its error: `python -m llmesh_sim.predictions` fits the prompt-only model as the length
+predictor's training does, on all but a held-out fifth of the prompts, and writes (actual,
+expected, bucket, confidence) per held-out response of one generator family, numbers only:
 
-    .venv/bin/python -m llmesh_sim.predictions [--out sim/profiles/predictor-heldout-llama.json] [--runtime torch]
+    .venv/bin/python -m llmesh_sim.predictions [--out sim/profiles/predictor-heldout-llama.json] [--family llama]
 
 `HeldOutPredictions.predict` then gives a trace request of true length n the expected length the
 predictor gave a held-out response whose true length fell in n's length bucket
 (llmesh.lengths.EDGES; the nearest bucket that has rows where n's has none): the predictor's
 error distribution per class of true length, without the true length leaking into the guess.
 
-Units: the held-out lengths (actual and expected) are the encoder's WordPiece tokens (the
-bert-base-uncased vocabulary of all-MiniLM-L6-v2; llmesh_lengthpred.data), the traces' are
+Units: the held-out lengths (actual and expected) are WordPiece tokens (the bert-base-uncased
+vocabulary; llmesh_lengthpred.model), the traces' are
 Llama tokens. A trace length is bucketed as if it were WordPiece and the returned guess is a
 WordPiece count; on English text the two counts are close, but not equal.
 """
@@ -95,36 +95,28 @@ def with_predictions(requests: Sequence[SimRequest], mode: str, seed: int = 0,
     return requests
 
 
-def held_out_rows(runtime: str | None = None) -> tuple[list[list[float]], dict]:
-    """Run the committed artifact, built as the service builds it, on its held-out split: the rows
-    (actual, expected, bucket, confidence) and what produced them."""
-    from llmesh.lengths import cut_prompt
-    from llmesh_lengthpred import data
-    from llmesh_lengthpred.predictor import Predictor
-    from llmesh_lengthpred.settings import LengthPredictorSettings
+def held_out_rows(family: str = "llama", seed: int = 0) -> tuple[list[list[float]], dict]:
+    """The prompt-only model as `llmesh_lengthpred.train` fits it, trained on every source's prompts
+    but a held-out fifth (split by prompt), on the held-out responses of the `family`'s generators:
+    the rows (actual, expected, bucket, confidence) and what produced them."""
+    import numpy as np
 
-    settings = LengthPredictorSettings()  # MESH_LENGTH_* as the service reads them
-    if runtime is not None:
-        settings = settings.model_copy(update={"length_runtime": runtime})
-    # as LengthPredictorService.create
-    predictor = Predictor(settings.length_artifact_dir, "heldout", settings.length_threads, settings.length_runtime)
-    meta = predictor.meta
-    family, seed = meta["family"], int(meta["seed"])
-    count = lambda text: len(predictor.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731 as train.py
-    train, test = data.split_by_prompt(data.load(family, count), TEST_FRACTION, seed)
-    if "train_responses" in meta and len(train) != meta["train_responses"]:
-        print(f"predictions: {len(train)} training responses, meta.json says {meta['train_responses']}: "
-              "the data is not what the artifact was trained on", file=sys.stderr)
-    rows = []
-    for start in range(0, len(test), settings.length_max_batch):  # as the service's batches, at most this many
-        chunk = test[start : start + settings.length_max_batch]
-        cut = [cut_prompt(e.prompt) for e in chunk]  # as LengthPredictorService.predict
-        for e, p in zip(chunk, predictor.predict([text for text, _ in cut], [chars for _, chars in cut])):
-            rows.append([e.output_tokens, p.expected_tokens, p.bucket, p.confidence])
-    info = {"family": family, "seed": seed, "test_fraction": TEST_FRACTION, "runtime": settings.length_runtime,
-            "model_version": predictor.version, "train_responses": len(train),
-            "artifact": _relative(Path(settings.length_artifact_dir)), "meta_scores": meta.get("scores", [])}
-    return rows, info
+    from llmesh_lengthpred import data, train
+    from llmesh_lengthpred.model import load_tokenizer
+    from llmesh_lengthpred.regression import bucket_probs
+
+    examples = data.load(train.token_counter(load_tokenizer()))
+    features = train.Featurized(examples, [])
+    fit, test = data.split_by_prompt(examples, TEST_FRACTION, seed)
+    test = [e for e in test if e.family == family]
+    ridge = train.fit_total(features, features.rows(fit), seed)
+    rows = features.rows(test)
+    mu = ridge.predict(features.x[rows], features.dense[rows])
+    probs = bucket_probs(mu, ridge.sigma)
+    out = [[e.output_tokens, float(np.expm1(m)), int(p.argmax()), float(p.max())] for e, m, p in zip(test, mu, probs)]
+    info = {"family": family, "seed": seed, "test_fraction": TEST_FRACTION, "train_responses": len(fit),
+            "model": "llmesh_lengthpred.train's prompt-only regression, all sources"}
+    return out, info
 
 
 def scores(rows: Sequence[Sequence[float]], edges: Sequence[int] = EDGES) -> dict[str, float]:
@@ -146,32 +138,24 @@ def _relative(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_PROFILE)
-    parser.add_argument("--runtime", choices=["onnx-int8", "torch-int8", "torch"], default=None,
-                        help="the encoder's runtime (default: the service's, MESH_LENGTH_RUNTIME or onnx-int8)")
+    parser.add_argument("--family", default="llama", help="the generators whose held-out responses are kept")
     args = parser.parse_args(argv)
-    rows, info = held_out_rows(args.runtime)
+    rows, info = held_out_rows(args.family)
     got = scores(rows)
-    fine_tuned = next((s for s in info.pop("meta_scores") if s.get("name") == "MiniLM + LoRA, fine-tuned"), None)
     command = " ".join(["python -m llmesh_sim.predictions", *(argv if argv is not None else sys.argv[1:])])
     out = {"command": command,
-           "source": "llmesh_lengthpred's committed artifact, built as the service builds it, on the held-out "
-                     "split it was scored on; lengths in the encoder's WordPiece tokens (traces: Llama tokens)",
+           "source": "llmesh_lengthpred.train's prompt-only model on the prompts it was not fitted on; lengths in "
+                     "WordPiece tokens (llmesh_lengthpred.model; traces: Llama tokens)",
            **info, "bucket_edges": list(EDGES),
            "scores": {k: round(v, 4) for k, v in got.items()},
-           "meta_json_scores": None if fine_tuned is None else
-           {k: round(fine_tuned[k], 4) for k in ("exact", "within_one", "mae_tokens")},
            "columns": COLUMNS,
            "rows": [[int(a), round(e, 1), int(b), round(c, 3)] for a, e, b, c in rows]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     head = json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=2, ensure_ascii=False)[: -len("\n}")]
     body = ",\n".join("    " + json.dumps(r) for r in out["rows"])  # a row a line: small diffs
     args.out.write_text(f'{head},\n  "rows": [\n{body}\n  ]\n}}\n')
-    line = (f"predictions: {got['rows']} held-out rows ({info['runtime']}, model {info['model_version']}): "
-            f"MAE {got['mae_tokens']:.1f} tokens, exact bucket {got['exact']:.1%}, ±1 {got['within_one']:.1%}")
-    if fine_tuned is not None:
-        line += (f"; meta.json: MAE {fine_tuned['mae_tokens']:.1f}, exact {fine_tuned['exact']:.1%}, "
-                 f"±1 {fine_tuned['within_one']:.1%}")
-    print(line)
+    print(f"predictions: {got['rows']} held-out {info['family']} rows: MAE {got['mae_tokens']:.1f} tokens, "
+          f"exact bucket {got['exact']:.1%}, ±1 {got['within_one']:.1%}")
     print(json.dumps({"out": _relative(args.out)}))
     return 0
 

@@ -162,6 +162,7 @@ class DecodeService:
                 first = False
             held.generated += len(o.token_ids)
             held.token_ids.extend(o.token_ids)
+            self.worker.refine_length(held)
             # stopped for a migration: the engine's "abort" is not the end of the request
             handed_over = out.finished and o.finish_reason == "abort" and held.migration is not None
             finish_reason = o.finish_reason if out.finished and not handed_over else None

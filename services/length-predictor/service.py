@@ -2,6 +2,8 @@
 
 - `mesh.length.predict` (queue group, so replicas share the load): LengthPredictRequest ->
   LengthPrediction. Requests that arrive while a batch runs form the next batch.
+- `mesh.length.remaining` (queue group): LengthRemainingRequest -> LengthRemaining, a running
+  request's tokens still to come, from its prompt and its output so far (decode workers ask).
 - `mesh.length.observed.<replica>`: workers' LengthObserved reports. Each is scored against its
   prediction (running accuracy and error per predicted bucket), and with the prompt this replica
   kept it becomes a refit sample.
@@ -10,9 +12,10 @@
   on `mesh.length.head` to every replica and into Redis for replicas that start later.
 
 Bad input: an empty prompt is an `invalid_request` error. A prompt longer than
-MAX_PROMPT_CHARS characters is cut; the model reads the first MAX_PROMPT_TOKENS tokens and the
-full length, and the prediction says `truncated`. An undecodable message (text that is not
-UTF-8, wrong fields) is answered with a `bad_message` error by the bus.
+MAX_PROMPT_CHARS characters is cut (the model reads its start and its full length) and the
+prediction says `truncated`; generated text is cut to its last MAX_GENERATED_CHARS. An
+undecodable message (text that is not UTF-8, wrong fields) is answered with a `bad_message`
+error by the bus.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions
-import torch
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,6 +49,8 @@ from llmesh.messages import (
     LengthPredictRequest,
     LengthRefit,
     LengthRefitResult,
+    LengthRemaining,
+    LengthRemainingRequest,
     LengthStats,
     LengthStatsRequest,
     Subjects,
@@ -54,6 +59,7 @@ from llmesh.messages import (
 from . import data
 from .predictor import Head, Predictor, refit_split
 from .settings import LengthPredictorSettings
+from .regression import MAX_GENERATED_CHARS
 
 log = logging.getLogger(__name__)
 I, R = TypeVar("I"), TypeVar("R")
@@ -62,7 +68,7 @@ QUEUE = "length-predictor"
 SAMPLES_KEY = "llmesh:length:samples"
 HEAD_KEY = "llmesh:length:head:{base}"
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-REFIT_CHUNK = 32  # prompts per model-thread job while a refit computes features
+REFIT_CHUNK = 256  # prompts per model-thread job while a refit scores them
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -234,6 +240,8 @@ class LengthPredictorService:
         self.calibration = Calibration()
         self.batcher: Batcher[tuple[str, int], LengthPrediction] = Batcher(
             self._predict_batch, settings.length_max_batch, model_thread)
+        self.remaining_batcher: Batcher[tuple[str, str, int], LengthRemaining] = Batcher(
+            self._remaining_batch, settings.length_max_batch, model_thread)
         self._prompts: OrderedDict[str, str] = OrderedDict()  # request id -> prompt, until its report
         self._refit_lock = asyncio.Lock()
         self.answered = 0
@@ -251,8 +259,7 @@ class LengthPredictorService:
         model_thread = ThreadPoolExecutor(1, thread_name_prefix="length-model")
         try:
             predictor = await asyncio.get_running_loop().run_in_executor(
-                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_threads,
-                                      settings.length_runtime))
+                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_generator))
         except BaseException:
             model_thread.shutdown(wait=False)
             raise
@@ -265,23 +272,34 @@ class LengthPredictorService:
     async def start(self) -> None:
         saved = await self.shared.load_head(self.predictor.base_version)
         if saved is not None:
-            self._install(Head.from_bytes(saved, self.predictor.head.linear), "Redis")
+            self._install(Head.from_bytes(saved), "Redis")
         await self.bus.serve(Subjects.LENGTH_PREDICT, self.predict, queue=QUEUE, span="length-predictor predict")
+        await self.bus.serve(Subjects.LENGTH_REMAINING, self.remaining, queue=QUEUE, traced=False)
         await self.bus.serve(Subjects.length_observed(self.replica), self.observe, traced=False)
         await self.bus.serve(Subjects.length_stats(self.replica), self.stats, traced=False)
         await self.bus.serve(Subjects.LENGTH_REFIT, self.refit, queue=QUEUE, span="length-predictor refit")
         await self.bus.serve(Subjects.LENGTH_HEAD, self.on_head, traced=False)
-        log.info("%s ready: model %s (%s family), batches of up to %d", self.replica, self.predictor.version,
-                 self.predictor.meta.get("family", "?"), self.settings.length_max_batch)
+        log.info("%s ready: model %s (generator %s), batches of up to %d", self.replica, self.predictor.version,
+                 self.predictor.generator, self.settings.length_max_batch)
 
     async def close(self) -> None:
         await self.batcher.close()
+        await self.remaining_batcher.close()
         await self.shared.close()
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
     def _predict_batch(self, items: list[tuple[str, int]]) -> list[LengthPrediction]:
         self.batch_size.observe(len(items))
         return self.predictor.predict([text for text, _ in items], [chars for _, chars in items])
+
+    def _remaining_batch(self, items: list[tuple[str, str, int]]) -> list[LengthRemaining]:
+        return self.predictor.predict_remaining(*map(list, zip(*items)))
+
+    async def remaining(self, req: LengthRemainingRequest, blob: memoryview) -> LengthRemaining:
+        if not isinstance(req, LengthRemainingRequest):
+            raise InvalidRequest(f"expected LengthRemainingRequest, got {type(req).__name__}")
+        prompt, _ = cut_prompt(req.prompt)
+        return await self.remaining_batcher.submit((prompt, req.generated[-MAX_GENERATED_CHARS:], req.generated_tokens))
 
     async def predict(self, req: LengthPredictRequest, blob: memoryview) -> LengthPrediction:
         if not isinstance(req, LengthPredictRequest):
@@ -328,11 +346,11 @@ class LengthPredictorService:
             except ValueError as exc:
                 self.refits.labels("skipped").inc()
                 return LengthRefitResult(accepted=False, reason=str(exc), **result)
-            x_fit = await self._features([s.prompt for s in fit])
-            x_held = await self._features([s.prompt for s in held])
+            fit_scores = await self._scores([s.prompt for s in fit])
+            held_scores = await self._scores([s.prompt for s in held])
             head, before, after = await self._in_model_thread(
-                self.predictor.refit_head, x_fit, [s.output_tokens for s in fit], x_held,
-                [s.output_tokens for s in held], req.epochs)
+                self.predictor.refit_head, fit_scores, [s.output_tokens for s in fit], held_scores,
+                [s.output_tokens for s in held])
             result.update(held_out=len(held), before=before, after=after)
             change = f"held-out log loss {before['log_loss']:.3f} -> {after['log_loss']:.3f}"
             if head is None:
@@ -345,25 +363,25 @@ class LengthPredictorService:
             await self.bus.publish(Subjects.LENGTH_HEAD, LengthHead(base_version=self.predictor.base_version,
                                                                     version=head.version), blob_out)
             self.refits.labels("accepted").inc()
-            return LengthRefitResult(accepted=True, reason=f"{change}: now serving {head.version}",
-                                     **(result | {"model_version": head.version}))
+            return LengthRefitResult(accepted=True, reason=f"{change}: now serving {self.predictor.version}",
+                                     **(result | {"model_version": self.predictor.version}))
 
-    async def _features(self, prompts: list[str]) -> torch.Tensor:
-        """Encoder features of many prompts, a few at a time, so that predictions go on in between."""
-        parts = [(await self._in_model_thread(self.predictor.features, prompts[i : i + REFIT_CHUNK]))[0]
+    async def _scores(self, prompts: list[str]) -> np.ndarray:
+        """The model's scores of many prompts, a chunk at a time, so that predictions go on in between."""
+        parts = [await self._in_model_thread(self.predictor.scores, prompts[i : i + REFIT_CHUNK])
                  for i in range(0, len(prompts), REFIT_CHUNK)]
-        return torch.cat(parts)
+        return np.concatenate(parts)
 
     async def on_head(self, msg: LengthHead, blob: memoryview) -> None:
-        if not isinstance(msg, LengthHead) or msg.version == self.predictor.version:
+        if not isinstance(msg, LengthHead) or msg.version == self.predictor.head.version:
             return
         if msg.base_version != self.predictor.base_version:
             log.warning("ignoring head %s: fitted on artifact %s, this replica runs %s", msg.version,
                         msg.base_version, self.predictor.base_version)
             return
         try:
-            head = Head.from_bytes(bytes(blob), self.predictor.head.linear)
-        except Exception as exc:  # torch.load raises several types on bad bytes
+            head = Head.from_bytes(bytes(blob))
+        except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
             log.warning("ignoring head %s: unreadable (%s)", msg.version, exc)
             return
         if head.version != msg.version:

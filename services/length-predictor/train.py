@@ -1,197 +1,248 @@
-"""Train and evaluate the length predictor for one generator family, against baselines run alike.
+"""Train the length models on every source, evaluate them on sources they did not see, and write
+the artifact the service loads.
 
-    .venv/bin/python -m llmesh_lengthpred.train --family llama [--out DIR] [--epochs 3] [--seed 0]
+    .venv/bin/python -m llmesh_lengthpred.train [--out DIR] [--limit-prompts N] [--seed 0]
 
-Splits by prompt (20% held out), fine-tunes LoRA adapters and the head with a progress bar,
-then prints one table on the held-out split: exact-bucket accuracy, ±1-bucket accuracy, mean
-absolute error of the expected length in tokens, and calibration (mean confidence of the
-predicted bucket against its accuracy, and the expected calibration error over 10 bins), for
-the fine-tuned model and three baselines: always the training median, a regression of output
-length on prompt length (log-log), and the frozen encoder with a linear head.
+Prints, for each source held out in turn (leave-one-source-out: trained on the others, tested on
+it) and for a split by prompt across all of them: exact and ±1-bucket accuracy, the mean absolute
+error of the expected length in tokens, Kendall's tau and Spearman's rho between predicted and
+actual lengths, and the same for the constant (the training median) trained on the same data;
+then the remaining-length model's error by the number of tokens already generated, against the
+prompt-only model's on the same requests. The artifact is trained on everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from tqdm import tqdm
+from scipy import stats
 
-from llmesh.lengths import NUM_BUCKETS, bucket_medians, bucket_of
+from llmesh.lengths import bucket_of
 
 from . import data
-from .model import MAX_PROMPT_TOKENS, LengthModel, encode, load_encoder, load_tokenizer, save
+from .model import load_tokenizer
+from .regression import MAX_GENERATED_CHARS, RemainingModel, Ridge, TotalModel, bucket_probs
+
+# ridge penalties; tried 1, 3, 10 and 30 (docs/benchmarks.md): 30 keeps the prompt-only model's MAE under the
+# constant's on every held-out source, at 0.01 of tau within the sources it was trained on
+TOTAL_ALPHA = 30.0
+REMAINING_ALPHA = 10.0
+SIGMA_FRACTION = 0.1  # of the training prompts, held back to measure the residual spread
+SEEN = (16, 32, 64, 128, 256, 512)  # generated tokens at which the remaining-length model is trained and scored
+
 
 
 @dataclass
 class Scores:
     name: str
+    rows: int
     exact: float
     within_one: float
     mae_tokens: float
-    confidence: float | None  # mean probability of the predicted bucket
-    ece: float | None
+    kendall_tau: float | None  # over all held-out responses, whoever generated them
+    kendall_tau_per_generator: float | None  # within each generator's responses (a deployment serves one
+    spearman: float | None                   # model), averaged weighted by their count
 
 
-def score(name: str, probs: np.ndarray | None, buckets: np.ndarray, expected: np.ndarray,
-          actual: list[int]) -> Scores:
-    truth = np.array([bucket_of(n) for n in actual])
-    conf = ece = None
-    if probs is not None:
-        top = probs.max(1)
-        hit = (buckets == truth).astype(float)
-        conf = float(top.mean())
-        bins = np.minimum((top * 10).astype(int), 9)
-        ece = float(sum(abs(hit[bins == i].mean() - top[bins == i].mean()) * (bins == i).mean()
-                        for i in range(10) if (bins == i).any()))
-    return Scores(name, float((buckets == truth).mean()), float((abs(buckets - truth) <= 1).mean()),
-                  float(np.abs(expected - np.array(actual)).mean()), conf, ece)
+def score(name: str, predicted_tokens: np.ndarray, buckets: np.ndarray, actual: np.ndarray,
+          generators: list[str]) -> Scores:
+    truth = np.array([bucket_of(int(n)) for n in actual])
+    ranked = len(set(predicted_tokens.tolist())) > 1
+    per_generator = []
+    for g in set(generators):
+        rows = np.array([x == g for x in generators])
+        if rows.sum() >= 20 and len(set(predicted_tokens[rows].tolist())) > 1:
+            per_generator.append((rows.sum(), stats.kendalltau(predicted_tokens[rows], actual[rows]).statistic))
+    return Scores(name, len(actual), float((buckets == truth).mean()), float((abs(buckets - truth) <= 1).mean()),
+                  float(np.abs(predicted_tokens - actual).mean()),
+                  float(stats.kendalltau(predicted_tokens, actual).statistic) if ranked else None,
+                  float(sum(n * t for n, t in per_generator) / sum(n for n, _ in per_generator))
+                  if per_generator else None,
+                  float(stats.spearmanr(predicted_tokens, actual).statistic) if ranked else None)
 
 
-def from_probs(name: str, probs: np.ndarray, medians: list[float], actual: list[int]) -> Scores:
-    return score(name, probs, probs.argmax(1), probs @ np.array(medians), actual)
+def token_counter(tokenizer):
+    def count(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return count
 
 
-def embed(model: LengthModel, batches: list[dict[str, torch.Tensor]]) -> np.ndarray:
-    with torch.no_grad():
-        return torch.cat([model.features(b) for b in batches]).numpy()
+@dataclass
+class Prefix:
+    """A response cut after `seen` tokens, as the remaining-length model is asked about it."""
+
+    example: data.Example
+    seen: int
+    text: str
+
+    @property
+    def remaining(self) -> int:
+        return self.example.output_tokens - self.seen
 
 
-def batches_of(tokenizer, examples: list[data.Example], size: int, max_tokens: int) -> list[dict[str, torch.Tensor]]:
+def prefixes(tokenizer, examples: list[data.Example], seen: tuple[int, ...] = SEEN) -> list[Prefix]:
+    """Each response cut at each of `seen` tokens it runs past."""
     out = []
-    for i in range(0, len(examples), size):
-        chunk = examples[i : i + size]
-        batch = encode(tokenizer, [e.prompt for e in chunk], max_tokens)
-        batch["label"] = torch.tensor([bucket_of(e.output_tokens) for e in chunk])
-        out.append(batch)
+    long_enough = [e for e in examples if e.output_tokens > min(seen)]
+    for start in range(0, len(long_enough), 256):
+        chunk = long_enough[start : start + 256]
+        offsets = tokenizer([e.response for e in chunk], add_special_tokens=False,
+                            return_offsets_mapping=True)["offset_mapping"]
+        for e, spans in zip(chunk, offsets):
+            out += [Prefix(e, k, e.response[: spans[k - 1][1]][-MAX_GENERATED_CHARS:]) for k in seen if len(spans) > k]
     return out
 
 
-def prompt_batches(tokenizer, examples: list[data.Example], size: int, seed: int,
-                   max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """One row per prompt whose target is the distribution of buckets over the family's responses
-    to it: the models of a family answer the same prompt at different lengths, and that spread
-    is what a prompt-only predictor can learn."""
-    by_prompt: dict[str, list[int]] = {}
-    for e in examples:
-        by_prompt.setdefault(e.prompt, []).append(bucket_of(e.output_tokens))
-    prompts = sorted(by_prompt)
-    random.Random(seed).shuffle(prompts)
+class Featurized:
+    """Every example's and every prefix's features, computed once, sliced by split."""
+
+    def __init__(self, examples: list[data.Example], prefixes: list[Prefix]):
+        self.examples, self.prefixes = examples, prefixes
+        self.total = TotalModel()
+        self.remaining = RemainingModel(hasher=self.total.hasher)
+        self.x, self.dense = self.total.features([e.prompt for e in examples], [e.generator for e in examples])
+        self.y = np.log1p([e.output_tokens for e in examples])
+        self.px, self.pdense = self.remaining.features([p.example.prompt for p in prefixes], [p.text for p in prefixes],
+                                                       [p.seen for p in prefixes])
+        self.py = np.log1p([p.remaining for p in prefixes])
+        self._index = {id(e): i for i, e in enumerate(examples)}
+        self.prefix_example = np.array([self._index[id(p.example)] for p in prefixes], dtype=int)
+
+    def rows(self, chosen: list[data.Example]) -> np.ndarray:
+        return np.array([self._index[id(e)] for e in chosen], dtype=int)
+
+
+def _sigma_split(f: Featurized, rows: np.ndarray, seed: int) -> np.ndarray:
+    """Which of `rows` are held back to measure the residual spread (by prompt; another seed than
+    the evaluation's split, whose training side it would otherwise leave empty)."""
+    held = {e.prompt for e in data.split_by_prompt([f.examples[i] for i in rows], SIGMA_FRACTION, seed + 1)[1]}
+    return np.array([f.examples[i].prompt in held for i in rows])
+
+
+def fit_total(f: Featurized, rows: np.ndarray, seed: int) -> Ridge:
+    held = _sigma_split(f, rows, seed)
+    fit, out = rows[~held], rows[held]
+    ridge = Ridge.fit(f.x[fit], f.dense[fit], f.y[fit], TOTAL_ALPHA)
+    ridge.sigma = float(np.std(f.y[out] - ridge.predict(f.x[out], f.dense[out])))
+    return ridge
+
+
+def fit_remaining(f: Featurized, total: Ridge, rows: np.ndarray, seed: int) -> Ridge:
+    """On the prefixes of the responses in `rows`, the prompt-only estimate from `total`."""
+    chosen = np.flatnonzero(np.isin(f.prefix_example, rows))
+    held = np.isin(f.prefix_example[chosen], rows[_sigma_split(f, rows, seed)])
+    x, y = f.px[chosen], f.py[chosen]
+    dense = remaining_dense(f, total, chosen)
+    ridge = Ridge.fit(x[~held], dense[~held], y[~held], REMAINING_ALPHA)
+    ridge.sigma = float(np.std(y[held] - ridge.predict(x[held], dense[held])))
+    return ridge
+
+
+def remaining_dense(f: Featurized, total: Ridge, chosen: np.ndarray) -> np.ndarray:
+    examples = f.prefix_example[chosen]
+    return RemainingModel.with_mu(f.pdense[chosen], total.predict(f.x[examples], f.dense[examples]))
+
+
+def evaluate(name: str, f: Featurized, train: np.ndarray, test: np.ndarray,
+             seed: int) -> tuple[list[Scores], list[dict]]:
+    """The prompt-only model against the constant, and the remaining-length model by tokens seen
+    (`evaluate_remaining`), trained on `train`, scored on `test`."""
+    actual = np.expm1(f.y[test])
+    generators = [f.examples[i].generator for i in test]
+    median = float(np.median(np.expm1(f.y[train])))
+    constant = score(f"{name}: constant (training median)", np.full(len(test), median),
+                     np.full(len(test), bucket_of(int(round(median)))), actual, generators)
+    total = fit_total(f, train, seed)
+    mu = total.predict(f.x[test], f.dense[test])
+    ours = score(f"{name}: regression", np.expm1(mu), bucket_probs(mu, total.sigma).argmax(1), actual, generators)
+    remaining = fit_remaining(f, total, train, seed)
+    return [constant, ours], evaluate_remaining(name, f, total, remaining, test)
+
+
+def evaluate_remaining(name: str, f: Featurized, total: Ridge, remaining: Ridge, test: np.ndarray) -> list[dict]:
+    """By tokens seen: the MAE of the total length as the prompt-only model predicts it and as
+    `seen` + the remaining-length model's estimate, on the requests still running there."""
+    chosen = np.flatnonzero(np.isin(f.prefix_example, test))
+    seen = np.array([f.prefixes[i].seen for i in chosen])
+    examples = f.prefix_example[chosen]
+    actual = np.expm1(f.y[examples])
+    prompt_only = np.expm1(total.predict(f.x[examples], f.dense[examples]))
+    refined = seen + np.expm1(remaining.predict(f.px[chosen], remaining_dense(f, total, chosen)))
     out = []
-    for i in range(0, len(prompts), size):
-        chunk = prompts[i : i + size]
-        batch = encode(tokenizer, chunk, max_tokens)
-        target = torch.zeros(len(chunk), NUM_BUCKETS)
-        for row, prompt in enumerate(chunk):
-            for b in by_prompt[prompt]:
-                target[row, b] += 1 / len(by_prompt[prompt])
-        batch["target"] = target
-        out.append(batch)
+    for k in sorted(set(seen.tolist())):
+        at = seen == k
+        # the prompt-only estimate, told the request is still running: at least k + 1
+        before = np.abs(np.maximum(prompt_only[at], k + 1) - actual[at]).mean()
+        after = np.abs(refined[at] - actual[at]).mean()
+        out.append({"split": name, "seen": k, "rows": int(at.sum()), "mae_prompt_only": float(before),
+                    "mae_refined": float(after), "ratio": float(after / before),
+                    "kendall_tau_remaining": float(stats.kendalltau(refined[at] - k, actual[at] - k).statistic)
+                    if at.sum() > 1 else None})
     return out
 
 
-def run(family: str, *, epochs: int = 3, seed: int = 0, limit_prompts: int | None = None, out: Path | None = None,
-        batch_size: int = 16, lr: float = 1e-3, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-        layers: int | None = None, quiet: bool = False) -> list[Scores]:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    tokenizer = load_tokenizer()
-    examples = data.load(family, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-                         limit_prompts)
-    train, test = data.split_by_prompt(examples, 0.2, seed)
-    random.Random(seed).shuffle(train)
-    train_lengths = [e.output_tokens for e in train]
-    actual = [e.output_tokens for e in test]
-    medians = bucket_medians(train_lengths)
-    if not quiet:
-        print(f"{family}: {len(train)} training and {len(test)} held-out responses "
-              f"({len({e.prompt for e in train})} / {len({e.prompt for e in test})} prompts) from "
-              f"{sorted({e.source for e in examples})}")
-    results = []
-
-    # baseline 1: always the training median
-    median = statistics.median(train_lengths)
-    results.append(score("always the median", None, np.full(len(test), bucket_of(int(median))),
-                         np.full(len(test), median), actual))
-    # baseline 2: log-log regression on prompt length
-    train_batches = batches_of(tokenizer, train, batch_size, max_prompt_tokens)
-    test_batches = batches_of(tokenizer, test, 64, max_prompt_tokens)
-    x_train = np.log1p(torch.cat([b["prompt_tokens"] for b in train_batches]).numpy())
-    x_test = np.log1p(torch.cat([b["prompt_tokens"] for b in test_batches]).numpy())
-    slope, intercept = np.polyfit(x_train, np.log1p(train_lengths), 1)
-    predicted = np.expm1(slope * x_test + intercept)
-    results.append(score("regression on prompt length", None, np.array([bucket_of(int(p)) for p in predicted]),
-                         predicted, actual))
-    # baseline 3: the encoder as it comes, with a linear head
-    from sklearn.linear_model import LogisticRegression
-
-    frozen = LengthModel(load_encoder(lora=False)).eval()
-    labels = np.array([bucket_of(n) for n in train_lengths])
-    head = LogisticRegression(max_iter=2000, C=1.0).fit(embed(frozen, train_batches), labels)
-    probs = np.zeros((len(test), NUM_BUCKETS))
-    probs[:, head.classes_] = head.predict_proba(embed(frozen, test_batches))
-    results.append(from_probs("encoder, not fine-tuned, linear head", probs, medians, actual))
-
-    # the predictor: LoRA adapters and the head, fine-tuned
-    model = LengthModel(load_encoder(lora=True, layers=layers))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    per_prompt = prompt_batches(tokenizer, train, batch_size, seed, max_prompt_tokens)
+def run(*, seed: int = 0, limit_prompts: int | None = None, out: Path | None = None, quiet: bool = False,
+        sources: tuple[str, ...] = data.SOURCES, leave_one_out: bool = True) -> dict:
     started = time.monotonic()
-    for epoch in range(epochs):
-        model.train()
-        for batch in tqdm(per_prompt, desc=f"epoch {epoch + 1}/{epochs}", disable=quiet):
-            optimizer.zero_grad()
-            loss = -(batch["target"] * torch.log_softmax(model(batch), 1)).sum(1).mean()
-            loss.backward()
-            optimizer.step()
-    model.eval()
-    with torch.no_grad():
-        probs = torch.cat([torch.softmax(model(b), 1) for b in test_batches]).numpy()
-    results.append(from_probs("MiniLM + LoRA, fine-tuned", probs, medians, actual))
+    say = (lambda *a: None) if quiet else print
+    tokenizer = load_tokenizer()
+    examples = data.load(token_counter(tokenizer), sources, limit_prompts=limit_prompts, keep_text=True)
+    f = Featurized(examples, prefixes(tokenizer, examples))
+    say(f"{len(examples)} responses to {len({e.prompt for e in examples})} prompts from "
+        f"{len({e.generator for e in examples})} generators, {len(f.prefixes)} prefixes "
+        f"({time.monotonic() - started:.0f} s)")
+    report: dict = {"total": [], "remaining": []}
+    splits = [(f"held-out source {s}", [e for e in examples if e.source != s], [e for e in examples if e.source == s])
+              for s in sources if leave_one_out and len(sources) > 1]
+    splits.append(("split by prompt, all sources", *data.split_by_prompt(examples, 0.2, seed)))
+    for name, train, test in splits:
+        scores, remaining = evaluate(name, f, f.rows(train), f.rows(test), seed)
+        report["total"] += [asdict(s) for s in scores]
+        report["remaining"] += remaining
+        say(f"{name}: {len(train)} training, {len(test)} held-out responses ({time.monotonic() - started:.0f} s)")
     if out is not None:
-        save(model, medians, {"family": family, "seed": seed, "epochs": epochs, "max_prompt_tokens": max_prompt_tokens,
-                              "layers": layers,
-                              "train_responses": len(train),
-                              "scores": [vars(r) for r in results], "train_s": time.monotonic() - started}, out)
-    if not quiet:
-        print(table(family, len(test), results))
-    return results
+        everything = np.arange(len(examples))
+        total = fit_total(f, everything, seed)
+        remaining = fit_remaining(f, total, everything, seed)
+        info = {"seed": seed, "sources": list(sources), "responses": len(examples),
+                "alphas": [TOTAL_ALPHA, REMAINING_ALPHA]}
+        total.info, remaining.info = info, info
+        out.mkdir(parents=True, exist_ok=True)
+        total.save(out / "total")
+        remaining.save(out / "remaining")
+        (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+    say(tables(report))
+    return report
 
 
-def table(family: str, held_out: int, results: list[Scores]) -> str:
-    fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = [f"held-out responses: {held_out} ({family} family)", "",
-             "| predictor | exact bucket | ±1 bucket | MAE tokens | mean confidence | ECE |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.exact:.1%} | {r.within_one:.1%} | {r.mae_tokens:.0f} | {fmt(r.confidence)} | "
-              f"{fmt(r.ece)} |" for r in results]
+def tables(report: dict) -> str:
+    pct = lambda v: f"{v:.1%}"  # noqa: E731
+    num = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = ["| split: predictor | responses | exact bucket | ±1 bucket | MAE tokens | Kendall tau "
+             "| tau per generator | Spearman |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['name']} | {s['rows']} | {pct(s['exact'])} | {pct(s['within_one'])} | {s['mae_tokens']:.0f} | "
+              f"{num(s['kendall_tau'])} | {num(s['kendall_tau_per_generator'])} | {num(s['spearman'])} |"
+              for s in report["total"]]
+    lines += ["", "| split | tokens seen | requests still running | MAE prompt-only | MAE refined | ratio "
+              "| tau (remaining) |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['split']} | {r['seen']} | {r['rows']} | {r['mae_prompt_only']:.0f} | {r['mae_refined']:.0f} | "
+              f"{r['ratio']:.2f} | {num(r['kendall_tau_remaining'])} |" for r in report["remaining"]]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="llama", choices=sorted(data.FAMILIES))
-    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit-prompts", type=int, default=None, help="train on a slice: this many prompts")
-    parser.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
-                        help="the encoder reads this many leading tokens of a prompt (and its full length)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="keep the encoder's first this many transformer layers (default: all six)")
-    parser.add_argument("--out", type=Path, default=None, help="write the artifact (adapter, head, medians) here")
+    parser.add_argument("--limit-prompts", type=int, default=None, help="train on a slice: this many prompts a source")
+    parser.add_argument("--sources", nargs="+", default=list(data.SOURCES), choices=data.SOURCES)
+    parser.add_argument("--out", type=Path, default=None, help="write the artifact here")
     args = parser.parse_args()
-    run(args.family, epochs=args.epochs, seed=args.seed, limit_prompts=args.limit_prompts, out=args.out,
-        max_prompt_tokens=args.max_prompt_tokens, layers=args.layers)
-    if args.out is not None:
-        print(json.dumps({"artifact": str(args.out)}))
+    run(seed=args.seed, limit_prompts=args.limit_prompts, out=args.out, sources=tuple(args.sources))
 
 
 if __name__ == "__main__":

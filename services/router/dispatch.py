@@ -290,6 +290,8 @@ class Dispatcher:
                       max_tokens: int | None = None) -> RequestView:
         """`gen` as the dispatch policy sees it (its deadline on the monotonic clock)."""
         now = time.monotonic()
+        if predicted is not None and not predicted.informative:
+            predicted = None  # the predictor says it knows no more than a constant: policies act as without one
         return RequestView(
             request_id=gen.request_id, model=gen.model, prompt_tokens=prompt_tokens, arrival=gen.arrival,
             deadline=now + gen.deadline - time.time(), max_tokens=max_tokens or gen.sampling.max_tokens,

@@ -63,6 +63,21 @@ class RunningRequest:
     predicted_tokens: float | None = None
     priority: int = 0
     migrating: bool = False  # being handed over to another worker
+    predicted_remaining: float | None = None  # the predictor's refined estimate, made at `remaining_at` tokens
+    remaining_at: int = 0
+
+    @property
+    def expected_remaining(self) -> float:
+        """Output tokens still to come, by the best estimate at hand: the refined one, else the
+        prompt-only prediction, else the budget."""
+        budget = self.max_tokens - self.generated
+        if self.predicted_remaining is not None:
+            estimate = self.predicted_remaining - (self.generated - self.remaining_at)
+        elif self.predicted_tokens is not None:
+            estimate = self.predicted_tokens - self.generated
+        else:
+            return float(budget)
+        return float(min(max(estimate, 1.0), budget))
 
     def kv_blocks(self, block_size: int) -> int:
         """Blocks its KV fills now."""

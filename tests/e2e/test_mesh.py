@@ -329,8 +329,9 @@ def test_garbage_on_every_subject_crashes_nothing_leaks_no_request_and_the_mesh_
                 Subjects.generate(decode.worker_id), Subjects.migrate(decode.worker_id),
                 Subjects.migrate_in(decode.worker_id), Subjects.drain(prefill.worker_id),
                 Subjects.drain(decode.worker_id), Subjects.kv_control(decode.worker_id),
-                Subjects.LENGTH_PREDICT, Subjects.LENGTH_REFIT, Subjects.length_stats(replica), Subjects.PLACEMENT,
-                Subjects.kv("0", "stats"), Subjects.kv("0", "flush")]
+                Subjects.LENGTH_PREDICT, Subjects.LENGTH_REMAINING, Subjects.LENGTH_REFIT,
+                Subjects.length_stats(replica), Subjects.PLACEMENT, Subjects.kv("0", "stats"),
+                Subjects.kv("0", "flush")]
     events = [Subjects.HEARTBEAT, Subjects.abort(decode.worker_id), Subjects.abort(prefill.worker_id),
               Subjects.LENGTH_HEAD, Subjects.length_observed(replica), Subjects.KV_DISCOVER, Subjects.KV_SHARDS,
               Subjects.PLACEMENT_EVENTS]
@@ -634,7 +635,8 @@ def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh
 
 def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(mesh):
     """What the dispatch policies read: a streaming request appears on the decode worker's
-    heartbeats with its prompt, its progress and the KV blocks it fills."""
+    heartbeats with its prompt, its progress, the KV blocks it fills and the length predictor's
+    estimate of its remaining output, refined as tokens arrive (every MESH_LENGTH_REFINE_EVERY)."""
     async def go():
         bus = await Bus.connect(mesh.nats_url, "test-heartbeats")
         seen: list[WorkerInfo] = []
@@ -663,6 +665,10 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
             assert held.priority == -2
             assert info.kv_blocks_used == -(-(held.prompt_tokens + held.generated) // info.block_size)
         assert len({info.requests[0].generated for info in seen}) == len(seen)  # progress, not a fixed number
+        refined = {(r.remaining_at, r.predicted_remaining) for r in (info.requests[0] for info in seen)
+                   if r.predicted_remaining is not None}
+        assert all(at >= 64 and remaining > 0 for at, remaining in refined), refined
+        assert len(refined) >= 2, f"the refined estimate did not change as tokens arrived: {refined}"
 
     asyncio.run(go())
 

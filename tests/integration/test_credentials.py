@@ -95,10 +95,12 @@ PUBLISH = [
     ("placement", "mesh.migrate.w1", True), ("placement", "mesh.drain.w1", True), ("placement", "mesh.role.w1", True),
     ("placement", "mesh.decode.w1", False), ("placement", "mesh.prefill.w1", False),
     ("worker", "mesh.heartbeat", True), ("worker", "mesh.migrate_in.w2", True), ("worker", "mesh.kv.discover", True),
-    ("worker", "mesh.kv.0.token", True), ("worker", "mesh.decode.w2", False), ("worker", "mesh.generate.w2", False),
+    ("worker", "mesh.kv.0.token", True), ("worker", "mesh.length.remaining", True), ("worker", "mesh.decode.w2", False),
+    ("worker", "mesh.generate.w2", False),
     ("worker", "mesh.migrate.w2", False), ("worker", "mesh.kv.shards", False), ("worker", "mesh.placement", False),
     ("kv-store", "mesh.kv.shards", True), ("kv-store", "mesh.decode.w1", False), ("kv-store", "mesh.heartbeat", False),
     ("length-predictor", "mesh.length.head", True), ("length-predictor", "mesh.decode.w1", False),
+    ("router", "mesh.length.remaining", False),
     ("admin", "mesh.placement", True), ("admin", "mesh.length.refit", True), ("admin", "mesh.migrate.w1", False),
     ("admin", "mesh.decode.w1", False), ("admin", "mesh.kv.0.token", False),
 ]

@@ -405,3 +405,17 @@ def test_llumnix_can_hold_requests_in_the_queue_once_kv_would_be_overcommitted()
     held = make_policy("llumnix", {"queue_below": 0})
     assert held.pick(ctx([a, b])).worker_id == "b" and held.pick(ctx([a])) is None
     assert make_policy("llumnix", {"queue_below": 20}).pick(ctx([a, b])) is None
+
+
+def test_a_running_requests_remaining_output_uses_the_best_estimate_at_hand():
+    """The refined estimate (made `generated - remaining_at` tokens ago) over the prompt-only one over
+    the budget, never past the budget nor below one token."""
+    budget_only = RunningRequest("r", 100, generated=40, max_tokens=500)
+    assert budget_only.expected_remaining == 460
+    prompt_only = RunningRequest("r", 100, generated=40, max_tokens=500, predicted_tokens=140.0)
+    assert prompt_only.expected_remaining == 100
+    refined = RunningRequest("r", 100, generated=40, max_tokens=500, predicted_tokens=140.0,
+                             predicted_remaining=300.0, remaining_at=32)
+    assert refined.expected_remaining == 292
+    assert RunningRequest("r", 100, 40, 500, predicted_tokens=10.0).expected_remaining == 1
+    assert RunningRequest("r", 100, 40, 50, predicted_remaining=900.0, remaining_at=40).expected_remaining == 10
