@@ -189,6 +189,8 @@ class HeldRequest:
     predicted_remaining: float | None = None  # the predictor's refined estimate (`refine_length`)
     remaining_at: int = 0  # `generated` when it was asked for
     refining: bool = False  # a refinement is in flight
+    prompt_text: str | None = None  # its prompt's start as text, decoded once for the refinements
+    output_text: list[str] = field(default_factory=list)  # its output as streamed, for the refinements
 
     def kv_blocks(self, block_size: int) -> int:
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
@@ -401,24 +403,27 @@ class EngineWorker:
         except Exception as exc:  # a lost report only costs the predictor one sample
             log.warning("could not report the length of %s: %s", request_id, exc)
 
-    def refine_length(self, held: HeldRequest) -> None:
-        """Every `length_refine_every` generated tokens, ask the predictor (in the background) how many
-        tokens `held` has still to come; the answer goes on its heartbeat. Without a predictor, or
-        while one is in flight, nothing happens."""
+    def refine_length(self, held: HeldRequest, text: str) -> None:
+        """Keep `text`, the output `held` just streamed; every `length_refine_every` generated tokens, ask
+        the predictor (in the background) how many tokens it has still to come. The answer goes on its
+        heartbeat. Without a predictor, or while one is in flight, nothing happens."""
         every = self.settings.length_refine_every
-        if not every or held.refining or held.generated < held.remaining_at + every or held.generated < every:
+        if not every:
+            return
+        held.output_text.append(text)
+        if held.refining or held.generated < held.remaining_at + every or held.generated < every:
             return
         held.refining = True
-        asyncio.get_running_loop().create_task(self._refine(held, held.generated, list(held.token_ids)))
+        asyncio.get_running_loop().create_task(self._refine(held, held.generated, "".join(held.output_text)))
 
-    async def _refine(self, held: HeldRequest, generated: int, token_ids: list[int]) -> None:
+    async def _refine(self, held: HeldRequest, generated: int, text: str) -> None:
         try:
-            split = len(token_ids) - generated
-            prompt, text = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: (self.tokenizer.decode(token_ids[: min(split, MAX_PROMPT_CHARS)]),
-                               self.tokenizer.decode(token_ids[split:])))
+            if held.prompt_text is None:
+                prompt_ids = held.token_ids[: min(held.prompt_tokens, MAX_PROMPT_CHARS)]
+                held.prompt_text = await asyncio.get_running_loop().run_in_executor(
+                    None, self.tokenizer.decode, prompt_ids)
             answer, _ = await self.bus.request(Subjects.LENGTH_REMAINING, LengthRemainingRequest(
-                request_id=held.request_id, prompt=prompt, generated=text, generated_tokens=generated),
+                request_id=held.request_id, prompt=held.prompt_text, generated=text, generated_tokens=generated),
                 LengthRemaining, timeout=REFINE_TIMEOUT_S)
             held.predicted_remaining = answer.remaining_tokens if answer.informative else None
             held.remaining_at = generated

@@ -104,6 +104,8 @@ class DecodeService:
                                      predicted=req.predicted_length, generated=done, priority=req.priority,
                                      migration_id=req.migration_id) as held:
             self._name_admission(held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt)
+            if done and self.worker.settings.length_refine_every:  # resumed: the output so far, for the refinements
+                held.output_text.append(self.worker.tokenizer.decode(req.output_token_ids))
             # Text is made here, continuing the stream's (llmesh.detokenizer); stop strings, which need
             # the text, are the router's to find.
             params = sampling_params(req.sampling.model_copy(update={"stop": []}), max_tokens=total - done,
@@ -162,7 +164,6 @@ class DecodeService:
                 first = False
             held.generated += len(o.token_ids)
             held.token_ids.extend(o.token_ids)
-            self.worker.refine_length(held)
             # stopped for a migration: the engine's "abort" is not the end of the request
             handed_over = out.finished and o.finish_reason == "abort" and held.migration is not None
             finish_reason = o.finish_reason if out.finished and not handed_over else None
@@ -170,7 +171,9 @@ class DecodeService:
             if out.finished:
                 self.worker.count_preemptions(out.kv_transfer_params)
             if o.token_ids or not handed_over:
-                yield TokenDelta(text=o.text if text is None else text.feed(o.token_ids), token_ids=list(o.token_ids),
+                piece = o.text if text is None else text.feed(o.token_ids)
+                self.worker.refine_length(held, piece)
+                yield TokenDelta(text=piece, token_ids=list(o.token_ids),
                                  finish_reason=finish_reason,
                                  prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
         if finish_reason is not None:
