@@ -48,8 +48,8 @@ from llmesh.models import resolve_model
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023_first3000.csv"
 DEPLOYMENTS = ("mesh", "vllm", "vllm-router")
-WORKLOADS = ("random", "prefix", "trace")
-ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "power_of_two"}
+WORKLOADS = ("random", "prefix", "trace", "long")  # long (128 -> 512 tokens, decode-heavy): on request only
+ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "power_of_two", "long": "power_of_two"}
 MAX_MODEL_LEN, BLOCK_SIZE = 2048, 128
 IDLE_S = 2.0  # a vLLM engine busy-polls for about a second after its last step
 TRACE_INPUT_SCALE, TRACE_OUTPUT_SCALE = 0.5, 0.25  # Azure conv: 1150 -> ~575 prompt tokens, 260 -> ~65 output
@@ -234,9 +234,10 @@ def workload_args(workload: str, requests: int, rate: float, point: int, model: 
     common = ["--backend", "vllm", "--model", model_path, "--served-model-name", model, "--tokenizer", model_path,
               "--num-prompts", str(requests), "--seed", str(1000 + point), "--ignore-eos", "--temperature", "0",
               "--request-rate", str(rate)]
-    if workload == "random":
-        return client_args(common + ["--dataset-name", "random", "--random-input-len", "512",
-                                     "--random-output-len", "64"])
+    if workload in ("random", "long"):
+        prompt, output = (512, 64) if workload == "random" else (128, 512)
+        return client_args(common + ["--dataset-name", "random", "--random-input-len", str(prompt),
+                                     "--random-output-len", str(output)])
     if workload == "prefix":
         return client_args(common + ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "384",
                                      "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
@@ -330,8 +331,9 @@ def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 8), squeeze=False)
-    for col, workload in enumerate(WORKLOADS):
+    present = [w for w in WORKLOADS if any(p["workload"] == w for p in points)]
+    fig, axes = plt.subplots(2, len(present), figsize=(5 * len(present), 8), squeeze=False)
+    for col, workload in enumerate(present):
         for row, (key, title) in enumerate((("p99_ttft_ms", "P99 TTFT (ms)"),
                                             ("request_goodput", f"goodput (req/s, TTFT ≤ {slo['ttft']:.0f} ms, "
                                                                 f"TPOT ≤ {slo['tpot']:.0f} ms)"))):
@@ -364,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llmesh/tiny-llama")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS[:3]), choices=WORKLOADS)
     parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, 3],
                         help="requests per second; the default spans a plain vLLM server's saturation (about 1.5 "
                         "req/s on random 512->64) on a 2-core AVX2 machine: scale it to yours")

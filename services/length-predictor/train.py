@@ -148,9 +148,10 @@ def remaining_dense(f: Featurized, total: Ridge, chosen: np.ndarray) -> np.ndarr
     return RemainingModel.with_mu(f.pdense[chosen], total.predict(f.x[examples], f.dense[examples]))
 
 
-def evaluate(name: str, f: Featurized, train: np.ndarray, test: np.ndarray,
-             seed: int) -> tuple[list[Scores], list[dict]]:
-    """The prompt-only model against the constant, and the remaining-length model by tokens seen
+def evaluate(name: str, f: Featurized, train: np.ndarray, test: np.ndarray, seed: int,
+             by_family: bool = False) -> tuple[list[Scores], list[dict]]:
+    """The prompt-only model against the constant (and within each generator family with 200
+    held-out responses, if `by_family`), and the remaining-length model by tokens seen
     (`evaluate_remaining`), trained on `train`, scored on `test`."""
     actual = np.expm1(f.y[test])
     generators = [f.examples[i].generator for i in test]
@@ -159,9 +160,19 @@ def evaluate(name: str, f: Featurized, train: np.ndarray, test: np.ndarray,
                      np.full(len(test), bucket_of(int(round(median)))), actual, generators)
     total = fit_total(f, train, seed)
     mu = total.predict(f.x[test], f.dense[test])
-    ours = score(f"{name}: regression", np.expm1(mu), bucket_probs(mu, total.sigma).argmax(1), actual, generators)
+    buckets = bucket_probs(mu, total.sigma).argmax(1)
+    scores = [constant, score(f"{name}: regression", np.expm1(mu), buckets, actual, generators)]
+    families = np.array([f.examples[i].family for i in test])
+    for family in sorted(set(families)) if by_family else ():
+        rows = families == family
+        if rows.sum() >= 200:
+            chosen = [g for g, keep in zip(generators, rows) if keep]
+            scores += [score(f"{name}, {family} family: constant", np.full(rows.sum(), median),
+                             np.full(rows.sum(), bucket_of(int(round(median)))), actual[rows], chosen),
+                       score(f"{name}, {family} family: regression", np.expm1(mu[rows]), buckets[rows], actual[rows],
+                             chosen)]
     remaining = fit_remaining(f, total, train, seed)
-    return [constant, ours], evaluate_remaining(name, f, total, remaining, test)
+    return scores, evaluate_remaining(name, f, total, remaining, test)
 
 
 def evaluate_remaining(name: str, f: Featurized, total: Ridge, remaining: Ridge, test: np.ndarray) -> list[dict]:
@@ -201,7 +212,7 @@ def run(*, seed: int = 0, limit_prompts: int | None = None, out: Path | None = N
               for s in sources if leave_one_out and len(sources) > 1]
     splits.append(("split by prompt, all sources", *data.split_by_prompt(examples, 0.2, seed)))
     for name, train, test in splits:
-        scores, remaining = evaluate(name, f, f.rows(train), f.rows(test), seed)
+        scores, remaining = evaluate(name, f, f.rows(train), f.rows(test), seed, by_family=name.startswith("split"))
         report["total"] += [asdict(s) for s in scores]
         report["remaining"] += remaining
         say(f"{name}: {len(train)} training, {len(test)} held-out responses ({time.monotonic() - started:.0f} s)")

@@ -60,7 +60,7 @@ def test_bucket_probabilities_sum_to_one_and_follow_the_estimate():
 def test_training_on_a_slice_beats_the_constant_and_refines_with_tokens_seen(tmp_path):
     report = run(limit_prompts=120, sources=("alpaca-eval", "gpteacher", "hh-rlhf"), leave_one_out=False,
                  out=tmp_path / "model", quiet=True)
-    constant, ours = report["total"]
+    constant, ours = report["total"][:2]
     assert ours["mae_tokens"] < constant["mae_tokens"] and ours["within_one"] > constant["within_one"]
     assert ours["kendall_tau"] > 0.2 and constant["kendall_tau"] is None
     later = [r for r in report["remaining"] if r["seen"] >= 128 and r["rows"] >= 50]
