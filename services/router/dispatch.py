@@ -227,41 +227,47 @@ class Dispatcher:
         if self._sampler.random() >= self.length_sample_fraction:
             self.metrics.length_predictions.labels("unsampled").inc()
             return None
-        return asyncio.create_task(self.predict_length(gen, parent))
+        return asyncio.create_task(self._ask_length(gen, parent))
 
-    def _prediction_so_far(self, task: asyncio.Task | None) -> LengthPrediction | None:
-        """The sampled prediction if it is in; a late one is dropped (nothing waits for it)."""
-        if task is None or not task.done():
-            if task is not None:
-                task.cancel()
-                self.metrics.length_predictions.labels("late").inc()
+    def _prediction_so_far(self, task: asyncio.Task | None, parent: context.Context) -> LengthPrediction | None:
+        """The sampled prediction if it is in; a late one is dropped (nothing waits for it). Counted
+        here, once: a reply that lands as the task is cancelled is still late."""
+        if task is None:
             return None
-        return task.result()
+        if not task.done():
+            task.cancel()
+            return self._note_length(parent, "late", None)
+        return self._note_length(parent, *task.result())
 
     async def predict_length(self, gen: Generation, parent: context.Context) -> LengthPrediction | None:
         """The length predictor's tag for `gen`, or None if it is absent, slow or failing (counted
         by outcome, and noted on the request's span): a request never waits long for it."""
-        span = trace.get_current_span(parent)
+        return self._note_length(parent, *await self._ask_length(gen, parent))
+
+    async def _ask_length(self, gen: Generation, parent: context.Context) -> tuple[str, LengthPrediction | None]:
         text = gen.length_prompt
         if not text or not text.strip():
-            outcome, prediction = "skipped", None
-        else:
-            prompt, chars = cut_prompt(text)
-            try:
-                with self._tracer.start_as_current_span("router.length", context=parent):
-                    prediction, _ = await self.bus.request(
-                        Subjects.LENGTH_PREDICT,
-                        LengthPredictRequest(request_id=gen.request_id, prompt=prompt, prompt_chars=chars),
-                        LengthPrediction, timeout=min(self.length_timeout_s, gen.deadline - time.time()))
-                outcome = "ok"
-            except Timeout:
-                outcome, prediction = "timeout", None
-            except ServiceUnavailable:
-                outcome, prediction = "unavailable", None
-            except MeshError as exc:
-                log.warning("length prediction for %s failed: %s: %s", gen.request_id, exc.code, exc.message)
-                outcome, prediction = "error", None
+            return "skipped", None
+        prompt, chars = cut_prompt(text)
+        try:
+            with self._tracer.start_as_current_span("router.length", context=parent):
+                prediction, _ = await self.bus.request(
+                    Subjects.LENGTH_PREDICT,
+                    LengthPredictRequest(request_id=gen.request_id, prompt=prompt, prompt_chars=chars),
+                    LengthPrediction, timeout=min(self.length_timeout_s, gen.deadline - time.time()))
+            return "ok", prediction
+        except Timeout:
+            return "timeout", None
+        except ServiceUnavailable:
+            return "unavailable", None
+        except MeshError as exc:
+            log.warning("length prediction for %s failed: %s: %s", gen.request_id, exc.code, exc.message)
+            return "error", None
+
+    def _note_length(self, parent: context.Context, outcome: str,
+                     prediction: LengthPrediction | None) -> LengthPrediction | None:
         self.metrics.length_predictions.labels(outcome).inc()
+        span = trace.get_current_span(parent)
         if prediction is None:
             span.set_attribute("length.prediction", outcome)
         else:
@@ -428,7 +434,7 @@ class Dispatcher:
             if first.finish_reason is not None:
                 return
             if predicting is not None:
-                predicted, predicting = self._prediction_so_far(predicting), None
+                predicted, predicting = self._prediction_so_far(predicting, parent), None
             session = _DecodeSession(list(result.prompt_token_ids), list(result.first.token_ids), result.max_tokens,
                                      result.fingerprint, result.kv)
             decode = await self._admit("decode", self._decode_view(gen, session, predicted), parent,
