@@ -414,7 +414,8 @@ class EngineWorker:
         if held.refining or held.generated < held.remaining_at + every or held.generated < every:
             return
         held.refining = True
-        asyncio.get_running_loop().create_task(self._refine(held, held.generated, "".join(held.output_text)))
+        held.output_text[:] = ["".join(held.output_text)]  # joined once: the next join starts from it
+        asyncio.get_running_loop().create_task(self._refine(held, held.generated, held.output_text[0]))
 
     async def _refine(self, held: HeldRequest, generated: int, text: str) -> None:
         try:

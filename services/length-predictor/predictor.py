@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from . import data
 from .model import load_tokenizer
 from .regression import RemainingModel, Ridge, TotalModel, bucket_probs
 from .settings import ARTIFACT_DIR
+from .train import score
 
 REFIT_SEED = 0
 MIN_SIGMA = 0.05
@@ -62,7 +63,7 @@ class Head:
 
 
 class Predictor:
-    """Call it from one thread (the service's model thread): the hasher's cache is not locked."""
+    """Synchronous: the service calls it from its one model thread."""
 
     def __init__(self, artifact: Path = ARTIFACT_DIR, replica: str = "local", generator: str = data.UNKNOWN):
         total = Ridge.load(artifact / "total")
@@ -71,7 +72,7 @@ class Predictor:
         self.meta = total.info
         self.tokenizer = load_tokenizer()  # the unit the models count in (WordPiece)
         self.replica, self.generator = replica, generator or data.UNKNOWN
-        self.head = Head(sigma=total.sigma, informative=bool(self.meta.get("informative", True)))
+        self.head = Head(sigma=total.sigma)
         self.base_version = hashlib.sha256((artifact / "total.npz").read_bytes()).hexdigest()[:12]
         self.predict(["warm-up"], [7])
 
@@ -123,7 +124,7 @@ class Predictor:
         constant_mae = float(np.abs(median - np.array(held_lengths)).mean())
         candidate = Head(float(a), float(b), sigma)
         after = _scores(candidate, held_scores, held_lengths)
-        candidate = Head(candidate.a, candidate.b, sigma, informative=after["mae_tokens"] < constant_mae)
+        candidate = replace(candidate, informative=after["mae_tokens"] < constant_mae)
         before = _scores(current, held_scores, held_lengths)
         after["constant_mae_tokens"] = before["constant_mae_tokens"] = constant_mae
         return (candidate if after["log_loss"] < before["log_loss"] else None), before, after
@@ -142,7 +143,6 @@ def _scores(head: Head, scores: np.ndarray, actual: list[int]) -> dict[str, floa
     mu = head.mu(scores)
     probs = bucket_probs(mu, head.sigma)
     truth = np.array([bucket_of(n) for n in actual])
-    predicted = probs.argmax(1)
+    s = score("", np.expm1(mu), probs.argmax(1), np.array(actual, dtype=float), [])
     return {"log_loss": -float(np.mean(np.log(np.maximum(probs[np.arange(len(truth)), truth], 1e-9)))),
-            "exact": float((predicted == truth).mean()), "within_one": float((abs(predicted - truth) <= 1).mean()),
-            "mae_tokens": float(np.abs(np.expm1(mu) - np.array(actual)).mean())}
+            "exact": s.exact, "within_one": s.within_one, "mae_tokens": s.mae_tokens}

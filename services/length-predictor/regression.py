@@ -43,11 +43,12 @@ class Hasher:
     def index(self, token: str) -> int:
         return zlib.crc32(token.encode()) & (self.size - 1)  # stable across processes, unlike hash()
 
-    def add(self, counts: dict[int, float], namespace: str, text: str) -> None:
+    def add(self, counts: dict[int, float], namespace: str, text: str) -> int:
+        """Add `text`'s words and word pairs to `counts`; returns how many words it has."""
         words = _WORD.findall(text.lower())
         grams = [f"{namespace}{w}" for w in words] + [f"{namespace}{a} {b}" for a, b in zip(words, words[1:])]
         if not grams:
-            return
+            return 0
         own: dict[int, float] = {}
         for gram in grams:
             i = self.index(gram)
@@ -55,11 +56,12 @@ class Hasher:
         norm = math.sqrt(sum(v * v for v in own.values()))
         for i, v in own.items():
             counts[i] = counts.get(i, 0.0) + v / norm
+        return len(words)
 
 
-def _numbers(text: str) -> list[float]:
-    """What the words miss: size and shape."""
-    return [math.log1p(len(text)) / 8, math.log1p(text.count("\n")) / 4, math.log1p(len(_WORD.findall(text))) / 8,
+def _numbers(text: str, words: int) -> list[float]:
+    """What the words miss: size and shape (`words`: what `Hasher.add` counted in `text`)."""
+    return [math.log1p(len(text)) / 8, math.log1p(text.count("\n")) / 4, math.log1p(words) / 8,
             float("```" in text), float("?" in text)]
 
 
@@ -118,13 +120,13 @@ class TotalModel:
         rows, dense = [], []
         for prompt, generator in zip(prompts, generators):
             counts: dict[int, float] = {}
-            self.hasher.add(counts, "p:", prompt)
-            family = family_of(generator) if generator != UNKNOWN else UNKNOWN
+            words = self.hasher.add(counts, "p:", prompt)
+            family = family_of(generator)
             if family != UNKNOWN:
                 counts[self.hasher.index(f"family:{family}")] = 1.0
                 counts[self.hasher.index(f"generator:{generator.lower()}")] = 1.0
             rows.append(counts)
-            dense.append(_numbers(prompt) + [float(family == UNKNOWN)])
+            dense.append(_numbers(prompt, words) + [float(family == UNKNOWN)])
         return _csr(rows, self.hasher.size), np.array(dense)
 
     def predict(self, prompts: list[str], generators: list[str]) -> np.ndarray:
@@ -145,11 +147,11 @@ class RemainingModel:
         rows, dense = [], []
         for prompt, text, n in zip(prompts, generated, generated_tokens):
             counts: dict[int, float] = {}
-            self.hasher.add(counts, "p:", prompt)
-            self.hasher.add(counts, "g:", text)
+            prompt_words = self.hasher.add(counts, "p:", prompt)
+            text_words = self.hasher.add(counts, "g:", text)
             self.hasher.add(counts, "t:", text[-TAIL_CHARS:])
             rows.append(counts)
-            dense.append(_numbers(prompt) + _numbers(text) + [math.log1p(n) / 8])
+            dense.append(_numbers(prompt, prompt_words) + _numbers(text, text_words) + [math.log1p(n) / 8])
         return _csr(rows, self.hasher.size), np.array(dense)
 
     @staticmethod

@@ -52,11 +52,14 @@ class Scores:
 def score(name: str, predicted_tokens: np.ndarray, buckets: np.ndarray, actual: np.ndarray,
           generators: list[str]) -> Scores:
     truth = np.array([bucket_of(int(n)) for n in actual])
-    ranked = len(set(predicted_tokens.tolist())) > 1
+    def varies(*arrays: np.ndarray) -> bool:  # a rank correlation with a constant is undefined
+        return all(len(set(a.tolist())) > 1 for a in arrays)
+
+    ranked = varies(predicted_tokens, actual)
     per_generator = []
     for g in set(generators):
         rows = np.array([x == g for x in generators])
-        if rows.sum() >= 20 and len(set(predicted_tokens[rows].tolist())) > 1:
+        if rows.sum() >= 20 and varies(predicted_tokens[rows], actual[rows]):
             per_generator.append((rows.sum(), stats.kendalltau(predicted_tokens[rows], actual[rows]).statistic))
     return Scores(name, len(actual), float((buckets == truth).mean()), float((abs(buckets - truth) <= 1).mean()),
                   float(np.abs(predicted_tokens - actual).mean()),
