@@ -79,7 +79,7 @@ def call(predictor, asks: list[Ask]) -> list:
     if asks[0].generated is None:
         return predictor.predict(*map(list, zip(*(cut_prompt(a.prompt) for a in asks))))
     return predictor.predict_remaining([cut_prompt(a.prompt)[0] for a in asks], [a.generated for a in asks],
-                                       [a.tokens for a in asks])
+                                       [len(a.generated) for a in asks], [a.tokens for a in asks])
 
 
 def in_process(kind: str, asks: list[Ask], args) -> str:

@@ -126,8 +126,8 @@ class WorkerSettings(CommonSettings):
         "pool; switched to decode, it finishes the prompts it holds.")
     length_refine_every: int = Field(
         64, ge=0, description="Decode workers ask the length predictor for a running request's remaining output "
-        "every this many generated tokens (in the background, off the engine's path) and report it on heartbeats; "
-        "0: never.")
+        "every this many generated tokens (past eight times that, every eighth of what it has generated), in the "
+        "background, off the engine's path, and report it on heartbeats; 0: never.")
     kv_preemption: Literal["auto", "swap", "recompute"] = Field(
         "auto", description="A request vLLM preempted under memory pressure resumes by loading its KV from the "
         "kv-store ('swap') or by computing it again ('recompute'); 'auto' picks the cheaper per request from the "

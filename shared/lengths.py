@@ -29,6 +29,11 @@ def bucket_label(bucket: int) -> str:
 MAX_PROMPT_CHARS = 4096
 
 
+# A running request's output is sent to the remaining-length model cut to its last this many
+# characters, with its full length.
+MAX_GENERATED_CHARS = 16384
+
+
 def cut_prompt(text: str) -> tuple[str, int]:
     """The part of `text` a predictor reads, and the full length in characters."""
     return text[:MAX_PROMPT_CHARS], len(text)

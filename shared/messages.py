@@ -142,8 +142,9 @@ class LengthRemainingRequest(Message):
 
     request_id: str = ""
     prompt: str  # cut as LengthPredictRequest's
-    generated: str  # the output so far (its end, when long)
-    generated_tokens: int = Field(ge=0)  # its length in the serving model's tokens
+    generated: str  # the output so far (its last MAX_GENERATED_CHARS characters, when longer)
+    generated_chars: int | None = Field(default=None, ge=0)  # the whole output's length, if `generated` is cut
+    generated_tokens: int = Field(ge=0)  # the whole output's length in the serving model's tokens
 
 
 class LengthRemaining(Message):

@@ -46,7 +46,7 @@ from llmesh.messages import (
     Subjects,
     WorkerInfo,
 )
-from llmesh.lengths import MAX_PROMPT_CHARS
+from llmesh.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
 from llmesh.models import resolve_model
 from llmesh.policies.core import kv_blocks
 
@@ -404,14 +404,16 @@ class EngineWorker:
             log.warning("could not report the length of %s: %s", request_id, exc)
 
     def refine_length(self, held: HeldRequest, text: str) -> None:
-        """Keep `text`, the output `held` just streamed; every `length_refine_every` generated tokens, ask
-        the predictor (in the background) how many tokens it has still to come. The answer goes on its
-        heartbeat. Without a predictor, or while one is in flight, nothing happens."""
+        """Keep `text`, the output `held` just streamed; every `length_refine_every` generated tokens (and
+        past eight times that, every eighth of what it has generated: a long answer's estimate changes
+        slowly, and each ask costs the predictor the same), ask the predictor in the background how many
+        tokens it has still to come. The answer goes on its heartbeat. While one is in flight, nothing
+        happens."""
         every = self.settings.length_refine_every
         if not every:
             return
         held.output_text.append(text)
-        if held.refining or held.generated < held.remaining_at + every or held.generated < every:
+        if held.refining or held.generated < max(every, held.remaining_at + max(every, held.remaining_at // 8)):
             return
         held.refining = True
         held.output_text[:] = ["".join(held.output_text)]  # joined once: the next join starts from it
@@ -424,8 +426,8 @@ class EngineWorker:
                 held.prompt_text = await asyncio.get_running_loop().run_in_executor(
                     None, self.tokenizer.decode, prompt_ids)
             answer, _ = await self.bus.request(Subjects.LENGTH_REMAINING, LengthRemainingRequest(
-                request_id=held.request_id, prompt=held.prompt_text, generated=text, generated_tokens=generated),
-                LengthRemaining, timeout=REFINE_TIMEOUT_S)
+                request_id=held.request_id, prompt=held.prompt_text, generated=text[-MAX_GENERATED_CHARS:],
+                generated_chars=len(text), generated_tokens=generated), LengthRemaining, timeout=REFINE_TIMEOUT_S)
             held.predicted_remaining = answer.remaining_tokens if answer.informative else None
             held.remaining_at = generated
         except Exception as exc:  # no predictor, or a slow one: the heartbeat carries the last estimate

@@ -98,10 +98,13 @@ class Predictor:
                 truncated=c > len(prompt), model_version=self.version, replica=self.replica))
         return out
 
-    def predict_remaining(self, prompts: list[str], generated: list[str], tokens: list[int]) -> list[LengthRemaining]:
-        """Tokens still to come after `generated` (`tokens` of the serving model's): estimated in the
-        models' unit and scaled back by the ratio of the two counts on the text so far."""
-        counted = [len(ids) for ids in self.tokenizer(generated, add_special_tokens=False)["input_ids"]]
+    def predict_remaining(self, prompts: list[str], generated: list[str], chars: list[int],
+                          tokens: list[int]) -> list[LengthRemaining]:
+        """Tokens still to come after `generated` (the end of an output `chars` characters and `tokens`
+        of the serving model's tokens long): estimated in the models' unit (counted on the text at hand,
+        extrapolated by characters beyond it) and scaled back by the ratio of the two counts."""
+        counted = [round(len(ids) * c / len(text)) if text else 0 for ids, text, c in
+                   zip(self.tokenizer(generated, add_special_tokens=False)["input_ids"], generated, chars)]
         mu = self.head.mu(self.scores(prompts))
         remaining = np.expm1(self.remaining.predict(prompts, generated, counted, mu))
         out = []

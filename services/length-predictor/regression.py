@@ -31,7 +31,6 @@ HASH_BITS = 18
 _WORD = re.compile(r"\w+|[^\w\s]")
 _LOG_EDGES = np.log1p(np.array(EDGES, dtype=float))
 TAIL_CHARS = 300  # the end of the generated text, read on its own: how an answer winds down
-MAX_GENERATED_CHARS = 16384  # the most generated text the remaining-length model reads (its end)
 
 
 class Hasher:

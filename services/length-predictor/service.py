@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from llmesh.bus import Bus
 from llmesh.errors import InvalidRequest
-from llmesh.lengths import NUM_BUCKETS, bucket_label, bucket_of, cut_prompt
+from llmesh.lengths import MAX_GENERATED_CHARS, NUM_BUCKETS, bucket_label, bucket_of, cut_prompt
 from llmesh.messages import (
     LengthBucketStats,
     LengthHead,
@@ -59,7 +59,6 @@ from llmesh.messages import (
 from . import data
 from .predictor import Head, Predictor, refit_split
 from .settings import LengthPredictorSettings
-from .regression import MAX_GENERATED_CHARS
 
 log = logging.getLogger(__name__)
 I, R = TypeVar("I"), TypeVar("R")
@@ -240,7 +239,7 @@ class LengthPredictorService:
         self.calibration = Calibration()
         self.batcher: Batcher[tuple[str, int], LengthPrediction] = Batcher(
             self._predict_batch, settings.length_max_batch, model_thread)
-        self.remaining_batcher: Batcher[tuple[str, str, int], LengthRemaining] = Batcher(
+        self.remaining_batcher: Batcher[tuple[str, str, int, int], LengthRemaining] = Batcher(
             self._remaining_batch, settings.length_max_batch, model_thread)
         self._prompts: OrderedDict[str, str] = OrderedDict()  # request id -> prompt, until its report
         self._refit_lock = asyncio.Lock()
@@ -292,14 +291,16 @@ class LengthPredictorService:
         self.batch_size.observe(len(items))
         return self.predictor.predict([text for text, _ in items], [chars for _, chars in items])
 
-    def _remaining_batch(self, items: list[tuple[str, str, int]]) -> list[LengthRemaining]:
+    def _remaining_batch(self, items: list[tuple[str, str, int, int]]) -> list[LengthRemaining]:
         return self.predictor.predict_remaining(*map(list, zip(*items)))
 
     async def remaining(self, req: LengthRemainingRequest, blob: memoryview) -> LengthRemaining:
         if not isinstance(req, LengthRemainingRequest):
             raise InvalidRequest(f"expected LengthRemainingRequest, got {type(req).__name__}")
         prompt, _ = cut_prompt(req.prompt)
-        return await self.remaining_batcher.submit((prompt, req.generated[-MAX_GENERATED_CHARS:], req.generated_tokens))
+        chars = max(req.generated_chars or 0, len(req.generated))
+        return await self.remaining_batcher.submit((prompt, req.generated[-MAX_GENERATED_CHARS:], chars,
+                                                    req.generated_tokens))
 
     async def predict(self, req: LengthPredictRequest, blob: memoryview) -> LengthPrediction:
         if not isinstance(req, LengthPredictRequest):

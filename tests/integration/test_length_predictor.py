@@ -70,5 +70,5 @@ def test_training_on_a_slice_beats_the_constant_and_refines_with_tokens_seen(tmp
     short, long = predictor.predict(["What is 2 + 2? Answer with the number only.",
                                      "Write a detailed, multi-section essay on the history of Rome."], [40, 60])
     assert short.expected_tokens < long.expected_tokens and short.informative
-    (refined,) = predictor.predict_remaining(["Write a story."], ["Once upon a time"], [5])
+    (refined,) = predictor.predict_remaining(["Write a story."], ["Once upon a time"], [16], [5])
     assert refined.remaining_tokens > 0 and refined.generated_tokens == 5
