@@ -82,8 +82,9 @@ class WorkerSettings(CommonSettings):
     gpu_memory_utilization: float = Field(0.9, description="Fraction of GPU memory vLLM may use (GPU only).")
     cpu_cores: str = Field(
         "",
-        description="CPU cores for the engine's compute threads, e.g. '0-3' (VLLM_CPU_OMP_THREADS_BIND); "
-        "empty: vLLM decides. `make run` gives prefill and decode separate halves of the machine.",
+        description="CPU cores for the engine's compute threads, e.g. '0-3' (VLLM_CPU_OMP_THREADS_BIND), and "
+        "for its scheduler process (llmesh.vllm_plugin); empty: vLLM decides. `make run` gives prefill and decode "
+        "separate halves of the machine.",
     )
     cpu_reserved_cores: int = Field(
         1,

@@ -5,9 +5,9 @@ ends with the outputs streamed so far, and when those end inside a character (a 
 token whose character the next token completes) vLLM primes its stream with the whole prompt and
 emits the whole prompt's text as the first delta (vllm-project/vllm#48853), and the held-back
 bytes are lost either way.
-So a decode leg asks vLLM for tokens only and makes its text here: primed with the prompt's last
-tokens and then the outputs already streamed (their text discarded: the client has it, or holds it
-back exactly as this would), every new token yields what a single detokenizer over the whole
+So a decode leg asks vLLM for tokens only and makes its text here: primed with the tokens before the
+last few outputs already streamed, then those outputs (their text discarded: the client has it, or
+holds it back exactly as this would), every new token yields what a single detokenizer over the whole
 stream would have shown (vLLM's incremental algorithm: text is released once it does not end in
 an incomplete character).
 """
@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-CONTEXT_TOKENS = 5  # of the prompt, before the outputs: enough for tokenizers that merge a space into a word
+CONTEXT_TOKENS = 5  # before the outputs: enough for tokenizers that merge a space into a word
+REPLAYED_TOKENS = 24  # of the outputs streamed so far, replayed to learn what the stream holds back: a
+# character is at most 4 byte tokens, so a few characters find the last place text was released
+# (replaying the whole stream made a resume's cost on the event loop grow with the stream's length)
 
 
 class ContinuedText:
@@ -26,9 +29,11 @@ class ContinuedText:
         # skipped, as vLLM skips them: the tokenizer's named ones and any added token marked special
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items() if t.special}
-        self._tokens = self._pieces(prompt_ids[-CONTEXT_TOKENS:])
+        replayed = streamed_ids[-REPLAYED_TOKENS:]
+        earlier = streamed_ids[:len(streamed_ids) - len(replayed)]
+        self._tokens = self._pieces([*prompt_ids[-CONTEXT_TOKENS:], *earlier[-CONTEXT_TOKENS:]][-CONTEXT_TOKENS:])
         self._prefix_offset, self._read_offset = 0, len(self._tokens)
-        for token_id in streamed_ids:
+        for token_id in replayed:
             self.step(token_id)
 
     def _pieces(self, token_ids: Sequence[int]) -> list[str]:

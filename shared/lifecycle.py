@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Awaitable, Callable
 
 import uvloop
@@ -15,6 +19,44 @@ def setup_logging(service: str, level: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
     )
+
+
+def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
+    """From now on, log when this process's event loop stops turning for `stalled_s` (a blocking call
+    on it, or the process starved of CPU): once with where the main thread is, once when it turns
+    again. Peers drop a process whose heartbeats stop for about 3 s, so such a stall is worth a line.
+    Call it from the loop once the service is up (an engine's start blocks the loop by design);
+    call what it returns to stop watching (before a shutdown that blocks, as an engine's does)."""
+    loop = asyncio.get_running_loop()
+    main_thread = threading.main_thread().ident
+    log = logging.getLogger(__name__)
+    last_tick = time.monotonic()
+
+    stopped = threading.Event()
+
+    def tick() -> None:
+        nonlocal last_tick
+        last_tick = time.monotonic()
+        if not stopped.is_set():
+            loop.call_later(stalled_s / 4, tick)
+
+    def watch() -> None:
+        stalled_since = None
+        while not stopped.wait(stalled_s / 4) and not loop.is_closed():
+            seen = last_tick
+            if time.monotonic() - seen > stalled_s and stalled_since is None:
+                stalled_since = seen
+                frame = sys._current_frames().get(main_thread)
+                stack = "".join(traceback.format_stack(frame)[-8:]) if frame else "(unknown)\n"
+                log.warning("event loop blocked for %.1f s so far; the main thread is at:\n%s",
+                            time.monotonic() - seen, stack.rstrip())
+            elif stalled_since is not None and seen != stalled_since:
+                log.warning("event loop turned again after %.1f s", seen - stalled_since)
+                stalled_since = None
+
+    tick()
+    threading.Thread(target=watch, daemon=True, name="event-loop-watchdog").start()
+    return stopped.set
 
 
 GRACE_S = 8.0  # after a signal, how long `main` may take to shut down before it is cancelled

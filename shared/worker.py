@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,6 +47,7 @@ from llmesh.messages import (
     WorkerInfo,
 )
 from llmesh.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
+from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.models import resolve_model
 from llmesh.policies.core import kv_blocks
 
@@ -251,6 +252,7 @@ class EngineWorker:
         self.state: Literal["active", "draining"] = "active"
         self.exit_requested = asyncio.Event()  # a drain asked this worker to stop once empty
         self._heartbeat_task: asyncio.Task | None = None
+        self._stop_watching: Callable[[], None] = lambda: None
         self.prefill_meter = PrefillMeter()
         self.generates = False  # set by a service that also serves whole requests
         self.preemptions: Counter[str] = Counter()  # the connector's swap-or-recompute choices, by choice
@@ -264,7 +266,7 @@ class EngineWorker:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
         if settings.cpu_cores:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["MESH_ENGINE_CORES"] = settings.cpu_cores
         spin = settings.engine_spin_s
         if spin is None:
             from vllm.platforms import current_platform
@@ -341,10 +343,12 @@ class EngineWorker:
         if len(self.roles) > 1:
             await self.bus.serve(Subjects.role(self.worker_id), self._on_role, span=f"{self.role}-worker role")
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
+        self._stop_watching = watch_event_loop()
         log.info("%s ready: model %s, fingerprint %s, subject %s", self.worker_id, self.settings.model_name,
                  self.fingerprint, self.subject)
 
     async def close(self) -> None:
+        self._stop_watching()  # the engine's shutdown below blocks the loop
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
             self.state = "draining"  # a last heartbeat: routers stop sending work now, not 3 missed beats later
@@ -437,12 +441,16 @@ class EngineWorker:
             held.refining = False
 
     async def _heartbeats(self) -> None:
+        period = self.settings.heartbeat_s
         while True:
             try:
                 await self.bus.publish(Subjects.HEARTBEAT, self.info())
             except Exception as exc:  # keep beating through NATS reconnects
                 log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(self.settings.heartbeat_s)
+            due = time.monotonic() + period
+            await asyncio.sleep(period)
+            if (late := time.monotonic() - due) > period:  # routers drop a worker after a few missed beats
+                log.warning("heartbeat %.1f s late: this process was starved of CPU or its event loop blocked", late)
 
     def held(self, request_id: str) -> HeldRequest | None:
         return self._held.get(request_id)
@@ -551,8 +559,6 @@ class EngineWorker:
 def run_worker(role: Role, make_handlers: Any) -> None:
     """The whole `__main__` of a worker: settings, logging, engine, serve until signalled.
     `make_handlers(worker)` gives {subject: handler}."""
-    from llmesh.lifecycle import run_service, setup_logging
-
     settings = WorkerSettings()
     setup_logging(f"{role}-worker", settings.log_level)
 

@@ -105,7 +105,8 @@ class DecodeService:
                                      migration_id=req.migration_id) as held:
             self._name_admission(held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt)
             if done and self.worker.settings.length_refine_every:  # resumed: the output so far, for the refinements
-                held.output_text.append(self.worker.tokenizer.decode(req.output_token_ids))
+                held.output_text.append(await asyncio.get_running_loop().run_in_executor(
+                    None, self.worker.tokenizer.decode, req.output_token_ids))
             # Text is made here, continuing the stream's (llmesh.detokenizer); stop strings, which need
             # the text, are the router's to find.
             params = sampling_params(req.sampling.model_copy(update={"stop": []}), max_tokens=total - done,

@@ -6,7 +6,7 @@ import asyncio
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging
+from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.messages import KvShardInfo
 
 from .dataplane import DataPlaneServer, Tokens
@@ -36,6 +36,7 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     lmcache = None
     try:
         await service.start()
+        watch_event_loop()
         if settings.lmcache_port:
             lmcache = await start_lmcache_server(state.store, settings.data_host, settings.lmcache_port,
                                                  lock=state.lock, max_value_bytes=settings.max_value_bytes,

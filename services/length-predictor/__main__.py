@@ -8,7 +8,7 @@ import socket
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging
+from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 
 from .settings import LengthPredictorSettings
 
@@ -28,6 +28,7 @@ async def main(settings: LengthPredictorSettings, stop: asyncio.Event) -> None:
         raise
     try:
         await service.start()
+        watch_event_loop()
         if settings.length_metrics_port:
             start_http_server(settings.length_metrics_port, addr=settings.length_metrics_host,
                               registry=service.registry)

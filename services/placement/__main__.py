@@ -8,7 +8,7 @@ import socket
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging
+from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 
 from .settings import PlacementSettings
 
@@ -30,6 +30,7 @@ async def main(settings: PlacementSettings, stop: asyncio.Event) -> None:
         if settings.placement_metrics_port:
             start_http_server(settings.placement_metrics_port, addr=settings.placement_metrics_host,
                               registry=service.registry)
+        watch_event_loop()
         await service.run(stop)
     finally:
         await service.close()

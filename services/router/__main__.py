@@ -11,7 +11,7 @@ import uvicorn
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging
+from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.messages import Subjects, WorkerInfo
 
 from .admission import AdmissionQueue
@@ -63,6 +63,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=5, timeout_keep_alive=75))
     serving = asyncio.create_task(server.serve())
+    watch_event_loop()
     try:
         await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:

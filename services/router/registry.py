@@ -67,6 +67,8 @@ class WorkerRegistry:
             self._warn_on_layout_mismatch(info)
             self._workers[info.worker_id] = _Entry(info, self._clock())
         else:
+            if (gap := self._clock() - entry.last_seen) > 2 * info.heartbeat_s:
+                log.info("worker %s: %.1f s since its last heartbeat", info.worker_id, gap)
             entry.info, entry.last_seen, entry.heartbeat_view = info, self._clock(), None
             entry.assigned = entry.released = 0
             entry.unreachable = False

@@ -164,36 +164,54 @@ def test_a_full_ssd_tier_is_reported_and_the_shard_serves_on(hosts_mesh, referen
 def test_a_host_cut_off_mid_load_fails_its_streams_over(hosts_mesh, reference):
     """Long streams, two at a time until c holds some (the router spreads them, but whether c gets any
     is its choice); then c's link goes down (its packets vanish: no reset, no goodbye). The router hears
-    no more heartbeats from c, and c's streams resume on b from the KV in the store; every stream
-    completes within its deadline."""
+    no more heartbeats from c, and c's streams still running resume on b from the KV in the store; every
+    stream completes within its deadline, and b is never taken for dead."""
     prompts = [token_prompt(300, seed=9400 + i) for i in range(8)]
-    output = 1500
+    output = 3000  # seconds of decoding: c's streams outlast the 3 s the router takes to miss it
 
     async def go():
-        tasks, on_c = [], set()
+        tasks, request_ids, on_c = [], [], set()
         async with httpx.AsyncClient(timeout=DEADLINE_S + 10, headers=hosts_mesh.headers) as http:
             while not on_c:
                 assert len(tasks) < len(prompts), "the router sent host c none of the streams"
                 started = [asyncio.Event() for _ in range(2)]
-                tasks += [asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output))
-                          for ids, s in zip(prompts[len(tasks):], started)]
-                await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+                request_ids += [[] for _ in started]
+                tasks += [asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output, request_ids=i))
+                          for ids, s, i in zip(prompts[len(tasks):], started, request_ids[len(tasks):])]
+                await until_started(tasks[-2:], started)
                 on_c = await held_by(hosts_mesh, "decode-c")
             hosts_mesh.hosts.cut("c")
             cut = time.monotonic()
+            cut_off = [t for t, i in zip(tasks, request_ids) if i[0] in on_c and not t.done()]
             results = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
-            return results, time.monotonic() - cut, on_c
+            return results, time.monotonic() - cut, len(cut_off)
 
     before = failovers(hosts_mesh)
-    results, took, on_c = asyncio.run(go())
+    results, took, cut_off = asyncio.run(go())
     assert all(error is None for _, error in results), results
     check_outputs(reference, prompts[:len(results)], results, output=output)
-    assert failovers(hosts_mesh) - before >= len(on_c)  # c's streams resumed elsewhere
+    assert cut_off, "c's streams all ended before the cut: the test did not exercise a failover"
+    assert failovers(hosts_mesh) - before >= cut_off  # c's streams resumed elsewhere
     give_up = time.monotonic() + 10
     while httpx.get(f"{hosts_mesh.url}/health", timeout=5).json()["workers"]["decode"] != 1:
         assert time.monotonic() < give_up, "the router still counts host c's decode worker"
         time.sleep(0.2)
-    print(f"host c cut off: its streams completed on b {took:.1f} s later")
+    router_log = (hosts_mesh.logs / "router.log").read_text()
+    assert "decode-b missed" not in router_log and "prefill-a missed" not in router_log, "a healthy worker was dropped"
+    print(f"host c cut off: {cut_off} of its streams completed on b {took:.1f} s later")
+
+
+async def until_started(tasks: list[asyncio.Task], started: list[asyncio.Event], timeout: float = 60) -> None:
+    """Until each stream has started or ended; one that ended with an error before the cut fails the test
+    with that error (rather than a bare timeout)."""
+    async def one(task: asyncio.Task, event: asyncio.Event) -> None:
+        waiter = asyncio.ensure_future(event.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            assert task.result()[1] is None, f"a stream failed before the cut: {task.result()[1]}"
+
+    await asyncio.wait_for(asyncio.gather(*(one(t, e) for t, e in zip(tasks, started))), timeout)
 
 
 async def held_by(mesh: HostsMesh, worker_id: str) -> set[str]:

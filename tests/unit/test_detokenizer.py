@@ -22,10 +22,12 @@ def test_a_stream_split_anywhere_shows_the_same_text(tokenizer):
     prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(40)]
     partial = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]  # one byte of a character
     assert partial
-    outputs = [rng.randrange(10, tokenizer.vocab_size) for _ in range(120)]  # past the 64-token window
+    outputs = [rng.randrange(10, tokenizer.vocab_size) for _ in range(120)]  # past the 64-token window and
+    # the tokens a resumed leg replays
     outputs += tokenizer.encode(" end", add_special_tokens=False)  # nothing held back at the end
     outputs[4:4] = [partial[0]]  # a character's first byte, never completed
-    outputs[12:12] = list(tokenizer.encode("é ü 日本", add_special_tokens=False))  # whole multi-byte characters
+    for at in (12, 50, 90, 110):  # whole multi-byte characters, some where a resumed leg's replay begins
+        outputs[at:at] = list(tokenizer.encode("é ü 日本", add_special_tokens=False))
     whole = ContinuedText(tokenizer, prompt, []).feed(outputs)
     assert whole == tokenizer.decode(outputs)
     for k in range(len(outputs)):
