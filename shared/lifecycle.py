@@ -30,9 +30,8 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
     loop = asyncio.get_running_loop()
     main_thread = threading.main_thread().ident
     log = logging.getLogger(__name__)
-    last_tick = time.monotonic()
-
     stopped = threading.Event()
+    last_tick = time.monotonic()
 
     def tick() -> None:
         nonlocal last_tick

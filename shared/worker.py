@@ -441,16 +441,12 @@ class EngineWorker:
             held.refining = False
 
     async def _heartbeats(self) -> None:
-        period = self.settings.heartbeat_s
         while True:
             try:
                 await self.bus.publish(Subjects.HEARTBEAT, self.info())
             except Exception as exc:  # keep beating through NATS reconnects
                 log.warning("heartbeat failed: %s", exc)
-            due = time.monotonic() + period
-            await asyncio.sleep(period)
-            if (late := time.monotonic() - due) > period:  # routers drop a worker after a few missed beats
-                log.warning("heartbeat %.1f s late: this process was starved of CPU or its event loop blocked", late)
+            await asyncio.sleep(self.settings.heartbeat_s)
 
     def held(self, request_id: str) -> HeldRequest | None:
         return self._held.get(request_id)
