@@ -93,6 +93,17 @@ class WorkerSettings(CommonSettings):
         "one more when a KV connector is set; pinning it keeps the thread count, and so the numerics, "
         "equal to a plain engine's.",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Devices (ranks) the engine splits each layer's heads across (vLLM's tensor "
+        "parallelism). On CPU each rank needs its own cores: `MESH_CPU_CORES` as '0|1' (`make run` does that).")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Stages the engine splits its layers across (vLLM's pipeline parallelism). Not on "
+        "CPU: vLLM 0.32's CPU backend fails at the first step with two stages, with or without the mesh.")
+    kv_heads_per_chunk: int = Field(
+        0, ge=0, description="KV heads in one kv-store chunk (one block of one layer). Workers whose tensor "
+        "parallel sizes differ (a prefill with 2 ranks, a decode with 1) exchange KV only when this is the same "
+        "on all and divides every rank's share of the heads: set it to the smallest such share. 0: one rank's "
+        "share, so workers of the same size use the fewest chunks.")
     enforce_eager: bool = Field(True, description="Disable graph capture (required on CPU).")
     engine_spin_s: float | None = Field(
         None, ge=0, description="How long the engine's scheduler and model processes busy-wait for each other "

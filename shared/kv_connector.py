@@ -42,8 +42,13 @@ blocks behind as they fill) or lets vLLM compute it again, whichever `llmesh.pol
 finds cheaper with the load bandwidth and prefill throughput this engine measured (the worker side
 reports both every step). The choices made for a request return with it (`kv_transfer_params`).
 
-Per-layer views are `[num_blocks, ...]` with blocks at dim 0 on every vLLM backend, so the
-same gather/scatter serves CPU and GPU; only the `.cpu()` copy differs in cost.
+Tensor parallelism: each rank's connector saves and loads only the chunks of the KV heads it holds
+(`kvkeys` names a chunk by block, layer and head group), so a decode of one tensor-parallel size loads
+what a prefill of another computed, with nothing reshuffled on either side. The scheduler side looks
+a block up whole (every layer, every head group), whatever ranks it has.
+
+Per-layer views are vLLM's `[blocks, KV heads, tokens, K|V]` on every backend, so the same
+gather/scatter serves CPU and GPU; only the `.cpu()` copy differs in cost.
 """
 
 from __future__ import annotations
@@ -68,7 +73,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from llmesh import telemetry
 from llmesh.errors import InvalidRequest, MeshError
 from llmesh.kvclient import FillGuard, ThreadedKvClient
-from llmesh.kvkeys import block_hashes, chain_seed, chunk_key, directory_digest, fingerprint, kv_layout, tail_hash
+from llmesh.kvkeys import (
+    block_hashes,
+    chain_seed,
+    chunk_key,
+    directory_digest,
+    fingerprint,
+    kv_layout,
+    rank_first_head,
+    rank_heads,
+    tail_hash,
+)
 from llmesh.messages import Ack, DurableTail, Message
 from llmesh.policies.preemption import RateEstimate, swap_or_recompute
 
@@ -96,6 +111,23 @@ class BlockTransfer:
     trace: dict[str, str] = field(default_factory=dict)  # W3C headers of the worker's request span
     last_block_tokens: int = 0  # loads: valid token slots of the last block, if it is partial
     wait: bool = False  # saves: the step waits for them (a prefill's, for its decode)
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """The KV heads of one chunk within a rank's cache: their group (`kvkeys.chunk_key`) and place."""
+
+    group: int
+    start: int
+    count: int
+
+
+def rank_slices(layout: dict[str, Any], tensor_parallel_size: int, rank: int) -> list[HeadSlice]:
+    """The head groups a tensor-parallel rank holds, in the order of its cache's heads."""
+    total, per = layout["num_kv_heads"], layout["kv_heads_per_chunk"]
+    first = rank_first_head(total, tensor_parallel_size, rank)
+    return [HeadSlice((first + start) // per, start, per)
+            for start in range(0, rank_heads(total, tensor_parallel_size), per)]
 
 
 @dataclass
@@ -158,12 +190,6 @@ def _log_to_stderr() -> None:
 def _layer_index(name: str) -> int:
     match = re.search(r"\.(\d+)\.", name)
     return int(match.group(1)) if match else 0
-
-
-def _gather(cache: torch.Tensor, block_ids: list[int], views: list[memoryview]) -> None:
-    """Copy blocks of one layer's cache into byte buffers, one block each."""
-    for block_id, view in zip(block_ids, views):
-        torch.frombuffer(view, dtype=cache.dtype).view(cache.shape[1:]).copy_(cache[block_id])
 
 
 def _tail_id(request: Any) -> str | None:
@@ -229,6 +255,11 @@ class MeshKVConnector(KVConnectorBase_V1):
             if self._write_behind and extra.get("control_subject"):
                 self._lookup.serve(extra["control_subject"], self._on_control)
         if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
+            self._slices = rank_slices(self._layout, tensor_parallel_size,
+                                       get_tensor_model_parallel_rank() if tensor_parallel_size > 1 else 0)
             telemetry.setup_tracing(
                 extra.get("service_name", "vllm-worker"),
                 otlp_endpoint=extra.get("otlp_endpoint"),
@@ -333,7 +364,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         """How many of `hashes`, from the first, the store holds in every layer (0 if it cannot say)."""
         assert self._lookup is not None
         try:
-            return self._lookup.client.stored_run(hashes, self._layout["num_layers"])
+            return self._lookup.client.stored_run(hashes, self._layout)
         except MeshError as exc:
             log.warning("request %s: KV lookup failed (%s); computing it", request.request_id, exc)
             return 0
@@ -490,10 +521,11 @@ class MeshKVConnector(KVConnectorBase_V1):
     # ==== worker side ======================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        num_blocks = self._kv_cache_config.num_blocks
+        num_blocks, heads = self._kv_cache_config.num_blocks, sum(s.count for s in self._slices)
         for name, cache in kv_caches.items():
-            if cache.shape[0] != num_blocks:
-                raise RuntimeError(f"{name}: expected blocks at dim 0 ({num_blocks}), got shape {tuple(cache.shape)}")
+            if cache.dim() < 3 or cache.shape[0] != num_blocks or cache.shape[1] != heads:
+                raise RuntimeError(f"{name}: expected [blocks ({num_blocks}), this rank's KV heads ({heads}), ...], "
+                                   f"got shape {tuple(cache.shape)}")
         self._kv_caches = dict(sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0])))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -504,6 +536,18 @@ class MeshKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, MeshConnectorMetadata)
         return meta
+
+    def _layer_keys(self, hashes: Sequence[str], layer: int) -> list[str]:
+        """This rank's chunks of `hashes` in one layer: block by block, head group by head group."""
+        return [chunk_key(h, layer, s.group) for h in hashes for s in self._slices]
+
+    def _gather(self, cache: torch.Tensor, block_ids: list[int], views: list[memoryview]) -> None:
+        """Copy blocks of one layer's cache into byte buffers, one a chunk (`_layer_keys`' order)."""
+        chunks = iter(views)
+        for block_id in block_ids:
+            for s in self._slices:
+                source = cache[block_id, s.start : s.start + s.count]
+                torch.frombuffer(next(chunks), dtype=cache.dtype).view(source.shape).copy_(source)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._kv is not None
@@ -525,7 +569,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         """Request every layer of `transfer` at once; the answers arrive while layers compute."""
         assert self._kv is not None
         futures = {
-            name: self._kv.get([chunk_key(h, _layer_index(name)) for h in transfer.hashes],
+            name: self._kv.get(self._layer_keys(transfer.hashes, _layer_index(name)),
                                partial(self._copy_in, self._kv_caches[name], transfer.block_ids), trace_context=parent)
             for name in self._kv_caches
         } if transfer.block_ids else {}
@@ -534,29 +578,29 @@ class MeshKVConnector(KVConnectorBase_V1):
             future.add_done_callback(lambda _: setattr(load, "last_arrival", time.perf_counter()))
         return load
 
-    @staticmethod
-    def _copy_in(cache: torch.Tensor, block_ids: list[int], values: Sequence[memoryview | None]) -> list[int]:
-        """Copy fetched blocks into their cache slots (in the transfer thread, so layer i+1 lands
-        while layer i computes); returns the block ids that could not be loaded."""
-        block_bytes = cache[0].numel() * cache.element_size()
-        missing = []
-        for block_id, value in zip(block_ids, values):
-            if value is None or len(value) != block_bytes:
-                missing.append(block_id)
-            else:
-                cache[block_id].copy_(torch.frombuffer(value, dtype=cache.dtype).view(cache.shape[1:]))
+    def _copy_in(self, cache: torch.Tensor, block_ids: list[int], values: Sequence[memoryview | None]) -> list[int]:
+        """Copy fetched chunks (`_layer_keys`' order) into their cache slots (in the transfer thread,
+        so layer i+1 lands while layer i computes); returns the block ids that could not be loaded."""
+        missing, per_block = [], len(self._slices)
+        for i, block_id in enumerate(block_ids):
+            for s, value in zip(self._slices, values[i * per_block : (i + 1) * per_block]):
+                target = cache[block_id, s.start : s.start + s.count]
+                if value is None or len(value) != target.numel() * cache.element_size():
+                    missing.append(block_id)
+                    break
+                target.copy_(torch.frombuffer(value, dtype=cache.dtype).view(target.shape))
         return missing
 
     def _load_now(self, transfer: BlockTransfer, parent: Any) -> None:
         """Load `transfer`'s blocks of every layer before the forward, in one fetch."""
         assert self._kv is not None
-        names, count = list(self._kv_caches), len(transfer.hashes)
+        names, count = list(self._kv_caches), len(transfer.hashes) * len(self._slices)
 
         def copy_in(values: Sequence[memoryview | None]) -> list[int]:
             return [block for i, name in enumerate(names) for block in
                     self._copy_in(self._kv_caches[name], transfer.block_ids, values[i * count : (i + 1) * count])]
 
-        keys = [chunk_key(h, _layer_index(name)) for name in names for h in transfer.hashes]
+        keys = [key for name in names for key in self._layer_keys(transfer.hashes, _layer_index(name))]
         try:
             missing = self._kv.get(keys, copy_in, trace_context=parent).result(timeout=self._timeout_s)
         except Exception as exc:  # the store is down or slow: recompute instead
@@ -609,11 +653,11 @@ class MeshKVConnector(KVConnectorBase_V1):
             if transfer.wait:
                 # The step waits for these puts (`wait_for_save`), so the blocks stay as they are:
                 # the transfer thread gathers them straight into the buffers they are sent from.
-                keys = [chunk_key(h, layer) for h in transfer.hashes]
-                block_bytes = kv_layer[0].numel() * kv_layer.element_size()
+                keys = self._layer_keys(transfer.hashes, layer)
+                chunk_bytes = kv_layer[0, : self._slices[0].count].numel() * kv_layer.element_size()
                 guard = FillGuard()
-                future = self._kv.put_filled(keys, [block_bytes] * len(keys),
-                                             guard.guarded(partial(_gather, kv_layer, transfer.block_ids)),
+                future = self._kv.put_filled(keys, [chunk_bytes] * len(keys),
+                                             guard.guarded(partial(self._gather, kv_layer, transfer.block_ids)),
                                              pin_s=self._pin_s, trace_context=telemetry.extract(transfer.trace))
                 self._pending_puts.append((future, guard, transfer.req_id))
             else:  # write-behind is not waited for: copy the blocks now, they may be reused later
@@ -624,8 +668,11 @@ class MeshKVConnector(KVConnectorBase_V1):
         puts are reaped later), so the blocks may be reused or freed at once."""
         assert self._kv is not None
         ids = torch.tensor(transfer.block_ids, dtype=torch.long, device=cache.device)
-        rows = cache[ids].cpu().contiguous().view(torch.uint8).reshape(len(ids), -1).numpy()
-        future = self._kv.put([chunk_key(h, layer) for h in transfer.hashes], list(rows), pin_s=pin_s,
+        blocks = cache[ids].cpu()
+        groups = [blocks[:, s.start : s.start + s.count].contiguous().view(torch.uint8).reshape(len(ids), -1).numpy()
+                  for s in self._slices]
+        rows = [group[i] for i in range(len(ids)) for group in groups]  # `_layer_keys`' order
+        future = self._kv.put(self._layer_keys(transfer.hashes, layer), rows, pin_s=pin_s,
                               trace_context=telemetry.extract(transfer.trace))
         self._write_behind_puts.append((future, transfer.req_id))
 

@@ -31,7 +31,7 @@ from llmesh import telemetry
 from llmesh.bus import Bus, Handler
 from llmesh.credentials import redacted
 from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
-from llmesh.kvkeys import INDEX_KEY, chunk_key, decode_entry
+from llmesh.kvkeys import INDEX_KEY, block_chunk_keys, decode_entry
 from llmesh.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
 from llmesh.messages import KvDiscover, KvShardInfo, Subjects, decode
 
@@ -491,16 +491,17 @@ class KvClient:
                 found[i] = f
         return found
 
-    def stored_blocks(self, block_hashes: Sequence[str], num_layers: int) -> list[bool]:
-        """Whether the store holds each of `block_hashes` in every layer."""
+    def stored_blocks(self, block_hashes: Sequence[str], layout: dict[str, Any]) -> list[bool]:
+        """Whether the store holds each of `block_hashes` whole: every layer, every head group."""
         if not block_hashes:
             return []
-        found = self.contains([chunk_key(h, layer) for h in block_hashes for layer in range(num_layers)])
-        return [all(found[i : i + num_layers]) for i in range(0, len(found), num_layers)]
+        per_block = len(block_chunk_keys(block_hashes[0], layout))
+        found = self.contains([key for h in block_hashes for key in block_chunk_keys(h, layout)])
+        return [all(found[i : i + per_block]) for i in range(0, len(found), per_block)]
 
-    def stored_run(self, block_hashes: Sequence[str], num_layers: int) -> int:
-        """How many of `block_hashes`, from the first, the store holds in every layer."""
-        return leading_run(self.stored_blocks(block_hashes, num_layers))
+    def stored_run(self, block_hashes: Sequence[str], layout: dict[str, Any]) -> int:
+        """How many of `block_hashes`, from the first, the store holds whole."""
+        return leading_run(self.stored_blocks(block_hashes, layout))
 
     def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
         values: list[memoryview | None] = [None] * len(keys)

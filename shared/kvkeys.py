@@ -1,8 +1,12 @@
 """KV identity: the layout fingerprint and chunk keys.
 
-A chunk is one KV block of one layer. Its key depends only on the fingerprint, the chain
-of token-block hashes up to that block, and the layer, so equal prefixes give equal keys
-on every instance and KV from a different layout can never be mistaken for ours.
+A chunk is one KV block of one layer's group of KV heads. Its key depends only on the
+fingerprint, the chain of token-block hashes up to that block, the layer and the head group,
+so equal prefixes give equal keys on every instance and KV from a different layout can never
+be mistaken for ours. Head groups are what lets engines of different tensor-parallel sizes
+share KV (BanaServe's attention-level granularity): a rank saves and loads only the groups of
+the heads it holds, whatever the size of the engine that wrote them, so nothing is reshuffled.
+The group size (`kv_heads_per_chunk`) is part of the fingerprint; the parallel sizes are not.
 
 The fingerprint covers the checkpoint's content (weights, config, tokenizer), not only its
 name and shapes: a new fine-tune at the same path never reads the old one's KV, even from a
@@ -26,7 +30,7 @@ from llmesh.errors import KVFingerprintMismatch
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 2  # bump when the byte layout of a chunk or the key derivation changes
+LAYOUT_VERSION = 3  # bump when the byte layout of a chunk or the key derivation changes
 _BLOB_NAME = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")  # a hub cache blob is named by its content hash
 
 
@@ -101,12 +105,35 @@ def checkpoint_identity(model: str, revision: str | None, tokenizer: str | None 
     return ":".join(parts)
 
 
+def rank_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one tensor-parallel rank holds (vLLM gives each rank a copy of one when there are
+    fewer heads than ranks)."""
+    return max(num_kv_heads // tensor_parallel_size, 1)
+
+
+def rank_first_head(num_kv_heads: int, tensor_parallel_size: int, rank: int) -> int:
+    return rank * num_kv_heads // tensor_parallel_size
+
+
+def heads_per_chunk(num_kv_heads: int, tensor_parallel_size: int, configured: int = 0) -> int:
+    """The KV heads of one chunk: `configured`, which must divide a rank's share, or 0 for that share."""
+    share = rank_heads(num_kv_heads, tensor_parallel_size)
+    if configured and share % configured:
+        raise ValueError(f"kv_heads_per_chunk={configured} does not divide the {share} KV heads each of the "
+                         f"{tensor_parallel_size} tensor-parallel ranks holds ({num_kv_heads} in all)")
+    return configured or share
+
+
 def kv_layout(vllm_config: Any) -> dict[str, Any]:
-    """Everything that must agree for a KV block computed here to be valid elsewhere."""
+    """Everything that must agree for a KV block computed here to be valid elsewhere: not the
+    parallel sizes, since chunks hold whole head groups of one layer (global layer numbers)."""
     from vllm.platforms import current_platform
 
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     hf = model.hf_text_config
+    transfer = vllm_config.kv_transfer_config
+    configured = int(((transfer.kv_connector_extra_config if transfer else None) or {}).get("kv_heads_per_chunk", 0))
+    num_kv_heads = model.get_total_num_kv_heads()
     return {
         "layout_version": LAYOUT_VERSION,
         "model": model.served_model_name or model.model,
@@ -114,13 +141,13 @@ def kv_layout(vllm_config: Any) -> dict[str, Any]:
         "architecture": (model.architectures or ["?"])[0],
         "hidden_size": hf.hidden_size,
         "vocab_size": hf.vocab_size,
-        "num_layers": model.get_num_layers(parallel),
-        "num_kv_heads": model.get_num_kv_heads(parallel),
+        "num_layers": model.get_total_num_hidden_layers(),
+        "num_kv_heads": num_kv_heads,
+        "kv_heads_per_chunk": heads_per_chunk(num_kv_heads, parallel.tensor_parallel_size, configured),
         "head_size": model.get_head_size(),
         "dtype": str(model.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(cache.cache_dtype),
         "block_size": cache.block_size,
-        "tensor_parallel_size": parallel.tensor_parallel_size,
         "device": current_platform.device_type,
     }
 
@@ -133,9 +160,11 @@ def check_same_layout(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     """Raise a KVFingerprintMismatch naming every field that differs."""
     if fingerprint(ours) == fingerprint(theirs):
         return
-    diffs = [f"{k}: {theirs.get(k)!r} there vs {ours.get(k)!r} here" for k in sorted(ours.keys() | theirs.keys())
-             if ours.get(k) != theirs.get(k)]
-    raise KVFingerprintMismatch("KV layouts differ between prefill and decode (" + "; ".join(diffs) + ")")
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    diffs = [f"{k}: {theirs.get(k)!r} there vs {ours.get(k)!r} here" for k in differ]
+    hint = ("; workers of different tensor-parallel sizes need the same MESH_KV_HEADS_PER_CHUNK"
+            if "kv_heads_per_chunk" in differ else "")
+    raise KVFingerprintMismatch("KV layouts differ between prefill and decode (" + "; ".join(diffs) + ")" + hint)
 
 
 def chain_seed(fp: str, cache_salt: str | None = None, adapter: str | None = None) -> str:
@@ -169,8 +198,18 @@ def tail_hash(tail_id: str, block_index: int) -> str:
     return hashlib.blake2b(f"tail:{tail_id}:{block_index}".encode(), digest_size=16).hexdigest()
 
 
-def chunk_key(block_hash: str, layer: int) -> str:
-    return f"{block_hash}:{layer}"
+def chunk_key(block_hash: str, layer: int, head_group: int) -> str:
+    return f"{block_hash}:{layer}:{head_group}"
+
+
+def head_groups(layout: dict[str, Any]) -> int:
+    return layout["num_kv_heads"] // layout["kv_heads_per_chunk"]
+
+
+def block_chunk_keys(block_hash: str, layout: dict[str, Any]) -> list[str]:
+    """Every chunk of one block: all layers, all head groups."""
+    return [chunk_key(block_hash, layer, group) for layer in range(layout["num_layers"])
+            for group in range(head_groups(layout))]
 
 
 # ---- the shared chunk index in Redis (written by kv-store shards, read by clients) ----------------

@@ -247,8 +247,10 @@ def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
     raise TimeoutError(f"the mesh at {url} was not healthy after {timeout:.0f}s")
 
 
-def engine_cores() -> dict[str, dict[str, str]]:
-    """Separate cores for the prefill and decode engines on one host, unless configured.
+def engine_cores(ranks: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
+    """Separate cores for the prefill and decode engines on one host, unless configured; an engine
+    of several tensor-parallel ranks (`ranks`, by service) gets its cores in one group a rank
+    ('0|1'), from the whole machine if its half is too small.
 
     Each vLLM CPU engine pins its compute threads, and an idle engine busy-polls for a second
     after its last step: two engines on the same cores slow each other down.
@@ -256,10 +258,18 @@ def engine_cores() -> dict[str, dict[str, str]]:
     n = len(os.sched_getaffinity(0))
     if n < 2 or os.environ.get("MESH_CPU_CORES"):
         return {}
-    half = n // 2
-    span = lambda lo, hi: str(lo) if lo == hi else f"{lo}-{hi}"  # noqa: E731
-    return {"prefill-worker": {"MESH_CPU_CORES": span(0, half - 1)},
-            "decode-worker": {"MESH_CPU_CORES": span(half, n - 1)}}
+    span = lambda cores: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"  # noqa: E731
+    halves = {"prefill-worker": list(range(n // 2)), "decode-worker": list(range(n // 2, n))}
+    out = {}
+    for service, cores in halves.items():
+        count = (ranks or {}).get(service, 1)
+        if count > len(cores):
+            cores = list(range(n))
+        if count > n:
+            raise RuntimeError(f"{service}: {count} tensor-parallel ranks need a core each, and this machine has {n}")
+        width = len(cores) // count
+        out[service] = {"MESH_CPU_CORES": "|".join(span(cores[i * width : (i + 1) * width]) for i in range(count))}
+    return out
 
 
 def worker_envs(service: str, count: int) -> list[tuple[str, dict[str, str]]]:
@@ -283,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill workers to run (sharing the prefill half of the cores)")
     parser.add_argument("--decode-workers", type=int, default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
                         help="decode workers to run (sharing the decode half of the cores)")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=int(
+            os.environ.get(f"MESH_{role.upper()}_TENSOR_PARALLEL_SIZE") or os.environ.get("MESH_TENSOR_PARALLEL_SIZE")
+            or 1), help=f"tensor-parallel ranks of each {role} engine (on CPU, a core each)")
     parser.add_argument("--secrets", type=Path, default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
                         help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
                         "use and kept (llmesh.credentials)")
@@ -295,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.prefill_workers, args.decode_workers) < 1:
         parser.error("--prefill-workers and --decode-workers must be at least 1")
+    ranks = {"prefill-worker": args.prefill_tensor_parallel_size, "decode-worker": args.decode_tensor_parallel_size}
+    if min(ranks.values()) < 1:
+        parser.error("tensor-parallel sizes must be at least 1")
+    if len(set(ranks.values())) > 1 and not os.environ.get("MESH_KV_HEADS_PER_CHUNK"):
+        parser.error("prefill and decode engines of different tensor-parallel sizes exchange KV only in head groups "
+                     "that divide every rank's share: set MESH_KV_HEADS_PER_CHUNK (e.g. the KV heads of one rank of "
+                     "the larger engine: 2 for the embedded tiny model's 4 at 2 ranks)")
 
     workdir = Path(tempfile.mkdtemp(prefix="llmesh-"))
     log = (lambda name: args.logs / f"{name}.log") if args.logs else (lambda name: None)
@@ -331,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         services: list[tuple[str, str, dict[str, str]]] = [  # (service, name, its environment)
             ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)]
         services.append(("length-predictor", "length-predictor", {}))
-        cores = engine_cores()
+        cores = engine_cores(ranks)
         for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
-            services += [(service, name, cores.get(service, {}) | worker_env)
+            parallel = {"MESH_TENSOR_PARALLEL_SIZE": str(ranks[service])}
+            services += [(service, name, cores.get(service, {}) | parallel | worker_env)
                          for name, worker_env in worker_envs(service, count)]
         services += [("router", "router", {}), ("placement", "placement", {})]
         for service, name, own_env in services:

@@ -107,6 +107,11 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         num_gpu_blocks_override=settings.kv_blocks,
         max_num_seqs=settings.capacity,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        # one process a rank on CPU and GPU alike (vLLM's CPU backend supports no other)
+        distributed_executor_backend="mp" if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
+        else None,
         disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
@@ -123,6 +128,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
                 "write_behind": settings.kv_write_behind,
                 "durable_tail": settings.kv_durable_tail,
                 "preemption": settings.kv_preemption,
+                "kv_heads_per_chunk": settings.kv_heads_per_chunk,
                 "service_name": f"{role}-worker",
                 "control_subject": Subjects.kv_control(worker_id(settings, role)),
                 "otlp_endpoint": settings.otlp_endpoint,

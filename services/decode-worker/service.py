@@ -70,7 +70,6 @@ class DecodeService:
         worker.generates = True
         cache = worker.engine.vllm_config.cache_config
         self.block_size = cache.block_size
-        self.layers = worker.layout["num_layers"]
         self._store: KvClient | None = None
         self._store_lock = asyncio.Lock()
         self._outcomes: OrderedDict[str, MigrateOutcome] = OrderedDict()
@@ -325,9 +324,9 @@ class DecodeService:
         return self._store
 
     async def _stored_run(self, hashes: list[str]) -> int:
-        """How many of `hashes`, from the first, the store holds in every layer (0 if it cannot say)."""
+        """How many of `hashes`, from the first, the store holds whole (0 if it cannot say)."""
         try:
-            return await asyncio.to_thread((await self._client()).stored_run, hashes, self.layers)
+            return await asyncio.to_thread((await self._client()).stored_run, hashes, self.worker.layout)
         except MeshError as exc:
             log.warning("KV lookup failed: %s", exc)
             return 0
@@ -339,7 +338,7 @@ class DecodeService:
         give_up = time.monotonic() + EXPORT_WAIT_S
         while True:
             try:
-                present = await asyncio.to_thread((await self._client()).stored_blocks, [*hashes, *ends], self.layers)
+                present = await asyncio.to_thread((await self._client()).stored_blocks, [*hashes, *ends], self.worker.layout)
             except MeshError as exc:
                 log.warning("KV lookup failed: %s", exc)
                 present = [False] * (len(hashes) + len(ends))

@@ -163,12 +163,15 @@ class Reference:
 
 
 @contextmanager
-def reference_engine(model_path: str, log_dir: Path) -> Iterator[Reference]:
+def reference_engine(model_path: str, log_dir: Path, tensor_parallel_size: int = 1) -> Iterator[Reference]:
+    """A monolithic engine; with several tensor-parallel ranks, a core each."""
     log = open(log_dir / "reference.log", "w")
+    ranks = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))} \
+        if tensor_parallel_size > 1 else {}
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reference_engine.py")), model_path,
-                             str(MAX_MODEL_LEN), str(BLOCK_SIZE)],
+                             str(MAX_MODEL_LEN), str(BLOCK_SIZE), str(tensor_parallel_size)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                            start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"} | ranks)
     try:
         yield Reference(proc, log.name)
     finally:

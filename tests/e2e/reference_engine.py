@@ -1,5 +1,6 @@
 """The baseline for exactness: one monolithic vLLM engine, no connector, no mesh.
 
+Arguments: model, max_model_len, block_size[, tensor_parallel_size].
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
@@ -17,7 +18,7 @@ import sys
 import time
 
 
-async def main(model: str, max_model_len: int, block_size: int) -> None:
+async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_size: int = 1) -> None:
     # vLLM logs to stdout: keep the protocol on a private copy of it, send the rest to stderr.
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -28,6 +29,9 @@ async def main(model: str, max_model_len: int, block_size: int) -> None:
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="bfloat16", max_model_len=max_model_len,
                                                        block_size=block_size, enforce_eager=True,
+                                                       tensor_parallel_size=tensor_parallel_size,
+                                                       distributed_executor_backend="mp" if tensor_parallel_size > 1
+                                                       else None,
                                                        disable_log_stats=True))
     from llmesh.worker import WARMUP_PROMPT
 
@@ -75,4 +79,4 @@ async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    asyncio.run(main(*sys.argv[1:2], *map(int, sys.argv[2:])))

@@ -92,7 +92,7 @@ def test_decode_writes_generated_kv_back_for_the_next_turn(mesh, reference, firs
 def test_a_corrupt_chunk_is_a_clean_miss_and_decode_recomputes_exactly(mesh, reference):
     ids = token_prompt(600, seed=3131)  # blocks 0-3 full, block 4 partial
     fingerprint = asyncio.run(live_worker(mesh, "decode")).fingerprint
-    victim = chunk_key(block_hashes(fingerprint, ids, BLOCK_SIZE)[3], 2)
+    victim = chunk_key(block_hashes(fingerprint, ids, BLOCK_SIZE)[3], 2, 0)  # layer 2, the one head group
 
     async def spill_and_corrupt():
         await kv_stats(mesh, "flush")  # everything to SSD, where a file can rot

@@ -38,3 +38,17 @@ def test_a_failed_child_restarts_at_once_then_with_growing_delays_and_one_done_s
     now[0] += 100
     service.check()
     assert service.done and service.child is None and runs.read_text().count("run") == 4
+
+
+def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(monkeypatch):
+    from llmesh.launcher import engine_cores
+
+    monkeypatch.delenv("MESH_CPU_CORES", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert engine_cores() == {"prefill-worker": {"MESH_CPU_CORES": "0-3"}, "decode-worker": {"MESH_CPU_CORES": "4-7"}}
+    assert engine_cores({"prefill-worker": 2})["prefill-worker"] == {"MESH_CPU_CORES": "0-1|2-3"}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert engine_cores({"prefill-worker": 2, "decode-worker": 1}) == {
+        "prefill-worker": {"MESH_CPU_CORES": "0|1"}, "decode-worker": {"MESH_CPU_CORES": "1"}}
+    monkeypatch.setenv("MESH_CPU_CORES", "0")
+    assert engine_cores({"prefill-worker": 2}) == {}
