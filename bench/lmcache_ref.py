@@ -1,6 +1,6 @@
 """LMCache's lm:// reference server (or any lm:// endpoint) measured with LMCache's own client.
 
-Run with LMCache's isolated venv (`python tests/lmcache_env.py` builds it and prints its python):
+Run with LMCache's isolated venv (`python tests/tool_envs.py lmcache` builds it and prints its python):
 
     .cache/lmcache-venv/bin/python bench/lmcache_ref.py                  # starts `python -m lmcache.v1.server`
     .venv/bin/python -m llmesh_kvstore.lmcache_protocol --port 65432 &   # the kv-store's lm:// endpoint ...

@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, help="where the secrets go (kept if already there)")
     parser.add_argument("--nats-listen", metavar="HOST:PORT",
                         help="also write DIRECTORY/nats.conf, a whole nats-server config listening there")
+    parser.add_argument("--nats-monitor", metavar="HOST:PORT", default="",
+                        help="with --nats-listen: nats-server's monitoring endpoint (/healthz) there")
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=env_switch("MESH_NATS_TLS"),
                         help="NATS over TLS only: a private CA and nats-server's certificate in DIRECTORY, trusted by "
                         "every service that reads it (--no-tls removes them); default: MESH_NATS_TLS, else as "
@@ -360,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         from llmesh.launcher import nats_server_config
 
         write_private(args.directory / "nats.conf", nats_server_config(
-            args.nats_listen, authorization=secrets.nats_authorization(), tls=nats_tls_block(args.directory)))
+            args.nats_listen, authorization=secrets.nats_authorization(), tls=nats_tls_block(args.directory),
+            monitor=args.nats_monitor))
     print(f"{'kept' if existed else 'wrote'} the mesh's secrets in {args.directory} "
           f"(NATS {'over TLS' if tls else 'without TLS'})", file=sys.stderr)
     return 0

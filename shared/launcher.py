@@ -139,9 +139,12 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "", tls: str = "") -> str:
-    """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit)."""
-    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{authorization}{tls}"
+def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "", tls: str = "",
+                       monitor: str = "") -> str:
+    """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit); with
+    `monitor` (HOST:PORT), nats-server's monitoring endpoint (/healthz) listens there."""
+    http = f"http: {monitor}\n" if monitor else ""
+    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{http}{authorization}{tls}"
 
 
 def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",

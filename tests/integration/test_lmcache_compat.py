@@ -1,6 +1,6 @@
 """The kv-store's lm:// endpoint against LMCache 0.5.6 itself: its client class, its reference server.
 
-LMCache runs in its own venv (tests/lmcache_env.py; the first run builds it, about a minute or
+LMCache runs in its own venv (tests/tool_envs.py; the first run builds it, about a minute or
 two). Our server runs in the test process over a real ChunkStore.
 """
 
@@ -17,7 +17,7 @@ from ipaddress import ip_network
 
 import pytest
 
-from lmcache_env import lmcache_python
+from tool_envs import lmcache_python
 from llmesh_kvstore.lmcache_protocol import start_lmcache_server
 from llmesh_kvstore.store import ChunkStore
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -221,13 +223,53 @@ def test_prometheus_and_grafana_get_their_committed_configuration(services):
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
 
 
-@pytest.mark.parametrize("name", ["prefill-worker", "decode-worker"])
-def test_workers_reserve_a_gpu(services, name):
-    devices = (((services[name].get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get(
-        "devices") or []
-    assert any(d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or [])
-               and (d.get("count") in (1, "all") or d.get("device_ids")) for d in devices), (
-        f"service {name!r} reserves no NVIDIA GPU (deploy.resources.reservations.devices)")
+def gpu_ids(service: dict) -> list[str]:
+    """The NVIDIA GPUs a service reserves by id; fails on a reservation by count (Docker would give
+    every such container the first GPU: it pools none between containers)."""
+    devices = (((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    ids = []
+    for device in devices:
+        assert device.get("driver") == "nvidia" and "gpu" in (device.get("capabilities") or []), device
+        assert "count" not in device and device.get("device_ids"), f"a GPU reserved by count, not by id: {device}"
+        ids += [interpolate(str(i)) for i in device["device_ids"]]
+    return ids
+
+
+def test_each_worker_names_its_own_gpu(services):
+    prefill, decode = gpu_ids(services["prefill-worker"]), gpu_ids(services["decode-worker"])
+    assert prefill == ["0"] and decode == ["1"], (prefill, decode)
+
+
+@pytest.mark.parametrize("name", [*LLMESH_SERVICES, "nats", "redis"])
+def test_every_service_reports_its_health(services, name, monkeypatch, tmp_path):
+    test = services[name]["healthcheck"]["test"]
+    if name in ("nats", "redis"):
+        return  # their own tools (checked against the generated config below, and in compose's validation)
+    assert test[:4] == ["CMD", "python", "-m", "llmesh.healthcheck"], test
+    port_field, host_field = METRICS_FIELDS[name]
+    port = getattr(compose_settings(services, name, monkeypatch, tmp_path), port_field)
+    path = "/health" if name == "router" else "/metrics"
+    assert test[4:] == [f"http://127.0.0.1:{port}{path}"], f"service {name!r} checks {test[4:]}, serves on {port}"
+
+
+@pytest.mark.parametrize("name", LLMESH_SERVICES)
+def test_services_start_once_what_they_need_is_healthy(services, name):
+    needs = {k: v["condition"] for k, v in services[name]["depends_on"].items()}
+    assert needs["nats"] == needs["redis"] == "service_healthy", needs
+    if name.endswith("-worker"):
+        assert needs["kv-store"] == "service_healthy", needs
+
+
+def test_docker_compose_renders_and_validates_the_file(tmp_path):
+    """docker-compose 1.29.2 (no engine needed; its own venv, tests/tool_envs.py) accepts the file, and
+    its rendering keeps each worker's GPU."""
+    from tool_envs import docker_compose
+
+    done = subprocess.run([*docker_compose(), "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    assert done.returncode == 0, done.stderr
+    rendered = yaml.safe_load(done.stdout)["services"]
+    assert gpu_ids(rendered["prefill-worker"]) == ["0"] and gpu_ids(rendered["decode-worker"]) == ["1"]
 
 
 def test_workers_share_the_engine_configuration(services):
@@ -270,6 +312,8 @@ def test_nats_takes_its_users_and_max_payload_from_the_generated_config(services
     assert main([str(tmp_path / "s"), *made_cmd[2:]]) == 0
     conf = (tmp_path / "s" / "nats.conf").read_text()
     assert re.search(r"^max_payload: \d+MB$", conf, re.MULTILINE) and "listen: 0.0.0.0:4222" in conf
+    monitor = re.search(r"^http: (\S+)$", conf, re.MULTILINE)
+    assert monitor and f"http://{monitor.group(1)}/healthz" in nats["healthcheck"]["test"], "nats's health check"
     assert 'user: "router"' in conf and "$2a$" in conf
 
 
