@@ -13,6 +13,11 @@ password, and the router's API keys are stored as digests (llmesh_router.auth); 
 the generated key lies beside them. `python -m llmesh.credentials DIR` writes a set into DIR (mode 0700,
 files 0600) or keeps the one already there; the launcher (`make run`) and compose do this themselves.
 
+Several hosts: the control plane's nats-server accepts leaf nodes (`--nats-leafnodes`), and each GPU host
+runs its own nats-server as a leaf node of it (`--nats-leaf-of`), with the same users, for its services to
+reach locally; the leaf connects with the set's `leaf` password (not a client user), over TLS when the set
+has TLS on.
+
 NATS over TLS is one switch of the set (`--tls`, `MESH_NATS_TLS`): a private CA and nats-server's certificate
 lie beside the passwords, and a service whose secrets hold that CA reaches NATS over TLS trusting it alone, so
 the passwords and everything on the bus cross the network encrypted, to the real server only.
@@ -56,6 +61,8 @@ PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
 # may switch roles)
 EVERYTHING = ([">"], [">"])  # for a test harness that plays every part; never in a deployment
 
+
+LEAF_USER = "leaf"  # a GPU host's nats-server, connecting to the control plane's as a leaf node
 
 # NATS over TLS: the CA's certificate (present: TLS is on), nats-server's certificate and key
 NATS_CA, NATS_CERT, NATS_KEY = "nats-ca.pem", "nats-server.pem", "nats-server-key.pem"
@@ -103,7 +110,7 @@ class MeshSecrets:
     @classmethod
     def generate(cls, extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
         permissions = PERMISSIONS | (extra_users or {})
-        return cls({user: _secret() for user in permissions}, _secret(), new_api_key(), permissions)
+        return cls({user: _secret() for user in [*permissions, LEAF_USER]}, _secret(), new_api_key(), permissions)
 
     @classmethod
     def load(cls, directory: Path) -> MeshSecrets:
@@ -147,6 +154,31 @@ class MeshSecrets:
                          % (json.dumps(user), json.dumps(_bcrypt(self.nats_passwords[user])), json.dumps(publish),
                             json.dumps(subscribe)))
         return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
+
+    def add_leaf_password(self) -> bool:
+        """Give a set made before leaf nodes existed its leaf password (and write it); False if it had one."""
+        if LEAF_USER in self.nats_passwords:
+            return False
+        self.nats_passwords[LEAF_USER] = _secret()
+        if self.directory:
+            self.write(self.directory)
+        return True
+
+    def nats_leafnodes(self, listen: str) -> str:
+        """The control plane's `leafnodes` block: GPU hosts' servers connect at `listen` with the leaf
+        password, over TLS when the set has it (the certificate must name the address they use: --tls-host)."""
+        tls = nats_tls_block(self.directory, handshake_first=False) if self.directory else ""
+        return "leafnodes {\n  listen: %s\n  authorization {user: %s, password: %s}\n%s}\n" % (
+            json.dumps(listen), json.dumps(LEAF_USER), json.dumps(_bcrypt(self.nats_passwords[LEAF_USER])),
+            _indent(tls))
+
+    def nats_leaf_remote(self, hub: str) -> str:
+        """A GPU host's `leafnodes` block: a leaf node of the control plane's server at `hub` (HOST:PORT)."""
+        url = with_userinfo(f"nats://{hub}", LEAF_USER, self.nats_passwords[LEAF_USER])
+        tls = ""
+        if self.directory and (self.directory / NATS_CA).exists():
+            tls = "tls {ca_file: %s, timeout: 5}\n" % json.dumps(str((self.directory / NATS_CA).resolve()))
+        return "leafnodes {\n  remotes: [{\n    url: %s\n%s  }]\n}\n" % (json.dumps(url), _indent(tls, 4))
 
     def nats_url(self, url: str, user: str) -> str:
         """`url` (one or several, comma-separated) with `user`'s credentials in each, over TLS trusting the
@@ -290,7 +322,11 @@ def _make_nats_tls(directory: Path, hosts: set[str]) -> None:
     write_private(directory / NATS_CA, certificate(ca_name, ca_key, True, []).public_bytes(pem))  # last: TLS is on
 
 
-def nats_tls_block(directory: Path) -> str:
+def _indent(block: str, spaces: int = 2) -> str:
+    return "".join(" " * spaces + line + "\n" for line in block.splitlines())
+
+
+def nats_tls_block(directory: Path, handshake_first: bool = True) -> str:
     """nats-server's `tls` block for the deployment whose secrets are in `directory` ("" without TLS). Clients
     must start with the TLS handshake, before the server's INFO: none ever sends its password in the clear, not
     even to a server (or someone in between) that offers no TLS; a plaintext client gets nothing. Users and
@@ -298,8 +334,9 @@ def nats_tls_block(directory: Path) -> str:
     default is 2): the mesh's hosts often run loaded."""
     if not (directory / NATS_CA).exists():
         return ""
-    return "tls {\n  cert_file: %s\n  key_file: %s\n  handshake_first: true\n  timeout: 5\n}\n" % (
-        json.dumps(str((directory / NATS_CERT).resolve())), json.dumps(str((directory / NATS_KEY).resolve())))
+    first = "  handshake_first: true\n" if handshake_first else ""
+    return "tls {\n  cert_file: %s\n  key_file: %s\n%s  timeout: 5\n}\n" % (
+        json.dumps(str((directory / NATS_CERT).resolve())), json.dumps(str((directory / NATS_KEY).resolve())), first)
 
 
 def trusting_nats_ca(url: str, directory: Path) -> str:
@@ -345,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, help="where the secrets go (kept if already there)")
     parser.add_argument("--nats-listen", metavar="HOST:PORT",
                         help="also write DIRECTORY/nats.conf, a whole nats-server config listening there")
+    parser.add_argument("--nats-leafnodes", metavar="HOST:PORT", default="",
+                        help="with --nats-listen: also accept GPU hosts' nats-servers as leaf nodes there")
+    parser.add_argument("--nats-leaf-of", metavar="HOST:PORT", default="",
+                        help="with --nats-listen: this host's nats-server is a leaf node of the control plane's, "
+                        "whose leaf-node port is HOST:PORT")
     parser.add_argument("--nats-monitor", metavar="HOST:PORT", default="",
                         help="with --nats-listen: nats-server's monitoring endpoint (/healthz) there")
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=env_switch("MESH_NATS_TLS"),
@@ -358,12 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     existed = (args.directory / MeshSecrets.FILE).exists()
     secrets = MeshSecrets.load_or_create(args.directory)
     tls = set_nats_tls(args.directory, args.tls, args.tls_host)
+    if args.nats_leafnodes and args.nats_leaf_of:
+        parser.error("a server either accepts leaf nodes (the control plane) or is one (a GPU host), not both")
     if args.nats_listen:
         from llmesh.launcher import nats_server_config
 
+        if (args.nats_leafnodes or args.nats_leaf_of) and secrets.add_leaf_password():
+            print("added a leaf-node password to the set: copy it to the GPU hosts again", file=sys.stderr)
+        leafnodes = (secrets.nats_leafnodes(args.nats_leafnodes) if args.nats_leafnodes else
+                     secrets.nats_leaf_remote(args.nats_leaf_of) if args.nats_leaf_of else "")
         write_private(args.directory / "nats.conf", nats_server_config(
             args.nats_listen, authorization=secrets.nats_authorization(), tls=nats_tls_block(args.directory),
-            monitor=args.nats_monitor))
+            monitor=args.nats_monitor, leafnodes=leafnodes))
     print(f"{'kept' if existed else 'wrote'} the mesh's secrets in {args.directory} "
           f"(NATS {'over TLS' if tls else 'without TLS'})", file=sys.stderr)
     return 0

@@ -140,22 +140,24 @@ def nats_server_binary() -> str:
 
 
 def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "", tls: str = "",
-                       monitor: str = "") -> str:
+                       monitor: str = "", leafnodes: str = "") -> str:
     """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit); with
-    `monitor` (HOST:PORT), nats-server's monitoring endpoint (/healthz) listens there."""
+    `monitor` (HOST:PORT), nats-server's monitoring endpoint (/healthz) listens there; `leafnodes` is a
+    block of `MeshSecrets.nats_leafnodes` or `nats_leaf_remote` (several hosts)."""
     http = f"http: {monitor}\n" if monitor else ""
-    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{http}{authorization}{tls}"
+    return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{http}" + authorization + tls + leafnodes
 
 
 def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
                log_path: Path | None = None, authorization: str = "", tls: str = "", host: str = "127.0.0.1",
-               prefix: Sequence[str] = ()) -> tuple[Child, str]:
+               prefix: Sequence[str] = (), leafnodes: str = "") -> tuple[Child, str]:
     """nats-server on `host` with a config file (max_payload is not a command-line flag), readable by
-    its owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`) and a `tls` block
-    (`llmesh.credentials.nats_tls_block`) if given."""
+    its owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`), a `tls` block
+    (`llmesh.credentials.nats_tls_block`) and a `leafnodes` block (`MeshSecrets.nats_leafnodes` or
+    `nats_leaf_remote`) if given."""
     port = port or free_port()
     conf = workdir / f"nats-{port}.conf"
-    write_private(conf, nats_server_config(f"{host}:{port}", max_payload, authorization, tls))
+    write_private(conf, nats_server_config(f"{host}:{port}", max_payload, authorization, tls, leafnodes=leafnodes))
     child = Child("nats", [nats_server_binary(), "-c", str(conf)], log_path=log_path, prefix=prefix)
     wait_for_port(port, 10, child.proc, host)
     return child, f"nats://{host}:{port}"
