@@ -4,7 +4,7 @@ computed in KV head groups (`kvkeys`), nothing reshuffled: bit for bit where bot
 size, up to near-ties where they differ.
 
 On CPU each rank takes a core ('0|1'), so both engines share this machine's two. Runs its own
-meshes (the session's is not started yet).
+meshes, one for each pair of sizes.
 """
 
 from __future__ import annotations
