@@ -5,8 +5,9 @@
     host gpu-1:   nats-server, a leaf node of control's; a kv-store shard; the prefill worker
     host gpu-2:   nats-server, a leaf node of control's; a kv-store shard; the decode worker
 
-Every service reaches NATS on its own host, with the nats-server configs `llmesh.credentials`
-writes for compose from each host's copy of the secrets; the leaf links carry the bus between hosts,
+Every service reaches NATS on its own host. Each host's nats-server runs from the config that its
+generated compose file's `secrets` service writes (the same command, on that host's copy of the
+secrets, ports as in the files: each host is its own network); the leaf links carry the bus between hosts,
 and KV crosses from gpu-1 to gpu-2 over TCP (each host reaches its own shard through shared
 memory). Outputs equal a monolithic engine's.
 """
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from hosts import Hosts
+from llmesh import compose
 from llmesh.bus import Bus
 from llmesh.credentials import EVERYTHING, MeshSecrets, without_userinfo
 from llmesh.credentials import main as credentials
@@ -52,25 +54,28 @@ def multihost(tmp_path_factory, model_dir, model_path):
     children: list[Child] = []
     with Hosts(["control", *GPU_HOSTS]) as hosts:
         try:
-            control, nats_port, leaf_port = hosts.address("control"), free_port(), free_port()
+            control, nats_port = hosts.address("control"), 4222
             secrets = MeshSecrets.load_or_create(work / "control", extra_users={"harness": EVERYTHING})
+            layouts = {"control": compose.control_plane(control, "0.0.0.0")} | {
+                host: compose.gpu_host(control, hosts.address(host), {"prefill": [["0"]], "decode": []}, None, ".")
+                for host in GPU_HOSTS}
 
-            def start_nats(host: str, *role: str) -> None:
-                """nats-server on `host`, configured as compose's `secrets` service configures it."""
-                directory = work / host
-                assert credentials([str(directory), "--nats-listen", f"{hosts.address(host)}:{nats_port}",
-                                    *role]) == 0
-                children.append(Child(f"nats-{host}", [nats_server_binary(), "-c", str(directory / "nats.conf")],
+            def start_nats(host: str) -> None:
+                """nats-server on `host`, from the config its compose file's `secrets` service writes."""
+                made = [str(work / host) if arg == "/secrets" else arg
+                        for arg in layouts[host]["services"]["secrets"]["command"][1:]]
+                assert credentials(made) == 0
+                children.append(Child(f"nats-{host}", [nats_server_binary(), "-c", str(work / host / "nats.conf")],
                                       log_path=logs / f"nats-{host}.log", prefix=hosts.prefix(host)))
                 wait_for_port(nats_port, 10, children[-1].proc, hosts.address(host))
 
-            start_nats("control", "--nats-leafnodes", f"{control}:{leaf_port}")
+            start_nats("control")
             redis, redis_url = start_redis(free_port(), logs / "redis.log", secrets.redis_password, host=control,
                                            prefix=hosts.prefix("control"))
             children.append(redis)
             for host in GPU_HOSTS:
                 shutil.copytree(work / "control", work / host)  # the operator copies the set to each GPU host
-                start_nats(host, "--nats-leaf-of", f"{control}:{leaf_port}")
+                start_nats(host)
 
             def run(host: str, service: str, name: str, **own: str) -> None:
                 env = {"MESH_NATS_URL": f"nats://{hosts.address(host)}:{nats_port}",

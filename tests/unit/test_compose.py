@@ -330,3 +330,100 @@ def test_published_ports_listen_on_the_hosts_loopback_unless_configured(services
     for name, service in services.items():
         for entry in service.get("ports") or []:
             assert interpolate(str(entry)).startswith("127.0.0.1:"), f"service {name!r} publishes {entry} to all"
+
+
+# ---- the layouts `python -m llmesh.compose` writes from docker-compose.yml ----------------------------
+
+LAYOUTS = {
+    "single": ["single", "--prefill", "0,1", "--decode", "2", "--decode", "3", "--kv-heads-per-chunk", "4"],
+    "control-plane": ["control-plane", "--address", "10.0.0.1"],
+    "gpu-host": ["gpu-host", "--control-plane", "10.0.0.1", "--address", "10.0.0.2", "--prefill", "0",
+                 "--decode", "1,2", "--kv-heads-per-chunk", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, dict]:
+    """Each layout as docker-compose 1.29.2 renders it (so it validates, or this fails)."""
+    from llmesh.compose import main
+    from tool_envs import docker_compose
+
+    out = {}
+    for name, argv in LAYOUTS.items():
+        path = tmp_path_factory.mktemp("layouts") / f"{name}.yml"
+        assert main([*argv, "-o", str(path)]) == 0
+        done = subprocess.run([*docker_compose(), "-f", str(path), "config"], capture_output=True, text=True,
+                              env={"PATH": os.environ["PATH"]})
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+        out[name] = yaml.safe_load(done.stdout)["services"]
+    return out
+
+
+def test_every_layout_sets_only_what_its_services_read(layouts):
+    by_module = {module: name for name, module in SERVICES.items()}
+    for layout, services in layouts.items():
+        for name, service in services.items():
+            module = command(service)[:1]
+            if module and module[0] in by_module:
+                accepted = env_names(SETTINGS[by_module[module[0]]])
+                unknown = sorted(k for k in environment(service) if k.upper() not in accepted)
+                assert not unknown, f"{layout}: service {name!r} sets {unknown}"
+
+
+def test_one_host_with_workers_of_several_gpus(layouts):
+    services = layouts["single"]
+    workers = {name: (gpu_ids(s), environment(s)) for name, s in services.items() if "-worker" in name}
+    assert {name: (ids, env["MESH_TENSOR_PARALLEL_SIZE"]) for name, (ids, env) in workers.items()} == {
+        "prefill-worker-0": (["0", "1"], "2"), "decode-worker-0": (["2"], "1"), "decode-worker-1": (["3"], "1")}
+    assert all(env["MESH_KV_HEADS_PER_CHUNK"] == "4" and env["MESH_WORKER_ID"] == name
+               for name, (_, env) in workers.items())
+    assert services["decode-worker-1"]["networks"]["default"]["aliases"] == ["decode-worker"]  # Prometheus's name
+    assert {"router", "kv-store", "placement", "prometheus"} <= set(services)
+
+
+def test_the_control_plane_accepts_leaf_nodes_and_runs_no_engines(layouts, tmp_path):
+    from llmesh.credentials import main
+
+    services = layouts["control-plane"]
+    assert not {"kv-store", "prefill-worker", "decode-worker"} & set(services)
+    assert {"nats", "redis", "router", "placement", "length-predictor", "jaeger"} <= set(services)
+    assert {7422} <= port_numbers(services["nats"]) and {6379} <= port_numbers(services["redis"])
+    made = command(services["secrets"])
+    assert made[made.index("--tls-host") + 1] == "10.0.0.1"
+    assert main([str(tmp_path / "s"), *made[2:]]) == 0
+    assert re.search(r"leafnodes \{\n  listen: \"0\.0\.0\.0:7422\"", (tmp_path / "s" / "nats.conf").read_text())
+
+
+def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
+    from llmesh.credentials import main
+
+    services = layouts["gpu-host"]
+    assert set(services) == {"secrets", "nats", "kv-store", "prefill-worker-10-0-0-2-0", "decode-worker-10-0-0-2-0"}
+    MeshSecrets.load_or_create(tmp_path / "s")  # the control plane's set, copied here
+    made = command(services["secrets"])
+    assert main([str(tmp_path / "s"), *made[2:]]) == 0
+    assert "10.0.0.1:7422" in (tmp_path / "s" / "nats.conf").read_text()  # a leaf node of the control plane's
+    store = environment(services["kv-store"])
+    assert store["MESH_DATA_ADVERTISE_HOST"] == "10.0.0.2" and store["MESH_KV_SHARD"] == "10-0-0-2"
+    assert 9200 in port_numbers(services["kv-store"])
+    for name, service in services.items():
+        if name != "secrets" and name != "nats":
+            env = environment(service)
+            assert env["MESH_NATS_URL"] == "nats://nats:4222", name  # this host's leaf node
+            assert env["MESH_REDIS_URL"] == "redis://10.0.0.1:6379/0", name
+            assert "redis" not in service["depends_on"], name
+    assert gpu_ids(services["decode-worker-10-0-0-2-0"]) == ["1", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["single", "--prefill", "0", "--decode", "0"], "a GPU is given to two workers"),
+    (["single", "--prefill", "0,1", "--decode", "2"], "--kv-heads-per-chunk"),
+    (["single", "--prefill", "0"], "a prefill and a decode worker"),
+    (["gpu-host", "--prefill", "0"], "--control-plane and --address"),
+])
+def test_layouts_that_cannot_work_are_refused(argv, message, capsys):
+    from llmesh.compose import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err

@@ -1,0 +1,191 @@
+"""Compose files for GPU layouts beyond docker-compose.yml's one prefill and one decode worker,
+written from that file (its services, settings and health checks are the one source):
+
+    python -m llmesh.compose single --prefill 0,1 --decode 2 --decode 3 -o docker-compose.gpus.yml
+    python -m llmesh.compose control-plane --address 10.0.0.1 -o docker-compose.control.yml
+    python -m llmesh.compose gpu-host --control-plane 10.0.0.1 --address 10.0.0.2 --prefill 0 --decode 1 \\
+        -o docker-compose.gpu-host.yml
+
+Each `--prefill`/`--decode` is one worker and the GPUs it gets (by id, so no two workers share one:
+Docker pools no GPUs between containers); a worker of several GPUs runs that many tensor-parallel
+ranks. Workers of different sizes need `--kv-heads-per-chunk` (MESH_KV_HEADS_PER_CHUNK).
+
+- `single`: everything on one host, as docker-compose.yml, with these workers.
+- `control-plane`: NATS (accepting GPU hosts' nats-servers as leaf nodes on :7422), Redis, the router,
+  placement, the length predictor, Jaeger, Prometheus and Grafana; the ports GPU hosts use (NATS leaf
+  nodes, Redis, OTLP) published on `--listen` (default all interfaces).
+- `gpu-host`: a nats-server that is a leaf node of the control plane's (the host's services reach NATS
+  locally), a kv-store shard (workers on this host reach it through shared memory, other hosts over
+  TCP on :9200, announced as `--address`) and the workers. The host needs the control plane's secrets
+  (`docker compose -f docker-compose.control.yml cp secrets:/secrets ./mesh-secrets`, then copy that
+  folder to the host), mounted from `--secrets` (default ./mesh-secrets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BASE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
+ROLES = ("prefill", "decode")
+CONTROL_PLANE = ("secrets", "nats", "redis", "jaeger", "router", "placement", "length-predictor", "prometheus",
+                 "grafana")
+LEAF_PORT, REDIS_PORT, OTLP_PORT, DATA_PORT = 7422, 6379, 4318, 9200
+
+
+def base() -> dict[str, Any]:
+    """docker-compose.yml with its anchors and `<<` merges resolved (the `x-` blocks they came from
+    dropped), each service its own copy to change."""
+    if not BASE.exists():
+        raise SystemExit(f"{BASE} is not here: run `python -m llmesh.compose` in the repository")
+    compose = yaml.safe_load(BASE.read_text())
+    return {"services": {name: copy.deepcopy(service) for name, service in compose["services"].items()},
+            "volumes": compose["volumes"]}
+
+
+def workers(compose: dict[str, Any], gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None,
+            name_prefix: str = "") -> dict[str, dict[str, Any]]:
+    """The worker services: one a GPU list of `gpus[role]`, from the base file's `<role>-worker`."""
+    sizes = {len(ids) for role in ROLES for ids in gpus[role]}
+    if len(sizes) > 1 and not kv_heads_per_chunk:
+        raise ValueError("workers of different tensor-parallel sizes exchange KV only in head groups that divide "
+                         "every rank's share: give --kv-heads-per-chunk")
+    out = {}
+    for role in ROLES:
+        template = compose["services"][f"{role}-worker"]
+        for i, ids in enumerate(gpus[role]):
+            name = f"{role}-worker-{name_prefix}{i}"
+            service = copy.deepcopy(template)
+            env = service["environment"]
+            env["MESH_WORKER_ID"] = name
+            env["MESH_TENSOR_PARALLEL_SIZE"] = str(len(ids))
+            if kv_heads_per_chunk:
+                env["MESH_KV_HEADS_PER_CHUNK"] = str(kv_heads_per_chunk)
+            service["deploy"]["resources"]["reservations"]["devices"] = [
+                {"driver": "nvidia", "device_ids": list(ids), "capabilities": ["gpu"]}]
+            service["networks"] = {"default": {"aliases": [f"{role}-worker"]}}  # Prometheus finds it by role
+            out[name] = service
+    return out
+
+
+def single(gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None) -> dict[str, Any]:
+    compose = base()
+    new = workers(compose, gpus, kv_heads_per_chunk)
+    for role in ROLES:
+        del compose["services"][f"{role}-worker"]
+    compose["services"].update(new)
+    return compose
+
+
+def _published(port: int, listen: str) -> str:
+    return f"{listen}:{port}:{port}"
+
+
+def control_plane(address: str, listen: str) -> dict[str, Any]:
+    compose = base()
+    services = compose["services"]
+    compose["services"] = {name: services[name] for name in CONTROL_PLANE}
+    secrets = compose["services"]["secrets"]
+    secrets["command"] += ["--nats-leafnodes", f"0.0.0.0:{LEAF_PORT}", "--tls-host", address]
+    compose["services"]["nats"]["ports"] = [_published(LEAF_PORT, listen)]
+    compose["services"]["redis"]["ports"] = [_published(REDIS_PORT, listen)]
+    jaeger = compose["services"]["jaeger"]
+    jaeger["ports"] = [p for p in jaeger["ports"] if not str(p).endswith(f":{OTLP_PORT}")] + [
+        _published(OTLP_PORT, listen)]
+    del compose["volumes"]["models"], compose["volumes"]["kv-data"]
+    return compose
+
+
+def gpu_host(control: str, address: str, gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None,
+             secrets_path: str) -> dict[str, Any]:
+    compose = base()
+    services = compose["services"]
+    shard = address.replace(".", "-").replace(":", "-")
+    mount = f"{secrets_path}:/secrets"
+    remote = {"MESH_NATS_URL": "nats://nats:4222", "MESH_REDIS_URL": f"redis://{control}:{REDIS_PORT}/0",
+              "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{control}:{OTLP_PORT}"}
+
+    def on_this_host(service: dict[str, Any]) -> dict[str, Any]:
+        service["environment"].update(remote)
+        service["volumes"] = [mount + ":ro" if v.startswith("mesh-secrets:") else v for v in service["volumes"]]
+        service["depends_on"].pop("redis", None)  # the control plane's
+        service["depends_on"]["secrets"] = {"condition": "service_completed_successfully"}
+        return service
+
+    nats_config = services["secrets"]  # writes this host's nats.conf (a leaf node) into its copy of the set
+    nats_config["command"] = ["llmesh.credentials", "/secrets", "--nats-listen", "0.0.0.0:4222", "--nats-leaf-of",
+                              f"{control}:{LEAF_PORT}", "--nats-monitor", "127.0.0.1:8222"]
+    nats_config["volumes"] = [mount]
+    nats = services["nats"]
+    nats["volumes"] = [mount + ":ro"]
+    kv_store = on_this_host(services["kv-store"])
+    kv_store["environment"] |= {"MESH_KV_SHARD": shard, "MESH_DATA_ADVERTISE_HOST": address}
+    kv_store["ports"] = [f"0.0.0.0:{DATA_PORT}:{DATA_PORT}"]  # other hosts' workers load over TCP
+    kept = {"secrets": nats_config, "nats": nats, "kv-store": kv_store}
+    for name, service in workers(compose, gpus, kv_heads_per_chunk, f"{shard}-").items():
+        kept[name] = on_this_host(service)
+    compose["services"] = kept
+    compose["volumes"] = {"models": compose["volumes"]["models"], "kv-data": compose["volumes"]["kv-data"]}
+    return compose
+
+
+def _gpu_lists(values: list[str] | None) -> list[list[str]]:
+    return [[g.strip() for g in value.split(",") if g.strip()] for value in values or []]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmesh.compose", description=__doc__.split("\n\n")[0])
+    parser.add_argument("layout", choices=["single", "control-plane", "gpu-host"])
+    parser.add_argument("--prefill", action="append", metavar="GPUS", help="a prefill worker and its GPU ids, "
+                        "e.g. 0 or 0,1 (two tensor-parallel ranks); repeatable")
+    parser.add_argument("--decode", action="append", metavar="GPUS", help="a decode worker and its GPU ids; "
+                        "repeatable")
+    parser.add_argument("--kv-heads-per-chunk", type=int, default=None,
+                        help="MESH_KV_HEADS_PER_CHUNK for every worker (needed when their sizes differ)")
+    parser.add_argument("--address", help="this host's address as other hosts reach it (control-plane: for "
+                        "NATS's TLS certificate; gpu-host: its kv-store's data plane)")
+    parser.add_argument("--control-plane", help="gpu-host: the control plane's address")
+    parser.add_argument("--listen", default="0.0.0.0", help="control-plane: where the ports GPU hosts use listen")
+    parser.add_argument("--secrets", default="./mesh-secrets", help="gpu-host: the copy of the control plane's "
+                        "secrets on this host")
+    parser.add_argument("-o", "--out", type=Path, help="write here (default: standard output)")
+    args = parser.parse_args(argv)
+    gpus = {"prefill": _gpu_lists(args.prefill), "decode": _gpu_lists(args.decode)}
+    try:
+        if args.layout == "control-plane":
+            if not args.address:
+                parser.error("control-plane needs --address")
+            compose = control_plane(args.address, args.listen)
+        else:
+            if not (gpus["prefill"] or gpus["decode"]) or any(not ids for ids in [*gpus["prefill"], *gpus["decode"]]):
+                parser.error("give each worker's GPUs: --prefill 0 --decode 1 ...")
+            if args.layout == "single":
+                if not (gpus["prefill"] and gpus["decode"]):
+                    parser.error("single needs a prefill and a decode worker at least")
+                compose = single(gpus, args.kv_heads_per_chunk)
+            else:
+                if not (args.control_plane and args.address):
+                    parser.error("gpu-host needs --control-plane and --address")
+                compose = gpu_host(args.control_plane, args.address, gpus, args.kv_heads_per_chunk, args.secrets)
+    except ValueError as exc:
+        parser.error(str(exc))
+    used = [g for ids in [*gpus["prefill"], *gpus["decode"]] for g in ids]
+    if len(used) != len(set(used)):
+        parser.error(f"a GPU is given to two workers: {used}")
+    text = (f"# Written by `python -m llmesh.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
+            f"from docker-compose.yml; write it again rather than editing it.\n"
+            + yaml.safe_dump(compose, sort_keys=False, width=120))
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
