@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -33,7 +33,7 @@ from .test_faults import check_outputs, stream
 from .test_live_migration import NEAR_TIE
 from .test_mesh import MODEL, token_prompt
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
 KV_TIMEOUT_S = 2.0
 DEADLINE_S = 60

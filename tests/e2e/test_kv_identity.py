@@ -21,7 +21,7 @@ from llmesh.models import EMBEDDED, build_model
 from .conftest import reference_engine, running_mesh
 from .test_mesh import token_prompt
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900)]
 SERVED = "tuned"
 LAUNCHER = [sys.executable, "-m", "llmesh.launcher"]
 

@@ -41,7 +41,7 @@ from llmesh.messages import KvStats, KvStatsRequest, Subjects
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from .test_mesh import MODEL, token_prompt
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
 GPU_HOSTS = ("gpu-1", "gpu-2")
 

@@ -10,6 +10,7 @@ meshes, one for each pair of sizes.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import httpx
@@ -22,11 +23,13 @@ from .test_kv_identity import kv_request
 from .test_live_migration import NEAR_TIE
 from .test_mesh import token_prompt
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900)]
 LAUNCHER = [sys.executable, "-m", "llmesh.launcher"]
 LAYERS, KV_HEADS = 4, 4  # the embedded tiny model
-PROMPTS = [token_prompt(600, seed=7070), token_prompt(130, seed=7171), token_prompt(37, seed=7272)]
-MAX_TOKENS = 24
+# MESH_TEST_TP_PROMPTS more prompts and MESH_TEST_TP_TOKENS tokens each, for a measurement (docs/benchmarks.md)
+PROMPTS = [token_prompt(600, seed=7070), token_prompt(130, seed=7171), token_prompt(37, seed=7272)] + [
+    token_prompt(40 + 97 * i % 900, seed=7300 + i) for i in range(int(os.environ.get("MESH_TEST_TP_PROMPTS", "0")))]
+MAX_TOKENS = int(os.environ.get("MESH_TEST_TP_TOKENS", "24"))
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +81,6 @@ def test_tensor_parallel_prefill_and_decode_are_exact(prefill_ranks, decode_rank
     if parted:
         with reference_engine(model_path, tmp_path, decode_ranks) as engine:
             gaps = [max(engine.greedy_gaps(ids, tokens)) for ids, tokens in parted]
+        print(f"{prefill_ranks} -> {decode_ranks} ranks: {len(parted)} of {len(PROMPTS)} outputs parted from the "
+              f"monolith's, the chosen tokens at most {max(gaps):.3f} nats below its likeliest")
         assert max(gaps) <= NEAR_TIE, f"a token {max(gaps):.3f} nats below the likeliest"
