@@ -39,12 +39,20 @@ def footprint(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
+IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
+
+
 def send_frame(sock: socket.socket, meta: dict[str, Any], payload: list[memoryview] | tuple = ()) -> None:
     body = msgpack.packb(meta)
     size = sum(len(p) for p in payload)
-    sock.sendall(HEADER.pack(MAGIC, len(body), size) + body)
-    for part in payload:
-        sock.sendall(part)
+    parts = [memoryview(HEADER.pack(MAGIC, len(body), size) + body), *(memoryview(p).cast("B") for p in payload)]
+    while parts:  # scatter-gather: the header and every value in as few system calls as the socket takes
+        sent = sock.sendmsg(parts[:IOV_MAX])
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if sent:
+            parts[0] = parts[0][sent:]
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
