@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from llmesh.kvkeys import check_sizes_can_share
+
 BASE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
 ROLES = ("prefill", "decode")
 CONTROL_PLANE = ("secrets", "nats", "redis", "jaeger", "router", "placement", "length-predictor", "prometheus",
@@ -51,10 +53,7 @@ def base() -> dict[str, Any]:
 def workers(compose: dict[str, Any], gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None,
             name_prefix: str = "") -> dict[str, dict[str, Any]]:
     """The worker services: one a GPU list of `gpus[role]`, from the base file's `<role>-worker`."""
-    sizes = {len(ids) for role in ROLES for ids in gpus[role]}
-    if len(sizes) > 1 and not kv_heads_per_chunk:
-        raise ValueError("workers of different tensor-parallel sizes exchange KV only in head groups that divide "
-                         "every rank's share: give --kv-heads-per-chunk")
+    check_sizes_can_share([len(ids) for role in ROLES for ids in gpus[role]], kv_heads_per_chunk)
     out = {}
     for role in ROLES:
         template = compose["services"][f"{role}-worker"]

@@ -361,7 +361,7 @@ class MeshKVConnector(KVConnectorBase_V1):
         return self._plan_load(request, ours, min(matched * self._block_size, len(loadable)), num_computed_tokens)
 
     def _stored_run(self, request: Request, hashes: list[str]) -> int:
-        """How many of `hashes`, from the first, the store holds in every layer (0 if it cannot say)."""
+        """How many of `hashes`, from the first, the store holds whole (0 if it cannot say)."""
         assert self._lookup is not None
         try:
             return self._lookup.client.stored_run(hashes, self._layout)

@@ -495,8 +495,8 @@ class KvClient:
         """Whether the store holds each of `block_hashes` whole: every layer, every head group."""
         if not block_hashes:
             return []
-        per_block = len(block_chunk_keys(block_hashes[0], layout))
         found = self.contains([key for h in block_hashes for key in block_chunk_keys(h, layout)])
+        per_block = len(found) // len(block_hashes)
         return [all(found[i : i + per_block]) for i in range(0, len(found), per_block)]
 
     def stored_run(self, block_hashes: Sequence[str], layout: dict[str, Any]) -> int:

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,15 @@ def heads_per_chunk(num_kv_heads: int, tensor_parallel_size: int, configured: in
         raise ValueError(f"kv_heads_per_chunk={configured} does not divide the {share} KV heads each of the "
                          f"{tensor_parallel_size} tensor-parallel ranks holds ({num_kv_heads} in all)")
     return configured or share
+
+
+def check_sizes_can_share(tensor_parallel_sizes: Iterable[int], configured: int | None) -> None:
+    """Raise ValueError when engines of different tensor-parallel sizes would run without a common
+    head-group size: by default each chunk holds one rank's share, which differs between them."""
+    if len(set(tensor_parallel_sizes)) > 1 and not configured:
+        raise ValueError("engines of different tensor-parallel sizes exchange KV only in head groups that divide "
+                         "every rank's share: set MESH_KV_HEADS_PER_CHUNK (--kv-heads-per-chunk) on all of them, "
+                         "e.g. the KV heads of one rank of the largest (2 for the embedded tiny model's 4 at 2 ranks)")
 
 
 def kv_layout(vllm_config: Any) -> dict[str, Any]:

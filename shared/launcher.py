@@ -29,6 +29,7 @@ from llmesh.credentials import (
     with_userinfo,
     write_private,
 )
+from llmesh.kvkeys import check_sizes_can_share
 
 PR_SET_PDEATHSIG = 1
 
@@ -317,10 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     ranks = {"prefill-worker": args.prefill_tensor_parallel_size, "decode-worker": args.decode_tensor_parallel_size}
     if min(ranks.values()) < 1:
         parser.error("tensor-parallel sizes must be at least 1")
-    if len(set(ranks.values())) > 1 and not os.environ.get("MESH_KV_HEADS_PER_CHUNK"):
-        parser.error("prefill and decode engines of different tensor-parallel sizes exchange KV only in head groups "
-                     "that divide every rank's share: set MESH_KV_HEADS_PER_CHUNK (e.g. the KV heads of one rank of "
-                     "the larger engine: 2 for the embedded tiny model's 4 at 2 ranks)")
+    try:
+        check_sizes_can_share(ranks.values(), int(os.environ.get("MESH_KV_HEADS_PER_CHUNK") or 0))
+    except ValueError as exc:
+        parser.error(str(exc))
 
     workdir = Path(tempfile.mkdtemp(prefix="llmesh-"))
     log = (lambda name: args.logs / f"{name}.log") if args.logs else (lambda name: None)

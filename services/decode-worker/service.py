@@ -338,7 +338,8 @@ class DecodeService:
         give_up = time.monotonic() + EXPORT_WAIT_S
         while True:
             try:
-                present = await asyncio.to_thread((await self._client()).stored_blocks, [*hashes, *ends], self.worker.layout)
+                present = await asyncio.to_thread((await self._client()).stored_blocks, [*hashes, *ends],
+                                                  self.worker.layout)
             except MeshError as exc:
                 log.warning("KV lookup failed: %s", exc)
                 present = [False] * (len(hashes) + len(ends))
