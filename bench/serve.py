@@ -178,13 +178,25 @@ def start_router(deployment: Deployment, backends: list[str], policy: str, logs:
     wait_ready(deployment, 60)
 
 
-def wait_ready(deployment: Deployment, timeout: float, model: str | None = None) -> None:
-    """Until a completion succeeds (the mesh's /health, a router's /v1/models say less)."""
+def wait_ready(deployment: Deployment, timeout: float, model: str | None = None,
+               restarts: list[dict] | None = None) -> None:
+    """Until a completion succeeds (the mesh's /health, a router's /v1/models say less). With `restarts`, a
+    child that dies while starting is started again once, and the death (its log's end) recorded there."""
     give_up = time.monotonic() + timeout
     while True:
         for child in deployment.children:
-            if not child.alive():
-                raise RuntimeError(f"{deployment.name}: {child.name} exited with {child.proc.returncode}")
+            if child.alive():
+                continue
+            death = {"process": child.name, "exit_code": child.proc.returncode, "log": str(child.log_path),
+                     "log_tail": child.log_tail()}
+            if restarts is None or any(r["process"] == child.name for r in restarts):
+                raise RuntimeError(f"{deployment.name}: {child.name} exited with {child.proc.returncode}; the end "
+                                   f"of {child.log_path}:\n{death['log_tail']}")
+            print(f"serve: {child.name} exited with {child.proc.returncode} while starting; starting it again "
+                  f"(why: {child.log_path})", flush=True)
+            restarts.append(death)
+            child.restart()
+            give_up = time.monotonic() + timeout
         try:
             resp = httpx.post(f"{deployment.url}/v1/completions", timeout=30, headers=deployment.headers, json={
                 "model": model or "", "prompt": "warm up", "max_tokens": 4, "temperature": 0})
@@ -394,17 +406,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     deployments: dict[str, Deployment] = {}
     points: list[dict] = []
+    restarts: list[dict] = []  # baseline servers that died starting, and why
     stack = contextlib.ExitStack()
     try:
         for name in args.deployments:
             deployments[name] = start(name, args.model, model_path, work)
         print(f"serve: starting {', '.join(deployments)} (engines take a minute or two)...", flush=True)
         backends = [url for d in deployments.values() for url in d.backends]
-        for deployment in deployments.values():
+        for deployment in deployments.values():  # a baseline's vLLM server that dies starting gets a second try
+            baseline = restarts if deployment.name != "mesh" else None
             for child, url in zip(deployment.children, deployment.backends):  # vllm-router's servers
-                wait_ready(Deployment(child.name, url, [child]), 600, args.model)
+                wait_ready(Deployment(child.name, url, [child]), 600, args.model, baseline)
             if deployment.url:
-                wait_ready(deployment, 600, args.model)
+                wait_ready(deployment, 600, args.model, baseline)
         print(f"serve: all up after {time.monotonic() - started:.0f}s; work in {work}", flush=True)
 
         from vllm.tokenizers import get_tokenizer
@@ -445,9 +459,13 @@ def main(argv: list[str] | None = None) -> int:
             for child in deployment.children:
                 child.stop(30)
     command = "bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (args.out / "results.json").write_text(json.dumps({"command": command, "slo": slo, "points": points}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"command": command, "slo": slo, "points": points,
+                                                             "restarts": restarts}, indent=1))
     (args.out / "serve.md").write_text(f"Command: `.venv/bin/python {command.strip()}`, "
                                        f"{datetime.now():%Y-%m-%d}, {time.monotonic() - started:.0f} s.\n\n"
+                                       + "".join(f"{r['process']} exited with {r['exit_code']} while starting and "
+                                                 f"was started again (results.json has its log's end).\n\n"
+                                                 for r in restarts)
                                        + tables(points, slo))
     plot(points, args.out / "serve.png", slo)
     print((args.out / "serve.md").read_text())

@@ -70,19 +70,30 @@ class Child:
         """`prefix` runs the command through another (one that ends by exec'ing it, so the child is still
         the process started here: e.g. into a network namespace, as tests/hosts.py does)."""
         self.name = name
+        self.log_path = log_path
+        self._command, self._env, self._stdin = [*prefix, *args], {**os.environ, **(env or {})}, stdin
         self._log = open(log_path, "ab") if log_path else None
+        self._spawn()
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen(
-            [*prefix, *args],
-            env={**os.environ, **(env or {})},
-            stdin=subprocess.PIPE if stdin is not None else None,
+            self._command,
+            env=self._env,
+            stdin=subprocess.PIPE if self._stdin is not None else None,
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             preexec_fn=_die_with_parent,
         )
-        if stdin is not None:
+        if self._stdin is not None:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(stdin.encode())
+            self.proc.stdin.write(self._stdin.encode())
             self.proc.stdin.close()
+
+    def restart(self) -> None:
+        """Stop what is left of it, then start the same command again (appending to the same log)."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+        self._spawn()
 
     @property
     def pid(self) -> int:
@@ -90,6 +101,14 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of its log (for an error that says why it died)."""
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 64 * 1024, 0))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
 
     def terminate(self) -> None:
         """Ask the service to stop (SIGTERM) without waiting; it shuts down its own subprocesses."""

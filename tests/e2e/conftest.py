@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from llmesh.config import EMBEDDED_MODEL
@@ -82,6 +83,12 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
         yield mesh
     finally:
         launcher.stop(30)
+
+
+def launched(mesh: Mesh) -> dict[int, str]:
+    """pid -> program of every process the mesh's launcher started (its tree, not names)."""
+    root = psutil.Process(mesh.launcher.pid)
+    return {p.pid: " ".join(p.cmdline()[:3]) for p in root.children(recursive=True)}
 
 
 def router_workers(url: str) -> dict[str, int]:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,11 @@ def test_quick_run_serves_every_workload_on_every_deployment_and_cleans_up(tmp_p
                           "--model-dir", str(model_dir)], env={**os.environ, name: value}, cwd=ROOT,
                          capture_output=True, text=True, timeout=1100)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    points = json.loads((tmp_path / "results.json").read_text())["points"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for death in results["restarts"]:  # a baseline's vLLM server died starting (seen once in CI): say why
+        warnings.warn(f"{death['process']} exited with {death['exit_code']} while starting:\n{death['log_tail']}")
+    assert all(death["process"] != "mesh" for death in results["restarts"])
+    points = results["points"]
     assert {(p["deployment"], p["workload"]) for p in points} == {
         (d, w) for d in ("mesh", "vllm", "vllm-router") for w in ("random", "prefix", "trace")}
     for p in points:

@@ -17,7 +17,6 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
 
 from llmesh.bus import Bus
@@ -26,18 +25,13 @@ from llmesh.errors import MeshError
 from llmesh.launcher import free_port, start_service, wait_healthy
 from llmesh.messages import LengthPrediction, LengthPredictRequest, PlacementRequest, PlacementStatus, Subjects
 
+from .conftest import launched
 from .test_live_migration import NEAR_TIE
 from .test_mesh import MODEL, kv_stats, live_worker, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.breaks_the_mesh]
 CONCURRENT, OUTPUT = 6, 400
 BACK_WITHIN_S = 20
-
-
-def launched(mesh) -> dict[int, str]:
-    """pid -> program of every process the session's launcher started (its tree, not names)."""
-    root = psutil.Process(mesh.launcher.pid)
-    return {p.pid: " ".join(p.cmdline()[:3]) for p in root.children(recursive=True)}
 
 
 def infrastructure(mesh, program: str) -> int:

@@ -33,7 +33,7 @@ from llmesh.messages import (
     Subjects,
 )
 
-from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, extra_workers
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, extra_workers, launched
 from .test_mesh import MODEL, disaggregated, live_worker, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -394,10 +394,13 @@ def test_sigkill_of_a_migrations_source_mid_hand_shake_resumes_from_the_store_ex
     """decode-b, which writes its partial last block every step, is SIGKILLed while its hand-shake
     with a target is under way (the target has the request to prepare): the migration is off, the
     router takes the request over to another worker, which loads every token's KV but the last and
-    computes only that, as on the dead worker."""
+    computes only that, as on the dead worker. The target is stopped (SIGSTOP) while a command is out,
+    so that it cannot finish the hand-over before the source dies; it wakes to a prepare whose
+    hand-over never comes."""
     a, b = decode_workers["a"], decode_workers["b"]
     ids = token_prompt(330, seed=333)
     pid = decode_workers["children"]["decode-b"].pid
+    [target_pid] = [pid for pid, program in launched(mesh).items() if "llmesh_decode" in program]
     commands, killed, killed_at = [], [], []
     resumed = resumed_after(killed_at)
 
@@ -414,9 +417,13 @@ def test_sigkill_of_a_migrations_source_mid_hand_shake_resumes_from_the_store_ex
                 await spy.serve(Subjects.migrate_in(a), kill_the_source)
                 give_up = time.monotonic() + 10
                 while True:
-                    command = asyncio.create_task(migrate(mesh, request_id, b, a, timeout=5))
-                    while not killed and not command.done():
-                        await asyncio.sleep(0.001)
+                    os.kill(target_pid, signal.SIGSTOP)
+                    try:
+                        command = asyncio.create_task(migrate(mesh, request_id, b, a, timeout=5))
+                        while not killed and not command.done():
+                            await asyncio.sleep(0.001)
+                    finally:
+                        os.kill(target_pid, signal.SIGCONT)
                     if killed:
                         break
                     outcome = command.result()  # refused before any hand-shake: b has not taken the request yet

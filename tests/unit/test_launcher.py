@@ -52,3 +52,16 @@ def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(
         "prefill-worker": {"MESH_CPU_CORES": "0|1"}, "decode-worker": {"MESH_CPU_CORES": "1"}}
     monkeypatch.setenv("MESH_CPU_CORES", "0")
     assert engine_cores({"prefill-worker": 2}) == {}
+
+
+def test_a_restarted_child_runs_the_same_command_again_into_the_same_log(tmp_path):
+    log = tmp_path / "child.log"
+    child = Child("once", [sys.executable, "-c", "import os; print('run', os.getpid()); raise SystemExit(3)"],
+                  log_path=log)
+    first = child.pid
+    assert child.proc.wait(10) == 3
+    child.restart()
+    assert child.proc.wait(10) == 3 and child.pid != first
+    assert child.log_tail().splitlines() == [f"run {first}", f"run {child.pid}"]
+    assert child.log_tail(lines=1) == f"run {child.pid}"
+    child.stop()
