@@ -18,13 +18,23 @@ ranks. Workers of different sizes need `--kv-heads-per-chunk` (MESH_KV_HEADS_PER
   locally), a kv-store shard (workers on this host reach it through shared memory, other hosts over
   TCP on :9200, announced as `--address`) and the workers. The host needs the control plane's secrets
   (`docker compose -f docker-compose.control.yml cp secrets:/secrets ./mesh-secrets`, then copy that
-  folder to the host), mounted from `--secrets` (default ./mesh-secrets).
+  folder to the host), mounted from `--secrets` (default ./mesh-secrets). Its /metrics are published
+  on the host (the shard's on :9100, the workers' on :9103, :9104, ...); with `--prometheus-targets`
+  the same command writes, instead of the compose file, their list for the control plane's Prometheus:
+
+      python -m llmesh.compose gpu-host ... --prometheus-targets -o docker/prometheus/hosts/10.0.0.2.json
+
+  (on the control-plane host; Prometheus reads the folder's files as they come and go).
+- `prometheus-config`: the control plane's Prometheus configuration, written from
+  docker/prometheus/prometheus.yml (the jobs of services on GPU hosts read the folder above instead of
+  Docker's DNS); committed as docker/prometheus/control-plane.yml.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +44,9 @@ import yaml
 from llmesh.kvkeys import check_sizes_can_share
 
 BASE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
+PROMETHEUS = BASE.parent / "docker" / "prometheus"
+HOST_TARGETS = "/etc/prometheus/hosts/*.json"  # in the control plane's Prometheus: GPU hosts' targets
+JOB_LABEL = "__llmesh_job"  # which job scrapes a target in those files (a `__` label: gone after relabelling)
 ROLES = ("prefill", "decode")
 CONTROL_PLANE = ("secrets", "nats", "redis", "jaeger", "router", "placement", "length-predictor", "prometheus",
                  "grafana")
@@ -96,8 +109,56 @@ def control_plane(address: str, listen: str) -> dict[str, Any]:
     jaeger = compose["services"]["jaeger"]
     jaeger["ports"] = [p for p in jaeger["ports"] if not str(p).endswith(f":{OTLP_PORT}")] + [
         _published(OTLP_PORT, listen)]
+    compose["services"]["prometheus"]["volumes"] = [
+        "./docker/prometheus/control-plane.yml:/etc/prometheus/prometheus.yml:ro",
+        f"./docker/prometheus/hosts:{HOST_TARGETS.rsplit('/', 1)[0]}:ro"]
     del compose["volumes"]["models"], compose["volumes"]["kv-data"]
     return compose
+
+
+def control_plane_prometheus() -> str:
+    """docker/prometheus/prometheus.yml for the control plane: a job whose DNS names are services of GPU
+    hosts scrapes instead the targets of that job in the GPU hosts' files (`prometheus_targets`)."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    for job in config["scrape_configs"]:
+        names = {name for dns in job.get("dns_sd_configs", []) for name in dns["names"]}
+        if names and not names & set(CONTROL_PLANE):
+            del job["dns_sd_configs"]
+            job["file_sd_configs"] = [{"files": [HOST_TARGETS]}]
+            job["relabel_configs"] = [{"source_labels": [JOB_LABEL], "regex": job["job_name"], "action": "keep"}]
+    return ("# The control plane's Prometheus (`python -m llmesh.compose control-plane`), written by\n"
+            "# `python -m llmesh.compose prometheus-config` from prometheus.yml: write it again rather than\n"
+            "# editing it. GPU hosts' targets: docker/prometheus/hosts/*.json (`gpu-host --prometheus-targets`).\n"
+            + yaml.dump(config, Dumper=_NoAliases, sort_keys=False, width=120))
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Writes a block used twice twice, as a reader expects, not as an anchor and `*id001`."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def prometheus_targets(address: str, compose: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prometheus's file_sd target groups for a `gpu_host` layout: its services' /metrics, each group
+    labelled with the job that scrapes it and the compose service it came from."""
+    jobs = {dns_name: job["job_name"] for job in yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())[
+        "scrape_configs"] for dns in job.get("dns_sd_configs", []) for dns_name in dns["names"]}
+    groups = []
+    for name, service in compose["services"].items():
+        kind = name if name == "kv-store" else next((f"{r}-worker" for r in ROLES if name.startswith(f"{r}-")), "")
+        for published in service.get("ports", []) if kind else []:
+            host_port, inside = published.split(":")[-2:]
+            if int(inside) == _metrics_port(service):
+                groups.append({"targets": [f"{address}:{host_port}"],
+                               "labels": {JOB_LABEL: jobs[kind], "service": kind, "compose_service": name}})
+    return groups
+
+
+def _metrics_port(service: dict[str, Any]) -> int:
+    """Where a llmesh service of docker-compose.yml serves /metrics (its `MESH_*METRICS_PORT`)."""
+    [port] = [int(v) for k, v in service["environment"].items() if k.endswith("METRICS_PORT")]
+    return port
 
 
 def gpu_host(control: str, address: str, gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None,
@@ -124,10 +185,12 @@ def gpu_host(control: str, address: str, gpus: dict[str, list[list[str]]], kv_he
     nats["volumes"] = [mount + ":ro"]
     kv_store = on_this_host(services["kv-store"])
     kv_store["environment"] |= {"MESH_KV_SHARD": shard, "MESH_DATA_ADVERTISE_HOST": address}
-    kv_store["ports"] = [f"0.0.0.0:{DATA_PORT}:{DATA_PORT}"]  # other hosts' workers load over TCP
+    kv_store["ports"] = [f"0.0.0.0:{DATA_PORT}:{DATA_PORT}",  # other hosts' workers load over TCP
+                         f"0.0.0.0:{_metrics_port(kv_store)}:{_metrics_port(kv_store)}"]  # the control plane scrapes
     kept = {"secrets": nats_config, "nats": nats, "kv-store": kv_store}
-    for name, service in workers(compose, gpus, kv_heads_per_chunk, f"{shard}-").items():
+    for i, (name, service) in enumerate(workers(compose, gpus, kv_heads_per_chunk, f"{shard}-").items()):
         kept[name] = on_this_host(service)
+        kept[name]["ports"] = [f"0.0.0.0:{_metrics_port(service) + i}:{_metrics_port(service)}"]  # one port a worker
     compose["services"] = kept
     compose["volumes"] = {"models": compose["volumes"]["models"], "kv-data": compose["volumes"]["kv-data"]}
     return compose
@@ -139,7 +202,7 @@ def _gpu_lists(values: list[str] | None) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmesh.compose", description=__doc__.split("\n\n")[0])
-    parser.add_argument("layout", choices=["single", "control-plane", "gpu-host"])
+    parser.add_argument("layout", choices=["single", "control-plane", "gpu-host", "prometheus-config"])
     parser.add_argument("--prefill", action="append", metavar="GPUS", help="a prefill worker and its GPU ids, "
                         "e.g. 0 or 0,1 (two tensor-parallel ranks); repeatable")
     parser.add_argument("--decode", action="append", metavar="GPUS", help="a decode worker and its GPU ids; "
@@ -152,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", default="0.0.0.0", help="control-plane: where the ports GPU hosts use listen")
     parser.add_argument("--secrets", default="./mesh-secrets", help="gpu-host: the copy of the control plane's "
                         "secrets on this host")
+    parser.add_argument("--prometheus-targets", action="store_true", help="gpu-host: write the host's /metrics "
+                        "for the control plane's Prometheus (docker/prometheus/hosts/ADDRESS.json), not its compose")
     parser.add_argument("-o", "--out", type=Path, help="write here (default: standard output)")
     args = parser.parse_args(argv)
     gpus = {"prefill": _gpu_lists(args.prefill), "decode": _gpu_lists(args.decode)}
+    if args.prometheus_targets and args.layout != "gpu-host":
+        parser.error("--prometheus-targets is for gpu-host")
     try:
+        if args.layout == "prometheus-config":
+            return _write(control_plane_prometheus(), args.out)
         if args.layout == "control-plane":
             if not args.address:
                 parser.error("control-plane needs --address")
@@ -176,11 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     used = [g for ids in [*gpus["prefill"], *gpus["decode"]] for g in ids]
     if len(used) != len(set(used)):
         parser.error(f"a GPU is given to two workers: {used}")
-    text = (f"# Written by `python -m llmesh.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
-            f"from docker-compose.yml; write it again rather than editing it.\n"
-            + yaml.safe_dump(compose, sort_keys=False, width=120))
-    if args.out:
-        args.out.write_text(text)
+    if args.prometheus_targets:
+        return _write(json.dumps(prometheus_targets(args.address, compose), indent=1) + "\n", args.out)
+    return _write(f"# Written by `python -m llmesh.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
+                  f"from docker-compose.yml; write it again rather than editing it.\n"
+                  + yaml.safe_dump(compose, sort_keys=False, width=120), args.out)
+
+
+def _write(text: str, out: Path | None) -> int:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     else:
         sys.stdout.write(text)
     return 0

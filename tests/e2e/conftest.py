@@ -152,8 +152,8 @@ class Reference:
         self.proc, self.log_name, self.ready = proc, log_name, False
 
     def generate(self, max_tokens: int, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                 top2: bool = False, ignore_eos: bool = False) -> dict:
-        return self._ask({"max_tokens": max_tokens, "top2": top2, "ignore_eos": ignore_eos} | (
+                 top: bool = False, ignore_eos: bool = False) -> dict:
+        return self._ask({"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos} | (
             {"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids}))
 
     def greedy_gaps(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[float]:

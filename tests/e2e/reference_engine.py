@@ -4,7 +4,7 @@ Arguments: model, max_model_len, block_size[, tensor_parallel_size].
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
-"top2": true it adds each step's two likeliest tokens and logprobs; with "timing": true, TTFT and
+"top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie, three ways too); with "timing": true, TTFT and
 TPOT; with "ignore_eos": true it generates past the end-of-sequence token. With "score_from": k it
 generates nothing and answers {"gaps": [...]}: for each prompt token from the k-th on, how far
 (in nats) its logprob falls below the likeliest token's there, given the tokens before it (0 where
@@ -16,6 +16,8 @@ import json
 import os
 import sys
 import time
+
+TOP = 5  # with "top": this many likeliest tokens a step, with their logprobs
 
 
 async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_size: int = 1) -> None:
@@ -50,15 +52,15 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
                   flush=True)
             continue
         started, stamps = time.perf_counter(), []
-        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=2 if req.get("top2") else None,
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=TOP if req.get("top") else None,
                                 ignore_eos=bool(req.get("ignore_eos")))
         async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
             stamps.append(time.perf_counter())
             final = out
         answer = {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(final.outputs[0].token_ids),
                   "text": final.outputs[0].text}
-        if req.get("top2"):  # per step: the two likeliest tokens and their logprobs
-            answer["top2"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
+        if req.get("top"):  # per step: the likeliest tokens and their logprobs
+            answer["top"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
         if req.get("timing"):  # for bench/: time to first token, time per later token
             answer |= {"ttft": stamps[0] - started, "gap": stamps[1] - stamps[0],
                        "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1)}

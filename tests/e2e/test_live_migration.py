@@ -145,20 +145,20 @@ def resumed_after(since: list[int], pause_s: float = 1.0, then: int = 20):
 
 
 def same_tokens(tokens: list[int], expected: dict, near_tie: float, name: str, detail=lambda: "") -> bool:
-    """True when `tokens` equal the reference's output (`expected`, with its `top2`) token for token;
-    False when they part where the reference's two likeliest tokens are within `near_tie` nats and
-    `tokens` took the second (printed); else an AssertionError naming `name` (and `detail()`)."""
+    """True when `tokens` equal the reference's output (`expected`, with its `top`) token for token;
+    False when they part where `tokens` took one of the reference's likeliest tokens within `near_tie`
+    nats of its choice (printed); else an AssertionError naming `name` (and `detail()`)."""
     if tokens == expected["token_ids"]:
         return True
     at = next((i for i, (a, b) in enumerate(zip(tokens, expected["token_ids"])) if a != b),
               min(len(tokens), len(expected["token_ids"])))
-    likeliest = expected["top2"][at] if at < len(expected["top2"]) else {}
+    likeliest = expected["top"][at] if at < len(expected["top"]) else {}
     if at < len(tokens) and str(tokens[at]) in likeliest and \
             likeliest[str(expected["token_ids"][at])] - likeliest[str(tokens[at])] <= near_tie:
         print(f"{name} parted from the reference at token {at}, a near-tie: {likeliest}")
         return False
     raise AssertionError(f"{name} differs at token {at}: {tokens[at:at + 5]} != {expected['token_ids'][at:at + 5]} "
-                         f"(the reference's two likeliest there: {likeliest}); {detail()}")
+                         f"(the reference's likeliest there: {likeliest}); {detail()}")
 
 
 def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0) -> None:
@@ -166,7 +166,7 @@ def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: 
     monolithic engine's output agree token for token, and so does the text. With `near_tie`, they
     may part where the reference's two likeliest tokens are within that many nats and the stream
     took the second (recomputed KV is not bit-identical to decoded KV)."""
-    expected = reference.generate(len(streamed.token_ids), prompt_token_ids=ids, top2=True, ignore_eos=True)
+    expected = reference.generate(len(streamed.token_ids), prompt_token_ids=ids, top=True, ignore_eos=True)
     assert len(streamed.token_ids) >= streamed.chunks
     if not same_tokens(streamed.token_ids, expected, near_tie, streamed.request_id,
                        lambda: f"its resumed decodes (worker, after, kv): {resumes(mesh, streamed.request_id, 99, 3)}"):

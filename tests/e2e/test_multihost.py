@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -44,6 +46,7 @@ from .test_mesh import MODEL, token_prompt
 pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
 GPU_HOSTS = ("gpu-1", "gpu-2")
+ROLE = {"gpu-1": "prefill", "gpu-2": "decode"}  # each GPU host's one worker
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,8 @@ def multihost(tmp_path_factory, model_dir, model_path):
             control, nats_port = hosts.address("control"), 4222
             secrets = MeshSecrets.load_or_create(work / "control", extra_users={"harness": EVERYTHING})
             layouts = {"control": compose.control_plane(control, "0.0.0.0")} | {
-                host: compose.gpu_host(control, hosts.address(host), {"prefill": [["0"]], "decode": []}, None, ".")
+                host: compose.gpu_host(control, hosts.address(host), {role: [["0"]] if role == ROLE[host] else []
+                                                                      for role in compose.ROLES}, None, ".")
                 for host in GPU_HOSTS}
 
             def start_nats(host: str) -> None:
@@ -85,18 +89,27 @@ def multihost(tmp_path_factory, model_dir, model_path):
                 children.append(start_service(service, env | own, logs / f"{name}.log", name,
                                               prefix=hosts.prefix(host)))
 
+            def metrics_env(host: str, kind: str) -> dict[str, str]:
+                """Where the host's compose file has a service of `kind` serve /metrics."""
+                [service] = [s for name, s in layouts[host]["services"].items() if name.startswith(kind)]
+                return {k: str(v) for k, v in service["environment"].items() if "_METRICS_" in k}
+
             for shard, host in enumerate(GPU_HOSTS, 1):
                 run(host, "kv-store", f"kv-store-{host}", MESH_KV_SHARD=str(shard), MESH_DATA_HOST=hosts.address(host),
-                    MESH_CAPACITY_BYTES=str(256 << 20), MESH_DATA_DIR=str(work / f"ssd-{host}"))
-            run("gpu-1", "prefill-worker", "prefill", MESH_WORKER_ID="prefill-gpu-1", MESH_CPU_CORES="0")
-            run("gpu-2", "decode-worker", "decode", MESH_WORKER_ID="decode-gpu-2", MESH_CPU_CORES="1")
+                    MESH_CAPACITY_BYTES=str(256 << 20), MESH_DATA_DIR=str(work / f"ssd-{host}"),
+                    **metrics_env(host, "kv-store"))
+            run("gpu-1", "prefill-worker", "prefill", MESH_WORKER_ID="prefill-gpu-1", MESH_CPU_CORES="0",
+                **metrics_env("gpu-1", "prefill-worker"))
+            run("gpu-2", "decode-worker", "decode", MESH_WORKER_ID="decode-gpu-2", MESH_CPU_CORES="1",
+                **metrics_env("gpu-2", "decode-worker"))
             port = free_port()
             run("control", "length-predictor", "length-predictor")
             run("control", "router", "router", MESH_HOST=control, MESH_PORT=str(port))
             url = f"http://{control}:{port}"
             wait_healthy(url, 420, children)  # the workers' heartbeats crossed the leaf links
+            targets = {host: compose.prometheus_targets(hosts.address(host), layouts[host]) for host in GPU_HOSTS}
             yield url, secrets.nats_url(f"nats://{control}:{nats_port}", "harness"), \
-                {"Authorization": f"Bearer {secrets.api_key}"}
+                {"Authorization": f"Bearer {secrets.api_key}"}, (hosts, targets)
         finally:
             stop_all(children)
 
@@ -111,7 +124,7 @@ async def shard_stats(nats_url: str) -> dict[str, KvStats]:
 
 
 def test_the_bus_crosses_leaf_nodes_kv_crosses_hosts_and_outputs_are_exact(multihost, reference):
-    url, nats_url, headers = multihost
+    url, nats_url, headers, _ = multihost
     before = asyncio.run(shard_stats(nats_url))
     for i, length in enumerate((127, 129, 700, 1500)):  # around a block boundary, and longer
         ids = token_prompt(length, seed=9500 + i)
@@ -122,3 +135,20 @@ def test_the_bus_crosses_leaf_nodes_kv_crosses_hosts_and_outputs_are_exact(multi
     after = asyncio.run(shard_stats(nats_url))
     assert all(after[name].hits > before[name].hits for name in after)  # decode loaded from both hosts' shards
     assert after["1"].bytes_got > before["1"].bytes_got  # gpu-1's shard to gpu-2's decode: over TCP
+
+
+def test_the_control_planes_prometheus_reaches_every_gpu_hosts_metrics(multihost):
+    """Each target that `gpu-host --prometheus-targets` lists answers /metrics from the control host,
+    with the metrics of the job its control-plane Prometheus scrapes it as."""
+    _, _, _, (hosts, targets) = multihost
+    expected = {"kv-store": "llmesh_kv_hits", "workers": "vllm:kv_cache_usage_perc"}
+    for host, groups in targets.items():
+        assert sorted(g["labels"][compose.JOB_LABEL] for g in groups) == ["kv-store", "workers"], groups
+        for group in groups:
+            [target] = group["targets"]
+            assert target.startswith(hosts.address(host) + ":")
+            fetched = subprocess.run([*hosts.prefix("control"), sys.executable, "-c",
+                                      "import httpx, sys; print(httpx.get(sys.argv[1], timeout=10).text)",
+                                      f"http://{target}/metrics"], capture_output=True, text=True, timeout=60)
+            assert fetched.returncode == 0, fetched.stderr
+            assert expected[group["labels"][compose.JOB_LABEL]] in fetched.stdout, (target, fetched.stdout[:500])

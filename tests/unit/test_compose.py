@@ -394,6 +394,48 @@ def test_the_control_plane_accepts_leaf_nodes_and_runs_no_engines(layouts, tmp_p
     assert re.search(r"leafnodes \{\n  listen: \"0\.0\.0\.0:7422\"", (tmp_path / "s" / "nats.conf").read_text())
 
 
+def test_the_control_planes_prometheus_is_written_from_the_one_hosts(layouts):
+    from llmesh.compose import CONTROL_PLANE, control_plane_prometheus
+
+    committed = ROOT / "docker" / "prometheus" / "control-plane.yml"
+    assert committed.read_text() == control_plane_prometheus(), \
+        f"{committed} is stale: python -m llmesh.compose prometheus-config -o {committed.relative_to(ROOT)}"
+    mounts = {source.split("/docker/", 1)[1]: inside for source, inside in
+              (v.removesuffix(":ro").split(":") for v in layouts["control-plane"]["prometheus"]["volumes"])}
+    assert mounts == {"prometheus/control-plane.yml": "/etc/prometheus/prometheus.yml",
+                      "prometheus/hosts": "/etc/prometheus/hosts"}  # relative to the repository, as the file is
+    assert (ROOT / "docker" / "prometheus" / "hosts").is_dir()
+    jobs = {job["job_name"]: job for job in yaml.safe_load(committed.read_text())["scrape_configs"]}
+    assert jobs.keys() == scrape_targets().keys()  # every job of one host, none more
+    for name, job in jobs.items():
+        dns = {host for d in job.get("dns_sd_configs", []) for host in d["names"]}
+        assert dns <= set(CONTROL_PLANE), f"job {name!r} looks up {dns}, services of no control plane"
+        if not dns:
+            assert job["file_sd_configs"] == [{"files": ["/etc/prometheus/hosts/*.json"]}], name
+    assert jobs["workers"]["metric_relabel_configs"] == yaml.safe_load(PROMETHEUS_CONFIG.read_text())[
+        "scrape_configs"][-1]["metric_relabel_configs"]  # the same vllm:* names dropped as on one host
+
+
+def test_a_gpu_hosts_metrics_are_published_and_listed_for_the_control_plane(layouts, tmp_path):
+    from llmesh.compose import JOB_LABEL, main
+
+    path = tmp_path / "hosts" / "10.0.0.2.json"
+    assert main([*LAYOUTS["gpu-host"], "--prometheus-targets", "-o", str(path)]) == 0
+    groups = json.loads(path.read_text())
+    services = layouts["gpu-host"]
+    listed = {g["labels"]["compose_service"]: (g["targets"], g["labels"][JOB_LABEL], g["labels"]["service"])
+              for g in groups}
+    assert listed == {"kv-store": (["10.0.0.2:9100"], "kv-store", "kv-store"),
+                      "prefill-worker-10-0-0-2-0": (["10.0.0.2:9103"], "workers", "prefill-worker"),
+                      "decode-worker-10-0-0-2-0": (["10.0.0.2:9104"], "workers", "decode-worker")}
+    jobs = scrape_targets()
+    for name, (targets, job, service) in listed.items():
+        inside = {port for _, port in jobs[job]}
+        published = {tuple(int(port.split("/")[0]) for port in p.rsplit(":", 2)[-2:]) for p in services[name]["ports"]}
+        assert (int(targets[0].rsplit(":", 1)[1]), *inside) in published, (name, published)
+        assert (service, *inside) in jobs[job]  # the port it serves /metrics on, as on one host
+
+
 def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
     from llmesh.credentials import main
 
