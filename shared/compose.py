@@ -146,8 +146,8 @@ def prometheus_targets(address: str, compose: dict[str, Any]) -> list[dict[str, 
         "scrape_configs"] for dns in job.get("dns_sd_configs", []) for dns_name in dns["names"]}
     groups = []
     for name, service in compose["services"].items():
-        kind = name if name == "kv-store" else next((f"{r}-worker" for r in ROLES if name.startswith(f"{r}-")), "")
-        for published in service.get("ports", []) if kind else []:
+        kind = (service.get("networks", {}).get("default", {}).get("aliases") or [name])[0]  # its name on one host
+        for published in service.get("ports", []) if kind in jobs else []:
             host_port, inside = published.split(":")[-2:]
             if int(inside) == _metrics_port(service):
                 groups.append({"targets": [f"{address}:{host_port}"],

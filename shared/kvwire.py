@@ -46,13 +46,14 @@ def send_frame(sock: socket.socket, meta: dict[str, Any], payload: list[memoryvi
     body = msgpack.packb(meta)
     size = sum(len(p) for p in payload)
     parts = [memoryview(HEADER.pack(MAGIC, len(body), size) + body), *(memoryview(p).cast("B") for p in payload)]
-    while parts:  # scatter-gather: the header and every value in as few system calls as the socket takes
-        sent = sock.sendmsg(parts[:IOV_MAX])
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
+    first = 0  # scatter-gather: the header and every value in as few system calls as the socket takes
+    while first < len(parts):
+        sent = sock.sendmsg(parts[first : first + IOV_MAX])
+        while first < len(parts) and sent >= len(parts[first]):
+            sent -= len(parts[first])
+            first += 1
         if sent:
-            parts[0] = parts[0][sent:]
+            parts[first] = parts[first][sent:]
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:

@@ -4,9 +4,9 @@ Arguments: model, max_model_len, block_size[, tensor_parallel_size].
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
-"top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie, three ways too); with "timing": true, TTFT and
-TPOT; with "ignore_eos": true it generates past the end-of-sequence token. With "score_from": k it
-generates nothing and answers {"gaps": [...]}: for each prompt token from the k-th on, how far
+"top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie, three ways
+too); with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the
+end-of-sequence token. With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from the k-th on, how far
 (in nats) its logprob falls below the likeliest token's there, given the tokens before it (0 where
 greedy decoding would have chosen it).
 """
