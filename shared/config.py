@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typing import ClassVar, Literal, get_args
 
-from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_MODEL = "llmesh/tiny-llama"
@@ -57,6 +57,40 @@ class CommonSettings(BaseSettings):
             if self.redis_url and "@" not in self.redis_url:
                 self.redis_url = secrets.redis_url(self.redis_url)
         return self
+
+
+class ConnectorConfig(BaseModel):
+    """The mesh KV connector's settings, from the worker's (`llmesh.worker.engine_args`) into vLLM's
+    `kv_connector_extra_config` (`as_extra`) and back in every engine process (`from_extra`), validated.
+    The settings' meanings and defaults are `WorkerSettings`' `kv_*` fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nats_url: str
+    redis_url: str
+    service_name: str  # names the connector's NATS connections and its spans' service
+    control_subject: str | None  # where the decode worker commands its connector (`DurableTail`)
+    otlp_endpoint: str | None
+    trace_dir: str | None
+    load_mode: Literal["layerwise", "async"]
+    pin_s: float = Field(ge=0)
+    timeout_s: float = Field(gt=0)
+    reuse_prefix: bool
+    write_behind: bool
+    durable_tail: bool
+    preemption: Literal["auto", "swap", "recompute"]
+    kv_heads_per_chunk: int = Field(ge=0)
+    # priors for the swap-or-recompute choice until this engine has measured its own
+    load_bytes_per_s: float = Field(1e9, gt=0)
+    prefill_tokens_per_s: float = Field(2000.0, gt=0)
+    pinned_pool_bytes: int = Field(1 << 30, ge=0)  # pinned host buffers for TCP transfers on a GPU host
+
+    def as_extra(self) -> dict:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> "ConnectorConfig":
+        return cls.model_validate(extra or {})
 
 
 class WorkerSettings(CommonSettings):
@@ -144,7 +178,7 @@ class WorkerSettings(CommonSettings):
         "auto", description="A request vLLM preempted under memory pressure resumes by loading its KV from the "
         "kv-store ('swap') or by computing it again ('recompute'); 'auto' picks the cheaper per request from the "
         "load bandwidth and prefill throughput the engine measures (AdaptiveLLM).")
-    kv_load_mode: str = Field(
+    kv_load_mode: Literal["layerwise", "async"] = Field(
         "layerwise",
         description="'layerwise': load layer i+1 while computing layer i; "
         "'async': load all layers before the request is scheduled.",

@@ -11,6 +11,12 @@
 
 A get's values may be views into a connection's shared-memory segment: they stay valid
 until `Fetched.release()` (or leaving its `with` block), which returns the connection.
+
+Transfer buffers come from a `HostBuffers`: plain memory by default; on a GPU host the connector's
+(`llmesh.kv_mover.HostMemory`): TCP buffers from a pinned pool, and every shared-memory mapping (the
+shard's arena, a connection's segment) registered with CUDA once, so the device copies straight into
+and out of the store's memory at pinned speed. Puts and gets also say which contiguous host memory
+holds which of their values (`Staged.runs`, `Fetched.runs`), so a device copies a run at once.
 """
 
 from __future__ import annotations
@@ -46,6 +52,28 @@ MAX_REPLY_BYTES = 1 << 40
 # none this long after it started treats the store as absent (callers compute instead of loading)
 # rather than holding each request for its whole timeout.
 DISCOVERY_WAIT_S = 3.0
+
+
+Run = tuple[list[int], memoryview]  # positions of values (in a put's or get's keys), the host bytes holding them
+
+
+class HostBuffers:
+    """Where transfer buffers come from: plain memory, and nothing to register (see the module's docstring)."""
+
+    def take(self, size: int) -> memoryview:
+        return memoryview(bytearray(size))
+
+    def give(self, view: memoryview) -> None:
+        """`view`, from `take`, is no longer used."""
+
+    def register(self, view: memoryview) -> None:
+        """A shared-memory mapping that copies go to and from, until `unregister` (before it is closed)."""
+
+    def unregister(self, view: memoryview) -> None:
+        pass
+
+
+PLAIN = HostBuffers()
 
 
 def rendezvous_owner(key: str, shards: Sequence[str]) -> str:
@@ -122,18 +150,20 @@ _arenas: dict[str, ShmSegment] = {}  # shards' shared arenas, mapped once per pr
 _arenas_lock = threading.Lock()
 
 
-def _map_arena(name: str, size: int) -> ShmSegment:
+def _map_arena(name: str, size: int, host: HostBuffers) -> ShmSegment:
     with _arenas_lock:
         arena = _arenas.get(name)
         if arena is None or arena.size != size:
             arena = _arenas[name] = ShmSegment(name, size, create=False, populate=True)
-        return arena
+    host.register(arena.view)  # (once per mapping)
+    return arena
 
 
 class DirectConnection:
     """One blocking connection to a shard's data plane; not thread-safe (pools hand it out)."""
 
-    def __init__(self, host: str, port: int, *, token: str, timeout: float, use_shm: bool):
+    def __init__(self, host: str, port: int, *, token: str, timeout: float, use_shm: bool,
+                 buffers: HostBuffers = PLAIN):
         """Connect and show `token` (from the shard's announcement: llmesh_kvstore.dataplane)."""
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
@@ -148,6 +178,7 @@ class DirectConnection:
         self.arena: ShmSegment | None = None  # the shard's shared arena, mapped here
         self._slab = (0, 0)  # the part of it granted to this connection and not yet used: [start, end)
         self.reused = False  # handed out again by its pool (the shard may have restarted since)
+        self._buffers = buffers
         try:
             self._call({"op": "hello", "token": token})
         except BaseException:
@@ -156,8 +187,20 @@ class DirectConnection:
 
     def close(self) -> None:
         self.sock.close()
+        self._drop_segment()
+        self._give_staged()
+
+    def _drop_segment(self) -> None:
         if self.shm is not None:
+            self._buffers.unregister(self.shm.view)
             self.shm.close()
+            self.shm = None
+
+    def _give_staged(self) -> None:
+        """A private buffer staged for a put that will not be sent goes back to the buffers."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] != "arena" and not staged[1]:
+            self._buffers.give(staged[0])
 
     def _call(self, meta: dict[str, Any], payload: Sequence[memoryview] = ()) -> tuple[dict[str, Any], int]:
         trace = telemetry.inject()
@@ -202,12 +245,12 @@ class DirectConnection:
             segment.close()
             self._use_shm = False
             return None
-        if self.shm is not None:
-            self.shm.close()
+        self._drop_segment()
         self.shm = segment
+        self._buffers.register(segment.view)
         if reply.get("arena") and self.arena is None:
             try:
-                self.arena = _map_arena(reply["arena"], int(reply["arena_size"]))
+                self.arena = _map_arena(reply["arena"], int(reply["arena_size"]), self._buffers)
             except (OSError, BadMessage, ValueError) as exc:
                 log.info("cannot map kv-store %s's arena (%s): the shard copies puts", self.address, exc)
         return segment
@@ -218,14 +261,16 @@ class DirectConnection:
         if self._segment(sum(sizes)) is None:  # plain TCP: send the caller's buffers as they are
             self._call({"op": "put", "keys": list(keys), "sizes": sizes, "pin_s": pin_s}, views)
             return
-        for staged, value in zip(self.staging(sizes), views):
+        for staged, value in zip(self.staging(sizes)[0], views):
             staged[:] = value
         self.put_staged(keys, sizes, pin_s)
 
-    def staging(self, sizes: Sequence[int]) -> list[memoryview]:
-        """Buffers to write the next put's values into. Best: space the shard granted us in its
-        shared arena (the values become chunks where they are); else our own segment (the shard
-        copies from it); else a private buffer sent over TCP."""
+    def staging(self, sizes: Sequence[int]) -> tuple[list[memoryview], memoryview | None]:
+        """Buffers to write the next put's values into, and one view of them all when they are
+        contiguous. Best: space the shard granted us in its shared arena (the values become chunks
+        where they are); else our own segment (the shard copies from it); else a private buffer
+        (from the host buffers) sent over TCP."""
+        self._give_staged()
         total = sum(sizes)
         segment = self._segment(max(total, 1))
         if segment is not None and self.arena is not None:
@@ -236,14 +281,16 @@ class DirectConnection:
                 offsets.append(pos)
                 pos += footprint(size)
             self._staged = ("arena", offsets)
-            return [self.arena.view[o : o + n] for o, n in zip(offsets, sizes)]
-        buffer = segment.view[:total] if segment is not None else memoryview(bytearray(total))
+            dense = all(footprint(size) == size for size in sizes[:-1])
+            run = self.arena.view[offsets[0] : offsets[-1] + sizes[-1]] if dense and sizes else None
+            return [self.arena.view[o : o + n] for o, n in zip(offsets, sizes)], run
+        buffer = segment.view[:total] if segment is not None else self._buffers.take(total)
         self._staged = (buffer, segment is not None)
         out, pos = [], 0
         for size in sizes:
             out.append(buffer[pos : pos + size])
             pos += size
-        return out
+        return out, buffer
 
     def _grant(self, needed: int) -> int:
         """New space in the shard's arena for at least `needed` bytes (more, up to a slab, where the
@@ -275,8 +322,11 @@ class DirectConnection:
         buffer, in_shm = staged
         if in_shm:
             self._call({**meta, "shm_offset": 0})
-        else:
+            return
+        try:
             self._call(meta, [buffer])
+        finally:
+            self._buffers.give(buffer)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         reply, _ = self._call({"op": "has", "keys": list(keys)})
@@ -286,8 +336,9 @@ class DirectConnection:
             raise BadMessage(f"kv-store {self.address} answered `has` with {found!r}")
         return [bool(f) for f in found]
 
-    def get(self, keys: Sequence[str], pin_s: float) -> tuple[list[memoryview | None], bool]:
-        """Values (views) and whether they live in our segment (valid until the next call)."""
+    def get(self, keys: Sequence[str], pin_s: float) -> tuple[list[memoryview | None], bool, memoryview]:
+        """Values (views), whether they live in our segment (valid until the next call), and the buffer
+        holding them all, in order: else it is from the host buffers (`give` it back when done)."""
         segment = self.shm if self._use_shm else None
         meta: dict[str, Any] = {"op": "get", "keys": list(keys), "pin_s": pin_s}
         if segment is not None:
@@ -301,10 +352,11 @@ class DirectConnection:
         if in_shm:
             buffer = segment.view
         else:
-            buffer = memoryview(bytearray(payload_len))
+            buffer = self._buffers.take(payload_len)
             try:
                 recv_into(self.sock, buffer)
             except OSError as exc:
+                self._buffers.give(buffer)
                 self.broken = True
                 raise ServiceUnavailable(f"kv-store {self.address}: {exc}") from exc
             if self._use_shm and payload_len:
@@ -314,14 +366,18 @@ class DirectConnection:
             out.append(None if size < 0 else buffer[pos : pos + size])
             pos += max(size, 0)
         if pos > len(buffer):
+            if not in_shm:
+                self._buffers.give(buffer)
             self.broken = True
             raise BadMessage(f"kv-store {self.address} sizes exceed its answer")
-        return out, in_shm
+        return out, in_shm, buffer[:pos]
 
 
 class _Pool:
-    def __init__(self, info: KvShardInfo, token: Callable[[], str], *, size: int, timeout: float, use_shm: bool):
+    def __init__(self, info: KvShardInfo, token: Callable[[], str], *, size: int, timeout: float, use_shm: bool,
+                 buffers: HostBuffers):
         self.info, self._token, self._timeout, self._use_shm = info, token, timeout, use_shm
+        self._buffers = buffers
         self._idle: queue.LifoQueue[DirectConnection] = queue.LifoQueue()
         self._slots = threading.Semaphore(size)
 
@@ -337,7 +393,7 @@ class _Pool:
                 pass
         try:
             return DirectConnection(self.info.data_host, self.info.data_port, token=self._token(),
-                                    timeout=self._timeout, use_shm=self._use_shm)
+                                    timeout=self._timeout, use_shm=self._use_shm, buffers=self._buffers)
         except BaseException:
             self._slots.release()
             raise
@@ -355,10 +411,15 @@ class _Pool:
 
 
 class Fetched(Sequence):
-    """A get's values in key order (None: missing); views valid until `release()`."""
+    """A get's values in key order (None: missing), and `runs`, the contiguous buffers holding them;
+    views valid until `release()`."""
 
-    def __init__(self, values: list[memoryview | None], held: list[tuple[_Pool, DirectConnection]]):
+    def __init__(self, values: list[memoryview | None], held: list[tuple[_Pool, DirectConnection]],
+                 runs: list[Run] | None = None, taken: list[memoryview] | None = None,
+                 buffers: HostBuffers = PLAIN):
         self._values, self._held = values, held
+        self.runs = runs or []
+        self._taken, self._buffers = taken or [], buffers
 
     def __getitem__(self, i):
         return self._values[i]
@@ -370,6 +431,9 @@ class Fetched(Sequence):
         held, self._held = self._held, []
         for pool, conn in held:
             pool.release(conn)
+        taken, self._taken = self._taken, []
+        for buffer in taken:
+            self._buffers.give(buffer)
 
     def __enter__(self) -> Fetched:
         return self
@@ -385,8 +449,9 @@ class KvClient:
     """Synchronous, thread-safe puts and gets across the live shards."""
 
     def __init__(self, directory: ShardDirectory, *, timeout: float = 30.0, use_shm: bool = True,
-                 connections_per_shard: int = 8, locator: ChunkLocator | None = None):
+                 connections_per_shard: int = 8, locator: ChunkLocator | None = None, buffers: HostBuffers = PLAIN):
         self.directory, self.timeout, self.use_shm, self.locator = directory, timeout, use_shm, locator
+        self.buffers = buffers
         self._connections_per_shard = connections_per_shard
         self._pools: dict[tuple[str, str, int], _Pool] = {}
         self._lock = threading.Lock()
@@ -422,7 +487,7 @@ class KvClient:
             if pool is None:
                 pool = self._pools[ident] = _Pool(info, lambda: self.directory.token(info.shard),
                                                   size=self._connections_per_shard, timeout=self.timeout,
-                                                  use_shm=self.use_shm)
+                                                  use_shm=self.use_shm, buffers=self.buffers)
             return pool
 
     @staticmethod
@@ -450,18 +515,19 @@ class KvClient:
             pool.release(conn)
 
     @contextlib.contextmanager
-    def staged_put(self, keys: Sequence[str], sizes: Sequence[int], *, pin_s: float = 0.0) -> Iterator[list[memoryview]]:
+    def staged_put(self, keys: Sequence[str], sizes: Sequence[int], *, pin_s: float = 0.0) -> Iterator[Staged]:
         """Writable buffers, one per key, that are stored on leaving the block: a producer writes
         its values straight into the memory they are sent from (on this host, memory shared with
         the shard, so a put costs one copy in all)."""
-        views: list[memoryview] = [memoryview(b"")] * len(keys)
+        views = Staged([memoryview(b"")] * len(keys))
         held: list[tuple[_Pool, DirectConnection, list[int]]] = []
         try:
             for pool, idx in self._by_shard(keys).items():
-                conn, staged = self._run(pool, lambda c: c.staging([sizes[i] for i in idx]))
+                conn, (staged, run) = self._run(pool, lambda c: c.staging([sizes[i] for i in idx]))
                 held.append((pool, conn, idx))
                 for i, view in zip(idx, staged):
                     views[i] = view
+                views.runs += [(idx, run)] if run is not None else [([i], view) for i, view in zip(idx, staged)]
             try:
                 yield views
             except BaseException:
@@ -505,20 +571,24 @@ class KvClient:
 
     def get(self, keys: Sequence[str], *, pin_s: float = 0.0) -> Fetched:
         values: list[memoryview | None] = [None] * len(keys)
-        held: list[tuple[_Pool, DirectConnection]] = []
+        fetched = Fetched(values, [], buffers=self.buffers)
         try:
             for pool, idx in self._owners_then_elsewhere(keys, lambda: [i for i, v in enumerate(values) if v is None]):
-                conn, (got, in_shm) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
+                conn, (got, in_shm, buffer) = self._run(pool, lambda c: c.get([keys[i] for i in idx], pin_s))
                 if in_shm:  # the values live in the connection's segment until released
-                    held.append((pool, conn))
+                    fetched._held.append((pool, conn))
                 else:
+                    fetched._taken.append(buffer)
                     pool.release(conn)
                 for i, v in zip(idx, got):
                     values[i] = v
+                present = [i for i, v in zip(idx, got) if v is not None]
+                if present:
+                    fetched.runs.append((present, buffer))
         except BaseException:
-            Fetched([], held).release()
+            fetched.release()
             raise
-        return Fetched(values, held)
+        return fetched
 
     def _owners_then_elsewhere(self, keys: Sequence[str],
                                missing: Callable[[], list[int]]) -> Iterator[tuple[_Pool, list[int]]]:
@@ -532,6 +602,16 @@ class KvClient:
             for pool in self._pools.values():
                 pool.close()
             self._pools.clear()
+
+
+class Staged(list):
+    """A staged put's buffers, one per key, and `runs`: which contiguous memory holds which of them."""
+
+    runs: list[Run]
+
+    def __init__(self, views: list[memoryview]):
+        super().__init__(views)
+        self.runs = []
 
 
 def leading_run(held: Sequence[bool]) -> int:
@@ -566,7 +646,8 @@ class ThreadedKvClient:
     """A KvClient with its directory on a private event-loop thread; transfers run on a thread
     pool and return futures (for synchronous code: the vLLM connector)."""
 
-    def __init__(self, nats_url: str, name: str, *, threads: int = 8, redis_url: str = "", timeout: float = 30.0):
+    def __init__(self, nats_url: str, name: str, *, threads: int = 8, redis_url: str = "", timeout: float = 30.0,
+                 buffers: HostBuffers = PLAIN):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-kv", daemon=True)
         self._thread.start()
@@ -574,7 +655,7 @@ class ThreadedKvClient:
         directory = ShardDirectory(self._bus)
         asyncio.run_coroutine_threadsafe(directory.start(), self._loop).result()
         self.client = KvClient(directory, timeout=timeout, connections_per_shard=threads,
-                               locator=ChunkLocator(redis_url) if redis_url else None)
+                               locator=ChunkLocator(redis_url) if redis_url else None, buffers=buffers)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-kv")
 
     def serve(self, subject: str, handler: Handler) -> None:
@@ -586,14 +667,14 @@ class ThreadedKvClient:
         return self._pool.submit(self._traced, "kv.put", trace_context, len(keys),
                                  self.client.put, keys, values, pin_s=pin_s)
 
-    def put_filled(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[list[memoryview]], None], *,
+    def put_filled(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[Staged], None], *,
                    pin_s: float, trace_context=None) -> concurrent.futures.Future:
         """Store values that `fill` writes, in the transfer thread, into the buffers they are sent
         from (see `KvClient.staged_put`): the caller's data must not change until the future is done."""
         return self._pool.submit(self._traced, "kv.put", trace_context, len(keys), self._fill_and_put,
                                  keys, sizes, fill, pin_s)
 
-    def _fill_and_put(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[list[memoryview]], None],
+    def _fill_and_put(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[Staged], None],
                       pin_s: float) -> None:
         with self.client.staged_put(keys, sizes, pin_s=pin_s) as views:
             fill(views)

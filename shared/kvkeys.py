@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmesh.config import ConnectorConfig
 from llmesh.errors import KVFingerprintMismatch
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ def kv_layout(vllm_config: Any) -> dict[str, Any]:
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     hf = model.hf_text_config
     transfer = vllm_config.kv_transfer_config
-    configured = int(((transfer.kv_connector_extra_config if transfer else None) or {}).get("kv_heads_per_chunk", 0))
+    configured = ConnectorConfig.from_extra(transfer.kv_connector_extra_config).kv_heads_per_chunk \
+        if transfer is not None and transfer.kv_connector_extra_config else 0
     num_kv_heads = model.get_total_num_kv_heads()
     return {
         "layout_version": LAYOUT_VERSION,

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.config import WorkerSettings
+from llmesh.config import ConnectorConfig, WorkerSettings
 from llmesh.errors import AtCapacity, ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable, Timeout
 from llmesh.kvkeys import fingerprint, kv_layout
 from llmesh.messages import (
@@ -118,22 +118,22 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
             kv_connector_module_path="llmesh.kv_connector",
             kv_role="kv_both" if settings.switchable else "kv_producer" if role == "prefill" else "kv_consumer",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "nats_url": settings.nats_url,
-                "redis_url": settings.redis_url,
-                "load_mode": settings.kv_load_mode,
-                "pin_s": settings.kv_pin_s,
-                "timeout_s": settings.kv_timeout_s,
-                "reuse_prefix": settings.kv_reuse_prefix,
-                "write_behind": settings.kv_write_behind,
-                "durable_tail": settings.kv_durable_tail,
-                "preemption": settings.kv_preemption,
-                "kv_heads_per_chunk": settings.kv_heads_per_chunk,
-                "service_name": f"{role}-worker",
-                "control_subject": Subjects.kv_control(worker_id(settings, role)),
-                "otlp_endpoint": settings.otlp_endpoint,
-                "trace_dir": settings.trace_dir,
-            },
+            kv_connector_extra_config=ConnectorConfig(
+                nats_url=settings.nats_url,
+                redis_url=settings.redis_url,
+                service_name=f"{role}-worker",
+                control_subject=Subjects.kv_control(worker_id(settings, role)),
+                otlp_endpoint=settings.otlp_endpoint,
+                trace_dir=settings.trace_dir,
+                load_mode=settings.kv_load_mode,
+                pin_s=settings.kv_pin_s,
+                timeout_s=settings.kv_timeout_s,
+                reuse_prefix=settings.kv_reuse_prefix,
+                write_behind=settings.kv_write_behind,
+                durable_tail=settings.kv_durable_tail,
+                preemption=settings.kv_preemption,
+                kv_heads_per_chunk=settings.kv_heads_per_chunk,
+            ).as_extra(),
         ),
     )
 

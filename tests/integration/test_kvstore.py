@@ -14,7 +14,7 @@ import pytest
 
 from llmesh.bus import Bus
 from llmesh.errors import KVStoreFull, ServiceUnavailable
-from llmesh.kvclient import DISCOVERY_WAIT_S, KvClient, ShardDirectory, rendezvous_owner
+from llmesh.kvclient import DISCOVERY_WAIT_S, HostBuffers, KvClient, ShardDirectory, rendezvous_owner
 from llmesh.kvwire import HEADER, MAGIC, recv_header, send_frame
 from llmesh.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
 from llmesh_kvstore.dataplane import DataPlaneServer, Tokens
@@ -327,3 +327,55 @@ async def test_a_failed_grant_leaves_no_stale_space_to_write_into(nats_url):
             except KVStoreFull:
                 small = None
             assert await get(third, ["victim", "small"]) == [victim, small]
+
+
+class RecordingBuffers(HostBuffers):
+    """Host buffers that record what the client registers and takes (a test double of the GPU host's)."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []  # sizes of mappings registered and not yet unregistered
+        self.taken = self.given = 0
+
+    def take(self, size: int) -> memoryview:
+        self.taken += 1
+        return super().take(size)
+
+    def give(self, view: memoryview) -> None:
+        self.given += 1
+
+    def register(self, view: memoryview) -> None:
+        self.registered.append(len(view))
+
+    def unregister(self, view: memoryview) -> None:
+        self.registered.remove(len(view))
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "tcp"])
+async def test_a_put_and_a_get_say_which_contiguous_memory_holds_which_values(nats_url, use_shm):
+    """A device copies a run at once: a staged put's values lie in one run on one shard (the arena's
+    granted space, the segment, or a buffer taken for TCP), and so do a get's; mappings are registered
+    once each and unregistered when closed, taken buffers given back."""
+    buffers = RecordingBuffers()
+    async with shard(nats_url, f"runs-{use_shm}", shared_arena=True):
+        async with client(nats_url, use_shm=use_shm, buffers=buffers) as kv:
+            values = [os.urandom(4096) for _ in range(5)]  # whole cache lines: no gaps between them in the arena
+            keys = [f"run-{i}" for i in range(5)]
+
+            def put_then_get():
+                with kv.staged_put(keys, [4096] * 5) as staged:
+                    (positions, run), = staged.runs
+                    assert positions == list(range(5)) and len(run) == 5 * 4096
+                    run[:] = b"".join(values)
+                with kv.get(["missing", *keys]) as fetched:
+                    (positions, run), = fetched.runs
+                    assert positions == [1, 2, 3, 4, 5] and bytes(run) == b"".join(values)
+
+            await asyncio.to_thread(put_then_get)
+            await asyncio.to_thread(put_then_get)
+            if use_shm:
+                assert len(buffers.registered) == 2  # the shard's arena and the connection's segment, once each
+                assert buffers.taken == 0
+            else:
+                assert buffers.registered == [] and buffers.taken == buffers.given == 4
+        if use_shm:
+            assert len(buffers.registered) == 1  # the segment went with its connection; the arena stays mapped

@@ -1,0 +1,290 @@
+"""Moves KV blocks between vLLM's paged cache and host memory, one copy a layer, without making the
+forward's thread wait for the GPU. Imports only torch (and numpy), so a GPU machine without vLLM runs
+it as the connector does (bench/kv_mover.py).
+
+A layer's cache is vLLM's logical view `[blocks, KV heads, tokens, content]`, whatever its physical
+stride order (vLLM 0.32: `vllm/v1/kv_cache_interface.py`, `create_kv_cache_views`). On the host, a
+layer's blocks are bytes in one canonical order: block after block, each block's heads, tokens and
+content contiguous, a block cut into `chunks` equal pieces of whole heads (the kv-store's chunks, in
+`MeshKVConnector`'s key order). Host bytes arrive and leave as `Run`s: the chunk positions a contiguous
+piece of host memory holds, in order (one run in all when one kv-store shard holds every chunk).
+
+- Save: `gather` (the forward's thread, after a layer's attention) has a side stream wait for the
+  compute stream, copy the layer's blocks with one indexed copy into a contiguous device buffer and
+  record an event; `Gathered.write` (a transfer thread) copies that buffer into host runs, one
+  device-to-host copy a run, and returns once they hold it. `end_step` has the compute stream wait for
+  the step's gathers, so blocks freed afterwards are rewritten only once copied.
+- Load: `scatter` (a transfer thread, as chunks arrive) copies host runs to the device, one
+  host-to-device copy a run, and the layer's blocks into the cache with one indexed copy, on the side
+  stream after everything the compute stream was given before the step (`start_step`); `wait` (the
+  forward's thread, before the layer's attention) has the compute stream wait for it: the host never
+  waits for the GPU.
+- Block ids go to the device once a step (`block_ids`), from pinned memory, before the forward.
+
+On a CPU there are no streams: events are None and copies happen when called. A save of blocks that
+stay put until it is stored (`stable`: a prefill's, whose step waits for its puts) is not gathered at
+all on a CPU: `write` copies straight from the cache into the host runs, the one copy it needs.
+
+`HostMemory` is what the host side is made of: a pool of pinned buffers, and shared-memory mappings
+(the kv-store's arena, a connection's segment) registered with CUDA so that copies into them run at
+pinned speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("llmesh.kv_mover")
+
+Run = tuple[Sequence[int], memoryview]  # chunk positions, in order, and the host bytes holding them
+POOL_MIN_BYTES = 1 << 20  # pinned buffers come in powers of two from here
+
+
+def address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+def is_range(positions: Sequence[int]) -> bool:
+    """Whether `positions` are consecutive and rising."""
+    return isinstance(positions, range) and positions.step == 1 or \
+        all(b == a + 1 for a, b in zip(positions, positions[1:]))
+
+
+class HostMemory:
+    """Host memory a device copies at full speed: pinned buffers from a pool (up to `pool_bytes`, then
+    plain ones), and shared-memory mappings registered with CUDA (`cudaHostRegister`), once per mapping;
+    a mapping that cannot be registered is used as it is (logged once), at pageable speed. Without a
+    GPU buffers are plain and registering does nothing. Thread-safe (kvclient's `HostBuffers`)."""
+
+    def __init__(self, device: torch.device | str, pool_bytes: int = 1 << 30):
+        self.pinned = torch.device(device).type == "cuda"
+        self._pool_bytes, self._pooled = pool_bytes, 0
+        self._free: dict[int, list[np.ndarray]] = {}  # size class -> idle buffers
+        self._owners: dict[int, Any] = {}  # id of a buffer's array -> the pinned tensor backing it
+        self._registered: dict[int, int] = {}  # address -> bytes, of mappings registered with CUDA
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> memoryview:
+        """A buffer of `size` bytes; give it back with `give` once no copy reads or writes it."""
+        if not self.pinned:
+            return memoryview(bytearray(size))
+        size_class = max(POOL_MIN_BYTES, 1 << max(size - 1, 0).bit_length())
+        with self._lock:
+            idle = self._free.get(size_class)
+            if idle:
+                return memoryview(idle.pop())[:size]
+            if self._pooled + size_class > self._pool_bytes:
+                return memoryview(bytearray(size))  # not pooled: dropped when its views go
+            self._pooled += size_class
+        tensor = torch.empty(size_class, dtype=torch.uint8, pin_memory=True)
+        array = tensor.numpy()
+        with self._lock:
+            self._owners[id(array)] = tensor
+        return memoryview(array)[:size]
+
+    def give(self, view: memoryview) -> None:
+        owner = view.obj
+        if isinstance(owner, np.ndarray) and id(owner) in self._owners:
+            with self._lock:
+                self._free.setdefault(len(owner), []).append(owner)
+
+    def register(self, view: memoryview) -> None:
+        """Let the device copy to and from `view` (a whole mapping) at pinned speed, until `unregister`."""
+        if not self.pinned or not len(view):
+            return
+        ptr = address(view)
+        with self._lock:
+            if ptr in self._registered:
+                return
+            error = torch.cuda.cudart().cudaHostRegister(ptr, len(view), 0)
+            if int(error) == 0:
+                self._registered[ptr] = len(view)
+                return
+        if not self._failed:
+            self._failed = True
+            log.warning("cudaHostRegister of %d bytes of shared memory failed (%s): copies to and from the "
+                        "kv-store run at pageable speed", len(view), error)
+
+    def unregister(self, view: memoryview) -> None:
+        """Before `view`'s mapping is closed."""
+        if not self.pinned or not len(view):
+            return
+        ptr = address(view)
+        with self._lock:
+            if self._registered.pop(ptr, None) is not None:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def host_tensor(view: memoryview) -> torch.Tensor:
+    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+
+
+class Gathered:
+    """One layer's blocks copied out of the cache for a save (`KvMover.gather`)."""
+
+    def __init__(self, mover: KvMover, source: torch.Tensor, ids: torch.Tensor | None, done: Any):
+        self._mover, self._source, self._ids, self._done = mover, source, ids, done
+
+    def write(self, runs: Sequence[Run], chunks: int) -> None:
+        """Copy the blocks, cut into `chunks` pieces each, into host `runs`; returns once they hold them.
+        On a transfer thread (on a GPU it waits for the copies)."""
+        mover = self._mover
+        blocks = self._source.shape[0] if self._ids is None else len(self._ids)
+        if self._ids is not None and len(runs) == 1 and list(runs[0][0]) == list(range(blocks * chunks)):
+            # the blocks are stable and one run takes them all: straight from the cache (CPU)
+            out = host_tensor(runs[0][1]).view(self._source.dtype).view(blocks, *self._source.shape[1:])
+            torch.index_select(self._source, 0, self._ids, out=out)
+            return
+        source = self._source if self._ids is None else self._source.index_select(0, self._ids)
+        pieces = source.view(torch.uint8).view(blocks * chunks, -1)
+        with mover.on_side():
+            if self._done is not None:
+                mover.side.wait_event(self._done)
+            for positions, view in runs:
+                target = host_tensor(view).view(len(positions), pieces.shape[1])
+                part = pieces[positions[0] : positions[-1] + 1] if is_range(positions) else \
+                    pieces.index_select(0, mover.to_device(list(positions)))
+                target.copy_(part, non_blocking=True)
+            mover.synchronize(mover.record())
+
+
+class KvMover:
+    """Copies between one engine's per-layer caches and host memory (see the module's docstring)."""
+
+    def __init__(self, caches: Mapping[int, torch.Tensor], memory: HostMemory | None = None):
+        """`caches`: each layer's cache by its (global) layer number."""
+        self.caches = dict(caches)
+        self.device = next(iter(self.caches.values())).device
+        self.cuda = self.device.type == "cuda"
+        self.memory = memory or HostMemory(self.device)
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._step_event: Any = None
+        self._gathers: list[Any] = []
+
+    # ---- streams and events (nothing on a CPU) ----------------------------------------------------------
+
+    def on_side(self) -> Any:
+        return torch.cuda.stream(self.side) if self.cuda else _NoStream()
+
+    def record(self, stream: Any = None) -> Any:
+        """An event marking what `stream` (this thread's current stream by default) has been given so far."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream or torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: Any) -> None:
+        """The compute stream waits for `event` (the host does not)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def synchronize(event: Any) -> None:
+        """The host waits for `event`: only on transfer threads, never in a forward."""
+        if event is not None:
+            event.synchronize()
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor of `values` on the device, copied from pinned memory without waiting."""
+        host = torch.tensor(values, dtype=torch.long)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.cuda else host
+
+    # ---- a step ------------------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Before the forward: loads of this step follow everything the compute stream was given before."""
+        self._step_event = self.record()
+
+    def block_ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, made once a step before the forward (`start_step` after them)."""
+        return self.to_device(ids)
+
+    def gather(self, layer: int, ids: torch.Tensor, *, stable: bool) -> Gathered:
+        """Copy `ids`' blocks of `layer` out for a save, after the work the compute stream has been given
+        (the layer's attention). `stable`: the blocks stay as they are until the save is written."""
+        cache = self.caches[layer]
+        if not self.cuda:
+            return Gathered(self, cache, ids, None) if stable else Gathered(self, cache.index_select(0, ids), None, None)
+        after = self.record()
+        with self.on_side():
+            self.side.wait_event(after)
+            ids.record_stream(self.side)  # (made on the compute stream: not reused before the side stream is done)
+            blocks = cache.index_select(0, ids)
+            done = self.record(self.side)
+        self._gathers.append(done)
+        return Gathered(self, blocks, None, done)
+
+    def end_step(self) -> None:
+        """After the forward: the compute stream waits for the step's gathers (their blocks may be reused)."""
+        for done in self._gathers:
+            self.wait(done)
+        self._gathers.clear()
+
+    def scatter(self, layer: int, ids: torch.Tensor, runs: Sequence[Run], chunks: int) -> Scattered:
+        """Copy host `runs` (chunk positions among `len(ids) * chunks`) into `ids`' blocks of `layer`, on
+        the side stream; a block with a chunk missing is left alone. On a transfer thread: the runs stay
+        valid until the result's `release` (which waits for the copy out of them)."""
+        cache = self.caches[layer]
+        blocks, block_bytes = len(ids), cache[0].numel() * cache.element_size()
+        staging, present, missing = None, None, []
+        if len(runs) == 1 and list(runs[0][0]) == list(range(blocks * chunks)):
+            source = host_tensor(runs[0][1])
+        else:  # the runs into one buffer first (several shards answered, or chunks are missing)
+            seen = np.zeros(blocks * chunks, dtype=bool)
+            for positions, _ in runs:
+                seen[list(positions)] = True
+            complete = seen.reshape(blocks, chunks).all(axis=1)
+            present, missing = np.flatnonzero(complete).tolist(), np.flatnonzero(~complete).tolist()
+            if not present:
+                return Scattered(self, None, missing, None)
+            staging = self.memory.take(blocks * block_bytes)
+            source = host_tensor(staging)
+            rows = source.view(blocks * chunks, -1)
+            for positions, view in runs:
+                rows[list(positions)] = host_tensor(view).view(len(positions), -1)
+        with self.on_side():
+            if self.cuda:
+                if self._step_event is not None:
+                    self.side.wait_event(self._step_event)
+                ids.record_stream(self.side)
+            values = source.to(self.device, non_blocking=True) if self.cuda else source
+            values = values.view(cache.dtype).view(blocks, *cache.shape[1:])
+            if present is None:
+                cache.index_copy_(0, ids, values)
+            else:
+                where = self.to_device(present)
+                cache.index_copy_(0, ids.index_select(0, where), values.index_select(0, where))
+            done = self.record(self.side)
+        return Scattered(self, done, missing, staging)
+
+
+class Scattered:
+    """A layer's load under way (`KvMover.scatter`): the event the forward waits for (`KvMover.wait`) and
+    the positions (in its block ids) of the blocks left alone for a missing chunk."""
+
+    def __init__(self, mover: KvMover, event: Any, missing: list[int], staging: memoryview | None):
+        self.event, self.missing = event, missing
+        self._mover, self._staging = mover, staging
+
+    def release(self) -> None:
+        """Wait (a transfer thread) until the host bytes have been read: they may be reused after."""
+        self._mover.synchronize(self.event)
+        if self._staging is not None:
+            self._mover.memory.give(self._staging)
+            self._staging = None
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
