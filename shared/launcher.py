@@ -54,8 +54,15 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
 
 
 def _die_with_parent() -> None:
-    """In the child: own process group, and SIGTERM when the launcher dies (Linux)."""
-    os.setsid()
+    """In the child: own process group, and SIGTERM when the launcher dies (Linux).
+
+    A process group, not a session (`setsid`): Linux's autogroup scheduling puts each session in a
+    scheduling group of its own, and two such groups busy on one core (two engines pinned to the
+    decode half of a small host) were not shared fairly: one was left runnable with no CPU for
+    seconds while the other decoded (seen on 6.18). A migration's target then did not even take its
+    prefetch off its socket until the source, which decodes until the target answers, stopped at
+    the prefetch's 2 s limit. In the launcher's session the engines' threads compete as threads."""
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -79,7 +86,7 @@ class Child:
         self.proc = subprocess.Popen(
             self._command,
             env=self._env,
-            stdin=subprocess.PIPE if self._stdin is not None else None,
+            stdin=subprocess.PIPE if self._stdin is not None else subprocess.DEVNULL,  # (a background group)
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             preexec_fn=_die_with_parent,

@@ -374,6 +374,7 @@ class DecodeService:
         worker.reserve(req.migration_id, req.hold_s)
         if req.prefetch:
             with self._tracer.start_as_current_span("migration.prefetch") as span:
+                span.set_attributes({"migration.id": req.migration_id, "request.id": req.request_id})
                 try:
                     async with asyncio.timeout(PREFETCH_BUDGET_S):  # cancelled: vLLM aborts the prefetch
                         span.set_attribute("kv.blocks", await self._prefetch(req))
@@ -391,6 +392,7 @@ class DecodeService:
         full = (len(req.token_ids) - 1) // size
         hashes = block_hashes(chain_seed(self.worker.fingerprint, req.cache_salt), req.token_ids[: full * size], size)
         stored = await self._stored_run(hashes)
+        trace.get_current_span().set_attribute("kv.stored", stored)  # what the store held: a timeout is not a miss
         if not stored:
             return 0
         params = sampling_params(SamplingOptions(max_tokens=1, temperature=0.0), max_tokens=1, kv_transfer_params={

@@ -1,5 +1,6 @@
 """The launcher's supervision, on real child processes (no mesh)."""
 
+import os
 import sys
 
 from llmesh.launcher import Child, Supervised
@@ -64,4 +65,18 @@ def test_a_restarted_child_runs_the_same_command_again_into_the_same_log(tmp_pat
     assert child.proc.wait(10) == 3 and child.pid != first
     assert child.log_tail().splitlines() == [f"run {first}", f"run {child.pid}"]
     assert child.log_tail(lines=1) == f"run {child.pid}"
+    child.stop()
+
+
+def test_a_child_has_its_own_process_group_in_the_launchers_session(tmp_path):
+    """killpg stops a service with its engine processes; a session of its own would also give it an
+    autogroup of its own, and the kernel let one busy engine's group starve another's on a shared core
+    for seconds (a migration's prefetch on the starved one waited out its limit)."""
+    log = tmp_path / "child.log"
+    child = Child("ids", [sys.executable, "-c", "import os; print(os.getpid(), os.getpgid(0), os.getsid(0))"],
+                  log_path=log)
+    assert child.proc.wait(10) == 0
+    pid, pgid, sid = map(int, child.log_tail().split())
+    assert pid == pgid == child.pid, "its own process group (the launcher kills it with killpg)"
+    assert sid == os.getsid(0), "the launcher's session: no autogroup of its own"
     child.stop()
