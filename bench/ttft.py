@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from llmesh.credentials import MeshSecrets
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
 from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
@@ -44,7 +45,7 @@ def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
     started = time.perf_counter()
     stamps = []
     with http.stream("POST", f"{url}/v1/completions", timeout=300,
-                      headers={"traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01"},
+                      headers={"traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01", **AUTH},
                       json={"model": MODEL, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
                             "stream": True}) as resp:
         resp.raise_for_status()
@@ -53,6 +54,9 @@ def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
                 stamps.append(time.perf_counter())
     return (stamps[0] - started, (stamps[-1] - stamps[0]) / (OUTPUT_TOKENS - 1), stamps[1] - stamps[0],
             trace_id)
+
+
+AUTH: dict[str, str] = {}  # the mesh's API key (`main`)
 
 
 def span_breakdown(trace_dir: Path, trace_id: str) -> dict[str, float]:
@@ -89,7 +93,8 @@ def main() -> None:
         path = resolve_model(MODEL, model_dir)
         port, nats_port = free_port(), free_port()
         env = {"MESH_MODEL": MODEL, "MESH_MAX_MODEL_LEN": "2304", "MESH_TRACE_DIR": str(work / "traces"),
-               "MESH_MODEL_DIR": str(model_dir)}
+               "MESH_MODEL_DIR": str(model_dir), "MESH_SECRETS_DIR": str(work / "mesh-secrets")}
+        AUTH["Authorization"] = f"Bearer {MeshSecrets.load_or_create(work / 'mesh-secrets').api_key}"
         mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port",
                               str(nats_port), "--logs", str(work / "logs")], env=env, log_path=work / "launcher.log")
         mono = subprocess.Popen([sys.executable, str(ROOT / "tests/e2e/reference_engine.py"), path, "2304", "128"],

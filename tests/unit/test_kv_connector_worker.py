@@ -252,3 +252,11 @@ def test_the_forward_hooks_never_make_the_host_wait_for_the_device(device, monke
 def caches_equal_source(store: MemoryStore, block: str, layer: int, like: torch.Tensor) -> torch.Tensor:
     chunks = [store.values[f"{block}:{layer}:{g}"] for g in range(HEADS)]
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=like.dtype).view(like.shape[1:]).to(like.device)
+
+
+def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
+    """Its hooks run around every attention layer of every step: a full graph would replay without them
+    (vLLM 0.32 then turns FULL_AND_PIECEWISE into PIECEWISE, `VllmConfig.__post_init__`)."""
+    from llmesh.kv_connector import MeshKVConnector
+
+    assert MeshKVConnector.requires_piecewise_for_cudagraph(SETTINGS)
