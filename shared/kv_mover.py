@@ -59,8 +59,9 @@ def is_range(positions: Sequence[int]) -> bool:
 class HostMemory:
     """Host memory a device copies at full speed: pinned buffers from a pool (up to `pool_bytes`, then
     plain ones), and shared-memory mappings registered with CUDA (`cudaHostRegister`), once per mapping;
-    a mapping that cannot be registered is used as it is (logged once), at pageable speed. Without a
-    GPU buffers are plain and registering does nothing. Thread-safe (kvclient's `HostBuffers`)."""
+    copies to and from memory that is neither (a mapping that could not be registered: logged once) go
+    through a pinned buffer (`fast`). Without a GPU buffers are plain and registering does nothing.
+    Thread-safe (kvclient's `HostBuffers`)."""
 
     def __init__(self, device: torch.device | str, pool_bytes: int = 1 << 30):
         self.pinned = torch.device(device).type == "cuda"
@@ -110,7 +111,15 @@ class HostMemory:
         if not self._failed:
             self._failed = True
             log.warning("cudaHostRegister of %d bytes of shared memory failed (%s): copies to and from the "
-                        "kv-store run at pageable speed", len(view), error)
+                        "kv-store go through pinned buffers", len(view), error)
+
+    def fast(self, view: memoryview) -> bool:
+        """Whether the device copies to and from `view` at pinned speed (always, without a GPU): it lies in
+        a registered mapping or in a pooled pinned buffer. Else a copy goes through a pinned buffer."""
+        if not self.pinned or isinstance(view.obj, np.ndarray) and id(view.obj) in self._owners:
+            return True
+        start = address(view)
+        return any(ptr <= start and start + len(view) <= ptr + size for ptr, size in list(self._registered.items()))
 
     def unregister(self, view: memoryview) -> None:
         """Before `view`'s mapping is closed."""
@@ -144,15 +153,22 @@ class Gathered:
             return
         source = self._source if self._ids is None else self._source.index_select(0, self._ids)
         pieces = source.view(torch.uint8).view(blocks * chunks, -1)
+        bounced = []  # (run, pinned buffer) for runs the device cannot copy into at full speed
         with mover.on_side():
             if self._done is not None:
                 mover.side.wait_event(self._done)
             for positions, view in runs:
+                if not mover.memory.fast(view):
+                    bounced.append((view, mover.memory.take(len(view))))
+                    view = bounced[-1][1]
                 target = host_tensor(view).view(len(positions), pieces.shape[1])
                 part = pieces[positions[0] : positions[-1] + 1] if is_range(positions) else \
                     pieces.index_select(0, mover.to_device(list(positions)))
                 target.copy_(part, non_blocking=True)
             mover.synchronize(mover.record())
+        for view, pinned in bounced:
+            view[:] = pinned
+            mover.memory.give(pinned)
 
 
 class KvMover:
@@ -235,9 +251,9 @@ class KvMover:
         cache = self.caches[layer]
         blocks, block_bytes = len(ids), cache[0].numel() * cache.element_size()
         staging, present, missing = None, None, []
-        if len(runs) == 1 and list(runs[0][0]) == list(range(blocks * chunks)):
+        if len(runs) == 1 and list(runs[0][0]) == list(range(blocks * chunks)) and self.memory.fast(runs[0][1]):
             source = host_tensor(runs[0][1])
-        else:  # the runs into one buffer first (several shards answered, or chunks are missing)
+        else:  # the runs into one pinned buffer first (several shards, chunks missing, or pageable memory)
             seen = np.zeros(blocks * chunks, dtype=bool)
             for positions, _ in runs:
                 seen[list(positions)] = True
@@ -245,6 +261,8 @@ class KvMover:
             present, missing = np.flatnonzero(complete).tolist(), np.flatnonzero(~complete).tolist()
             if not present:
                 return Scattered(self, None, missing, None)
+            if not missing:
+                present = None
             staging = self.memory.take(blocks * block_bytes)
             source = host_tensor(staging)
             rows = source.view(blocks * chunks, -1)
@@ -257,7 +275,7 @@ class KvMover:
                 ids.record_stream(self.side)
             values = source.to(self.device, non_blocking=True) if self.cuda else source
             values = values.view(cache.dtype).view(blocks, *cache.shape[1:])
-            if present is None:
+            if present is None:  # every block
                 cache.index_copy_(0, ids, values)
             else:
                 where = self.to_device(present)
