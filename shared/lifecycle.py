@@ -58,6 +58,19 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
     return stopped.set
 
 
+async def cancel_and_wait(*tasks: asyncio.Future) -> None:
+    """Cancel `tasks` and wait until each has ended, reading how (a cancelled task left running still
+    holds what it was using, e.g. a generator it is inside; one that failed meanwhile would log its
+    error as never retrieved). The caller's own cancellation still propagates."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        if not task.done():
+            await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()
+
+
 GRACE_S = 8.0  # after a signal, how long `main` may take to shut down before it is cancelled
 
 

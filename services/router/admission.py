@@ -7,6 +7,10 @@ rate the queue has been draining) would pass its deadline or `max_wait_s`, or wh
 policy names it as unable to meet its time-to-first-token target. As room appears, waiters are placed in the
 queue policy's order (llmesh.policies.queueing; default: arrival); one that cannot be placed
 yet does not block the others (they may need other workers).
+
+A request past its prompt (its decode, or a decode resumed elsewhere) is committed: its client has
+its first token, so it is placed before every other waiter and never refused for waiting; only its
+deadline bounds its wait.
 """
 
 from __future__ import annotations
@@ -14,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from llmesh.errors import AtCapacity, MeshError, Overloaded
+from llmesh.errors import AtCapacity, MeshError, Overloaded, Timeout
 from llmesh.policies import QueuePolicy, RequestView
 from llmesh.policies.queueing import ServiceTime, fcfs
 
 T = TypeVar("T")
-SMOOTHING = 0.2  # of the EMA of the time between two requests leaving the queue
+DRAIN_WINDOW = 64  # departures the queue's drain rate is averaged over (workers free slots in bursts)
 
 
 @dataclass(eq=False)
@@ -31,6 +36,7 @@ class _Waiter(Generic[T]):
     place: Callable[[], T]  # raises AtCapacity while there is no room
     request: RequestView
     group: Hashable | None  # waiters whose `place` finds room in the same workers (None: its own)
+    committed: bool  # past its prompt: placed first, never refused for waiting
     placed: asyncio.Future[T] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -43,63 +49,90 @@ class AdmissionQueue:
         self._clock = clock
         self._waiting: list[_Waiter] = []
         self._left_at: float | None = None  # when a request last left the queue (None: empty since)
-        self.interval_s = 0.0  # EMA of the time between two requests leaving a busy queue (0: not measured)
+        self._gaps: deque[float] = deque(maxlen=DRAIN_WINDOW)  # between requests leaving the busy queue
 
     def __len__(self) -> int:
         return len(self._waiting)
 
+    @property
+    def interval_s(self) -> float:
+        """Mean time between two requests leaving the busy queue, over its last DRAIN_WINDOW departures
+        (0: not measured)."""
+        return sum(self._gaps) / len(self._gaps) if self._gaps else 0.0
+
     def expected_wait_s(self, position: int) -> float:
         return (position + 1) * self.interval_s
 
-    def _retry_after_s(self) -> float:
-        return max(1.0, math.ceil(self.expected_wait_s(len(self._waiting))))
+    def _uncommitted(self) -> list[_Waiter]:
+        return [w for w in self._waiting if not w.committed]
 
-    async def admit(self, place: Callable[[], T], request: RequestView, group: Hashable | None = None) -> tuple[T, bool]:
+    def _overloaded(self, why: str, excess_s: float) -> Overloaded:
+        """A refusal, with when to come back: once `excess_s` of the queue has drained, and at most
+        `max_wait_s` (by then every request waiting now has left the queue), at least a second."""
+        retry_after = min(max(1.0, math.ceil(excess_s)), max(1.0, math.ceil(self.max_wait_s)))
+        return Overloaded(why, retry_after_s=retry_after)
+
+    async def admit(self, place: Callable[[], T], request: RequestView, group: Hashable | None = None, *,
+                    committed: bool = False) -> tuple[T, bool]:
         """`place()`'s result, and whether it waited in line for it (it does not if nobody waits and
         `place` finds room). Raises Overloaded when the request cannot be served in time, and any
         other error of `place`. Waiters of one `group` look for room in the same workers: once one
-        finds none, the others behind it in the policy's order are not tried until room changes again."""
-        if not self._waiting:
+        finds none, the others behind it in the policy's order are not tried until room changes again.
+        A `committed` request tries `place` ahead of everyone and waits until its deadline (then
+        Timeout), never refused."""
+        if committed or not self._waiting:
             try:
                 return place(), False
             except AtCapacity:
                 pass
         now = self._clock()
-        wait = self.expected_wait_s(len(self._waiting))
-        if len(self._waiting) >= self.max_waiting:
-            raise Overloaded(f"the router's queue is full ({self.max_waiting} requests waiting)",
-                             retry_after_s=self._retry_after_s())
-        if now + wait > request.deadline or wait > self.max_wait_s:
-            raise Overloaded(f"the {len(self._waiting)} requests ahead would take ~{wait:.1f}s, past "
-                             + ("this request's deadline" if now + wait > request.deadline else
-                                f"the router's longest wait ({self.max_wait_s:g}s)"),
-                             retry_after_s=self._retry_after_s())
-        waiter = _Waiter(place, request, group)
+        if committed:
+            limit = max(request.deadline - now, 0.0)
+        else:
+            ahead = len(self._uncommitted())
+            wait = self.expected_wait_s(ahead)
+            if ahead >= self.max_waiting:
+                raise self._overloaded(f"the router's queue is full ({self.max_waiting} requests waiting)",
+                                       self.expected_wait_s(ahead - self.max_waiting))
+            allowed = min(request.deadline - now, self.max_wait_s)
+            if wait > allowed:
+                raise self._overloaded(
+                    f"the {ahead} requests ahead would take ~{wait:.1f}s, past "
+                    + ("this request's deadline" if now + wait > request.deadline else
+                       f"the router's longest wait ({self.max_wait_s:g}s)"), wait - allowed)
+            limit = max(allowed, 0.0)
+        waiter = _Waiter(place, request, group, committed)
         self._waiting.append(waiter)
-        if self._left_at is None:
+        if self._left_at is None and not committed:
             self._left_at = now
         self._refuse_hopeless(now)
-        limit = max(min(request.deadline - now, self.max_wait_s), 0.0)
         try:
             async with asyncio.timeout(limit):
                 return await waiter.placed, True
         except TimeoutError:
-            raise Overloaded(f"no worker had room within {limit:.1f}s", retry_after_s=self._retry_after_s()) from None
+            if committed:
+                raise Timeout(f"no worker had room for it before its deadline ({limit:.1f}s)") from None
+            raise self._overloaded(f"no worker had room within {limit:.1f}s",
+                                   self.expected_wait_s(len(self._uncommitted()))) from None
         finally:
             if waiter in self._waiting:
                 self._waiting.remove(waiter)
+            if not self._uncommitted():
+                self._left_at = None  # idle from here: not a gap between departures
 
     def room_changed(self) -> None:
-        """A worker may have room now (a heartbeat, a request finished): place whoever fits, in the
-        queue policy's order."""
+        """A worker may have room now (a heartbeat, a request finished): place whoever fits, the
+        committed first (by arrival), then the rest in the queue policy's order."""
         if not self._waiting:
             return
         now = self._clock()
         self._refuse_hopeless(now)
-        by_id = {w.request.request_id: w for w in self._waiting if not w.placed.done()}
+        open_ = [w for w in self._waiting if not w.placed.done()]
+        by_id = {w.request.request_id: w for w in open_ if not w.committed}
+        committed = sorted((w for w in open_ if w.committed), key=lambda w: w.request.arrival)
         full: set[Hashable] = set()  # groups a waiter found no room for
-        for request in self.policy.order(now, [w.request for w in by_id.values()]):
-            waiter = by_id[request.request_id]
+        for waiter in committed + [by_id[r.request_id] for r in self.policy.order(now, list(
+                w.request for w in by_id.values()))]:
             if waiter.group is not None and waiter.group in full:
                 continue
             try:
@@ -112,20 +145,20 @@ class AdmissionQueue:
                 waiter.placed.set_exception(exc)
                 continue
             self._waiting.remove(waiter)
-            self._note_departure()
+            if not waiter.committed:
+                self._note_departure()
 
     def _refuse_hopeless(self, now: float) -> None:
-        waiting = [w for w in self._waiting if not w.placed.done()]
+        waiting = [w for w in self._uncommitted() if not w.placed.done()]
         refused = self.policy.refused(now, [w.request for w in waiting], self.service_s)
         for waiter in waiting:
             if waiter.request.request_id in refused:
-                waiter.placed.set_exception(Overloaded(
+                waiter.placed.set_exception(self._overloaded(
                     f"cannot meet its time-to-first-token target behind the requests queued (queue policy "
-                    f"{self.policy.name})", retry_after_s=self._retry_after_s()))
+                    f"{self.policy.name})", self.expected_wait_s(len(waiting))))
 
     def _note_departure(self) -> None:
         now = self._clock()
         if self._left_at is not None:
-            gap = now - self._left_at
-            self.interval_s = gap if not self.interval_s else SMOOTHING * gap + (1 - SMOOTHING) * self.interval_s
-        self._left_at = now if self._waiting else None
+            self._gaps.append(now - self._left_at)
+        self._left_at = now if self._uncommitted() else None

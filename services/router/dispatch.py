@@ -32,6 +32,7 @@ from llmesh.bus import Bus
 from llmesh.errors import (AtCapacity, MeshError, NoResponders, ServiceUnavailable, StreamInterrupted, Timeout,
                            WorkerLost)
 from llmesh.lengths import cut_prompt
+from llmesh.lifecycle import cancel_and_wait
 from llmesh.messages import (
     AbortRequest,
     Message,
@@ -61,13 +62,14 @@ T = TypeVar("T")
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
-MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died or refused
+MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died (a refusal as full is not counted)
 # after this router's bus reconnected, how long to give the workers' connections to come back too
 # (nats-py retries every 0.5 s) before sending a request again
 RECONNECT_GRACE_S = 1.0
 MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet known dead) is placed again
-# times a request a worker refused as full is placed again (each time it waits in the router's queue until a
-# slot frees: the refusal marks that worker full in this router's view)
+# times a request a worker refused as full before its first token is placed again (each time it waits in the
+# router's queue until a slot frees: the refusal marks that worker full in this router's view); past its first
+# token only its deadline bounds the tries
 MAX_REFUSALS = 8
 
 
@@ -459,7 +461,7 @@ class Dispatcher:
         begins there or else a `DecodeRequest` of `session`, until it finishes; resumed on another decode
         worker after a live migration's hand-over (`Migrated`) or when a worker dies or refuses."""
         subject, request = start or (Subjects.worker("decode", worker_id), session.request(gen, predicted))
-        failovers, refusals, moved_from = 0, 0, None
+        failovers, moved_from = 0, None
         while True:
             handed: Migrated | None = None
             leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
@@ -478,14 +480,13 @@ class Dispatcher:
                 if handed is None:
                     return
             except (WorkerLost, ServiceUnavailable) as exc:
-                refused = isinstance(exc, AtCapacity)  # it never took the leg: not a failure, wait for room
+                # a refusal: the worker never took the leg, so not a failure; it waits for room (its deadline
+                # bounds how long, each try waits for a heartbeat or a request's end)
+                refused = isinstance(exc, AtCapacity)
                 if (not session.output_token_ids or time.time() >= gen.deadline
-                        or (refusals if refused else failovers) >= (MAX_REFUSALS if refused else MAX_FAILOVERS)):
+                        or (not refused and failovers >= MAX_FAILOVERS)):
                     raise
-                if refused:
-                    refusals += 1
-                else:
-                    failovers += 1
+                failovers += not refused
                 if len(session.output_token_ids) > leg_tokens or session.kv_outputs != len(session.output_token_ids):
                     session.kv = None  # what the handle lists is outdated: the new worker looks the store up
                 (log.info if refused else log.warning)("request %s: %s; resuming it after %d tokens", gen.request_id,
@@ -501,6 +502,8 @@ class Dispatcher:
                     await asyncio.sleep(RECONNECT_GRACE_S)
                 try:
                     worker_id, moved_from = await self._resume_site(gen, session, source, parent, predicted), None
+                except Timeout:
+                    raise  # its deadline passed waiting for room
                 except MeshError:
                     raise exc from None  # nowhere to go on: the original failure is the news
                 request = session.request(gen, predicted)
@@ -555,7 +558,8 @@ class Dispatcher:
         group = None if self.registry.policy.declines_by_request else (role, view.model, fingerprint, claim is None)
         started = time.monotonic()
         with self.metrics.queued(view.model):
-            worker, queued = await self.admission.admit(place, view, group)
+            # past its prompt, a request is never refused for waiting (its client has a 200 and a token)
+            worker, queued = await self.admission.admit(place, view, group, committed=role == "decode")
         waited = time.monotonic() - started
         policy = self.registry.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
@@ -659,8 +663,8 @@ class Dispatcher:
                 return task.result()
             return lost.result()  # type: ignore[return-value]  # raises WorkerLost
         finally:
-            task.cancel()
             lost.cancel()
+            await cancel_and_wait(task)
 
     async def _abort(self, worker_id: str, request_id: str) -> None:
         try:

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmesh import telemetry
 from llmesh.errors import InvalidRequest, MeshError
+from llmesh.lifecycle import cancel_and_wait
 from llmesh.messages import TokenDelta
 
 from .auth import ApiKey, KeyRing
@@ -154,6 +155,10 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
             finish(exc.http_status, exc)
             metrics.errors.labels(exc.code).inc()
             return error_response(exc)
+        except _ClientGone:
+            await deltas.aclose()  # the dispatcher aborts the request in the worker
+            finish(499)
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         except BaseException as exc:
             await deltas.aclose()
             finish(499 if isinstance(exc, asyncio.CancelledError) else 500, exc)
@@ -195,15 +200,19 @@ async def _collect(deltas: AsyncIterator[TokenDelta], times: RequestTimes) -> li
     return [times.seen(d) async for d in deltas]
 
 
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its answer began."""
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the HTTP client disconnects first."""
+    """Await `work`, cancelling it if the HTTP client disconnects first; either way it has ended when
+    this returns or raises (so the generator it was advancing can be closed)."""
     task = asyncio.ensure_future(work)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
-                task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                raise _ClientGone()
         return task.result()
     finally:
-        task.cancel()
+        await cancel_and_wait(task)

@@ -2,13 +2,19 @@ import asyncio
 
 import pytest
 
-from llmesh.errors import AtCapacity, Overloaded, ServiceUnavailable
+from llmesh.errors import AtCapacity, Overloaded, ServiceUnavailable, Timeout
 from llmesh.policies import RequestView
 from llmesh_router.admission import AdmissionQueue
 
 
 def rv(name, deadline=1e12, arrival=0.0, **kw):
     return RequestView(name, "m", prompt_tokens=10, arrival=arrival, deadline=deadline, **kw)
+
+
+def drained(queue, gap_s, n=8):
+    """The queue has been releasing one request every `gap_s` (n departures)."""
+    queue._gaps.extend([gap_s] * n)
+    return queue
 
 
 class Slots:
@@ -40,7 +46,7 @@ async def test_waiters_are_placed_in_arrival_order_as_room_appears():
     await asyncio.sleep(0)
     assert slots.given == ["a", "b"] and len(queue) == 1
     assert await waits[0] == ("a", True)
-    assert queue.interval_s == pytest.approx(0.2 * 2.0 + 0.8 * 1.0)  # departures at 1 s (since 0) and 3 s
+    assert queue.interval_s == pytest.approx(1.5)  # departures at 1 s (since 0) and 3 s
     waits[2].cancel()  # a client that leaves frees its place in line
     await asyncio.sleep(0)
     assert len(queue) == 0
@@ -54,25 +60,26 @@ async def test_nobody_waiting_and_room_is_immediate():
 async def test_a_hopeless_deadline_is_refused_up_front_with_a_retry_hint():
     now = [0.0]
     queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=10, clock=lambda: now[0]), Slots()
-    queue.interval_s = 1.0  # the queue has been releasing one request a second
+    drained(queue, 1.0)
     waiting = asyncio.create_task(queue.admit(slots.placer("a"), rv("a", deadline=100)))
     await asyncio.sleep(0)
     with pytest.raises(Overloaded, match="past this request's deadline") as refused:
         await queue.admit(slots.placer("b"), rv("b", deadline=1.5))  # 2 s of queue ahead of it
-    assert refused.value.retry_after_s == 2 and refused.value.http_status == 429
+    # in 1 s the queue ahead has drained enough for its wait to fit in its deadline
+    assert refused.value.retry_after_s == 1 and refused.value.http_status == 429
     waiting.cancel()
 
 
 async def test_a_wait_expected_past_the_longest_is_refused_up_front_not_after_it():
     now = [0.0]
     queue, slots = AdmissionQueue(max_waiting=8, max_wait_s=2.5, clock=lambda: now[0]), Slots()
-    queue.interval_s = 1.0
+    drained(queue, 1.0)
     ahead = [asyncio.create_task(queue.admit(slots.placer(n), rv(n))) for n in ("a", "b")]
     await asyncio.sleep(0)
     assert len(queue) == 2  # expected waits 1 s and 2 s: both within 2.5 s
     with pytest.raises(Overloaded, match=r"the router's longest wait \(2.5s\)") as refused:
         await queue.admit(slots.placer("c"), rv("c"))  # 3 s
-    assert refused.value.retry_after_s == 3
+    assert refused.value.retry_after_s == 1  # 0.5 s more than the longest wait, rounded up to a second
     for waiting in ahead:
         waiting.cancel()
 
@@ -131,3 +138,49 @@ async def test_the_queue_policy_orders_waiters_and_refuses_the_hopeless():
     assert await urgent == ("urgent", True)  # arrived last, due first
     assert slots.given == ["urgent"] and len(queue) == 1
     relaxed.cancel()
+
+
+async def test_a_committed_request_is_placed_first_and_never_refused_for_waiting():
+    """A decode (its client has its first token) is not refused by a full queue or a long expected wait,
+    goes ahead of the prompts waiting, and only its deadline ends its wait (Timeout, not 429)."""
+    now = [0.0]
+    queue, slots = drained(AdmissionQueue(max_waiting=1, max_wait_s=1.5, clock=lambda: now[0]), 1.0), Slots()
+    prompt = asyncio.create_task(queue.admit(slots.placer("prompt"), rv("prompt", arrival=0.0)))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded, match="queue is full"):
+        await queue.admit(slots.placer("late"), rv("late"))
+    decode = asyncio.create_task(queue.admit(slots.placer("decode"), rv("decode", arrival=5.0), committed=True))
+    doomed = asyncio.create_task(queue.admit(slots.placer("doomed"), rv("doomed", arrival=6.0, deadline=0.05), committed=True))
+    await asyncio.sleep(0)
+    assert len(queue) == 3
+    slots.free = 1
+    queue.room_changed()
+    assert await decode == ("decode", True) and slots.given == ["decode"]  # arrived last, past its prompt
+    with pytest.raises(Timeout, match="before its deadline"):
+        await doomed
+    slots.free = 1
+    queue.room_changed()
+    assert await prompt == ("prompt", True)
+
+
+async def test_retry_after_follows_the_drain_rate_over_bursts_and_stays_within_the_longest_wait():
+    """Workers free slots in bursts (8 at once, then 1 s of nothing): the estimated wait is the mean
+    over the window, not the last gap, and a refusal's Retry-After is never longer than max_wait_s."""
+    now = [0.0]
+    queue = AdmissionQueue(max_waiting=1000, max_wait_s=5, clock=lambda: now[0])
+    slots = Slots()
+    waits = [asyncio.create_task(queue.admit(slots.placer(f"r{i}"), rv(f"r{i}"))) for i in range(80)]
+    await asyncio.sleep(0)
+    estimates = []
+    for burst in range(1, 5):
+        now[0] = float(burst)
+        slots.free = 8
+        queue.room_changed()
+        estimates.append(queue.interval_s)
+    assert estimates == pytest.approx([1 / 8] * 4)  # 8 left each second, whichever gap came last
+    with pytest.raises(Overloaded) as refused:  # 48 ahead: ~6 s
+        await queue.admit(slots.placer("x"), rv("x", deadline=now[0] + 0.01))
+    assert refused.value.retry_after_s == 5  # by then every request waiting now has left the queue
+    for waiting in waits:
+        waiting.cancel()
+    await asyncio.gather(*waits, return_exceptions=True)
