@@ -15,11 +15,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: run test install
+.PHONY: run test install lint
 install: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m llmesh.launcher $(ARGS)
 
-test: $(STAMP)
+# mypy finds the packages under their import names: links to their folders (pyproject's package-dir)
+MYPY_SRC := .cache/mypy-src
+$(MYPY_SRC): pyproject.toml
+	rm -rf $@ && mkdir -p $@
+	$(PY) -c 'import os, tomllib; [os.symlink(os.path.join("..", "..", folder), os.path.join("$@", name)) for name, \
+	  folder in tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"].items()]'
+
+# the gate before the suite: lint, formatting and types (settings in pyproject.toml)
+lint: $(STAMP) $(MYPY_SRC)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest

@@ -21,22 +21,25 @@ import threading
 import time
 from pathlib import Path
 
-from llmesh.launcher import start_nats, start_service
 from llmesh.kvkeys import chunk_key
+from llmesh.launcher import start_nats, start_service
 
 # (layers, KV heads, head size, tokens a block): Llama-3.1-8B with vLLM's GPU block of 16, and
 # the embedded tiny model with the CPU block of 128; bf16, K and V
 MODELS = {"8b": (32, 8, 128, 16), "tiny": (4, 4, 32, 128)}
 
 
-def request_times(kv, layers: int, blocks: int, heads: int, head_bytes: int, per_chunk: int, tag: str,
-                  reps: int) -> tuple[list[float], list[float]]:
+def request_times(
+    kv, layers: int, blocks: int, heads: int, head_bytes: int, per_chunk: int, tag: str, reps: int
+) -> tuple[list[float], list[float]]:
     groups = heads // per_chunk
     value = os.urandom(per_chunk * head_bytes)
     puts, gets = [], []
     for rep in range(reps):
-        keys = [[chunk_key(f"{tag}-{rep}-{b}", layer, g) for b in range(blocks) for g in range(groups)]
-                for layer in range(layers)]
+        keys = [
+            [chunk_key(f"{tag}-{rep}-{b}", layer, g) for b in range(blocks) for g in range(groups)]
+            for layer in range(layers)
+        ]
         start = time.perf_counter()
         for layer_keys in keys:
             kv.put(layer_keys, [value] * len(layer_keys))
@@ -59,9 +62,16 @@ def main() -> None:
     head_bytes = 2 * tokens * head_size * 2  # one head of one block of one layer: K and V, bf16
     work = Path(tempfile.mkdtemp(prefix="llmesh-headbench-"))
     nats, url = start_nats(work, log_path=work / "nats.log")
-    store = start_service("kv-store", {"MESH_NATS_URL": url, "MESH_CAPACITY_BYTES": str(6 * 1024**3),
-                                       "MESH_SSD_CAPACITY_BYTES": "0", "MESH_DATA_DIR": str(work / "kv-data")},
-                          work / "kv-store.log")
+    store = start_service(
+        "kv-store",
+        {
+            "MESH_NATS_URL": url,
+            "MESH_CAPACITY_BYTES": str(6 * 1024**3),
+            "MESH_SSD_CAPACITY_BYTES": "0",
+            "MESH_DATA_DIR": str(work / "kv-data"),
+        },
+        work / "kv-store.log",
+    )
     from llmesh.bus import Bus
     from llmesh.kvclient import KvClient, ShardDirectory
 
@@ -78,8 +88,10 @@ def main() -> None:
         bus, directory = asyncio.run_coroutine_threadsafe(connect(), loop).result()
         sizes = sorted({g for g in (heads, heads // 2, heads // 4, 1) if g >= 1}, reverse=True)
         request_mib = layers * args.blocks * heads * head_bytes / 2**20
-        print(f"{args.model}: {layers} layers, {heads} KV heads, {tokens}-token blocks, {args.blocks} blocks: "
-              f"{request_mib:.1f} MiB a request; whole-layer chunk {heads * head_bytes // 1024} KiB")
+        print(
+            f"{args.model}: {layers} layers, {heads} KV heads, {tokens}-token blocks, {args.blocks} blocks: "
+            f"{request_mib:.1f} MiB a request; whole-layer chunk {heads * head_bytes // 1024} KiB"
+        )
         rows = []
         for mode in ("shm", "tcp"):
             kv = KvClient(directory, use_shm=mode == "shm")
@@ -95,14 +107,18 @@ def main() -> None:
                 puts, gets = times[g]
                 rows.append((mode, g, puts, gets))
         base = {mode: (statistics.median(p), statistics.median(q)) for mode, g, p, q in rows if g == heads}
-        print("\n| path | heads a chunk | chunks a request | put ms median [range] | get ms median [range] | "
-              "put / whole-layer | get / whole-layer |\n|---|---|---|---|---|---|---|")
+        print(
+            "\n| path | heads a chunk | chunks a request | put ms median [range] | get ms median [range] | "
+            "put / whole-layer | get / whole-layer |\n|---|---|---|---|---|---|---|"
+        )
         for mode, g, puts, gets in rows:
             put, get = statistics.median(puts), statistics.median(gets)
-            print(f"| {mode} | {g}{' (whole layer)' if g == heads else ''} | {layers * args.blocks * heads // g} | "
-                  f"{put * 1e3:.1f} [{min(puts) * 1e3:.1f}-{max(puts) * 1e3:.1f}] | "
-                  f"{get * 1e3:.1f} [{min(gets) * 1e3:.1f}-{max(gets) * 1e3:.1f}] | "
-                  f"{put / base[mode][0]:.2f} | {get / base[mode][1]:.2f} |")
+            print(
+                f"| {mode} | {g}{' (whole layer)' if g == heads else ''} | {layers * args.blocks * heads // g} | "
+                f"{put * 1e3:.1f} [{min(puts) * 1e3:.1f}-{max(puts) * 1e3:.1f}] | "
+                f"{get * 1e3:.1f} [{min(gets) * 1e3:.1f}-{max(gets) * 1e3:.1f}] | "
+                f"{put / base[mode][0]:.2f} | {get / base[mode][1]:.2f} |"
+            )
         asyncio.run_coroutine_threadsafe(bus.close(), loop).result()
     finally:
         store.stop()

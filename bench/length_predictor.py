@@ -42,9 +42,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def row(name: str, single: list[float], batch: list[float], throughput: float, cpu: list[float] | None = None) -> str:
     ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
-    return (f"| {name} | {ms(percentile(single, .5))} | {ms(percentile(single, .99))} | "
-            f"{ms(percentile(cpu, .5)) if cpu else '–'} | "
-            f"{ms(percentile(batch, .5))} | {ms(percentile(batch, .99))} | {throughput:.0f} |")
+    return (
+        f"| {name} | {ms(percentile(single, 0.5))} | {ms(percentile(single, 0.99))} | "
+        f"{ms(percentile(cpu, 0.5)) if cpu else '–'} | "
+        f"{ms(percentile(batch, 0.5))} | {ms(percentile(batch, 0.99))} | {throughput:.0f} |"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,21 @@ def questions() -> dict[str, list[Ask]]:
     examples = data.load(token_counter(tokenizer), ("alpaca-eval",), keep_text=True)
     one_each = list({e.prompt: e for e in examples if e.generator == "gpt4_1106_preview"}.values())
     cut = prefixes(tokenizer, one_each, (64, 256, 512))
-    return {"prompt": [Ask(e.prompt) for e in sorted(one_each, key=lambda e: e.prompt)],
-            "remaining": [Ask(p.example.prompt, p.text, p.seen) for p in cut]}
+    return {
+        "prompt": [Ask(e.prompt) for e in sorted(one_each, key=lambda e: e.prompt)],
+        "remaining": [Ask(p.example.prompt, p.text, p.seen) for p in cut],
+    }
 
 
 def call(predictor, asks: list[Ask]) -> list:
     if asks[0].generated is None:
         return predictor.predict(*map(list, zip(*(cut_prompt(a.prompt) for a in asks))))
-    return predictor.predict_remaining([cut_prompt(a.prompt)[0] for a in asks], [a.generated for a in asks],
-                                       [len(a.generated) for a in asks], [a.tokens for a in asks])
+    return predictor.predict_remaining(
+        [cut_prompt(a.prompt)[0] for a in asks],
+        [a.generated for a in asks],
+        [len(a.generated) for a in asks],
+        [a.tokens for a in asks],
+    )
 
 
 def in_process(kind: str, asks: list[Ask], args) -> str:
@@ -149,13 +157,15 @@ def service_run(workdir: Path, nats_url: str, max_batch: int, asks: dict[str, li
     env = {"MESH_NATS_URL": nats_url, "MESH_LENGTH_MAX_BATCH": str(max_batch), "MESH_LOG_LEVEL": "WARNING"}
     child: Child = start_service("length-predictor", env, workdir / f"svc-{max_batch}.log")
     try:
+
         async def ready() -> None:
             bus = await Bus.connect(nats_url, "bench-wait")
             try:
                 for _ in range(600):
                     try:
-                        await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt="hi"), LengthPrediction,
-                                          timeout=1)
+                        await bus.request(
+                            Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt="hi"), LengthPrediction, timeout=1
+                        )
                         return
                     except Exception:
                         await asyncio.sleep(0.2)
@@ -175,8 +185,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="batches of 32 timed")
     parser.add_argument("--seconds", type=float, default=10, help="throughput run length")
     parser.add_argument("--idle", type=int, default=20, help=f"single requests timed {IDLE_GAP_S:.0f} s apart")
-    parser.add_argument("--artifact", type=Path, default=ARTIFACT_DIR, help="the models (default: the committed "
-                        "ones; the service rows always run the committed ones)")
+    parser.add_argument(
+        "--artifact",
+        type=Path,
+        default=ARTIFACT_DIR,
+        help="the models (default: the committed ones; the service rows always run the committed ones)",
+    )
     args = parser.parse_args()
     asks = questions()
     workdir = Path(tempfile.mkdtemp(prefix="bench-length-"))
@@ -186,23 +200,29 @@ def main() -> None:
         unbatched = service_run(workdir, nats_url, 1, asks, args)
     finally:
         nats.stop()
-    lines = ["| path | single p50 ms | single p99 ms | single CPU p50 ms | batch of 32 p50 ms | batch of 32 p99 ms "
-             "| predictions/s |",
-             "|---|---|---|---|---|---|---|",
-             *(in_process(kind, asks[kind], args) for kind in asks),
-             *(row(f"service over NATS, {kind} (batches up to 32)", *batched[kind][:3]) for kind in asks),
-             *(row(f"service over NATS, {kind}, batching off", *unbatched[kind][:3]) for kind in asks)]
-    print(f"{len(asks['prompt'])} AlpacaEval prompts, {len(asks['remaining'])} answers cut at 64/256/512 tokens; "
-          f"{args.requests} single requests, {args.rounds} batches of 32, {IN_FLIGHT} in flight for "
-          f"{args.seconds:.0f} s\n")
+    lines = [
+        "| path | single p50 ms | single p99 ms | single CPU p50 ms | batch of 32 p50 ms | batch of 32 p99 ms "
+        "| predictions/s |",
+        "|---|---|---|---|---|---|---|",
+        *(in_process(kind, asks[kind], args) for kind in asks),
+        *(row(f"service over NATS, {kind} (batches up to 32)", *batched[kind][:3]) for kind in asks),
+        *(row(f"service over NATS, {kind}, batching off", *unbatched[kind][:3]) for kind in asks),
+    ]
+    print(
+        f"{len(asks['prompt'])} AlpacaEval prompts, {len(asks['remaining'])} answers cut at 64/256/512 tokens; "
+        f"{args.requests} single requests, {args.rounds} batches of 32, {IN_FLIGHT} in flight for "
+        f"{args.seconds:.0f} s\n"
+    )
     print("\n".join(lines))
     for name, run in (("batches up to 32", batched), ("batching off", unbatched)):
         for kind in asks:
             idle = [1000 * t for t in run[kind][3]]
             if idle:
-                print(f"\nsingle {kind} request after {IDLE_GAP_S:.0f} s idle, service ({name}): "
-                      f"p50 {percentile(idle, .5):.1f} ms, p99 {percentile(idle, .99):.1f} ms, max {max(idle):.1f} ms",
-                      end="")
+                print(
+                    f"\nsingle {kind} request after {IDLE_GAP_S:.0f} s idle, service ({name}): "
+                    f"p50 {percentile(idle, 0.5):.1f} ms, p99 {percentile(idle, 0.99):.1f} ms, max {max(idle):.1f} ms",
+                    end="",
+                )
     print()
     for kind in asks:
         print(f"throughput, {kind}, batching on / off: {batched[kind][2] / unbatched[kind][2]:.2f}x")

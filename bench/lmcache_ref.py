@@ -42,10 +42,18 @@ def _client(host: str, port: int, size: int, count: int, base: int, barrier, res
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
     async def run() -> dict:
-        config = LMCacheEngineConfig.from_defaults(chunk_size=256, local_cpu=False,
-                                                   max_local_cpu_size=max(0.1, 4 * size / 1024**3))
-        metadata = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
-                                   local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(1, 2, 256, 4, 16))
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=256, local_cpu=False, max_local_cpu_size=max(0.1, 4 * size / 1024**3)
+        )
+        metadata = LMCacheMetadata(
+            model_name="bench",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=(1, 2, 256, 4, 16),
+        )
         backend = LocalCPUBackend(config, metadata)
         conn = LMCServerConnector(host, port, asyncio.get_running_loop(), backend)
         obj = backend.allocate(torch.Size([2, size // 65536, 256, 64]), torch.bfloat16, MemoryFormat.KV_2LTD)
@@ -82,8 +90,10 @@ def _measure(host: str, port: int, size: int, clients: int, base: int, system: s
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(clients), ctx.Queue()
     count = BYTES_PER_CLIENT // size
-    procs = [ctx.Process(target=_client, args=(host, port, size, count, base + c * 2**32, barrier, results))
-             for c in range(clients)]
+    procs = [
+        ctx.Process(target=_client, args=(host, port, size, count, base + c * 2**32, barrier, results))
+        for c in range(clients)
+    ]
     for p in procs:
         p.start()
     outs = [results.get(timeout=600) for _ in procs]
@@ -95,20 +105,31 @@ def _measure(host: str, port: int, size: int, clients: int, base: int, system: s
         start = min(o[op][0] for o in outs)
         end = max(o[op][1] for o in outs)
         lat = sorted(x for o in outs for x in o[op][2])
-        print(json.dumps({
-            "system": system, "size": size, "clients": clients, "op": op,
-            "gbps": round(size * len(lat) / (end - start) / 1e9, 3),
-            "p50_ms": round(statistics.median(lat) * 1e3, 3),
-            "p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3, 3),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "system": system,
+                    "size": size,
+                    "clients": clients,
+                    "op": op,
+                    "gbps": round(size * len(lat) / (end - start) / 1e9, 3),
+                    "p50_ms": round(statistics.median(lat) * 1e3, 3),
+                    "p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3, 3),
+                }
+            ),
+            flush=True,
+        )
 
 
 def _start_reference(host: str) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", host, str(port), "cpu"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", host, str(port), "cpu"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -116,7 +137,7 @@ def _start_reference(host: str) -> tuple[subprocess.Popen, int]:
             return proc, port
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("LMCache's reference server did not start")
+                raise SystemExit("LMCache's reference server did not start") from None
             time.sleep(0.2)
 
 

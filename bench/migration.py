@@ -28,12 +28,12 @@ import uuid
 from pathlib import Path
 
 import httpx
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 from llmesh.bus import Bus
 from llmesh.launcher import Child, free_port, start_service, wait_healthy
 from llmesh.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
 from llmesh.models import resolve_model
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 OUTPUT_TOKENS = 3500  # long enough to outlive the hand-shake (the target prefetches meanwhile) on a fast machine
 SWITCH_AT = 8  # the chunk after which the migration is commanded
@@ -60,8 +60,9 @@ async def decode_workers(bus: Bus, count: int, timeout: float = 600) -> list[str
     return sorted(seen)
 
 
-async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, workers: list[str], ids: list[int],
-                  recompute: bool) -> dict[str, float]:
+async def one_run(
+    http: httpx.AsyncClient, bus: Bus, url: str, model: str, workers: list[str], ids: list[int], recompute: bool
+) -> dict[str, float]:
     stamps: list[float] = []
     tokens: list[int] = []  # in each chunk (deltas merge while the reader lags)
     accepted_at = handshake_s = sent_at = 0.0
@@ -74,18 +75,37 @@ async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, worke
             for source in workers:
                 target = next(w for w in workers if w != source)
                 sent = time.perf_counter()
-                outcome, _ = await bus.request(Subjects.migrate(source), MigrateCommand(
-                    migration_id=uuid.uuid4().hex, request_id=request_id, target=target, reason="bench",
-                    recompute=recompute), MigrateOutcome, timeout=30)
+                outcome, _ = await bus.request(
+                    Subjects.migrate(source),
+                    MigrateCommand(
+                        migration_id=uuid.uuid4().hex,
+                        request_id=request_id,
+                        target=target,
+                        reason="bench",
+                        recompute=recompute,
+                    ),
+                    MigrateOutcome,
+                    timeout=30,
+                )
                 if outcome.accepted:
                     accepted_at, handshake_s = time.perf_counter(), time.perf_counter() - sent
                     return
             await asyncio.sleep(0.005)
         raise EndedFirst(f"no worker accepted migrating {request_id}")
 
-    async with http.stream("POST", f"{url}/v1/completions", json={
-            "model": model, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}) as resp:
+    async with http.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": ids,
+            "max_tokens": OUTPUT_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ) as resp:
         resp.raise_for_status()
         request_id = resp.headers["x-request-id"]
         async for line in resp.aiter_lines():
@@ -106,17 +126,31 @@ async def one_run(http: httpx.AsyncClient, bus: Bus, url: str, model: str, worke
     during = [b - a for a, b in zip(stamps, stamps[1:]) if sent_at < b <= accepted_at]
     # time per token over the whole stream but the switch (end to end: robust to deltas merged while the reader lags)
     step = (stamps[-1] - stamps[1] - downtime) / max(sum(tokens[2:]) - 1, 1)
-    return {"downtime_ms": 1e3 * downtime, "steps": downtime / step, "tpot_ms": 1e3 * step,
-            "handshake_ms": 1e3 * handshake_s, "handshake_gap_ms": 1e3 * max(during, default=0.0)}
+    return {
+        "downtime_ms": 1e3 * downtime,
+        "steps": downtime / step,
+        "tpot_ms": 1e3 * step,
+        "handshake_ms": 1e3 * handshake_s,
+        "handshake_gap_ms": 1e3 * max(during, default=0.0),
+    }
 
 
-async def measured(http: httpx.AsyncClient, bus: Bus, url: str, model: str, workers: list[str], prompt_len: int,
-                   seed: int, recompute: bool) -> dict[str, float]:
+async def measured(
+    http: httpx.AsyncClient,
+    bus: Bus,
+    url: str,
+    model: str,
+    workers: list[str],
+    prompt_len: int,
+    seed: int,
+    recompute: bool,
+) -> dict[str, float]:
     """`one_run` on a random prompt, again on another if the request ended before its command."""
     for attempt in range(3):
         try:
-            return await one_run(http, bus, url, model, workers, prompt_ids(prompt_len, seed=seed + 1000 * attempt),
-                                 recompute)
+            return await one_run(
+                http, bus, url, model, workers, prompt_ids(prompt_len, seed=seed + 1000 * attempt), recompute
+            )
         except EndedFirst as exc:
             print(f"{exc}: again with another prompt", file=sys.stderr, flush=True)
     raise EndedFirst(f"three requests ended before their migration command ({prompt_len} tokens)")
@@ -131,10 +165,29 @@ async def bench_model(model: str, contexts: list[int], repeats: int, work: Path)
     resolve_model(model, model_dir)
     port, nats_port = free_port(), free_port()
     max_len = str(max(contexts) + OUTPUT_TOKENS + 256)
-    env = {"MESH_MODEL": model, "MESH_MAX_MODEL_LEN": max_len, "MESH_MODEL_DIR": str(model_dir),
-           "MESH_REQUEST_TIMEOUT_S": "300", "MESH_PLACEMENT_BALANCE": "0"}  # only this script migrates
-    mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port", str(nats_port),
-                          "--logs", str(work / model.replace("/", "_"))], env=env, log_path=work / "launcher.log")
+    env = {
+        "MESH_MODEL": model,
+        "MESH_MAX_MODEL_LEN": max_len,
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_REQUEST_TIMEOUT_S": "300",
+        "MESH_PLACEMENT_BALANCE": "0",
+    }  # only this script migrates
+    mesh = Child(
+        "mesh",
+        [
+            sys.executable,
+            "-m",
+            "llmesh.launcher",
+            "--port",
+            str(port),
+            "--nats-port",
+            str(nats_port),
+            "--logs",
+            str(work / model.replace("/", "_")),
+        ],
+        env=env,
+        log_path=work / "launcher.log",
+    )
     nats_url = f"nats://127.0.0.1:{nats_port}"
     second = None
     rows = []
@@ -142,9 +195,11 @@ async def bench_model(model: str, contexts: list[int], repeats: int, work: Path)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 600, [mesh])
         # on the prefill engine's core (idle once the prompt is in): source and target one core each
-        second = start_service("decode-worker", env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "decode-bench",
-                                                       "MESH_CPU_CORES": "0"},
-                               work / f"decode-bench-{model.replace('/', '_')}.log")
+        second = start_service(
+            "decode-worker",
+            env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "decode-bench", "MESH_CPU_CORES": "0"},
+            work / f"decode-bench-{model.replace('/', '_')}.log",
+        )
         bus = await Bus.connect(nats_url, "bench-migration")
         workers = await decode_workers(bus, 2)
         async with httpx.AsyncClient(timeout=300) as http:
@@ -154,12 +209,25 @@ async def bench_model(model: str, contexts: list[int], repeats: int, work: Path)
                 runs: dict[str, list[dict]] = {"kv": [], "recompute": []}
                 for rep in range(repeats):
                     for mode in ("kv", "recompute"):
-                        runs[mode].append(await measured(http, bus, url, model, workers, context - SWITCH_AT,
-                                                         10_000 * context + 2 * rep + (mode == "kv"),
-                                                         mode == "recompute"))
+                        runs[mode].append(
+                            await measured(
+                                http,
+                                bus,
+                                url,
+                                model,
+                                workers,
+                                context - SWITCH_AT,
+                                10_000 * context + 2 * rep + (mode == "kv"),
+                                mode == "recompute",
+                            )
+                        )
                 for mode, results in runs.items():
-                    row = {"model": model, "context": context, "mode": mode,
-                           **{k: [r[k] for r in results] for k in results[0]}}
+                    row = {
+                        "model": model,
+                        "context": context,
+                        "mode": mode,
+                        **{k: [r[k] for r in results] for k in results[0]},
+                    }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         await bus.close()
@@ -181,12 +249,16 @@ def main() -> None:
     for model in args.models:
         rows += asyncio.run(bench_model(model, args.contexts, args.repeats, work))
     print(f"\nmedian (min–max) of {args.repeats} migrations each; logs in {work}\n")
-    print("| model | context | migration | downtime ms | downtime in decode steps | TPOT ms | hand-shake ms "
-          "| longest gap in the hand-shake ms |")
+    print(
+        "| model | context | migration | downtime ms | downtime in decode steps | TPOT ms | hand-shake ms "
+        "| longest gap in the hand-shake ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['context']} | {r['mode']} | {spread(r['downtime_ms'])} | {spread(r['steps'])} | "
-              f"{spread(r['tpot_ms'])} | {spread(r['handshake_ms'])} | {spread(r['handshake_gap_ms'])} |")
+        print(
+            f"| {r['model']} | {r['context']} | {r['mode']} | {spread(r['downtime_ms'])} | {spread(r['steps'])} | "
+            f"{spread(r['tpot_ms'])} | {spread(r['handshake_ms'])} | {spread(r['handshake_gap_ms'])} |"
+        )
     kv = {(r["model"], r["context"]): statistics.median(r["downtime_ms"]) for r in rows if r["mode"] == "kv"}
     rc = {(r["model"], r["context"]): statistics.median(r["downtime_ms"]) for r in rows if r["mode"] == "recompute"}
     print("\n| model | context | recompute / kv downtime |\n|---|---|---|")

@@ -33,15 +33,24 @@ import time
 from pathlib import Path
 
 import psutil
-
 import serve  # bench/serve.py (this folder is on sys.path when a script runs)
+
 from llmesh.models import resolve_model
 
 SAMPLE_S = 10.0
 
 
-def point(deployment: serve.Deployment, rate: float, seconds: float, seed: int, model: str, model_path: str,
-          tokenizer, slo: dict[str, float], log) -> dict:
+def point(
+    deployment: serve.Deployment,
+    rate: float,
+    seconds: float,
+    seed: int,
+    model: str,
+    model_path: str,
+    tokenizer,
+    slo: dict[str, float],
+    log,
+) -> dict:
     requests = max(1, round(rate * seconds))
     client = serve.workload_args("random", requests, rate, seed, model, model_path, Path(tempfile.gettempdir()))
     prompts = serve.sample(client, tokenizer)
@@ -51,12 +60,19 @@ def point(deployment: serve.Deployment, rate: float, seconds: float, seed: int, 
     errors = [e for e in result.get("errors", []) if e]
     refused = sum("Too Many Requests" in e for e in errors)
     ttfts = [t * 1000 for t in result.get("ttfts", []) if t]
-    return {"deployment": deployment.name, "rate": rate, "sent": requests, "completed": result["completed"],
-            "refused": refused, "failed": result["failed"] - refused,
-            "ttft_p50": statistics.median(ttfts) if ttfts else None,
-            "ttft_p99": sorted(ttfts)[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
-            "goodput": result.get("request_goodput"), "done_after_s": time.monotonic() - started - seconds,
-            "other_errors": sorted({e.strip().splitlines()[-1][:120] for e in errors if "Too Many" not in e})}
+    return {
+        "deployment": deployment.name,
+        "rate": rate,
+        "sent": requests,
+        "completed": result["completed"],
+        "refused": refused,
+        "failed": result["failed"] - refused,
+        "ttft_p50": statistics.median(ttfts) if ttfts else None,
+        "ttft_p99": sorted(ttfts)[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        "goodput": result.get("request_goodput"),
+        "done_after_s": time.monotonic() - started - seconds,
+        "other_errors": sorted({e.strip().splitlines()[-1][:120] for e in errors if "Too Many" not in e}),
+    }
 
 
 def overload(args, model_path: str, tokenizer, work: Path, log) -> str:
@@ -65,18 +81,26 @@ def overload(args, model_path: str, tokenizer, work: Path, log) -> str:
     with deployments(("mesh", "vllm"), args.model, model_path, work) as running:
         for rep in range(args.reps):
             for i, rate in enumerate(args.rates):
-                for name, deployment in running.items():
+                for deployment in running.values():
                     time.sleep(serve.IDLE_S)
-                    rows.append(point(deployment, rate, args.seconds, 100 * rep + i, args.model, model_path,
-                                      tokenizer, slo, log))
+                    rows.append(
+                        point(
+                            deployment, rate, args.seconds, 100 * rep + i, args.model, model_path, tokenizer, slo, log
+                        )
+                    )
                     print(f"overload: {rows[-1]}", flush=True)
-    lines = ["| req/s | deployment | sent | completed | refused (429) | failed otherwise | TTFT P50 (ms) | "
-             "TTFT P99 (ms) | goodput req/s | done after the last arrival (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| req/s | deployment | sent | completed | refused (429) | failed otherwise | TTFT P50 (ms) | "
+        "TTFT P99 (ms) | goodput req/s | done after the last arrival (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     fmt = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in sorted(rows, key=lambda r: (r["rate"], r["deployment"])):
-        lines.append(f"| {r['rate']:g} | {r['deployment']} | {r['sent']} | {r['completed']} | {r['refused']} | "
-                     f"{r['failed']} | {fmt(r['ttft_p50'])} | {fmt(r['ttft_p99'])} | {fmt(r['goodput'], 2)} | "
-                     f"{fmt(r['done_after_s'], 1)} |")
+        lines.append(
+            f"| {r['rate']:g} | {r['deployment']} | {r['sent']} | {r['completed']} | {r['refused']} | "
+            f"{r['failed']} | {fmt(r['ttft_p50'])} | {fmt(r['ttft_p99'])} | {fmt(r['goodput'], 2)} | "
+            f"{fmt(r['done_after_s'], 1)} |"
+        )
     others = sorted({e for r in rows for e in r["other_errors"]})
     return "\n".join(lines + ([f"\nOther errors: {others}"] if others else []))
 
@@ -136,26 +160,38 @@ def soak(args, model_path: str, tokenizer, work: Path, log) -> str:
     log_text = "\n".join(p.read_text(errors="replace") for p in (work / "logs" / "mesh").glob("*.log"))
     error_lines = [line for line in log_text.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
     # the mesh's own warnings (not vLLM's start-up notices), by message with request ids and numbers blanked
-    warnings = collections.Counter(re.sub(r"cmpl-[\w/-]+|\d+", "N", line.split(" WARNING ", 1)[1])[:150]
-                                   for line in log_text.splitlines() if " WARNING " in line and "llmesh" in line)
+    warnings = collections.Counter(
+        re.sub(r"cmpl-[\w/-]+|\d+", "N", line.split(" WARNING ", 1)[1])[:150]
+        for line in log_text.splitlines()
+        if " WARNING " in line and "llmesh" in line
+    )
     (work / "samples.json").write_text(json.dumps(samples))
-    lines = [f"{result['sent']} requests sent at {args.rate:g} req/s for {args.minutes:g} min: {result['completed']} "
-             f"completed, {result['refused']} refused (429), {result['failed']} failed otherwise; TTFT P50 "
-             f"{result['ttft_p50'] or 0:.0f} ms, P99 {result['ttft_p99'] or 0:.0f} ms; {len(error_lines)} ERROR or "
-             "Traceback lines in the services' logs.", "",
-             "| service | RSS first → last (MB) | RSS slope after 1 min (MB/min) | open files first → last | "
-             "files slope (per min) |", "|---|---|---|---|---|"]
+    lines = [
+        f"{result['sent']} requests sent at {args.rate:g} req/s for {args.minutes:g} min: {result['completed']} "
+        f"completed, {result['refused']} refused (429), {result['failed']} failed otherwise; TTFT P50 "
+        f"{result['ttft_p50'] or 0:.0f} ms, P99 {result['ttft_p99'] or 0:.0f} ms; {len(error_lines)} ERROR or "
+        "Traceback lines in the services' logs.",
+        "",
+        "| service | RSS first → last (MB) | RSS slope after 1 min (MB/min) | open files first → last | "
+        "files slope (per min) |",
+        "|---|---|---|---|---|",
+    ]
     for name, rows in samples.items():
         steady = [(t, mb, f) for t, mb, f in rows if t >= 60] or rows
         if not rows:
             continue
-        lines.append(f"| {name} | {rows[0][1]:.0f} → {rows[-1][1]:.0f} | {slope([(t, mb) for t, mb, _ in steady]):+.2f} "
-                     f"| {rows[0][2]} → {rows[-1][2]} | {slope([(t, f) for t, _, f in steady]):+.2f} |")
+        lines.append(
+            f"| {name} | {rows[0][1]:.0f} → {rows[-1][1]:.0f} | {slope([(t, mb) for t, mb, _ in steady]):+.2f} "
+            f"| {rows[0][2]} → {rows[-1][2]} | {slope([(t, f) for t, _, f in steady]):+.2f} |"
+        )
     if error_lines:
         lines += ["", "First error lines:", *[f"    {line[:200]}" for line in error_lines[:10]]]
     if warnings:
-        lines += ["", f"{sum(warnings.values())} WARNING lines of the mesh's own; the most frequent:",
-                  *[f"    {n} × {message}" for message, n in warnings.most_common(5)]]
+        lines += [
+            "",
+            f"{sum(warnings.values())} WARNING lines of the mesh's own; the most frequent:",
+            *[f"    {n} × {message}" for message, n in warnings.most_common(5)],
+        ]
     lines.append(f"\nSamples (seconds, MB, open files per service): {work / 'samples.json'}")
     return "\n".join(lines)
 
@@ -182,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", type=float, default=[48.0, 96.0], help="overload: requests per second")
     parser.add_argument("--seconds", type=float, default=30.0, help="overload: arrivals per point span this long")
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--rate", type=float, default=25.0, help="soak: requests per second (about 70%% of "
-                        "saturation on this machine's 2 cores)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=25.0,
+        help="soak: requests per second (about 70%% of saturation on this machine's 2 cores)",
+    )
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)

@@ -18,9 +18,10 @@ long streaming requests through the router and, once that worker holds two or mo
 it in one of two ways, taking turns: `migrate` (the placement service's drain: its requests move to
 the other worker, then it exits) and `wait` (a `DrainCommand` alone, what a deployment without
 migration can do: it takes nothing new and exits when its requests end). Reported: time from the
-command to the worker holding nothing and to its exit (which adds vLLM's engine shutdown), requests lost (an error or fewer tokens
-than asked), and how many outputs equal the same request's in the other mode (greedy; vLLM is not
-batch-invariant, so a near-tie may part two runs under different batches, migration or not).
+command to the worker holding nothing and to its exit (which adds vLLM's engine shutdown),
+requests lost (an error or fewer tokens than asked), and how many outputs equal the same request's
+in the other mode (greedy; vLLM is not batch-invariant, so a near-tie may part two runs under
+different batches, migration or not).
 """
 
 from __future__ import annotations
@@ -38,24 +39,32 @@ from pathlib import Path
 
 import httpx
 import psutil
-
 import serve  # bench/serve.py: vLLM's client, deployments, tables (this folder is on sys.path when a script runs)
+from serve import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids, spread
+
 from llmesh.bus import Bus
 from llmesh.errors import MeshError
 from llmesh.launcher import Child, free_port, start_service, wait_healthy
 from llmesh.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo
 from llmesh.models import resolve_model
-from serve import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids, spread
 
 
 @contextlib.contextmanager
 def mesh(work: Path, model: str, model_dir: Path, **env: str):
     """The launcher's mesh; yields (router URL, NATS URL, launcher)."""
     port, nats_port = free_port(), free_port()
-    env = {"MESH_PORT": str(port), "MESH_NATS_PORT": str(nats_port), "MESH_REDIS_PORT": str(free_port()),
-           "MESH_MODEL": model, "MESH_MODEL_DIR": str(model_dir), "MESH_LOG_DIR": str(work / "logs"),
-           "MESH_DATA_DIR": str(work / "kv"), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-           "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_REQUEST_TIMEOUT_S": "600"} | env
+    env = {
+        "MESH_PORT": str(port),
+        "MESH_NATS_PORT": str(nats_port),
+        "MESH_REDIS_PORT": str(free_port()),
+        "MESH_MODEL": model,
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_LOG_DIR": str(work / "logs"),
+        "MESH_DATA_DIR": str(work / "kv"),
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_REQUEST_TIMEOUT_S": "600",
+    } | env
     work.mkdir(parents=True, exist_ok=True)
     launcher = Child("mesh", [sys.executable, "-m", "llmesh.launcher"], env=env, log_path=work / "launcher.log")
     try:
@@ -96,8 +105,9 @@ async def placement_status(bus: Bus) -> PlacementStatus:
 # ---- balance ------------------------------------------------------------------------------------------------------
 
 
-def skewed_trace(path: Path, requests: int, rate: float, seed: int, long_share: float,
-                 short: tuple[int, int], long: tuple[int, int]) -> Path:
+def skewed_trace(
+    path: Path, requests: int, rate: float, seed: int, long_share: float, short: tuple[int, int], long: tuple[int, int]
+) -> Path:
     """Poisson arrivals at `rate` of short and (a `long_share` of) long requests, as vLLM's
     timed_trace jsonl (unique prompts: no prefix sharing)."""
     rng = random.Random(seed)
@@ -106,14 +116,17 @@ def skewed_trace(path: Path, requests: int, rate: float, seed: int, long_share: 
         for i in range(requests):
             prompt, output = long if rng.random() < long_share else short
             hash_ids = [(seed * 10_000 + i) * 1000 + j for j in range(-(-prompt // 16))]
-            f.write(json.dumps({"timestamp": at, "input_length": prompt, "output_length": output,
-                                "hash_ids": hash_ids}) + "\n")
+            f.write(
+                json.dumps({"timestamp": at, "input_length": prompt, "output_length": output, "hash_ids": hash_ids})
+                + "\n"
+            )
             at += rng.expovariate(rate)
     return path
 
 
-async def balance_points(args: argparse.Namespace, balanced: bool, url: str, nats_url: str, launcher: Child,
-                         model_path: str, work: Path, log) -> list[dict]:
+async def balance_points(
+    args: argparse.Namespace, balanced: bool, url: str, nats_url: str, launcher: Child, model_path: str, work: Path, log
+) -> list[dict]:
     from vllm.tokenizers import get_tokenizer
 
     tokenizer = get_tokenizer(model_path)
@@ -122,32 +135,68 @@ async def balance_points(args: argparse.Namespace, balanced: bool, url: str, nat
     beats = await Heartbeats().watch(bus)
     points = []
     try:
-        await beats.until(lambda seen: sum(i.role == "decode" for i in seen.values()) == 2, 600,
-                          "two decode workers")
+        await beats.until(lambda seen: sum(i.role == "decode" for i in seen.values()) == 2, 600, "two decode workers")
         for rep in range(args.reps + 1):  # the first repetition warms up, unrecorded
             for k, rate in enumerate(args.rates):
                 seed = 100 * rep + k
-                path = skewed_trace(work / f"skewed-{seed}.jsonl", args.requests, rate, seed, args.long_share,
-                                    tuple(args.short), tuple(args.long))
-                client = serve.client_args(["--backend", "vllm", "--model", model_path, "--served-model-name",
-                                            args.model, "--tokenizer", model_path, "--num-prompts",
-                                            str(args.requests), "--seed", str(seed), "--ignore-eos", "--temperature",
-                                            "0", "--request-rate", str(rate), "--dataset-name", "timed_trace",
-                                            "--dataset-path", str(path)])
+                path = skewed_trace(
+                    work / f"skewed-{seed}.jsonl",
+                    args.requests,
+                    rate,
+                    seed,
+                    args.long_share,
+                    tuple(args.short),
+                    tuple(args.long),
+                )
+                client = serve.client_args(
+                    [
+                        "--backend",
+                        "vllm",
+                        "--model",
+                        model_path,
+                        "--served-model-name",
+                        args.model,
+                        "--tokenizer",
+                        model_path,
+                        "--num-prompts",
+                        str(args.requests),
+                        "--seed",
+                        str(seed),
+                        "--ignore-eos",
+                        "--temperature",
+                        "0",
+                        "--request-rate",
+                        str(rate),
+                        "--dataset-name",
+                        "timed_trace",
+                        "--dataset-path",
+                        str(path),
+                    ]
+                )
                 prompts = serve.sample(client, tokenizer)
                 await asyncio.sleep(serve.IDLE_S)
                 moves_before, preempted_before = (await placement_status(bus)).decisions, beats.preemptions()
-                point = await asyncio.to_thread(serve.measure, deployment, client, prompts, tokenizer,
-                                                {"ttft": 1000.0, "tpot": 50.0}, log)
+                point = await asyncio.to_thread(
+                    serve.measure, deployment, client, prompts, tokenizer, {"ttft": 1000.0, "tpot": 50.0}, log
+                )
                 await asyncio.sleep(1.5)  # a heartbeat with the last counts
                 moves = {k: n - moves_before.get(k, 0) for k, n in (await placement_status(bus)).decisions.items()}
-                point |= {"balance": balanced, "rep": rep, "rate": rate,
-                          "migrations": moves.get("migrate/accepted", 0),
-                          "preemptions": beats.preemptions() - preempted_before, "decisions": moves}
-                print(f"balance {'on' if balanced else 'off'} rep {rep} {rate:g} req/s: {point['completed']} ok "
-                      f"{point['failed']} failed, P99 TTFT {point['p99_ttft_ms']:.0f} ms, P99 TPOT "
-                      f"{point['p99_tpot_ms']:.1f} ms, {point['migrations']} migrations, "
-                      f"{point['preemptions']} preemptions", file=sys.stderr, flush=True)
+                point |= {
+                    "balance": balanced,
+                    "rep": rep,
+                    "rate": rate,
+                    "migrations": moves.get("migrate/accepted", 0),
+                    "preemptions": beats.preemptions() - preempted_before,
+                    "decisions": moves,
+                }
+                print(
+                    f"balance {'on' if balanced else 'off'} rep {rep} {rate:g} req/s: {point['completed']} ok "
+                    f"{point['failed']} failed, P99 TTFT {point['p99_ttft_ms']:.0f} ms, P99 TPOT "
+                    f"{point['p99_tpot_ms']:.1f} ms, {point['migrations']} migrations, "
+                    f"{point['preemptions']} preemptions",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if rep:
                     points.append(point)
     finally:
@@ -159,19 +208,29 @@ def balance(args: argparse.Namespace, work: Path, model_path: str) -> str:
     points = []
     log = open(work / "client.log", "w")
     for balanced in (False, True):
-        with mesh(work / f"balance-{int(balanced)}", args.model, Path(model_path).parent, MESH_DECODE_WORKERS="2",
-                  MESH_KV_BLOCKS=str(args.kv_blocks), MESH_PLACEMENT_BALANCE=str(int(balanced)),
-                  MESH_PLACEMENT_SOURCE_BELOW=str(args.source_below),
-                  MESH_PLACEMENT_DESTINATION_ABOVE=str(args.destination_above)) as (url, nats_url, launcher):
+        with mesh(
+            work / f"balance-{int(balanced)}",
+            args.model,
+            Path(model_path).parent,
+            MESH_DECODE_WORKERS="2",
+            MESH_KV_BLOCKS=str(args.kv_blocks),
+            MESH_PLACEMENT_BALANCE=str(int(balanced)),
+            MESH_PLACEMENT_SOURCE_BELOW=str(args.source_below),
+            MESH_PLACEMENT_DESTINATION_ABOVE=str(args.destination_above),
+        ) as (url, nats_url, launcher):
             points += asyncio.run(balance_points(args, balanced, url, nats_url, launcher, model_path, work, log))
     (work / "balance.json").write_text(json.dumps(points, indent=1))
-    lines = [f"{args.requests} requests per point, Poisson arrivals; {args.long_share:.0%} long "
-             f"({args.long[0]}+{args.long[1]} tokens), the rest short ({args.short[0]}+{args.short[1]}); two decode "
-             f"workers with {args.kv_blocks} KV blocks of {BLOCK_SIZE} tokens; balancing thresholds: source below "
-             f"{args.source_below}, destination above {args.destination_above}. Median [min–max] over {args.reps} "
-             "repetitions.", "",
-             "| rate (req/s) | balancing | completed / failed | P99 TTFT ms | mean TTFT ms | P99 TPOT ms | "
-             "mean TPOT ms | migrations | preemptions | P99 TPOT off/on |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{args.requests} requests per point, Poisson arrivals; {args.long_share:.0%} long "
+        f"({args.long[0]}+{args.long[1]} tokens), the rest short ({args.short[0]}+{args.short[1]}); two decode "
+        f"workers with {args.kv_blocks} KV blocks of {BLOCK_SIZE} tokens; balancing thresholds: source below "
+        f"{args.source_below}, destination above {args.destination_above}. Median [min–max] over {args.reps} "
+        "repetitions.",
+        "",
+        "| rate (req/s) | balancing | completed / failed | P99 TTFT ms | mean TTFT ms | P99 TPOT ms | "
+        "mean TPOT ms | migrations | preemptions | P99 TPOT off/on |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for rate in args.rates:
         p99_off = None
         for balanced in (False, True):
@@ -180,10 +239,12 @@ def balance(args: argparse.Namespace, work: Path, model_path: str) -> str:
             p99 = statistics.median(col("p99_tpot_ms"))
             ratio = f"{p99_off / p99:.2f}×" if balanced and p99 else "—"
             p99_off = p99
-            lines.append(f"| {rate:g} | {'on' if balanced else 'off'} | {sum(col('completed')):.0f} / "
-                         f"{sum(col('failed')):.0f} | {spread(col('p99_ttft_ms'))} | {spread(col('mean_ttft_ms'))} | "
-                         f"{spread(col('p99_tpot_ms'), 1)} | {spread(col('mean_tpot_ms'), 1)} | "
-                         f"{spread(col('migrations'))} | {spread(col('preemptions'))} | {ratio} |")
+            lines.append(
+                f"| {rate:g} | {'on' if balanced else 'off'} | {sum(col('completed')):.0f} / "
+                f"{sum(col('failed')):.0f} | {spread(col('p99_ttft_ms'))} | {spread(col('mean_ttft_ms'))} | "
+                f"{spread(col('p99_tpot_ms'), 1)} | {spread(col('mean_tpot_ms'), 1)} | "
+                f"{spread(col('migrations'))} | {spread(col('preemptions'))} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -193,9 +254,19 @@ def balance(args: argparse.Namespace, work: Path, model_path: str) -> str:
 async def stream(http: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> list[int] | str:
     """A greedy streaming completion's token ids, or its error."""
     tokens: list[int] = []
-    async with http.stream("POST", f"{url}/v1/completions", json={
-            "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}) as resp:
+    async with http.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ) as resp:
         if resp.status_code != 200:
             return f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
         async for line in resp.aiter_lines():
@@ -208,14 +279,21 @@ async def stream(http: httpx.AsyncClient, url: str, model: str, ids: list[int], 
     return tokens
 
 
-async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, nats_url: str, env: dict[str, str],
-                     work: Path) -> dict:
+async def drain_once(
+    args: argparse.Namespace, mode: str, rep: int, url: str, nats_url: str, env: dict[str, str], work: Path
+) -> dict:
     victim = f"victim-{rep}-{mode}"
-    worker = start_service("decode-worker", env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": victim},
-                           work / f"{victim}.log")
+    worker = start_service(
+        "decode-worker", env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": victim}, work / f"{victim}.log"
+    )
     # Placement empties any draining worker it sees: only the `migrate` runs have one.
-    placement = start_service("placement", {"MESH_NATS_URL": nats_url, "MESH_PLACEMENT_BALANCE": "0"},
-                              work / f"placement-{rep}.log") if mode == "migrate" else None
+    placement = (
+        start_service(
+            "placement", {"MESH_NATS_URL": nats_url, "MESH_PLACEMENT_BALANCE": "0"}, work / f"placement-{rep}.log"
+        )
+        if mode == "migrate"
+        else None
+    )
     bus = await Bus.connect(nats_url, "bench-drain")
     beats = await Heartbeats().watch(bus)
     try:
@@ -229,13 +307,17 @@ async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, na
         prompts = [prompt_ids(args.prompt, seed=1000 * rep + i) for i in range(args.requests)]
         async with httpx.AsyncClient(timeout=600) as http:
             streams = [asyncio.create_task(stream(http, url, args.model, ids, args.output)) for ids in prompts]
-            await beats.until(lambda seen: sum(r.generated >= 16 for r in seen[victim].requests) >= 2, 120,
-                              f"two requests running on {victim}")
+            await beats.until(
+                lambda seen: sum(r.generated >= 16 for r in seen[victim].requests) >= 2,
+                120,
+                f"two requests running on {victim}",
+            )
             held = len(beats.latest[victim].requests)
             commanded = time.perf_counter()
             if mode == "migrate":
-                await bus.request(Subjects.PLACEMENT, PlacementRequest(op="drain", worker_id=victim),
-                                  PlacementStatus, timeout=30)
+                await bus.request(
+                    Subjects.PLACEMENT, PlacementRequest(op="drain", worker_id=victim), PlacementStatus, timeout=30
+                )
             else:
                 await bus.request(Subjects.drain(victim), DrainCommand(exit=True), Ack, timeout=30)
             emptied = None
@@ -251,12 +333,25 @@ async def drain_once(args: argparse.Namespace, mode: str, rep: int, url: str, na
         worker.stop()
         if placement is not None:
             placement.stop()
-    lost = [o if isinstance(o, str) else f"{len(o)} tokens" for o in outputs
-            if isinstance(o, str) or len(o) != args.output]
-    print(f"drain {mode} rep {rep}: {held} requests on {victim}; empty after {emptied or exited:.2f} s, exited after "
-          f"{exited:.2f} s (code {worker.proc.returncode}); lost {len(lost)} {lost[:2]}", file=sys.stderr, flush=True)
-    return {"mode": mode, "rep": rep, "held": held, "empty_s": emptied or exited, "exit_s": exited,
-            "exit_code": worker.proc.returncode, "lost": len(lost), "outputs": outputs}
+    lost = [
+        o if isinstance(o, str) else f"{len(o)} tokens" for o in outputs if isinstance(o, str) or len(o) != args.output
+    ]
+    print(
+        f"drain {mode} rep {rep}: {held} requests on {victim}; empty after {emptied or exited:.2f} s, exited after "
+        f"{exited:.2f} s (code {worker.proc.returncode}); lost {len(lost)} {lost[:2]}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "mode": mode,
+        "rep": rep,
+        "held": held,
+        "empty_s": emptied or exited,
+        "exit_s": exited,
+        "exit_code": worker.proc.returncode,
+        "lost": len(lost),
+        "outputs": outputs,
+    }
 
 
 def drain(args: argparse.Namespace, work: Path, model_path: str) -> str:
@@ -266,26 +361,36 @@ def drain(args: argparse.Namespace, work: Path, model_path: str) -> str:
         for process in psutil.Process(launcher.pid).children(recursive=True):
             if "llmesh_placement" in " ".join(process.cmdline()):
                 process.terminate()  # the runs start their own, or none
-        env = {"MESH_MODEL": args.model, "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-               "MESH_BLOCK_SIZE": str(BLOCK_SIZE)}
+        env = {
+            "MESH_MODEL": args.model,
+            "MESH_MODEL_DIR": str(model_dir),
+            "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        }
         for rep in range(args.reps):
-            for mode in (("migrate", "wait") if rep % 2 == 0 else ("wait", "migrate")):
+            for mode in ("migrate", "wait") if rep % 2 == 0 else ("wait", "migrate"):
                 runs.append(asyncio.run(drain_once(args, mode, rep, url, nats_url, env, work)))
     by_rep = {(r["rep"], r["mode"]): r["outputs"] for r in runs}
     for r in runs:
         other = by_rep[(r["rep"], "wait" if r["mode"] == "migrate" else "migrate")]
         r["equal"] = sum(a == b for a, b in zip(r.pop("outputs"), other))
     (work / "drain.json").write_text(json.dumps(runs, indent=1))
-    lines = [f"{args.requests} streaming requests of {args.prompt}+{args.output} tokens per repetition, two decode "
-             f"workers; median [min–max] over {args.reps} repetitions.", "",
-             "| drain | requests on the worker | empty after s | exited after s | exit codes | lost | "
-             "outputs equal the other mode's |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{args.requests} streaming requests of {args.prompt}+{args.output} tokens per repetition, two decode "
+        f"workers; median [min–max] over {args.reps} repetitions.",
+        "",
+        "| drain | requests on the worker | empty after s | exited after s | exit codes | lost | "
+        "outputs equal the other mode's |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for mode in ("migrate", "wait"):
         rows = [r for r in runs if r["mode"] == mode]
-        lines.append(f"| {mode} | {spread([r['held'] for r in rows])} | {spread([r['empty_s'] for r in rows], 2)} | "
-                     f"{spread([r['exit_s'] for r in rows], 2)} | {sorted({r['exit_code'] for r in rows})} | "
-                     f"{sum(r['lost'] for r in rows)} | {sum(r['equal'] for r in rows)} of "
-                     f"{args.requests * len(rows)} |")
+        lines.append(
+            f"| {mode} | {spread([r['held'] for r in rows])} | {spread([r['empty_s'] for r in rows], 2)} | "
+            f"{spread([r['exit_s'] for r in rows], 2)} | {sorted({r['exit_code'] for r in rows})} | "
+            f"{sum(r['lost'] for r in rows)} | {sum(r['equal'] for r in rows)} of "
+            f"{args.requests * len(rows)} |"
+        )
     return "\n".join(lines)
 
 

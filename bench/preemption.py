@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
+
 from llmesh.bus import Bus
 from llmesh.launcher import Child, free_port, start_service, wait_healthy
 from llmesh.messages import (
@@ -35,7 +37,6 @@ from llmesh.messages import (
     WorkerInfo,
 )
 from llmesh.models import resolve_model
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 MODES = ("recompute", "swap", "auto")
 BLOCK_SIZE = 128
@@ -55,13 +56,27 @@ async def one_request(bus: Bus, model: str, prefill: str, decode: str, ids: list
     deadline = time.time() + 600
     sampling = SamplingOptions(max_tokens=output, temperature=0, ignore_eos=True)
     request_id = f"bench-{random.getrandbits(48):x}"
-    result, _ = await bus.request(Subjects.worker("prefill", prefill), PrefillRequest(
-        request_id=request_id, model=model, prompt_token_ids=ids, sampling=sampling, deadline=deadline),
-        PrefillResult, timeout=600)
+    result, _ = await bus.request(
+        Subjects.worker("prefill", prefill),
+        PrefillRequest(request_id=request_id, model=model, prompt_token_ids=ids, sampling=sampling, deadline=deadline),
+        PrefillResult,
+        timeout=600,
+    )
     tokens = list(result.first.token_ids)
-    replies = await bus.stream(Subjects.worker("decode", decode), DecodeRequest(
-        request_id=request_id, model=model, prompt_token_ids=result.prompt_token_ids, output_token_ids=tokens[:1],
-        sampling=sampling, kv=result.kv, fingerprint=result.fingerprint, deadline=deadline), deadline=deadline)
+    replies = await bus.stream(
+        Subjects.worker("decode", decode),
+        DecodeRequest(
+            request_id=request_id,
+            model=model,
+            prompt_token_ids=result.prompt_token_ids,
+            output_token_ids=tokens[:1],
+            sampling=sampling,
+            kv=result.kv,
+            fingerprint=result.fingerprint,
+            deadline=deadline,
+        ),
+        deadline=deadline,
+    )
     async for delta, _ in replies:
         tokens += delta.token_ids
     return tokens
@@ -72,10 +87,30 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
     resolve_model(args.model, model_dir)
     max_len = args.max_model_len
     port, nats_port = free_port(), free_port()
-    env = {"MESH_MODEL": args.model, "MESH_MAX_MODEL_LEN": str(max_len), "MESH_MODEL_DIR": str(model_dir),
-           "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_REQUEST_TIMEOUT_S": "600", "MESH_PLACEMENT_BALANCE": "0"}
-    mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port", str(nats_port),
-                          "--logs", str(work)], env=env, log_path=work / "launcher.log")
+    env = {
+        "MESH_MODEL": args.model,
+        "MESH_MAX_MODEL_LEN": str(max_len),
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_REQUEST_TIMEOUT_S": "600",
+        "MESH_PLACEMENT_BALANCE": "0",
+    }
+    mesh = Child(
+        "mesh",
+        [
+            sys.executable,
+            "-m",
+            "llmesh.launcher",
+            "--port",
+            str(port),
+            "--nats-port",
+            str(nats_port),
+            "--logs",
+            str(work),
+        ],
+        env=env,
+        log_path=work / "launcher.log",
+    )
     nats_url = f"nats://127.0.0.1:{nats_port}"
     kv_blocks = -(-max_len // BLOCK_SIZE) + 1  # the fewest vLLM accepts: room for one longest request
     workers: list[Child] = []
@@ -83,9 +118,19 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
         for mode in MODES:
-            workers.append(start_service("decode-worker", env | {
-                "MESH_NATS_URL": nats_url, "MESH_WORKER_ID": f"decode-{mode}", "MESH_KV_BLOCKS": str(kv_blocks),
-                "MESH_KV_PREEMPTION": mode}, work / f"decode-{mode}.log"))
+            workers.append(
+                start_service(
+                    "decode-worker",
+                    env
+                    | {
+                        "MESH_NATS_URL": nats_url,
+                        "MESH_WORKER_ID": f"decode-{mode}",
+                        "MESH_KV_BLOCKS": str(kv_blocks),
+                        "MESH_KV_PREEMPTION": mode,
+                    },
+                    work / f"decode-{mode}.log",
+                )
+            )
         bus = await Bus.connect(nats_url, "bench-preemption")
         latest = await heartbeats(bus)
         give_up = time.monotonic() + 600
@@ -101,8 +146,9 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
             for mode in MODES:
                 before = dict(latest[f"decode-{mode}"].preemptions)
                 started = time.perf_counter()
-                outputs = await asyncio.gather(*(one_request(bus, args.model, prefill, f"decode-{mode}", ids,
-                                                             args.output) for ids in prompts))
+                outputs = await asyncio.gather(
+                    *(one_request(bus, args.model, prefill, f"decode-{mode}", ids, args.output) for ids in prompts)
+                )
                 elapsed = time.perf_counter() - started
                 print(f"round {rep} {mode}: {elapsed:.1f} s", file=sys.stderr, flush=True)
                 await asyncio.sleep(1.5)  # a heartbeat with the counts
@@ -111,10 +157,14 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
                     reference.setdefault(1000 * rep + i, out)
                     kept.append({"mode": mode, "round": rep, "prompt_token_ids": prompts[i], "token_ids": out})
                 if rep:
-                    results[mode].append({
-                        "round_s": elapsed, "tpot_ms": 1e3 * elapsed / args.output,
-                        "choices": {k: after.get(k, 0) - before.get(k, 0) for k in after},
-                        "exact": all(out == reference[1000 * rep + i] for i, out in enumerate(outputs))})
+                    results[mode].append(
+                        {
+                            "round_s": elapsed,
+                            "tpot_ms": 1e3 * elapsed / args.output,
+                            "choices": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+                            "exact": all(out == reference[1000 * rep + i] for i, out in enumerate(outputs)),
+                        }
+                    )
         for mode in MODES:
             row = {"mode": mode, **{k: [r[k] for r in results[mode]] for k in results[mode][0]}}
             rows.append(row)
@@ -144,8 +194,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmesh-bench-preemption-"))
     rows = asyncio.run(bench(args, work))
     base = statistics.median(next(r for r in rows if r["mode"] == "recompute")["round_s"])
-    print(f"\n{args.concurrency} requests of {args.prompt}+{args.output} tokens at once on a worker with KV for one; "
-          f"median (min–max) of {args.repeats} rounds; logs in {work}\n")
+    print(
+        f"\n{args.concurrency} requests of {args.prompt}+{args.output} tokens at once on a worker with KV for one; "
+        f"median (min–max) of {args.repeats} rounds; logs in {work}\n"
+    )
     print("| preemption | round s | per output token ms | vs always-recompute | choices | outputs equal |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -153,8 +205,10 @@ def main() -> None:
         for c in r["choices"]:
             for k, v in c.items():
                 choices[k] = choices.get(k, 0) + v
-        print(f"| {r['mode']} | {spread(r['round_s'])} | {spread(r['tpot_ms'])} | "
-              f"{base / statistics.median(r['round_s']):.2f}× | {choices} | {all(r['exact'])} |")
+        print(
+            f"| {r['mode']} | {spread(r['round_s'])} | {spread(r['tpot_ms'])} | "
+            f"{base / statistics.median(r['round_s']):.2f}× | {choices} | {all(r['exact'])} |"
+        )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
+
 from llmesh.bus import Bus
 from llmesh.launcher import Child, engine_cores, free_port, start_service, wait_healthy
 from llmesh.messages import PrefillRequest, PrefillResult, SamplingOptions, Subjects, WorkerInfo, decode
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 IDLE_S = 1.5  # a vLLM engine busy-polls for 1 s after its last step: let it go idle between runs
 
@@ -48,10 +49,18 @@ async def prefill_workers(bus: Bus, count: int) -> list[str]:
 
 async def prefill_s(bus: Bus, model: str, worker: str, ids: list[int]) -> float:
     started = time.perf_counter()
-    await bus.request(Subjects.worker("prefill", worker), PrefillRequest(
-        request_id=f"bench-{time.monotonic_ns()}", model=model, prompt_token_ids=ids,
-        sampling=SamplingOptions(max_tokens=1, temperature=0), deadline=time.time() + 120), PrefillResult,
-        timeout=120)
+    await bus.request(
+        Subjects.worker("prefill", worker),
+        PrefillRequest(
+            request_id=f"bench-{time.monotonic_ns()}",
+            model=model,
+            prompt_token_ids=ids,
+            sampling=SamplingOptions(max_tokens=1, temperature=0),
+            deadline=time.time() + 120,
+        ),
+        PrefillResult,
+        timeout=120,
+    )
     return time.perf_counter() - started
 
 
@@ -74,9 +83,14 @@ async def measure(nats_url: str, model: str, length: int, shared: int, repeats: 
             if rep:
                 reuse.append(t_reuse), recompute.append(t_full)
         med = statistics.median
-        return {"model": model, "prompt_tokens": length, "shared_tokens": shared,
-                "ttft_reuse_ms": 1e3 * med(reuse), "ttft_recompute_ms": 1e3 * med(recompute),
-                "ratio": med(reuse) / med(recompute)}
+        return {
+            "model": model,
+            "prompt_tokens": length,
+            "shared_tokens": shared,
+            "ttft_reuse_ms": 1e3 * med(reuse),
+            "ttft_recompute_ms": 1e3 * med(recompute),
+            "ratio": med(reuse) / med(recompute),
+        }
     finally:
         await bus.close()
 
@@ -92,19 +106,42 @@ def main() -> None:
     model_dir = Path.home() / ".cache" / "llmesh"
     port, nats_port, redis_port = free_port(), free_port(), free_port()
     env = {"MESH_MODEL": args.model, "MESH_MAX_MODEL_LEN": "2304", "MESH_MODEL_DIR": str(model_dir)}
-    mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port",
-                          str(nats_port), "--redis-port", str(redis_port), "--logs", str(work / "logs")],
-                 env=env, log_path=work / "launcher.log")
+    mesh = Child(
+        "mesh",
+        [
+            sys.executable,
+            "-m",
+            "llmesh.launcher",
+            "--port",
+            str(port),
+            "--nats-port",
+            str(nats_port),
+            "--redis-port",
+            str(redis_port),
+            "--logs",
+            str(work / "logs"),
+        ],
+        env=env,
+        log_path=work / "launcher.log",
+    )
     nats_url = f"nats://127.0.0.1:{nats_port}"
-    second = start_service("prefill-worker", env | engine_cores().get("prefill-worker", {}) | {
-        "MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "prefill-second"}, work / "prefill-second.log")
+    second = start_service(
+        "prefill-worker",
+        env
+        | engine_cores().get("prefill-worker", {})
+        | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "prefill-second"},
+        work / "prefill-second.log",
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
         row = asyncio.run(measure(nats_url, args.model, args.length, args.shared, args.repeats))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
-        print("\n| model | prompt | shared prefix | TTFT reuse ms | TTFT recompute ms | ratio |\n|---|---|---|---|---|---|")
-        print(f"| {row['model']} | {row['prompt_tokens']} | {row['shared_tokens']} | {row['ttft_reuse_ms']:.1f} | "
-              f"{row['ttft_recompute_ms']:.1f} | {row['ratio']:.2f} |")
+        print("\n| model | prompt | shared prefix | TTFT reuse ms | TTFT recompute ms | ratio |")
+        print("|---|---|---|---|---|---|")
+        print(
+            f"| {row['model']} | {row['prompt_tokens']} | {row['shared_tokens']} | {row['ttft_reuse_ms']:.1f} | "
+            f"{row['ttft_recompute_ms']:.1f} | {row['ratio']:.2f} |"
+        )
     finally:
         second.stop(30)
         mesh.stop(30)

@@ -53,9 +53,24 @@ ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "po
 MAX_MODEL_LEN, BLOCK_SIZE = 2048, 128
 IDLE_S = 2.0  # a vLLM engine busy-polls for about a second after its last step
 TRACE_INPUT_SCALE, TRACE_OUTPUT_SCALE = 0.5, 0.25  # Azure conv: 1150 -> ~575 prompt tokens, 260 -> ~65 output
-SUMMARY = ("completed", "failed", "duration", "total_output_tokens", "request_throughput", "output_throughput",
-           "request_goodput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
+SUMMARY = (
+    "completed",
+    "failed",
+    "duration",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -135,11 +150,32 @@ class Deployment:
 
 def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str) -> tuple[Child, str]:
     port = free_port()
-    child = Child(name, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                         "--served-model-name", served, "--enforce-eager", "--dtype", "bfloat16",
-                         "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
-                         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"],
-                  env={"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log_path=logs / f"{name}.log")
+    child = Child(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_path,
+            "--served-model-name",
+            served,
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--disable-uvicorn-access-log",
+        ],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        log_path=logs / f"{name}.log",
+    )
     return child, f"http://127.0.0.1:{port}"
 
 
@@ -147,19 +183,31 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
     logs = work / "logs"
     if name == "mesh":
         port = free_port()
-        env = {"MESH_PORT": str(port), "MESH_NATS_PORT": str(free_port()), "MESH_REDIS_PORT": str(free_port()),
-               "MESH_MODEL": model, "MESH_MODEL_DIR": str(Path(model_path).parent), "MESH_LOG_DIR": str(logs / "mesh"),
-               "MESH_DATA_DIR": str(work / "mesh-kv"), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-               "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_SECRETS_DIR": str(work / "mesh-secrets")}
+        env = {
+            "MESH_PORT": str(port),
+            "MESH_NATS_PORT": str(free_port()),
+            "MESH_REDIS_PORT": str(free_port()),
+            "MESH_MODEL": model,
+            "MESH_MODEL_DIR": str(Path(model_path).parent),
+            "MESH_LOG_DIR": str(logs / "mesh"),
+            "MESH_DATA_DIR": str(work / "mesh-kv"),
+            "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+            "MESH_SECRETS_DIR": str(work / "mesh-secrets"),
+        }
         key = MeshSecrets.load_or_create(work / "mesh-secrets").api_key
-        return Deployment(name, f"http://127.0.0.1:{port}", [Child("mesh", [sys.executable, "-m", "llmesh.launcher"],
-                                                                   env=env, log_path=logs / "mesh.log")],
-                          headers={"Authorization": f"Bearer {key}"})
+        return Deployment(
+            name,
+            f"http://127.0.0.1:{port}",
+            [Child("mesh", [sys.executable, "-m", "llmesh.launcher"], env=env, log_path=logs / "mesh.log")],
+            headers={"Authorization": f"Bearer {key}"},
+        )
     if name == "vllm":
         child, url = vllm_server("vllm", model_path, model, logs)
         return Deployment(name, url, [child])
-    servers = [vllm_server(f"vllm-{core}", model_path, model, logs, VLLM_CPU_OMP_THREADS_BIND=str(core))
-               for core in (0, 1)]
+    servers = [
+        vllm_server(f"vllm-{core}", model_path, model, logs, VLLM_CPU_OMP_THREADS_BIND=str(core)) for core in (0, 1)
+    ]
     return Deployment(name, "", [child for child, _ in servers], [url for _, url in servers])  # router: per workload
 
 
@@ -170,16 +218,32 @@ def start_router(deployment: Deployment, backends: list[str], policy: str, logs:
         deployment.children.remove(child)
     port = free_port()
     binary = Path(sys.executable).parent / "vllm-router"
-    deployment.children.append(Child("vllm-router", [str(binary), "--host", "127.0.0.1", "--port", str(port),
-                                                     "--policy", policy, "--worker-urls", *backends,
-                                                     "--log-level", "warning"],
-                                     log_path=logs / f"vllm-router-{policy}.log"))
+    deployment.children.append(
+        Child(
+            "vllm-router",
+            [
+                str(binary),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                "--worker-urls",
+                *backends,
+                "--log-level",
+                "warning",
+            ],
+            log_path=logs / f"vllm-router-{policy}.log",
+        )
+    )
     deployment.url = f"http://127.0.0.1:{port}"
     wait_ready(deployment, 60)
 
 
-def wait_ready(deployment: Deployment, timeout: float, model: str | None = None,
-               restarts: list[dict] | None = None) -> None:
+def wait_ready(
+    deployment: Deployment, timeout: float, model: str | None = None, restarts: list[dict] | None = None
+) -> None:
     """Until a completion succeeds (the mesh's /health, a router's /v1/models say less). With `restarts`, a
     child that dies while starting is started again once, and the death (its log's end) recorded there."""
     give_up = time.monotonic() + timeout
@@ -187,19 +251,32 @@ def wait_ready(deployment: Deployment, timeout: float, model: str | None = None,
         for child in deployment.children:
             if child.alive():
                 continue
-            death = {"process": child.name, "exit_code": child.proc.returncode, "log": str(child.log_path),
-                     "log_tail": child.log_tail()}
+            death = {
+                "process": child.name,
+                "exit_code": child.proc.returncode,
+                "log": str(child.log_path),
+                "log_tail": child.log_tail(),
+            }
             if restarts is None or any(r["process"] == child.name for r in restarts):
-                raise RuntimeError(f"{deployment.name}: {child.name} exited with {child.proc.returncode}; the end "
-                                   f"of {child.log_path}:\n{death['log_tail']}")
-            print(f"serve: {child.name} exited with {child.proc.returncode} while starting; starting it again "
-                  f"(why: {child.log_path})", flush=True)
+                raise RuntimeError(
+                    f"{deployment.name}: {child.name} exited with {child.proc.returncode}; the end "
+                    f"of {child.log_path}:\n{death['log_tail']}"
+                )
+            print(
+                f"serve: {child.name} exited with {child.proc.returncode} while starting; starting it again "
+                f"(why: {child.log_path})",
+                flush=True,
+            )
             restarts.append(death)
             child.restart()
             give_up = time.monotonic() + timeout
         try:
-            resp = httpx.post(f"{deployment.url}/v1/completions", timeout=30, headers=deployment.headers, json={
-                "model": model or "", "prompt": "warm up", "max_tokens": 4, "temperature": 0})
+            resp = httpx.post(
+                f"{deployment.url}/v1/completions",
+                timeout=30,
+                headers=deployment.headers,
+                json={"model": model or "", "prompt": "warm up", "max_tokens": 4, "temperature": 0},
+            )
             if resp.status_code == 200:
                 return
         except httpx.HTTPError:
@@ -234,26 +311,65 @@ def trace_file(path: Path, requests: int, start: int, rate: float) -> Path:
             prompt = min(max(round(int(row["ContextTokens"]) * TRACE_INPUT_SCALE), 16), MAX_MODEL_LEN - 512)
             output = min(max(round(int(row["GeneratedTokens"]) * TRACE_OUTPUT_SCALE), 1), 256)
             hash_ids = [(start * 10_000 + i) * 1000 + j for j in range(math.ceil(prompt / 16))]  # unique: no sharing
-            f.write(json.dumps({"timestamp": (stamp - stamps[0]) * stretch, "input_length": prompt,
-                                "output_length": output, "hash_ids": hash_ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": (stamp - stamps[0]) * stretch,
+                        "input_length": prompt,
+                        "output_length": output,
+                        "hash_ids": hash_ids,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
-def workload_args(workload: str, requests: int, rate: float, point: int, model: str, model_path: str,
-                  work: Path) -> argparse.Namespace:
+def workload_args(
+    workload: str, requests: int, rate: float, point: int, model: str, model_path: str, work: Path
+) -> argparse.Namespace:
     """vLLM client arguments of one point; `point` numbers the points of a workload, so that no two
     share prompts (every deployment would find the earlier point's in its prefix cache)."""
-    common = ["--backend", "vllm", "--model", model_path, "--served-model-name", model, "--tokenizer", model_path,
-              "--num-prompts", str(requests), "--seed", str(1000 + point), "--ignore-eos", "--temperature", "0",
-              "--request-rate", str(rate)]
+    common = [
+        "--backend",
+        "vllm",
+        "--model",
+        model_path,
+        "--served-model-name",
+        model,
+        "--tokenizer",
+        model_path,
+        "--num-prompts",
+        str(requests),
+        "--seed",
+        str(1000 + point),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--request-rate",
+        str(rate),
+    ]
     if workload in ("random", "long"):
         prompt, output = (512, 64) if workload == "random" else (128, 512)
-        return client_args(common + ["--dataset-name", "random", "--random-input-len", str(prompt),
-                                     "--random-output-len", str(output)])
+        return client_args(
+            common + ["--dataset-name", "random", "--random-input-len", str(prompt), "--random-output-len", str(output)]
+        )
     if workload == "prefix":
-        return client_args(common + ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "384",
-                                     "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
-                                     "--prefix-repetition-output-len", "64"])
+        return client_args(
+            common
+            + [
+                "--dataset-name",
+                "prefix_repetition",
+                "--prefix-repetition-prefix-len",
+                "384",
+                "--prefix-repetition-suffix-len",
+                "128",
+                "--prefix-repetition-num-prefixes",
+                "4",
+                "--prefix-repetition-output-len",
+                "64",
+            ]
+        )
     path = trace_file(work / f"trace-{point}.jsonl", requests, start=point * 150, rate=rate)
     return client_args(common + ["--dataset-name", "timed_trace", "--dataset-path", str(path)])
 
@@ -269,20 +385,37 @@ def sample(args: argparse.Namespace, tokenizer) -> list:
     return get_samples(args, tokenizer)
 
 
-async def run_point(args: argparse.Namespace, requests: list, tokenizer, deployment: Deployment,
-                    slo: dict[str, float]) -> dict:
+async def run_point(
+    args: argparse.Namespace, requests: list, tokenizer, deployment: Deployment, slo: dict[str, float]
+) -> dict:
     from vllm.benchmarks.serve import TaskType, benchmark
 
     return await benchmark(
-        task_type=TaskType.GENERATION, endpoint_type="vllm", api_url=f"{deployment.url}/v1/completions",
+        task_type=TaskType.GENERATION,
+        endpoint_type="vllm",
+        api_url=f"{deployment.url}/v1/completions",
         base_url=deployment.url,
-        model_id=args.model, model_name=args.served_model_name, tokenizer=tokenizer, input_requests=requests,
-        logprobs=None, request_rate=args.request_rate, burstiness=1.0, disable_tqdm=True, num_warmups=0,
-        profile=False, selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"], selected_percentiles=[50, 99],
-        ignore_eos=True, goodput_config_dict=slo, max_concurrency=None, lora_modules=None,
+        model_id=args.model,
+        model_name=args.served_model_name,
+        tokenizer=tokenizer,
+        input_requests=requests,
+        logprobs=None,
+        request_rate=args.request_rate,
+        burstiness=1.0,
+        disable_tqdm=True,
+        num_warmups=0,
+        profile=False,
+        selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"],
+        selected_percentiles=[50, 99],
+        ignore_eos=True,
+        goodput_config_dict=slo,
+        max_concurrency=None,
+        lora_modules=None,
         extra_headers=deployment.headers or None,
-        extra_body={"temperature": 0.0}, ready_check_timeout_sec=0,
-        self_timed=args.dataset_name == "timed_trace")
+        extra_body={"temperature": 0.0},
+        ready_check_timeout_sec=0,
+        self_timed=args.dataset_name == "timed_trace",
+    )
 
 
 # ---- results ----------------------------------------------------------------------------------------------------
@@ -300,25 +433,44 @@ def tables(points: list[dict], slo: dict[str, float]) -> str:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for p in points:
         groups[(p["workload"], p["rate"], p["deployment"])].append(p)
-    lines = [f"Goodput: requests with TTFT ≤ {slo['ttft']:.0f} ms and TPOT ≤ {slo['tpot']:.0f} ms, per second. "
-             "Cells: median over repetitions [min–max]; CPU: CPU-seconds per 1k output tokens, services "
-             "(everything but the engines' compute processes) + engines.", "",
-             "| workload | req/s | deployment | ok / failed | TTFT mean | TTFT P50 | TTFT P99 | TPOT mean | TPOT P50 "
-             "| TPOT P99 | ITL mean | ITL P99 | out tok/s | goodput req/s | CPU services | CPU engines |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (workload, rate, deployment), runs in sorted(groups.items(), key=lambda kv: (
-            WORKLOADS.index(kv[0][0]), kv[0][1], DEPLOYMENTS.index(kv[0][2]))):
-        col = lambda key: [r[key] or 0.0 for r in runs]  # noqa: E731
-        per_k = lambda engines: [1000 * sum(v for k, v in r["cpu"].items() if is_engine(k) == engines)  # noqa: E731
-                                 / max(r["total_output_tokens"], 1) for r in runs]
+    lines = [
+        f"Goodput: requests with TTFT ≤ {slo['ttft']:.0f} ms and TPOT ≤ {slo['tpot']:.0f} ms, per second. "
+        "Cells: median over repetitions [min–max]; CPU: CPU-seconds per 1k output tokens, services "
+        "(everything but the engines' compute processes) + engines.",
+        "",
+        "| workload | req/s | deployment | ok / failed | TTFT mean | TTFT P50 | TTFT P99 | TPOT mean | TPOT P50 "
+        "| TPOT P99 | ITL mean | ITL P99 | out tok/s | goodput req/s | CPU services | CPU engines |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (workload, rate, deployment), runs in sorted(
+        groups.items(), key=lambda kv: (WORKLOADS.index(kv[0][0]), kv[0][1], DEPLOYMENTS.index(kv[0][2]))
+    ):
+
+        def col(key: str, runs: list = runs) -> list[float]:
+            return [r[key] or 0.0 for r in runs]
+
+        def per_k(engines: bool, runs: list = runs) -> list[float]:
+            """CPU-seconds per 1k output tokens of the engines' processes or of the rest."""
+            return [
+                1000 * sum(v for k, v in r["cpu"].items() if is_engine(k) == engines) / max(r["total_output_tokens"], 1)
+                for r in runs
+            ]
+
         lines.append(
             f"| {workload} | {rate:g} | {deployment} | {sum(col('completed')):.0f} / {sum(col('failed')):.0f} | "
             f"{spread(col('mean_ttft_ms'))} | {spread(col('median_ttft_ms'))} | {spread(col('p99_ttft_ms'))} | "
-            f"{spread(col('mean_tpot_ms'), 1)} | {spread(col('median_tpot_ms'), 1)} | {spread(col('p99_tpot_ms'), 1)} | "
+            f"{spread(col('mean_tpot_ms'), 1)} | {spread(col('median_tpot_ms'), 1)} | "
+            f"{spread(col('p99_tpot_ms'), 1)} | "
             f"{spread(col('mean_itl_ms'), 1)} | {spread(col('p99_itl_ms'), 1)} | {spread(col('output_throughput'))} | "
-            f"{spread(col('request_goodput'), 2)} | {spread(per_k(False), 2)} | {spread(per_k(True), 2)} |")
-    lines += ["", "CPU-seconds per 1k output tokens by process (all points of a workload together):", "",
-              "| workload | deployment | process | CPU-s / 1k tokens |", "|---|---|---|---|"]
+            f"{spread(col('request_goodput'), 2)} | {spread(per_k(False), 2)} | {spread(per_k(True), 2)} |"
+        )
+    lines += [
+        "",
+        "CPU-seconds per 1k output tokens by process (all points of a workload together):",
+        "",
+        "| workload | deployment | process | CPU-s / 1k tokens |",
+        "|---|---|---|---|",
+    ]
     for workload in WORKLOADS:
         for deployment in DEPLOYMENTS:
             runs = [p for p in points if p["workload"] == workload and p["deployment"] == deployment]
@@ -346,9 +498,12 @@ def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
     present = [w for w in WORKLOADS if any(p["workload"] == w for p in points)]
     fig, axes = plt.subplots(2, len(present), figsize=(5 * len(present), 8), squeeze=False)
     for col, workload in enumerate(present):
-        for row, (key, title) in enumerate((("p99_ttft_ms", "P99 TTFT (ms)"),
-                                            ("request_goodput", f"goodput (req/s, TTFT ≤ {slo['ttft']:.0f} ms, "
-                                                                f"TPOT ≤ {slo['tpot']:.0f} ms)"))):
+        for row, (key, title) in enumerate(
+            (
+                ("p99_ttft_ms", "P99 TTFT (ms)"),
+                ("request_goodput", f"goodput (req/s, TTFT ≤ {slo['ttft']:.0f} ms, TPOT ≤ {slo['tpot']:.0f} ms)"),
+            )
+        ):
             ax = axes[row][col]
             for deployment in DEPLOYMENTS:
                 by_rate: dict[float, list[float]] = defaultdict(list)
@@ -359,7 +514,10 @@ def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
                     continue
                 rates = sorted(by_rate)
                 med = [statistics.median(by_rate[r]) for r in rates]
-                err = [[m - min(by_rate[r]) for r, m in zip(rates, med)], [max(by_rate[r]) - m for r, m in zip(rates, med)]]
+                err = [
+                    [m - min(by_rate[r]) for r, m in zip(rates, med)],
+                    [max(by_rate[r]) - m for r, m in zip(rates, med)],
+                ]
                 ax.errorbar(rates, med, yerr=err, marker="o", capsize=3, label=deployment)
             ax.set_title(f"{workload}: {title}", fontsize=9)
             ax.set_xlabel("request rate (req/s)")
@@ -379,18 +537,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llmesh/tiny-llama")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS[:3]), choices=WORKLOADS)
-    parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, 3],
-                        help="requests per second; the default spans a plain vLLM server's saturation (about 1.5 "
-                        "req/s on random 512->64) on a 2-core AVX2 machine: scale it to yours")
+    parser.add_argument(
+        "--rates",
+        nargs="+",
+        type=float,
+        default=[0.5, 1, 2, 3],
+        help="requests per second; the default spans a plain vLLM server's saturation (about 1.5 "
+        "req/s on random 512->64) on a 2-core AVX2 machine: scale it to yours",
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=6.0, help="arrivals per point span about this long")
     parser.add_argument("--min-requests", type=int, default=5)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    parser.add_argument("--router-policy", nargs="*", default=[], metavar="WORKLOAD=POLICY",
-                        help=f"vllm-router's policy per workload (default {ROUTER_POLICY})")
-    parser.add_argument("--quick", action="store_true",
-                        help="one repetition of 4 requests per workload at 2 req/s, without warm-up (a smoke test)")
+    parser.add_argument(
+        "--router-policy",
+        nargs="*",
+        default=[],
+        metavar="WORKLOAD=POLICY",
+        help=f"vllm-router's policy per workload (default {ROUTER_POLICY})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repetition of 4 requests per workload at 2 req/s, without warm-up (a smoke test)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "llmesh")
     args = parser.parse_args(argv)
@@ -437,19 +608,34 @@ def main(argv: list[str] | None = None) -> int:
                         measure(deployment, client, prompts, tokenizer, slo, log)
                 for i, rate in enumerate(args.rates):
                     requests = max(args.min_requests, round(rate * args.seconds))
-                    client = workload_args(workload, requests, rate, rep * len(args.rates) + i, args.model,
-                                           model_path, work)
+                    client = workload_args(
+                        workload, requests, rate, rep * len(args.rates) + i, args.model, model_path, work
+                    )
                     prompts = sample(client, tokenizer)
-                    order = list(deployments)[rep % len(deployments):] + list(deployments)[:rep % len(deployments)]
+                    order = list(deployments)[rep % len(deployments) :] + list(deployments)[: rep % len(deployments)]
                     for name in order:
                         time.sleep(IDLE_S)
-                        points.append(measure(deployments[name], client, prompts, tokenizer, slo, log,
-                                              rep=rep, workload=workload, rate=rate))
+                        points.append(
+                            measure(
+                                deployments[name],
+                                client,
+                                prompts,
+                                tokenizer,
+                                slo,
+                                log,
+                                rep=rep,
+                                workload=workload,
+                                rate=rate,
+                            )
+                        )
                         p = points[-1]
-                        print(f"serve: rep {rep} {workload} {rate:g} req/s {name}: {p['completed']} ok, "
-                              f"{p['failed']} failed, TTFT mean {p['mean_ttft_ms']:.0f} P99 {p['p99_ttft_ms']:.0f} "
-                              f"ms, TPOT {p['mean_tpot_ms']:.1f} ms, goodput {p['request_goodput']:.2f}/s "
-                              f"[{time.monotonic() - started:.0f}s]", flush=True)
+                        print(
+                            f"serve: rep {rep} {workload} {rate:g} req/s {name}: {p['completed']} ok, "
+                            f"{p['failed']} failed, TTFT mean {p['mean_ttft_ms']:.0f} P99 {p['p99_ttft_ms']:.0f} "
+                            f"ms, TPOT {p['mean_tpot_ms']:.1f} ms, goodput {p['request_goodput']:.2f}/s "
+                            f"[{time.monotonic() - started:.0f}s]",
+                            flush=True,
+                        )
     finally:
         stack.close()
         for deployment in deployments.values():
@@ -459,19 +645,27 @@ def main(argv: list[str] | None = None) -> int:
             for child in deployment.children:
                 child.stop(30)
     command = "bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (args.out / "results.json").write_text(json.dumps({"command": command, "slo": slo, "points": points,
-                                                             "restarts": restarts}, indent=1))
-    (args.out / "serve.md").write_text(f"Command: `.venv/bin/python {command.strip()}`, "
-                                       f"{datetime.now():%Y-%m-%d}, {time.monotonic() - started:.0f} s.\n\n"
-                                       + "".join(f"{r['process']} exited with {r['exit_code']} while starting and "
-                                                 f"was started again (results.json has its log's end).\n\n"
-                                                 for r in restarts)
-                                       + tables(points, slo))
+    (args.out / "results.json").write_text(
+        json.dumps({"command": command, "slo": slo, "points": points, "restarts": restarts}, indent=1)
+    )
+    (args.out / "serve.md").write_text(
+        f"Command: `.venv/bin/python {command.strip()}`, "
+        f"{datetime.now():%Y-%m-%d}, {time.monotonic() - started:.0f} s.\n\n"
+        + "".join(
+            f"{r['process']} exited with {r['exit_code']} while starting and "
+            f"was started again (results.json has its log's end).\n\n"
+            for r in restarts
+        )
+        + tables(points, slo)
+    )
     plot(points, args.out / "serve.png", slo)
     print((args.out / "serve.md").read_text())
     failed = sum(p["failed"] for p in points)
-    print(f"serve: {len(points)} points, {failed} failed requests, {time.monotonic() - started:.0f}s; "
-          f"results in {args.out}", flush=True)
+    print(
+        f"serve: {len(points)} points, {failed} failed requests, {time.monotonic() - started:.0f}s; "
+        f"results in {args.out}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 
@@ -481,13 +675,24 @@ def per_request(result: dict) -> dict[str, list]:
     starts = result.get("start_times") or []
     first = min(starts, default=0.0)
     ms = lambda v: round(v * 1000, 1) if v else None  # noqa: E731
-    return {"start_s": [round(t - first, 3) for t in starts], "prompt_tokens": result.get("input_lens", []),
-            "output_tokens": result.get("output_lens", []), "ttft_ms": [ms(t) for t in result.get("ttfts", [])],
-            "tpot_ms": [ms(sum(itl) / len(itl)) if itl else None for itl in result.get("itls", [])]}
+    return {
+        "start_s": [round(t - first, 3) for t in starts],
+        "prompt_tokens": result.get("input_lens", []),
+        "output_tokens": result.get("output_lens", []),
+        "ttft_ms": [ms(t) for t in result.get("ttfts", [])],
+        "tpot_ms": [ms(sum(itl) / len(itl)) if itl else None for itl in result.get("itls", [])],
+    }
 
 
-def measure(deployment: Deployment, client: argparse.Namespace, prompts: list, tokenizer, slo: dict[str, float],
-            log: TextIO, **labels) -> dict:
+def measure(
+    deployment: Deployment,
+    client: argparse.Namespace,
+    prompts: list,
+    tokenizer,
+    slo: dict[str, float],
+    log: TextIO,
+    **labels,
+) -> dict:
     """One point on one deployment (vLLM's client prints its report into `log`)."""
     roots = deployment.roots()
     cpu_before, client_before = cpu_by_process(roots), time.process_time()
@@ -495,9 +700,15 @@ def measure(deployment: Deployment, client: argparse.Namespace, prompts: list, t
         result = asyncio.run(run_point(client, prompts, tokenizer, deployment, slo))
     cpu_after, client_cpu = cpu_by_process(roots), time.process_time() - client_before
     errors = sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
-    return {"deployment": deployment.name, **labels, **{k: result.get(k) for k in SUMMARY},
-            "errors": errors, "client_cpu": client_cpu, "requests": per_request(result),
-            "cpu": {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0}}
+    return {
+        "deployment": deployment.name,
+        **labels,
+        **{k: result.get(k) for k in SUMMARY},
+        "errors": errors,
+        "client_cpu": client_cpu,
+        "requests": per_request(result),
+        "cpu": {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0},
+    }
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ For each model: starts the mesh (the `make run` launcher) and a monolithic engin
 connector) on the same machine, then alternates requests between them at each prompt length,
 letting every engine go idle before the next request, and prints medians and the ratio
 mesh/monolithic. On a 2-core host the mesh's engines get one core each and the monolithic
-engine one core (vLLM's default there), so each side computes on one core at a time. The mesh's time is split using its trace
-spans: router.prefill (queueing + prefill compute + KV save), kv.load (decode fetching KV),
-and the rest (decode start, first token, HTTP).
+engine one core (vLLM's default there), so each side computes on one core at a time. The mesh's
+time is split using its trace spans: router.prefill (queueing + prefill compute + KV save),
+kv.load (decode fetching KV), and the rest (decode start, first token, HTTP).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 import httpx
+from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 from llmesh.credentials import MeshSecrets
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_TOKENS = 32
@@ -41,19 +41,21 @@ def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
 
     `http` is made once: building an httpx client (its TLS context) costs ~25 ms, not the mesh's.
     """
-    trace_id = "%032x" % random.getrandbits(128)
+    trace_id = f"{random.getrandbits(128):032x}"
     started = time.perf_counter()
     stamps = []
-    with http.stream("POST", f"{url}/v1/completions", timeout=300,
-                      headers={"traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01", **AUTH},
-                      json={"model": MODEL, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
-                            "stream": True}) as resp:
+    with http.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=300,
+        headers={"traceparent": f"00-{trace_id}-{f'{random.getrandbits(64):016x}'}-01", **AUTH},
+        json={"model": MODEL, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True},
+    ) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 stamps.append(time.perf_counter())
-    return (stamps[0] - started, (stamps[-1] - stamps[0]) / (OUTPUT_TOKENS - 1), stamps[1] - stamps[0],
-            trace_id)
+    return (stamps[0] - started, (stamps[-1] - stamps[0]) / (OUTPUT_TOKENS - 1), stamps[1] - stamps[0], trace_id)
 
 
 AUTH: dict[str, str] = {}  # the mesh's API key (`main`)
@@ -70,12 +72,18 @@ def span_breakdown(trace_dir: Path, trace_id: str) -> dict[str, float]:
         total = 0.0
         for s in spans:
             if s["name"] == name:
-                total += (datetime.fromisoformat(s["end_time"].replace("Z", "+00:00"))
-                          - datetime.fromisoformat(s["start_time"].replace("Z", "+00:00"))).total_seconds()
+                total += (
+                    datetime.fromisoformat(s["end_time"].replace("Z", "+00:00"))
+                    - datetime.fromisoformat(s["start_time"].replace("Z", "+00:00"))
+                ).total_seconds()
         return total
 
-    return {"prefill": seconds("router.prefill"), "kv_load": seconds("kv.load"),
-            "prefill_compute": seconds("prefill-worker prefill"), "kv_save_wait": seconds("kv.save_wait")}
+    return {
+        "prefill": seconds("router.prefill"),
+        "kv_load": seconds("kv.load"),
+        "prefill_compute": seconds("prefill-worker prefill"),
+        "kv_save_wait": seconds("kv.save_wait"),
+    }
 
 
 def main() -> None:
@@ -92,14 +100,39 @@ def main() -> None:
     for MODEL in args.models:
         path = resolve_model(MODEL, model_dir)
         port, nats_port = free_port(), free_port()
-        env = {"MESH_MODEL": MODEL, "MESH_MAX_MODEL_LEN": "2304", "MESH_TRACE_DIR": str(work / "traces"),
-               "MESH_MODEL_DIR": str(model_dir), "MESH_SECRETS_DIR": str(work / "mesh-secrets")}
+        env = {
+            "MESH_MODEL": MODEL,
+            "MESH_MAX_MODEL_LEN": "2304",
+            "MESH_TRACE_DIR": str(work / "traces"),
+            "MESH_MODEL_DIR": str(model_dir),
+            "MESH_SECRETS_DIR": str(work / "mesh-secrets"),
+        }
         AUTH["Authorization"] = f"Bearer {MeshSecrets.load_or_create(work / 'mesh-secrets').api_key}"
-        mesh = Child("mesh", [sys.executable, "-m", "llmesh.launcher", "--port", str(port), "--nats-port",
-                              str(nats_port), "--logs", str(work / "logs")], env=env, log_path=work / "launcher.log")
-        mono = subprocess.Popen([sys.executable, str(ROOT / "tests/e2e/reference_engine.py"), path, "2304", "128"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / "mono.log", "w"),
-                                text=True, start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        mesh = Child(
+            "mesh",
+            [
+                sys.executable,
+                "-m",
+                "llmesh.launcher",
+                "--port",
+                str(port),
+                "--nats-port",
+                str(nats_port),
+                "--logs",
+                str(work / "logs"),
+            ],
+            env=env,
+            log_path=work / "launcher.log",
+        )
+        mono = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/e2e/reference_engine.py"), path, "2304", "128"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(work / "mono.log", "w"),
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
         try:
             assert mono.stdout.readline().strip(), "monolithic engine failed to start"
             wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
@@ -109,8 +142,9 @@ def main() -> None:
                     ids = prompt_ids(length, seed=1000 * length + rep)
                     ttft, tpot, gap, trace_id = mesh_request(http, f"http://127.0.0.1:{port}", ids)
                     time.sleep(IDLE_S)
-                    mono.stdin.write(json.dumps({"prompt_token_ids": ids, "max_tokens": OUTPUT_TOKENS,
-                                                 "timing": True}) + "\n")
+                    mono.stdin.write(
+                        json.dumps({"prompt_token_ids": ids, "max_tokens": OUTPUT_TOKENS, "timing": True}) + "\n"
+                    )
                     mono.stdin.flush()
                     timing = json.loads(mono.stdout.readline())
                     if rep:
@@ -119,30 +153,41 @@ def main() -> None:
                         parts.append(span_breakdown(work / "traces", trace_id))
                     time.sleep(IDLE_S)
                 med = statistics.median
-                row = {"model": MODEL, "prompt_tokens": length, "ttft_mesh_ms": 1e3 * med(m_ttft),
-                       "ttft_mono_ms": 1e3 * med(o_ttft), "ttft_ratio": med(m_ttft) / med(o_ttft),
-                       "tpot_mesh_ms": 1e3 * med(m_tpot), "tpot_mono_ms": 1e3 * med(o_tpot),
-                       "tpot_ratio": med(m_tpot) / med(o_tpot),
-                       "second_token_mesh_ms": 1e3 * med(m_gap), "second_token_mono_ms": 1e3 * med(o_gap),
-                       "prefill_ms": 1e3 * med(p["prefill"] for p in parts),
-                       "prefill_compute_ms": 1e3 * med(p["prefill_compute"] for p in parts),
-                       "kv_save_wait_ms": 1e3 * med(p["kv_save_wait"] for p in parts),
-                       "kv_load_ms": 1e3 * med(p["kv_load"] for p in parts)}
+                row = {
+                    "model": MODEL,
+                    "prompt_tokens": length,
+                    "ttft_mesh_ms": 1e3 * med(m_ttft),
+                    "ttft_mono_ms": 1e3 * med(o_ttft),
+                    "ttft_ratio": med(m_ttft) / med(o_ttft),
+                    "tpot_mesh_ms": 1e3 * med(m_tpot),
+                    "tpot_mono_ms": 1e3 * med(o_tpot),
+                    "tpot_ratio": med(m_tpot) / med(o_tpot),
+                    "second_token_mesh_ms": 1e3 * med(m_gap),
+                    "second_token_mono_ms": 1e3 * med(o_gap),
+                    "prefill_ms": 1e3 * med(p["prefill"] for p in parts),
+                    "prefill_compute_ms": 1e3 * med(p["prefill_compute"] for p in parts),
+                    "kv_save_wait_ms": 1e3 * med(p["kv_save_wait"] for p in parts),
+                    "kv_load_ms": 1e3 * med(p["kv_load"] for p in parts),
+                }
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         finally:
             mono.stdin.close()
             mono.wait(60)
             mesh.stop(30)
-    print("\n| model | prompt | TTFT mesh ms | TTFT mono ms | ratio | TPOT mesh ms | TPOT mono ms | ratio |"
-          " 1st→2nd token mesh ms | mono ms | router.prefill ms | prefill worker ms | kv.save_wait ms |"
-          " kv.load ms |")
+    print(
+        "\n| model | prompt | TTFT mesh ms | TTFT mono ms | ratio | TPOT mesh ms | TPOT mono ms | ratio |"
+        " 1st→2nd token mesh ms | mono ms | router.prefill ms | prefill worker ms | kv.save_wait ms |"
+        " kv.load ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['prompt_tokens']} | {r['ttft_mesh_ms']:.1f} | {r['ttft_mono_ms']:.1f} | "
-              f"{r['ttft_ratio']:.2f} | {r['tpot_mesh_ms']:.2f} | {r['tpot_mono_ms']:.2f} | {r['tpot_ratio']:.2f} | "
-              f"{r['second_token_mesh_ms']:.1f} | {r['second_token_mono_ms']:.1f} | {r['prefill_ms']:.1f} | "
-              f"{r['prefill_compute_ms']:.1f} | {r['kv_save_wait_ms']:.1f} | {r['kv_load_ms']:.1f} |")
+        print(
+            f"| {r['model']} | {r['prompt_tokens']} | {r['ttft_mesh_ms']:.1f} | {r['ttft_mono_ms']:.1f} | "
+            f"{r['ttft_ratio']:.2f} | {r['tpot_mesh_ms']:.2f} | {r['tpot_mono_ms']:.2f} | {r['tpot_ratio']:.2f} | "
+            f"{r['second_token_mesh_ms']:.1f} | {r['second_token_mono_ms']:.1f} | {r['prefill_ms']:.1f} | "
+            f"{r['prefill_compute_ms']:.1f} | {r['kv_save_wait_ms']:.1f} | {r['kv_load_ms']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +43,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
 Reply = Message | tuple[Message, bytes | bytearray | memoryview]
-Handler = Callable[[Message, memoryview], Awaitable[Reply | None] | AsyncIterator[Reply]]
+Handler = Callable[[M, memoryview], Awaitable[Reply | None] | AsyncIterator[Reply]]  # M: the message it handles
 
 # Room left in a payload for the frame header and NATS headers.
 FRAME_OVERHEAD = 64 * 1024
@@ -54,7 +53,7 @@ _NO_RESPONDERS = object()
 
 
 def _is_no_responders(msg: Msg) -> bool:
-    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"
+    return not msg.data and msg.headers is not None and msg.headers.get("Status") == "503"
 
 
 class _StreamMux:
@@ -81,7 +80,7 @@ class _StreamMux:
         self._streams.pop(stream_id, None)
 
     async def _on_msg(self, msg: Msg) -> None:
-        token = msg.subject[len(self.prefix) + 1:]
+        token = msg.subject[len(self.prefix) + 1 :]
         if token != _BATCH:
             stream = self._streams.get(token)
             if stream is not None:
@@ -149,11 +148,13 @@ class ReplyStream:
         self._stream_id = mux.open(self)
         # One timer for the whole stream (not one per reply): it ends the stream at the deadline.
         self._deadline_timer = asyncio.get_running_loop().call_later(
-            max(self._deadline - time.time(), 0), self.fail, Timeout(f"deadline passed waiting for {self._subject}"))
+            max(self._deadline - time.time(), 0), self.fail, Timeout(f"deadline passed waiting for {self._subject}")
+        )
         headers = telemetry.inject()
         headers[STREAM_HEADER] = "1"
-        await self._bus.nc.publish(self._subject, encode(msg, blob), reply=f"{mux.prefix}.{self._stream_id}",
-                                   headers=headers)
+        await self._bus.nc.publish(
+            self._subject, encode(msg, blob), reply=f"{mux.prefix}.{self._stream_id}", headers=headers
+        )
 
     def feed(self, item: bytes | memoryview | object) -> None:
         self._queue.put_nowait(item)
@@ -174,6 +175,7 @@ class ReplyStream:
                 raise item
             if item is _NO_RESPONDERS:
                 raise NoResponders(f"nothing is serving {self._subject}")
+            assert isinstance(item, (bytes, memoryview))
             reply, blob = decode_any(item)
             if isinstance(reply, StreamEnd):
                 raise StopAsyncIteration
@@ -245,23 +247,28 @@ class Bus:
         try:
             servers, tls = nats_tls(url)
             # With unlimited reconnects nats-py retries the first connection forever too: bound it.
-            await asyncio.wait_for(nc.connect(
-                servers=servers,
-                tls=tls,
-                tls_handshake_first=tls is not None,  # never a byte in the clear (llmesh.credentials.nats_tls_block)
-                name=name,
-                inbox_prefix=inbox_prefix(user) if user else "_INBOX",  # where this user may read replies
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-            ), connect_timeout)
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=servers,
+                    tls=tls,
+                    tls_handshake_first=tls
+                    is not None,  # never a byte in the clear (llmesh.credentials.nats_tls_block)
+                    name=name,
+                    inbox_prefix=inbox_prefix(user) if user else "_INBOX",  # where this user may read replies
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,  # type: ignore[arg-type]  # annotated int, but slept on as seconds
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                ),
+                connect_timeout,
+            )
         except (OSError, nats.errors.Error, TimeoutError) as exc:
-            raise ServiceUnavailable(f"cannot reach NATS at {redacted(url)} within {connect_timeout:.0f}s: "
-                                     f"{exc!r}") from exc
+            raise ServiceUnavailable(
+                f"cannot reach NATS at {redacted(url)} within {connect_timeout:.0f}s: {exc!r}"
+            ) from exc
         connected.append(cls(nc, name))
         return connected[0]
 
@@ -293,7 +300,9 @@ class Bus:
             except asyncio.CancelledError:
                 # nats-py cancels its pending flush when the server goes away meanwhile; only a
                 # cancellation of this task itself propagates.
-                if asyncio.current_task().cancelling():
+                current = asyncio.current_task()
+                assert current is not None
+                if current.cancelling():
                     raise
         await self.nc.close()
 
@@ -323,8 +332,9 @@ class Bus:
 
     # ---- server side ------------------------------------------------------------------
 
-    async def serve(self, subject: str, handler: Handler, *, queue: str = "", span: str | None = None,
-                    traced: bool = True) -> None:
+    async def serve(
+        self, subject: str, handler: Handler[M], *, queue: str = "", span: str | None = None, traced: bool = True
+    ) -> None:
         """Handle `subject` (in queue group `queue`, if given: one member gets each message);
         each message runs in its own task (strongly referenced).
 
@@ -337,15 +347,18 @@ class Bus:
         await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         await self.synced()  # the server knows the subscription once we return
 
-    async def _handle(self, msg: Msg, handler: Handler, span_name: str, traced: bool) -> None:
+    async def _handle(self, msg: Msg, handler: Handler[Any], span_name: str, traced: bool) -> None:
         parent = telemetry.extract(msg.headers)
-        span_cm = (self._tracer.start_as_current_span(span_name, context=parent, kind=trace.SpanKind.SERVER)
-                   if traced else trace.use_span(trace.INVALID_SPAN))
+        span_cm = (
+            self._tracer.start_as_current_span(span_name, context=parent, kind=trace.SpanKind.SERVER)
+            if traced
+            else trace.use_span(trace.INVALID_SPAN)
+        )
         with span_cm as span:
             try:
                 request, blob = decode_any(msg.data)
                 result = handler(request, blob)
-                if inspect.isasyncgen(result):
+                if isinstance(result, AsyncIterator):
                     async for item in result:
                         await self._reply(msg, item)
                     await self._reply(msg, StreamEnd())
@@ -378,6 +391,7 @@ class Bus:
         """NATS found no subscriber for a batch of stream replies: that client is gone; stop producing."""
         if not _is_no_responders(msg):
             return
+        assert msg.headers is not None  # a no-responders notice has them
         batch_subject = msg.headers.get("Nats-Subject", "")
         outbox = self._outboxes.pop(batch_subject.removesuffix(f".{_BATCH}"), None)
         if outbox is None:

@@ -48,8 +48,17 @@ PROMETHEUS = BASE.parent / "docker" / "prometheus"
 HOST_TARGETS = "/etc/prometheus/hosts/*.json"  # in the control plane's Prometheus: GPU hosts' targets
 JOB_LABEL = "__llmesh_job"  # which job scrapes a target in those files (a `__` label: gone after relabelling)
 ROLES = ("prefill", "decode")
-CONTROL_PLANE = ("secrets", "nats", "redis", "jaeger", "router", "placement", "length-predictor", "prometheus",
-                 "grafana")
+CONTROL_PLANE = (
+    "secrets",
+    "nats",
+    "redis",
+    "jaeger",
+    "router",
+    "placement",
+    "length-predictor",
+    "prometheus",
+    "grafana",
+)
 LEAF_PORT, REDIS_PORT, OTLP_PORT, DATA_PORT = 7422, 6379, 4318, 9200
 
 
@@ -59,12 +68,15 @@ def base() -> dict[str, Any]:
     if not BASE.exists():
         raise SystemExit(f"{BASE} is not here: run `python -m llmesh.compose` in the repository")
     compose = yaml.safe_load(BASE.read_text())
-    return {"services": {name: copy.deepcopy(service) for name, service in compose["services"].items()},
-            "volumes": compose["volumes"]}
+    return {
+        "services": {name: copy.deepcopy(service) for name, service in compose["services"].items()},
+        "volumes": compose["volumes"],
+    }
 
 
-def workers(compose: dict[str, Any], gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None,
-            name_prefix: str = "") -> dict[str, dict[str, Any]]:
+def workers(
+    compose: dict[str, Any], gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None, name_prefix: str = ""
+) -> dict[str, dict[str, Any]]:
     """The worker services: one a GPU list of `gpus[role]`, from the base file's `<role>-worker`."""
     check_sizes_can_share([len(ids) for role in ROLES for ids in gpus[role]], kv_heads_per_chunk)
     out = {}
@@ -79,7 +91,8 @@ def workers(compose: dict[str, Any], gpus: dict[str, list[list[str]]], kv_heads_
             if kv_heads_per_chunk:
                 env["MESH_KV_HEADS_PER_CHUNK"] = str(kv_heads_per_chunk)
             service["deploy"]["resources"]["reservations"]["devices"] = [
-                {"driver": "nvidia", "device_ids": list(ids), "capabilities": ["gpu"]}]
+                {"driver": "nvidia", "device_ids": list(ids), "capabilities": ["gpu"]}
+            ]
             service["networks"] = {"default": {"aliases": [f"{role}-worker"]}}  # Prometheus finds it by role
             out[name] = service
     return out
@@ -108,10 +121,12 @@ def control_plane(address: str, listen: str) -> dict[str, Any]:
     compose["services"]["redis"]["ports"] = [_published(REDIS_PORT, listen)]
     jaeger = compose["services"]["jaeger"]
     jaeger["ports"] = [p for p in jaeger["ports"] if not str(p).endswith(f":{OTLP_PORT}")] + [
-        _published(OTLP_PORT, listen)]
+        _published(OTLP_PORT, listen)
+    ]
     compose["services"]["prometheus"]["volumes"] = [
         "./docker/prometheus/control-plane.yml:/etc/prometheus/prometheus.yml:ro",
-        f"./docker/prometheus/hosts:{HOST_TARGETS.rsplit('/', 1)[0]}:ro"]
+        f"./docker/prometheus/hosts:{HOST_TARGETS.rsplit('/', 1)[0]}:ro",
+    ]
     del compose["volumes"]["models"], compose["volumes"]["kv-data"]
     return compose
 
@@ -126,10 +141,12 @@ def control_plane_prometheus() -> str:
             del job["dns_sd_configs"]
             job["file_sd_configs"] = [{"files": [HOST_TARGETS]}]
             job["relabel_configs"] = [{"source_labels": [JOB_LABEL], "regex": job["job_name"], "action": "keep"}]
-    return ("# The control plane's Prometheus (`python -m llmesh.compose control-plane`), written by\n"
-            "# `python -m llmesh.compose prometheus-config` from prometheus.yml: write it again rather than\n"
-            "# editing it. GPU hosts' targets: docker/prometheus/hosts/*.json (`gpu-host --prometheus-targets`).\n"
-            + yaml.dump(config, Dumper=_NoAliases, sort_keys=False, width=120))
+    return (
+        "# The control plane's Prometheus (`python -m llmesh.compose control-plane`), written by\n"
+        "# `python -m llmesh.compose prometheus-config` from prometheus.yml: write it again rather than\n"
+        "# editing it. GPU hosts' targets: docker/prometheus/hosts/*.json (`gpu-host --prometheus-targets`).\n"
+        + yaml.dump(config, Dumper=_NoAliases, sort_keys=False, width=120)
+    )
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -142,16 +159,24 @@ class _NoAliases(yaml.SafeDumper):
 def prometheus_targets(address: str, compose: dict[str, Any]) -> list[dict[str, Any]]:
     """Prometheus's file_sd target groups for a `gpu_host` layout: its services' /metrics, each group
     labelled with the job that scrapes it and the compose service it came from."""
-    jobs = {dns_name: job["job_name"] for job in yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())[
-        "scrape_configs"] for dns in job.get("dns_sd_configs", []) for dns_name in dns["names"]}
+    jobs = {
+        dns_name: job["job_name"]
+        for job in yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
+        for dns in job.get("dns_sd_configs", [])
+        for dns_name in dns["names"]
+    }
     groups = []
     for name, service in compose["services"].items():
         kind = (service.get("networks", {}).get("default", {}).get("aliases") or [name])[0]  # its name on one host
         for published in service.get("ports", []) if kind in jobs else []:
             host_port, inside = published.split(":")[-2:]
             if int(inside) == _metrics_port(service):
-                groups.append({"targets": [f"{address}:{host_port}"],
-                               "labels": {JOB_LABEL: jobs[kind], "service": kind, "compose_service": name}})
+                groups.append(
+                    {
+                        "targets": [f"{address}:{host_port}"],
+                        "labels": {JOB_LABEL: jobs[kind], "service": kind, "compose_service": name},
+                    }
+                )
     return groups
 
 
@@ -161,14 +186,18 @@ def _metrics_port(service: dict[str, Any]) -> int:
     return port
 
 
-def gpu_host(control: str, address: str, gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None,
-             secrets_path: str) -> dict[str, Any]:
+def gpu_host(
+    control: str, address: str, gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None, secrets_path: str
+) -> dict[str, Any]:
     compose = base()
     services = compose["services"]
     shard = address.replace(".", "-").replace(":", "-")
     mount = f"{secrets_path}:/secrets"
-    remote = {"MESH_NATS_URL": "nats://nats:4222", "MESH_REDIS_URL": f"redis://{control}:{REDIS_PORT}/0",
-              "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{control}:{OTLP_PORT}"}
+    remote = {
+        "MESH_NATS_URL": "nats://nats:4222",
+        "MESH_REDIS_URL": f"redis://{control}:{REDIS_PORT}/0",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{control}:{OTLP_PORT}",
+    }
 
     def on_this_host(service: dict[str, Any]) -> dict[str, Any]:
         service["environment"].update(remote)
@@ -178,15 +207,25 @@ def gpu_host(control: str, address: str, gpus: dict[str, list[list[str]]], kv_he
         return service
 
     nats_config = services["secrets"]  # writes this host's nats.conf (a leaf node) into its copy of the set
-    nats_config["command"] = ["llmesh.credentials", "/secrets", "--nats-listen", "0.0.0.0:4222", "--nats-leaf-of",
-                              f"{control}:{LEAF_PORT}", "--nats-monitor", "127.0.0.1:8222"]
+    nats_config["command"] = [
+        "llmesh.credentials",
+        "/secrets",
+        "--nats-listen",
+        "0.0.0.0:4222",
+        "--nats-leaf-of",
+        f"{control}:{LEAF_PORT}",
+        "--nats-monitor",
+        "127.0.0.1:8222",
+    ]
     nats_config["volumes"] = [mount]
     nats = services["nats"]
     nats["volumes"] = [mount + ":ro"]
     kv_store = on_this_host(services["kv-store"])
     kv_store["environment"] |= {"MESH_KV_SHARD": shard, "MESH_DATA_ADVERTISE_HOST": address}
-    kv_store["ports"] = [f"0.0.0.0:{DATA_PORT}:{DATA_PORT}",  # other hosts' workers load over TCP
-                         f"0.0.0.0:{_metrics_port(kv_store)}:{_metrics_port(kv_store)}"]  # the control plane scrapes
+    kv_store["ports"] = [
+        f"0.0.0.0:{DATA_PORT}:{DATA_PORT}",  # other hosts' workers load over TCP
+        f"0.0.0.0:{_metrics_port(kv_store)}:{_metrics_port(kv_store)}",
+    ]  # the control plane scrapes
     kept = {"secrets": nats_config, "nats": nats, "kv-store": kv_store}
     for i, (name, service) in enumerate(workers(compose, gpus, kv_heads_per_chunk, f"{shard}-").items()):
         kept[name] = on_this_host(service)
@@ -203,20 +242,35 @@ def _gpu_lists(values: list[str] | None) -> list[list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmesh.compose", description=__doc__.split("\n\n")[0])
     parser.add_argument("layout", choices=["single", "control-plane", "gpu-host", "prometheus-config"])
-    parser.add_argument("--prefill", action="append", metavar="GPUS", help="a prefill worker and its GPU ids, "
-                        "e.g. 0 or 0,1 (two tensor-parallel ranks); repeatable")
-    parser.add_argument("--decode", action="append", metavar="GPUS", help="a decode worker and its GPU ids; "
-                        "repeatable")
-    parser.add_argument("--kv-heads-per-chunk", type=int, default=None,
-                        help="MESH_KV_HEADS_PER_CHUNK for every worker (needed when their sizes differ)")
-    parser.add_argument("--address", help="this host's address as other hosts reach it (control-plane: for "
-                        "NATS's TLS certificate; gpu-host: its kv-store's data plane)")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        metavar="GPUS",
+        help="a prefill worker and its GPU ids, e.g. 0 or 0,1 (two tensor-parallel ranks); repeatable",
+    )
+    parser.add_argument("--decode", action="append", metavar="GPUS", help="a decode worker and its GPU ids; repeatable")
+    parser.add_argument(
+        "--kv-heads-per-chunk",
+        type=int,
+        default=None,
+        help="MESH_KV_HEADS_PER_CHUNK for every worker (needed when their sizes differ)",
+    )
+    parser.add_argument(
+        "--address",
+        help="this host's address as other hosts reach it (control-plane: for "
+        "NATS's TLS certificate; gpu-host: its kv-store's data plane)",
+    )
     parser.add_argument("--control-plane", help="gpu-host: the control plane's address")
     parser.add_argument("--listen", default="0.0.0.0", help="control-plane: where the ports GPU hosts use listen")
-    parser.add_argument("--secrets", default="./mesh-secrets", help="gpu-host: the copy of the control plane's "
-                        "secrets on this host")
-    parser.add_argument("--prometheus-targets", action="store_true", help="gpu-host: write the host's /metrics "
-                        "for the control plane's Prometheus (docker/prometheus/hosts/ADDRESS.json), not its compose")
+    parser.add_argument(
+        "--secrets", default="./mesh-secrets", help="gpu-host: the copy of the control plane's secrets on this host"
+    )
+    parser.add_argument(
+        "--prometheus-targets",
+        action="store_true",
+        help="gpu-host: write the host's /metrics "
+        "for the control plane's Prometheus (docker/prometheus/hosts/ADDRESS.json), not its compose",
+    )
     parser.add_argument("-o", "--out", type=Path, help="write here (default: standard output)")
     args = parser.parse_args(argv)
     gpus = {"prefill": _gpu_lists(args.prefill), "decode": _gpu_lists(args.decode)}
@@ -247,9 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"a GPU is given to two workers: {used}")
     if args.prometheus_targets:
         return _write(json.dumps(prometheus_targets(args.address, compose), indent=1) + "\n", args.out)
-    return _write(f"# Written by `python -m llmesh.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
-                  f"from docker-compose.yml; write it again rather than editing it.\n"
-                  + yaml.safe_dump(compose, sort_keys=False, width=120), args.out)
+    return _write(
+        f"# Written by `python -m llmesh.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"from docker-compose.yml; write it again rather than editing it.\n"
+        + yaml.safe_dump(compose, sort_keys=False, width=120),
+        args.out,
+    )
 
 
 def _write(text: str, out: Path | None) -> int:

@@ -35,27 +35,53 @@ import ssl
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlencode, urlsplit, urlunsplit
 
 API_KEYS_FILE = "api-keys"  # in a secrets directory: the digests the router accepts
 REPLIES = "_INBOX.>"  # responders answer wherever a request's reply subject points
-WORKER_INBOXES = ["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.migrate.*",
-                  "mesh.migrate_in.*", "mesh.drain.*", "mesh.role.*", "mesh.kvctl.*"]
+WORKER_INBOXES = [
+    "mesh.prefill.*",
+    "mesh.decode.*",
+    "mesh.generate.*",
+    "mesh.abort.*",
+    "mesh.migrate.*",
+    "mesh.migrate_in.*",
+    "mesh.drain.*",
+    "mesh.role.*",
+    "mesh.kvctl.*",
+]
 
 # user -> (may publish to, may subscribe to), besides its own inbox (subscribe) for every user
 PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
-    "router": (["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.length.predict"],
-               ["mesh.heartbeat"]),
-    "worker": (["mesh.heartbeat", "mesh.length.observed.*", "mesh.length.remaining", "mesh.migrate_in.*",
-                "mesh.kvctl.*", "mesh.kv.discover", "mesh.kv.*.token", REPLIES], WORKER_INBOXES + ["mesh.kv.shards"]),
+    "router": (
+        ["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.length.predict"],
+        ["mesh.heartbeat"],
+    ),
+    "worker": (
+        [
+            "mesh.heartbeat",
+            "mesh.length.observed.*",
+            "mesh.length.remaining",
+            "mesh.migrate_in.*",
+            "mesh.kvctl.*",
+            "mesh.kv.discover",
+            "mesh.kv.*.token",
+            REPLIES,
+        ],
+        WORKER_INBOXES + ["mesh.kv.shards"],
+    ),
     "kv-store": (["mesh.kv.shards", REPLIES], ["mesh.kv.>"]),
     "length-predictor": (["mesh.length.head", REPLIES], ["mesh.length.>"]),
-    "placement": (["mesh.migrate.*", "mesh.role.*", "mesh.drain.*", "mesh.placement.events", REPLIES],
-                  ["mesh.heartbeat", "mesh.placement"]),
-    "admin": (["mesh.placement", "mesh.length.refit", "mesh.length.stats.*", "mesh.kv.*.stats"],
-              ["mesh.placement.events", "mesh.heartbeat"]),
+    "placement": (
+        ["mesh.migrate.*", "mesh.role.*", "mesh.drain.*", "mesh.placement.events", REPLIES],
+        ["mesh.heartbeat", "mesh.placement"],
+    ),
+    "admin": (
+        ["mesh.placement", "mesh.length.refit", "mesh.length.stats.*", "mesh.kv.*.stats"],
+        ["mesh.placement.events", "mesh.heartbeat"],
+    ),
 }
 # (each service's settings class names its user: `NATS_USER`; both worker roles share one, as a worker
 # may switch roles)
@@ -118,14 +144,21 @@ class MeshSecrets:
         try:
             raw = json.loads(path.read_text())
         except OSError as exc:
-            raise ValueError(f"no mesh secrets at {path} ({exc.strerror}): make them with "
-                             f"`python -m llmesh.credentials {directory}`") from None
-        return cls(raw["nats_passwords"], raw["redis_password"], raw["api_key"],
-                   {user: (pub, sub) for user, (pub, sub) in raw["permissions"].items()}, directory)
+            raise ValueError(
+                f"no mesh secrets at {path} ({exc.strerror}): make them with `python -m llmesh.credentials {directory}`"
+            ) from None
+        return cls(
+            raw["nats_passwords"],
+            raw["redis_password"],
+            raw["api_key"],
+            {user: (pub, sub) for user, (pub, sub) in raw["permissions"].items()},
+            directory,
+        )
 
     @classmethod
-    def load_or_create(cls, directory: Path,
-                       extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
+    def load_or_create(
+        cls, directory: Path, extra_users: dict[str, tuple[list[str], list[str]]] | None = None
+    ) -> MeshSecrets:
         """The set in `directory`, or a new one written there (with the files services read)."""
         if (directory / cls.FILE).exists():
             return cls.load(directory)
@@ -137,11 +170,20 @@ class MeshSecrets:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         directory.chmod(0o700)
-        files = {self.FILE: json.dumps({"nats_passwords": self.nats_passwords, "redis_password": self.redis_password,
-                                        "api_key": self.api_key, "permissions": self.permissions}, indent=1),
-                 API_KEYS_FILE: f"{key_digest(self.api_key)} operator\n",  # what the router reads: the digest only
-                 "api-key": self.api_key + "\n",  # the operator's copy, for clients
-                 "redis-password": self.redis_password}  # for a redis-server started apart (compose)
+        files = {
+            self.FILE: json.dumps(
+                {
+                    "nats_passwords": self.nats_passwords,
+                    "redis_password": self.redis_password,
+                    "api_key": self.api_key,
+                    "permissions": self.permissions,
+                },
+                indent=1,
+            ),
+            API_KEYS_FILE: f"{key_digest(self.api_key)} operator\n",  # what the router reads: the digest only
+            "api-key": self.api_key + "\n",  # the operator's copy, for clients
+            "redis-password": self.redis_password,
+        }  # for a redis-server started apart (compose)
         for name, text in files.items():
             write_private(directory / name, text)
 
@@ -150,9 +192,9 @@ class MeshSecrets:
         users = []
         for user, (publish, subscribe) in self.permissions.items():
             subscribe = subscribe + [f"{inbox_prefix(user)}.>"]
-            users.append("    {user: %s, password: %s, permissions: {publish: {allow: %s}, subscribe: {allow: %s}}}"
-                         % (json.dumps(user), json.dumps(_bcrypt(self.nats_passwords[user])), json.dumps(publish),
-                            json.dumps(subscribe)))
+            password = json.dumps(_bcrypt(self.nats_passwords[user]))
+            allowed = f"publish: {{allow: {json.dumps(publish)}}}, subscribe: {{allow: {json.dumps(subscribe)}}}"
+            users.append(f"    {{user: {json.dumps(user)}, password: {password}, permissions: {{{allowed}}}}}")
         return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
 
     def add_leaf_password(self) -> bool:
@@ -168,17 +210,19 @@ class MeshSecrets:
         """The control plane's `leafnodes` block: GPU hosts' servers connect at `listen` with the leaf
         password, over TLS when the set has it (the certificate must name the address they use: --tls-host)."""
         tls = nats_tls_block(self.directory, handshake_first=False) if self.directory else ""
-        return "leafnodes {\n  listen: %s\n  authorization {user: %s, password: %s}\n%s}\n" % (
-            json.dumps(listen), json.dumps(LEAF_USER), json.dumps(_bcrypt(self.nats_passwords[LEAF_USER])),
-            _indent(tls))
+        password = json.dumps(_bcrypt(self.nats_passwords[LEAF_USER]))
+        return (
+            f"leafnodes {{\n  listen: {json.dumps(listen)}\n"
+            f"  authorization {{user: {json.dumps(LEAF_USER)}, password: {password}}}\n{_indent(tls)}}}\n"
+        )
 
     def nats_leaf_remote(self, hub: str) -> str:
         """A GPU host's `leafnodes` block: a leaf node of the control plane's server at `hub` (HOST:PORT)."""
         url = with_userinfo(f"nats://{hub}", LEAF_USER, self.nats_passwords[LEAF_USER])
         tls = ""
         if self.directory and (self.directory / NATS_CA).exists():
-            tls = "tls {ca_file: %s, timeout: 5}\n" % json.dumps(str((self.directory / NATS_CA).resolve()))
-        return "leafnodes {\n  remotes: [{\n    url: %s\n%s  }]\n}\n" % (json.dumps(url), _indent(tls, 4))
+            tls = f"tls {{ca_file: {json.dumps(str((self.directory / NATS_CA).resolve()))}, timeout: 5}}\n"
+        return f"leafnodes {{\n  remotes: [{{\n    url: {json.dumps(url)}\n{_indent(tls, 4)}  }}]\n}}\n"
 
     def nats_url(self, url: str, user: str) -> str:
         """`url` (one or several, comma-separated) with `user`'s credentials in each, over TLS trusting the
@@ -284,24 +328,40 @@ def _make_nats_tls(directory: Path, hosts: set[str]) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmesh NATS CA")])
     ca_id = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
 
-    def certificate(subject: x509.Name, key: ec.EllipticCurvePrivateKey, ca: bool,
-                    extensions: list[x509.ExtensionType]) -> x509.Certificate:
-        usage = dict.fromkeys(["content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
-                               "encipher_only", "decipher_only"], False)
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number())
-                   .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + NATS_TLS_VALIDITY)
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
-                   .add_extension(x509.KeyUsage(digital_signature=not ca, key_cert_sign=ca, crl_sign=ca, **usage),
-                                  critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_id),
-                                  critical=False))
+    def certificate(
+        subject: x509.Name, key: ec.EllipticCurvePrivateKey, ca: bool, extensions: list[x509.ExtensionType]
+    ) -> x509.Certificate:
+        usage = dict.fromkeys(
+            [
+                "content_commitment",
+                "key_encipherment",
+                "data_encipherment",
+                "key_agreement",
+                "encipher_only",
+                "decipher_only",
+            ],
+            False,
+        )
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + NATS_TLS_VALIDITY)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+            .add_extension(
+                x509.KeyUsage(digital_signature=not ca, key_cert_sign=ca, crl_sign=ca, **usage), critical=True
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_id), critical=False)
+        )
         for extension in extensions:
             builder = builder.add_extension(extension, critical=False)
         return builder.sign(ca_key, hashes.SHA256())
@@ -312,12 +372,20 @@ def _make_nats_tls(directory: Path, hosts: set[str]) -> None:
         except ValueError:
             return x509.DNSName(host)
 
-    server = certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nats-server")]), server_key, False,
-                         [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                          x509.SubjectAlternativeName([names(host) for host in sorted(hosts)])])
+    server = certificate(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nats-server")]),
+        server_key,
+        False,
+        [
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+            x509.SubjectAlternativeName([names(host) for host in sorted(hosts)]),
+        ],
+    )
     pem = serialization.Encoding.PEM
-    write_private(directory / NATS_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                                 serialization.NoEncryption()))
+    write_private(
+        directory / NATS_KEY,
+        server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
     write_private(directory / NATS_CERT, server.public_bytes(pem))
     write_private(directory / NATS_CA, certificate(ca_name, ca_key, True, []).public_bytes(pem))  # last: TLS is on
 
@@ -335,8 +403,8 @@ def nats_tls_block(directory: Path, handshake_first: bool = True) -> str:
     if not (directory / NATS_CA).exists():
         return ""
     first = "  handshake_first: true\n" if handshake_first else ""
-    return "tls {\n  cert_file: %s\n  key_file: %s\n%s  timeout: 5\n}\n" % (
-        json.dumps(str((directory / NATS_CERT).resolve())), json.dumps(str((directory / NATS_KEY).resolve())), first)
+    cert, key = (json.dumps(str((directory / name).resolve())) for name in (NATS_CERT, NATS_KEY))
+    return f"tls {{\n  cert_file: {cert}\n  key_file: {key}\n{first}  timeout: 5\n}}\n"
 
 
 def trusting_nats_ca(url: str, directory: Path) -> str:
@@ -380,22 +448,46 @@ def env_switch(name: str) -> bool | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmesh.credentials", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where the secrets go (kept if already there)")
-    parser.add_argument("--nats-listen", metavar="HOST:PORT",
-                        help="also write DIRECTORY/nats.conf, a whole nats-server config listening there")
-    parser.add_argument("--nats-leafnodes", metavar="HOST:PORT", default="",
-                        help="with --nats-listen: also accept GPU hosts' nats-servers as leaf nodes there")
-    parser.add_argument("--nats-leaf-of", metavar="HOST:PORT", default="",
-                        help="with --nats-listen: this host's nats-server is a leaf node of the control plane's, "
-                        "whose leaf-node port is HOST:PORT")
-    parser.add_argument("--nats-monitor", metavar="HOST:PORT", default="",
-                        help="with --nats-listen: nats-server's monitoring endpoint (/healthz) there")
-    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=env_switch("MESH_NATS_TLS"),
-                        help="NATS over TLS only: a private CA and nats-server's certificate in DIRECTORY, trusted by "
-                        "every service that reads it (--no-tls removes them); default: MESH_NATS_TLS, else as "
-                        "DIRECTORY has it (off for a new set)")
-    parser.add_argument("--tls-host", action="append", default=[], metavar="NAME",
-                        help="another DNS name or IP address by which clients reach nats-server, for its certificate "
-                        f"(besides {', '.join(NATS_TLS_HOSTS)}); repeatable")
+    parser.add_argument(
+        "--nats-listen",
+        metavar="HOST:PORT",
+        help="also write DIRECTORY/nats.conf, a whole nats-server config listening there",
+    )
+    parser.add_argument(
+        "--nats-leafnodes",
+        metavar="HOST:PORT",
+        default="",
+        help="with --nats-listen: also accept GPU hosts' nats-servers as leaf nodes there",
+    )
+    parser.add_argument(
+        "--nats-leaf-of",
+        metavar="HOST:PORT",
+        default="",
+        help="with --nats-listen: this host's nats-server is a leaf node of the control plane's, "
+        "whose leaf-node port is HOST:PORT",
+    )
+    parser.add_argument(
+        "--nats-monitor",
+        metavar="HOST:PORT",
+        default="",
+        help="with --nats-listen: nats-server's monitoring endpoint (/healthz) there",
+    )
+    parser.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=env_switch("MESH_NATS_TLS"),
+        help="NATS over TLS only: a private CA and nats-server's certificate in DIRECTORY, trusted by "
+        "every service that reads it (--no-tls removes them); default: MESH_NATS_TLS, else as "
+        "DIRECTORY has it (off for a new set)",
+    )
+    parser.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another DNS name or IP address by which clients reach nats-server, for its certificate "
+        f"(besides {', '.join(NATS_TLS_HOSTS)}); repeatable",
+    )
     args = parser.parse_args(argv)
     existed = (args.directory / MeshSecrets.FILE).exists()
     secrets = MeshSecrets.load_or_create(args.directory)
@@ -407,13 +499,28 @@ def main(argv: list[str] | None = None) -> int:
 
         if (args.nats_leafnodes or args.nats_leaf_of) and secrets.add_leaf_password():
             print("added a leaf-node password to the set: copy it to the GPU hosts again", file=sys.stderr)
-        leafnodes = (secrets.nats_leafnodes(args.nats_leafnodes) if args.nats_leafnodes else
-                     secrets.nats_leaf_remote(args.nats_leaf_of) if args.nats_leaf_of else "")
-        write_private(args.directory / "nats.conf", nats_server_config(
-            args.nats_listen, authorization=secrets.nats_authorization(), tls=nats_tls_block(args.directory),
-            monitor=args.nats_monitor, leafnodes=leafnodes))
-    print(f"{'kept' if existed else 'wrote'} the mesh's secrets in {args.directory} "
-          f"(NATS {'over TLS' if tls else 'without TLS'})", file=sys.stderr)
+        leafnodes = (
+            secrets.nats_leafnodes(args.nats_leafnodes)
+            if args.nats_leafnodes
+            else secrets.nats_leaf_remote(args.nats_leaf_of)
+            if args.nats_leaf_of
+            else ""
+        )
+        write_private(
+            args.directory / "nats.conf",
+            nats_server_config(
+                args.nats_listen,
+                authorization=secrets.nats_authorization(),
+                tls=nats_tls_block(args.directory),
+                monitor=args.nats_monitor,
+                leafnodes=leafnodes,
+            ),
+        )
+    print(
+        f"{'kept' if existed else 'wrote'} the mesh's secrets in {args.directory} "
+        f"(NATS {'over TLS' if tls else 'without TLS'})",
+        file=sys.stderr,
+    )
     return 0
 
 

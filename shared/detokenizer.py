@@ -28,9 +28,11 @@ class ContinuedText:
         self._tokenizer = tokenizer
         # skipped, as vLLM skips them: the tokenizer's named ones and any added token marked special
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items() if t.special}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {
+            i for i, t in added.items() if t.special
+        }
         replayed = streamed_ids[-REPLAYED_TOKENS:]
-        earlier = streamed_ids[:len(streamed_ids) - len(replayed)]
+        earlier = streamed_ids[: len(streamed_ids) - len(replayed)]
         self._tokens = self._pieces([*prompt_ids[-CONTEXT_TOKENS:], *earlier[-CONTEXT_TOKENS:]][-CONTEXT_TOKENS:])
         self._prefix_offset, self._read_offset = 0, len(self._tokens)
         for token_id in replayed:
@@ -47,15 +49,15 @@ class ContinuedText:
             return ""
         self._tokens += pieces
         to_string = self._tokenizer.convert_tokens_to_string
-        shown = to_string(self._tokens[self._prefix_offset:self._read_offset])
-        text = to_string(self._tokens[self._prefix_offset:])
+        shown = to_string(self._tokens[self._prefix_offset : self._read_offset])
+        text = to_string(self._tokens[self._prefix_offset :])
         if len(text) <= len(shown) or text.endswith("\ufffd"):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         if self._prefix_offset > 64:  # keep a short window
-            del self._tokens[:self._prefix_offset]
+            del self._tokens[: self._prefix_offset]
             self._prefix_offset, self._read_offset = 0, self._read_offset - self._prefix_offset
-        return text[len(shown):]
+        return text[len(shown) :]
 
     def feed(self, token_ids: Sequence[int]) -> str:
         return "".join(self.step(t) for t in token_ids)

@@ -52,8 +52,11 @@ def address(view: memoryview) -> int:
 
 def is_range(positions: Sequence[int]) -> bool:
     """Whether `positions` are consecutive and rising."""
-    return isinstance(positions, range) and positions.step == 1 or \
-        all(b == a + 1 for a, b in zip(positions, positions[1:]))
+    return (
+        isinstance(positions, range)
+        and positions.step == 1
+        or all(b == a + 1 for a, b in zip(positions, positions[1:]))
+    )
 
 
 class HostMemory:
@@ -80,7 +83,7 @@ class HostMemory:
         with self._lock:
             idle = self._free.get(size_class)
             if idle:
-                return memoryview(idle.pop())[:size]
+                return idle.pop().data[:size]
             if self._pooled + size_class > self._pool_bytes:
                 return memoryview(bytearray(size))  # not pooled: dropped when its views go
             self._pooled += size_class
@@ -88,7 +91,7 @@ class HostMemory:
         array = tensor.numpy()
         with self._lock:
             self._owners[id(array)] = tensor
-        return memoryview(array)[:size]
+        return array.data[:size]
 
     def give(self, view: memoryview) -> None:
         owner = view.obj
@@ -110,8 +113,12 @@ class HostMemory:
                 return
         if not self._failed:
             self._failed = True
-            log.warning("cudaHostRegister of %d bytes of shared memory failed (%s): copies to and from the "
-                        "kv-store go through pinned buffers", len(view), error)
+            log.warning(
+                "cudaHostRegister of %d bytes of shared memory failed (%s): copies to and from the "
+                "kv-store go through pinned buffers",
+                len(view),
+                error,
+            )
 
     def fast(self, view: memoryview) -> bool:
         """Whether the device copies to and from `view` at pinned speed (always, without a GPU): it lies in
@@ -156,14 +163,18 @@ class Gathered:
         bounced = []  # (run, pinned buffer) for runs the device cannot copy into at full speed
         with mover.on_side():
             if self._done is not None:
+                assert mover.side is not None  # an event: on a GPU
                 mover.side.wait_event(self._done)
             for positions, view in runs:
                 if not mover.memory.fast(view):
                     bounced.append((view, mover.memory.take(len(view))))
                     view = bounced[-1][1]
                 target = host_tensor(view).view(len(positions), pieces.shape[1])
-                part = pieces[positions[0] : positions[-1] + 1] if is_range(positions) else \
-                    pieces.index_select(0, mover.to_device(list(positions)))
+                part = (
+                    pieces[positions[0] : positions[-1] + 1]
+                    if is_range(positions)
+                    else pieces.index_select(0, mover.to_device(list(positions)))
+                )
                 target.copy_(part, non_blocking=True)
             mover.synchronize(mover.record())
         for view, pinned in bounced:
@@ -228,8 +239,11 @@ class KvMover:
         (the layer's attention). `stable`: the blocks stay as they are until the save is written."""
         cache = self.caches[layer]
         if not self.cuda:
-            return Gathered(self, cache, ids, None) if stable else Gathered(self, cache.index_select(0, ids), None, None)
+            return (
+                Gathered(self, cache, ids, None) if stable else Gathered(self, cache.index_select(0, ids), None, None)
+            )
         after = self.record()
+        assert self.side is not None  # on a GPU
         with self.on_side():
             self.side.wait_event(after)
             ids.record_stream(self.side)  # (made on the compute stream: not reused before the side stream is done)
@@ -270,6 +284,7 @@ class KvMover:
                 rows[list(positions)] = host_tensor(view).view(len(positions), -1)
         with self.on_side():
             if self.cuda:
+                assert self.side is not None
                 if self._step_event is not None:
                     self.side.wait_event(self._step_event)
                 ids.record_stream(self.side)

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from llmesh import telemetry
 from llmesh.bus import Bus, Handler
@@ -55,6 +55,18 @@ DISCOVERY_WAIT_S = 3.0
 
 
 Run = tuple[list[int], memoryview]  # positions of values (in a put's or get's keys), the host bytes holding them
+
+
+class Buffers(Protocol):
+    """Where transfer buffers come from: `HostBuffers`, or on a GPU host `llmesh.kv_mover.HostMemory`."""
+
+    def take(self, size: int) -> memoryview: ...
+
+    def give(self, view: memoryview) -> None: ...
+
+    def register(self, view: memoryview) -> None: ...
+
+    def unregister(self, view: memoryview) -> None: ...
 
 
 class HostBuffers:
@@ -150,7 +162,7 @@ _arenas: dict[str, ShmSegment] = {}  # shards' shared arenas, mapped once per pr
 _arenas_lock = threading.Lock()
 
 
-def _map_arena(name: str, size: int, host: HostBuffers) -> ShmSegment:
+def _map_arena(name: str, size: int, host: Buffers) -> ShmSegment:
     with _arenas_lock:
         arena = _arenas.get(name)
         if arena is None or arena.size != size:
@@ -162,8 +174,7 @@ def _map_arena(name: str, size: int, host: HostBuffers) -> ShmSegment:
 class DirectConnection:
     """One blocking connection to a shard's data plane; not thread-safe (pools hand it out)."""
 
-    def __init__(self, host: str, port: int, *, token: str, timeout: float, use_shm: bool,
-                 buffers: HostBuffers = PLAIN):
+    def __init__(self, host: str, port: int, *, token: str, timeout: float, use_shm: bool, buffers: Buffers = PLAIN):
         """Connect and show `token` (from the shard's announcement: llmesh_kvstore.dataplane)."""
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
@@ -297,11 +308,17 @@ class DirectConnection:
         shard has it without evicting); returns where it starts."""
         assert self.arena is not None
         self._slab = (0, 0)  # the shard gives back what is left of the last grant, whether this one succeeds or not
-        reply, _ = self._call({"op": "grant", "size": max(needed, min(SLAB_BYTES, self.arena.size // 64)),
-                               "min": needed})
+        reply, _ = self._call(
+            {"op": "grant", "size": max(needed, min(SLAB_BYTES, self.arena.size // 64)), "min": needed}
+        )
         offset, size = reply.get("offset"), reply.get("size")
-        if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < needed or \
-                offset + size > self.arena.size:
+        if (
+            not isinstance(offset, int)
+            or not isinstance(size, int)
+            or offset < 0
+            or size < needed
+            or offset + size > self.arena.size
+        ):
             self.broken = True
             raise BadMessage(f"kv-store {self.address} granted {size!r} bytes at {offset!r}")
         self._slab = (offset, offset + size)
@@ -350,6 +367,7 @@ class DirectConnection:
             raise BadMessage(f"kv-store {self.address} answered a get with {sizes!r} sizes")
         in_shm = bool(reply.get("shm"))
         if in_shm:
+            assert segment is not None  # asked for only with one
             buffer = segment.view
         else:
             buffer = self._buffers.take(payload_len)
@@ -374,8 +392,16 @@ class DirectConnection:
 
 
 class _Pool:
-    def __init__(self, info: KvShardInfo, token: Callable[[], str], *, size: int, timeout: float, use_shm: bool,
-                 buffers: HostBuffers):
+    def __init__(
+        self,
+        info: KvShardInfo,
+        token: Callable[[], str],
+        *,
+        size: int,
+        timeout: float,
+        use_shm: bool,
+        buffers: Buffers,
+    ):
         self.info, self._token, self._timeout, self._use_shm = info, token, timeout, use_shm
         self._buffers = buffers
         self._idle: queue.LifoQueue[DirectConnection] = queue.LifoQueue()
@@ -392,8 +418,14 @@ class _Pool:
             except queue.Empty:
                 pass
         try:
-            return DirectConnection(self.info.data_host, self.info.data_port, token=self._token(),
-                                    timeout=self._timeout, use_shm=self._use_shm, buffers=self._buffers)
+            return DirectConnection(
+                self.info.data_host,
+                self.info.data_port,
+                token=self._token(),
+                timeout=self._timeout,
+                use_shm=self._use_shm,
+                buffers=self._buffers,
+            )
         except BaseException:
             self._slots.release()
             raise
@@ -414,9 +446,14 @@ class Fetched(Sequence):
     """A get's values in key order (None: missing), and `runs`, the contiguous buffers holding them;
     views valid until `release()`."""
 
-    def __init__(self, values: list[memoryview | None], held: list[tuple[_Pool, DirectConnection]],
-                 runs: list[Run] | None = None, taken: list[memoryview] | None = None,
-                 buffers: HostBuffers = PLAIN):
+    def __init__(
+        self,
+        values: list[memoryview | None],
+        held: list[tuple[_Pool, DirectConnection]],
+        runs: list[Run] | None = None,
+        taken: list[memoryview] | None = None,
+        buffers: Buffers = PLAIN,
+    ):
         self._values, self._held = values, held
         self.runs = runs or []
         self._taken, self._buffers = taken or [], buffers
@@ -448,8 +485,16 @@ class Fetched(Sequence):
 class KvClient:
     """Synchronous, thread-safe puts and gets across the live shards."""
 
-    def __init__(self, directory: ShardDirectory, *, timeout: float = 30.0, use_shm: bool = True,
-                 connections_per_shard: int = 8, locator: ChunkLocator | None = None, buffers: HostBuffers = PLAIN):
+    def __init__(
+        self,
+        directory: ShardDirectory,
+        *,
+        timeout: float = 30.0,
+        use_shm: bool = True,
+        connections_per_shard: int = 8,
+        locator: ChunkLocator | None = None,
+        buffers: Buffers = PLAIN,
+    ):
         self.directory, self.timeout, self.use_shm, self.locator = directory, timeout, use_shm, locator
         self.buffers = buffers
         self._connections_per_shard = connections_per_shard
@@ -485,9 +530,14 @@ class KvClient:
         with self._lock:
             pool = self._pools.get(ident)
             if pool is None:
-                pool = self._pools[ident] = _Pool(info, lambda: self.directory.token(info.shard),
-                                                  size=self._connections_per_shard, timeout=self.timeout,
-                                                  use_shm=self.use_shm, buffers=self.buffers)
+                pool = self._pools[ident] = _Pool(
+                    info,
+                    lambda: self.directory.token(info.shard),
+                    size=self._connections_per_shard,
+                    timeout=self.timeout,
+                    use_shm=self.use_shm,
+                    buffers=self.buffers,
+                )
             return pool
 
     @staticmethod
@@ -590,8 +640,9 @@ class KvClient:
             raise
         return fetched
 
-    def _owners_then_elsewhere(self, keys: Sequence[str],
-                               missing: Callable[[], list[int]]) -> Iterator[tuple[_Pool, list[int]]]:
+    def _owners_then_elsewhere(
+        self, keys: Sequence[str], missing: Callable[[], list[int]]
+    ) -> Iterator[tuple[_Pool, list[int]]]:
         """(pool, key indices) to ask: each key's owner first, then, for the keys still `missing()`,
         the shard the chunk index places them on."""
         yield from self._by_shard(keys).items()
@@ -635,6 +686,7 @@ class FillGuard:
                 if self._revoked:
                     raise Timeout("the data to store was taken back before it was copied")
                 fill(views)
+
         return run
 
     def revoke(self) -> None:
@@ -646,45 +698,69 @@ class ThreadedKvClient:
     """A KvClient with its directory on a private event-loop thread; transfers run on a thread
     pool and return futures (for synchronous code: the vLLM connector)."""
 
-    def __init__(self, nats_url: str, name: str, *, threads: int = 8, redis_url: str = "", timeout: float = 30.0,
-                 buffers: HostBuffers = PLAIN):
+    def __init__(
+        self,
+        nats_url: str,
+        name: str,
+        *,
+        threads: int = 8,
+        redis_url: str = "",
+        timeout: float = 30.0,
+        buffers: Buffers = PLAIN,
+    ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-kv", daemon=True)
         self._thread.start()
         self._bus = asyncio.run_coroutine_threadsafe(Bus.connect(nats_url, name), self._loop).result()
         directory = ShardDirectory(self._bus)
         asyncio.run_coroutine_threadsafe(directory.start(), self._loop).result()
-        self.client = KvClient(directory, timeout=timeout, connections_per_shard=threads,
-                               locator=ChunkLocator(redis_url) if redis_url else None, buffers=buffers)
+        self.client = KvClient(
+            directory,
+            timeout=timeout,
+            connections_per_shard=threads,
+            locator=ChunkLocator(redis_url) if redis_url else None,
+            buffers=buffers,
+        )
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-kv")
 
     def serve(self, subject: str, handler: Handler) -> None:
         """Answer `subject` on this client's bus; `handler` runs on its event-loop thread."""
         asyncio.run_coroutine_threadsafe(self._bus.serve(subject, handler, traced=False), self._loop).result(timeout=10)
 
-    def put(self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float,
-            trace_context=None) -> concurrent.futures.Future:
-        return self._pool.submit(self._traced, "kv.put", trace_context, len(keys),
-                                 self.client.put, keys, values, pin_s=pin_s)
+    def put(
+        self, keys: Sequence[str], values: Sequence[Buffer], *, pin_s: float, trace_context=None
+    ) -> concurrent.futures.Future:
+        return self._pool.submit(
+            self._traced, "kv.put", trace_context, len(keys), self.client.put, keys, values, pin_s=pin_s
+        )
 
-    def put_filled(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[Staged], None], *,
-                   pin_s: float, trace_context=None) -> concurrent.futures.Future:
+    def put_filled(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        fill: Callable[[Staged], None],
+        *,
+        pin_s: float,
+        trace_context=None,
+    ) -> concurrent.futures.Future:
         """Store values that `fill` writes, in the transfer thread, into the buffers they are sent
         from (see `KvClient.staged_put`): the caller's data must not change until the future is done."""
-        return self._pool.submit(self._traced, "kv.put", trace_context, len(keys), self._fill_and_put,
-                                 keys, sizes, fill, pin_s)
+        return self._pool.submit(
+            self._traced, "kv.put", trace_context, len(keys), self._fill_and_put, keys, sizes, fill, pin_s
+        )
 
-    def _fill_and_put(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[Staged], None],
-                      pin_s: float) -> None:
+    def _fill_and_put(
+        self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[Staged], None], pin_s: float
+    ) -> None:
         with self.client.staged_put(keys, sizes, pin_s=pin_s) as views:
             fill(views)
 
-    def get(self, keys: Sequence[str], consume: Callable[[Fetched], T], *,
-            trace_context=None) -> concurrent.futures.Future[T]:
+    def get(
+        self, keys: Sequence[str], consume: Callable[[Fetched], T], *, trace_context=None
+    ) -> concurrent.futures.Future[T]:
         """Fetch `keys` and run `consume` on the values in the transfer thread; the future holds
         its result. The values are released afterwards, so `consume` must copy what it keeps."""
-        return self._pool.submit(self._traced, "kv.get", trace_context, len(keys), self._get_and_consume,
-                                 keys, consume)
+        return self._pool.submit(self._traced, "kv.get", trace_context, len(keys), self._get_and_consume, keys, consume)
 
     def _get_and_consume(self, keys: Sequence[str], consume: Callable[[Fetched], T]) -> T:
         with self.client.get(keys) as values:

@@ -89,13 +89,16 @@ def local_folder(name: str, revision: str | None) -> Path:
 
         return Path(snapshot_download(name, revision=revision, local_files_only=True))
     except Exception as exc:
-        raise RuntimeError(f"cannot identify the checkpoint {name!r} (revision {revision}): it is neither a folder "
-                           f"nor in the local hub cache ({exc}); KV from unknown weights is never shared, so "
-                           "give the model as a local path") from None
+        raise RuntimeError(
+            f"cannot identify the checkpoint {name!r} (revision {revision}): it is neither a folder "
+            f"nor in the local hub cache ({exc}); KV from unknown weights is never shared, so "
+            "give the model as a local path"
+        ) from None
 
 
-def checkpoint_identity(model: str, revision: str | None, tokenizer: str | None = None,
-                        tokenizer_revision: str | None = None) -> str:
+def checkpoint_identity(
+    model: str, revision: str | None, tokenizer: str | None = None, tokenizer_revision: str | None = None
+) -> str:
     """Content identity of the weights, config and tokenizer an engine serves."""
     model_dir = local_folder(model, revision)
     parts = [directory_digest(model_dir)]
@@ -120,8 +123,10 @@ def heads_per_chunk(num_kv_heads: int, tensor_parallel_size: int, configured: in
     """The KV heads of one chunk: `configured`, which must divide a rank's share, or 0 for that share."""
     share = rank_heads(num_kv_heads, tensor_parallel_size)
     if configured and share % configured:
-        raise ValueError(f"kv_heads_per_chunk={configured} does not divide the {share} KV heads each of the "
-                         f"{tensor_parallel_size} tensor-parallel ranks holds ({num_kv_heads} in all)")
+        raise ValueError(
+            f"kv_heads_per_chunk={configured} does not divide the {share} KV heads each of the "
+            f"{tensor_parallel_size} tensor-parallel ranks holds ({num_kv_heads} in all)"
+        )
     return configured or share
 
 
@@ -129,9 +134,11 @@ def check_sizes_can_share(tensor_parallel_sizes: Iterable[int], configured: int 
     """Raise ValueError when engines of different tensor-parallel sizes would run without a common
     head-group size: by default each chunk holds one rank's share, which differs between them."""
     if len(set(tensor_parallel_sizes)) > 1 and not configured:
-        raise ValueError("engines of different tensor-parallel sizes exchange KV only in head groups that divide "
-                         "every rank's share: set MESH_KV_HEADS_PER_CHUNK (--kv-heads-per-chunk) on all of them, "
-                         "e.g. the KV heads of one rank of the largest (2 for the embedded tiny model's 4 at 2 ranks)")
+        raise ValueError(
+            "engines of different tensor-parallel sizes exchange KV only in head groups that divide "
+            "every rank's share: set MESH_KV_HEADS_PER_CHUNK (--kv-heads-per-chunk) on all of them, "
+            "e.g. the KV heads of one rank of the largest (2 for the embedded tiny model's 4 at 2 ranks)"
+        )
 
 
 def kv_layout(vllm_config: Any) -> dict[str, Any]:
@@ -142,8 +149,11 @@ def kv_layout(vllm_config: Any) -> dict[str, Any]:
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     hf = model.hf_text_config
     transfer = vllm_config.kv_transfer_config
-    configured = ConnectorConfig.from_extra(transfer.kv_connector_extra_config).kv_heads_per_chunk \
-        if transfer is not None and transfer.kv_connector_extra_config else 0
+    configured = (
+        ConnectorConfig.from_extra(transfer.kv_connector_extra_config).kv_heads_per_chunk
+        if transfer is not None and transfer.kv_connector_extra_config
+        else 0
+    )
     num_kv_heads = model.get_total_num_kv_heads()
     return {
         "layout_version": LAYOUT_VERSION,
@@ -173,8 +183,11 @@ def check_same_layout(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
         return
     differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
     diffs = [f"{k}: {theirs.get(k)!r} there vs {ours.get(k)!r} here" for k in differ]
-    hint = ("; workers of different tensor-parallel sizes need the same MESH_KV_HEADS_PER_CHUNK"
-            if "kv_heads_per_chunk" in differ else "")
+    hint = (
+        "; workers of different tensor-parallel sizes need the same MESH_KV_HEADS_PER_CHUNK"
+        if "kv_heads_per_chunk" in differ
+        else ""
+    )
     raise KVFingerprintMismatch("KV layouts differ between prefill and decode (" + "; ".join(diffs) + ")" + hint)
 
 
@@ -219,8 +232,11 @@ def head_groups(layout: dict[str, Any]) -> int:
 
 def block_chunk_keys(block_hash: str, layout: dict[str, Any]) -> list[str]:
     """Every chunk of one block: all layers, all head groups."""
-    return [chunk_key(block_hash, layer, group) for layer in range(layout["num_layers"])
-            for group in range(head_groups(layout))]
+    return [
+        chunk_key(block_hash, layer, group)
+        for layer in range(layout["num_layers"])
+        for group in range(head_groups(layout))
+    ]
 
 
 # ---- the shared chunk index in Redis (written by kv-store shards, read by clients) ----------------

@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def footprint(size: int) -> int:
 IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
 
 
-def send_frame(sock: socket.socket, meta: dict[str, Any], payload: list[memoryview] | tuple = ()) -> None:
+def send_frame(sock: socket.socket, meta: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
     body = msgpack.packb(meta)
     size = sum(len(p) for p in payload)
     parts = [memoryview(HEADER.pack(MAGIC, len(body), size) + body), *(memoryview(p).cast("B") for p in payload)]

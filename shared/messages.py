@@ -70,8 +70,14 @@ class StreamBatch(Message):
 # ---- discovery and load ------------------------------------------------------------
 
 
+def kv_blocks(tokens: int, block_size: int) -> int:
+    """KV blocks that `tokens` tokens fill."""
+    return -(-tokens // max(block_size, 1))
+
+
 class RequestProgress(Message):
-    """A request a worker holds, as its heartbeat reports it (for the policies)."""
+    """A request a worker holds, as its heartbeat reports it: what the policies, placement and the
+    simulator read of it (the worker builds it from its own record by field name, `HeldRequest`)."""
 
     request_id: str
     prompt_tokens: int
@@ -84,6 +90,28 @@ class RequestProgress(Message):
     # `remaining_at` (LengthRemainingRequest); None: none yet, or the predictor had no information
     predicted_remaining: float | None = None
     remaining_at: int = 0
+
+    @property
+    def expected_remaining(self) -> float:
+        """Output tokens still to come, by the best estimate at hand: the refined one, else the
+        prompt-only prediction, else the budget."""
+        budget = self.max_tokens - self.generated
+        if self.predicted_remaining is not None:
+            estimate = self.predicted_remaining - (self.generated - self.remaining_at)
+        elif self.predicted_tokens is not None:
+            estimate = self.predicted_tokens - self.generated
+        else:
+            return float(budget)
+        return float(min(max(estimate, 1.0), budget))
+
+    def kv_blocks(self, block_size: int) -> int:
+        """Blocks its KV fills now."""
+        return kv_blocks(self.prompt_tokens + self.generated, block_size)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not computed yet (no output token)."""
+        return self.generated == 0
 
 
 class WorkerInfo(Message):

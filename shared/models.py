@@ -49,7 +49,16 @@ def resolve_model(name: str, model_dir: Path) -> str:
 
 def _corpus() -> list[str]:
     """Deterministic English-ish training text: docstrings of standard-library modules."""
-    import argparse, asyncio, collections, json, logging, pathlib, re, string, textwrap, unittest  # noqa: E401
+    import argparse  # noqa: E401
+    import asyncio
+    import collections
+    import json
+    import logging
+    import pathlib
+    import re
+    import string
+    import textwrap
+    import unittest
 
     texts = []
     for mod in (argparse, asyncio, collections, json, logging, pathlib, re, string, textwrap, unittest):
@@ -84,8 +93,9 @@ def build_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def build_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                seed: int = SEED) -> None:
+def build_model(
+    path: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, seed: int = SEED
+) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -105,5 +115,5 @@ def build_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int,
         pad_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # @wraps'd `to`: stubs miss self
     model.save_pretrained(path, safe_serialization=True)

@@ -1,21 +1,25 @@
-"""What the policies see of a worker, built from its heartbeat: one conversion for the router and
-the placement service, so both judge a worker by the same numbers."""
+"""What the policies see of a worker, built from its heartbeat: one conversion for the router, the
+placement service and the simulator, so all three judge a worker by the same numbers.
+
+The view takes every heartbeat field it names, by name: a field added to both reaches the policies
+with no copy written by hand; one added to the heartbeat alone must be listed in `HEARTBEAT_ONLY`
+(tests/unit/test_views.py fails until it is one or the other).
+"""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from llmesh.messages import WorkerInfo
-from llmesh.policies.core import RunningRequest, WorkerView
+from llmesh.policies.core import WorkerView
+
+# heartbeat fields no policy reads: the engine's context limit, the heartbeat period, preemption counts
+HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions"})
+VIEWED = tuple(f.name for f in fields(WorkerView) if f.name in WorkerInfo.model_fields)
 
 
 def worker_view(info: WorkerInfo) -> WorkerView:
     """The policies' snapshot of `info` (nothing sent to the worker since counted)."""
-    return WorkerView(
-        worker_id=info.worker_id, role=info.role, model=info.model, fingerprint=info.fingerprint,
-        capacity=info.capacity, running=info.running, queued_tokens=info.queued_tokens,
-        state=info.state, generates=info.generates, kv_blocks_used=info.kv_blocks_used,
-        kv_blocks_total=info.kv_blocks_total, block_size=info.block_size,
-        prefill_tokens_per_s=info.prefill_tokens_per_s,
-        requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated, r.max_tokens, r.predicted_tokens,
-                                      r.priority, r.migrating, r.predicted_remaining, r.remaining_at)
-                       for r in info.requests),
-        roles=tuple(info.roles))
+    values = {name: getattr(info, name) for name in VIEWED}
+    values["requests"], values["roles"] = tuple(info.requests), tuple(info.roles)
+    return WorkerView(**values)

@@ -59,4 +59,6 @@ def register() -> None:
     seconds = float(spin)
     # A data descriptor on the class wins over the instance attribute vLLM sets in __init__, so
     # queues made before this plugin loaded obey it too.
-    shm_broadcast.SpinCondition.busy_loop_s = property(lambda self: seconds, lambda self, value: None)
+    shm_broadcast.SpinCondition.busy_loop_s = property(  # type: ignore[assignment]  # vLLM's float, replaced on purpose
+        lambda self: seconds, lambda self, value: None
+    )

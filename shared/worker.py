@@ -29,15 +29,17 @@ from llmesh.bus import Bus
 from llmesh.config import ConnectorConfig, WorkerSettings
 from llmesh.errors import AtCapacity, ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable, Timeout
 from llmesh.kvkeys import fingerprint, kv_layout
+from llmesh.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
+from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.messages import (
     AbortRequest,
     Ack,
     DrainCommand,
-    MigrateCommand,
     LengthObserved,
     LengthPrediction,
     LengthRemaining,
     LengthRemainingRequest,
+    MigrateCommand,
     PrefillRequest,
     RequestProgress,
     RoleCommand,
@@ -45,11 +47,9 @@ from llmesh.messages import (
     SamplingOptions,
     Subjects,
     WorkerInfo,
+    kv_blocks,
 )
-from llmesh.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
-from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.models import resolve_model
-from llmesh.policies.core import kv_blocks
 
 log = logging.getLogger(__name__)
 REFINE_TIMEOUT_S = 2.0
@@ -60,8 +60,9 @@ CPU_ENGINE_SPIN_S = 0.02
 WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
 
 
-def sampling_params(options: SamplingOptions, *, max_tokens: int, kv_transfer_params: dict[str, Any],
-                    **extra: Any) -> Any:
+def sampling_params(
+    options: SamplingOptions, *, max_tokens: int, kv_transfer_params: dict[str, Any], **extra: Any
+) -> Any:
     """vLLM sampling parameters of a request, with our KV parameters and the current trace context."""
     from vllm import SamplingParams
 
@@ -110,7 +111,8 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         # one process a rank on CPU and GPU alike (vLLM's CPU backend supports no other)
-        distributed_executor_backend="mp" if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
+        distributed_executor_backend="mp"
+        if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
         else None,
         disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(
@@ -199,14 +201,16 @@ class HeldRequest:
     prompt_text: str | None = None  # its prompt's start as text, decoded once for the refinements
     output_text: list[str] = field(default_factory=list)  # its output as streamed, for the refinements
 
+    @property
+    def migrating(self) -> bool:
+        return self.migration is not None
+
     def kv_blocks(self, block_size: int) -> int:
         return kv_blocks(self.prompt_tokens + self.generated, block_size)
 
     def progress(self) -> RequestProgress:
-        return RequestProgress(request_id=self.request_id, prompt_tokens=self.prompt_tokens, generated=self.generated,
-                               max_tokens=self.max_tokens, predicted_tokens=self.predicted_tokens,
-                               priority=self.priority, migrating=self.migration is not None,
-                               predicted_remaining=self.predicted_remaining, remaining_at=self.remaining_at)
+        """As its heartbeat reports it: every field of `RequestProgress`, read by name."""
+        return RequestProgress.model_validate(self, from_attributes=True)
 
 
 class PrefillMeter:
@@ -237,8 +241,9 @@ class PrefillMeter:
         self._tokens += tokens
         if self._busy >= self.WINDOW_S:
             rate = self._tokens / self._busy
-            self.tokens_per_s = rate if not self.tokens_per_s else \
-                self.SMOOTHING * rate + (1 - self.SMOOTHING) * self.tokens_per_s
+            self.tokens_per_s = (
+                rate if not self.tokens_per_s else self.SMOOTHING * rate + (1 - self.SMOOTHING) * self.tokens_per_s
+            )
             self._busy, self._tokens = 0.0, 0
 
 
@@ -303,8 +308,9 @@ class EngineWorker:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=WARMUP_PROMPT)
-        async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0),
-                                            request_id=f"warmup-{self.worker_id}"):
+        async for _ in self.engine.generate(
+            prompt, SamplingParams(max_tokens=2, temperature=0.0), request_id=f"warmup-{self.worker_id}"
+        ):
             pass
 
     def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
@@ -313,8 +319,9 @@ class EngineWorker:
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("`messages` must not be empty", param="messages")
-            text = tok.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True
+            )
             return tok.encode(text, add_special_tokens=False)
         if req.prompt_token_ids is not None:
             vocab = len(tok)
@@ -350,8 +357,13 @@ class EngineWorker:
             await self.bus.serve(Subjects.role(self.worker_id), self._on_role, span=f"{self.role}-worker role")
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
         self._stop_watching = watch_event_loop()
-        log.info("%s ready: model %s, fingerprint %s, subject %s", self.worker_id, self.settings.model_name,
-                 self.fingerprint, self.subject)
+        log.info(
+            "%s ready: model %s, fingerprint %s, subject %s",
+            self.worker_id,
+            self.settings.model_name,
+            self.fingerprint,
+            self.subject,
+        )
 
     async def close(self) -> None:
         self._stop_watching()  # the engine's shutdown below blocks the loop
@@ -402,14 +414,19 @@ class EngineWorker:
         if choices:
             trace.get_current_span().set_attributes({f"preemption.{choice}": int(n) for choice, n in choices.items()})
 
-    async def report_length(self, request_id: str, predicted: LengthPrediction | None, actual_tokens: int,
-                            finish_reason: str) -> None:
+    async def report_length(
+        self, request_id: str, predicted: LengthPrediction | None, actual_tokens: int, finish_reason: str
+    ) -> None:
         """Tell the predictor replica that tagged a finished request how long it really was."""
         if predicted is None:
             return
         try:
-            await self.bus.publish(Subjects.length_observed(predicted.replica), LengthObserved(
-                request_id=request_id, predicted=predicted, actual_tokens=actual_tokens, finish_reason=finish_reason))
+            await self.bus.publish(
+                Subjects.length_observed(predicted.replica),
+                LengthObserved(
+                    request_id=request_id, predicted=predicted, actual_tokens=actual_tokens, finish_reason=finish_reason
+                ),
+            )
         except Exception as exc:  # a lost report only costs the predictor one sample
             log.warning("could not report the length of %s: %s", request_id, exc)
 
@@ -434,10 +451,20 @@ class EngineWorker:
             if held.prompt_text is None:
                 prompt_ids = held.token_ids[: min(held.prompt_tokens, MAX_PROMPT_CHARS)]
                 held.prompt_text = await asyncio.get_running_loop().run_in_executor(
-                    None, self.tokenizer.decode, prompt_ids)
-            answer, _ = await self.bus.request(Subjects.LENGTH_REMAINING, LengthRemainingRequest(
-                request_id=held.request_id, prompt=held.prompt_text, generated=text[-MAX_GENERATED_CHARS:],
-                generated_chars=len(text), generated_tokens=generated), LengthRemaining, timeout=REFINE_TIMEOUT_S)
+                    None, self.tokenizer.decode, prompt_ids
+                )
+            answer, _ = await self.bus.request(
+                Subjects.LENGTH_REMAINING,
+                LengthRemainingRequest(
+                    request_id=held.request_id,
+                    prompt=held.prompt_text,
+                    generated=text[-MAX_GENERATED_CHARS:],
+                    generated_chars=len(text),
+                    generated_tokens=generated,
+                ),
+                LengthRemaining,
+                timeout=REFINE_TIMEOUT_S,
+            )
             held.predicted_remaining = answer.remaining_tokens if answer.informative else None
             held.remaining_at = generated
         except Exception as exc:  # no predictor, or a slow one: the heartbeat carries the last estimate
@@ -500,10 +527,15 @@ class EngineWorker:
             self.role = cmd.role
             await self.bus.publish(Subjects.HEARTBEAT, self.info())
         outcome = self._role_outcomes[cmd.command_id] = RoleOutcome(
-            command_id=cmd.command_id, worker_id=self.worker_id, role=self.role, accepted=accepted,
-            reason="" if accepted else f"{self.worker_id} is {self.state} and serves {', '.join(self.roles)}")
-        trace.get_current_span().set_attributes({"role.to": cmd.role, "role.accepted": accepted,
-                                                 "role.reason": cmd.reason})
+            command_id=cmd.command_id,
+            worker_id=self.worker_id,
+            role=self.role,
+            accepted=accepted,
+            reason="" if accepted else f"{self.worker_id} is {self.state} and serves {', '.join(self.roles)}",
+        )
+        trace.get_current_span().set_attributes(
+            {"role.to": cmd.role, "role.accepted": accepted, "role.reason": cmd.reason}
+        )
         return outcome
 
     async def _exit_when_empty(self) -> None:
@@ -520,9 +552,20 @@ class EngineWorker:
             held.task.cancel()
 
     @asynccontextmanager
-    async def admit(self, request_id: str, model: str, deadline: float, queued_tokens: int, *, prompt_tokens: int,
-                    max_tokens: int, predicted: LengthPrediction | None = None, generated: int = 0,
-                    priority: int = 0, migration_id: str | None = None) -> AsyncIterator[HeldRequest]:
+    async def admit(
+        self,
+        request_id: str,
+        model: str,
+        deadline: float,
+        queued_tokens: int,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        predicted: LengthPrediction | None = None,
+        generated: int = 0,
+        priority: int = 0,
+        migration_id: str | None = None,
+    ) -> AsyncIterator[HeldRequest]:
         """Track a request: checks model and capacity, enforces the deadline, makes it abortable.
         The handler keeps the yielded record's `generated` current. A migration's hand-over
         (`migration_id`) takes the slot held for it."""
@@ -545,9 +588,16 @@ class EngineWorker:
         task = asyncio.current_task()
         assert task is not None
         held = self._held[request_id] = HeldRequest(
-            request_id, task, queued_tokens, prompt_tokens, max_tokens,
-            predicted.expected_tokens if predicted is not None and predicted.informative else None, generated, priority,
-            span_context=trace.get_current_span().get_span_context())
+            request_id,
+            task,
+            queued_tokens,
+            prompt_tokens,
+            max_tokens,
+            predicted.expected_tokens if predicted is not None and predicted.informative else None,
+            generated,
+            priority,
+            span_context=trace.get_current_span().get_span_context(),
+        )
         try:
             async with asyncio.timeout(remaining):
                 yield held

@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
-from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
-
 from tqdm import tqdm
+
+from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
 
 from .cluster import PREFIX_CACHES, Summary, simulate, summarize
 from .engine import EngineProfile, SimRequest
@@ -60,14 +60,22 @@ def read_trace(name: str, seed: int = 0) -> list[TraceRow]:
         path = SLICE
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        out = [(r["timestamp"] / 1000, r["input_length"], r["output_length"], tuple(r.get("hash_ids", ())))
-               for r in rows]
+        out = [
+            (r["timestamp"] / 1000, r["input_length"], r["output_length"], tuple(r.get("hash_ids", ()))) for r in rows
+        ]
     else:
         with path.open() as f:
             rows = list(csv.DictReader(f))
         if "TIMESTAMP" in rows[0]:
-            out = [(datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp(), int(r["ContextTokens"]),
-                    int(r["GeneratedTokens"]), ()) for r in rows]
+            out = [
+                (
+                    datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp(),
+                    int(r["ContextTokens"]),
+                    int(r["GeneratedTokens"]),
+                    (),
+                )
+                for r in rows
+            ]
         else:
             rng, t = random.Random(seed), 0.0
             out = []
@@ -78,8 +86,16 @@ def read_trace(name: str, seed: int = 0) -> list[TraceRow]:
     return [(t - start, p, o, h) for t, p, o, h in out]
 
 
-def workload(trace: list[TraceRow], requests: int, rate: float, input_scale: float, output_scale: float,
-             max_tokens: int, ttft_slo_s: float, tpot_slo_s: float) -> list[SimRequest]:
+def workload(
+    trace: list[TraceRow],
+    requests: int,
+    rate: float,
+    input_scale: float,
+    output_scale: float,
+    max_tokens: int,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+) -> list[SimRequest]:
     """The first `requests` of `trace` at `rate` (their gaps rescaled), lengths scaled and cut to the
     context; predicted lengths are left to `llmesh_sim.predictions`."""
     rows = trace[:requests]
@@ -90,8 +106,17 @@ def workload(trace: list[TraceRow], requests: int, rate: float, input_scale: flo
         output = max(1, min(round(o * output_scale), max_tokens // 4))  # a long prompt keeps room to answer
         prompt = max(1, min(round(p * input_scale), max_tokens - output))
         blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS) if input_scale == 1 else 0  # block ids hold for unscaled prompts
-        out.append(SimRequest(f"r{i}", (t - rows[0][0]) * stretch, prompt, output, ttft_slo_s=ttft_slo_s,
-                              tpot_slo_s=tpot_slo_s, prefix_hashes=tuple(hashes[:blocks])))
+        out.append(
+            SimRequest(
+                f"r{i}",
+                (t - rows[0][0]) * stretch,
+                prompt,
+                output,
+                ttft_slo_s=ttft_slo_s,
+                tpot_slo_s=tpot_slo_s,
+                prefix_hashes=tuple(hashes[:blocks]),
+            )
+        )
     return out
 
 
@@ -103,22 +128,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, required=True, help="an EngineProfile JSON (llmesh_sim.calibrate)")
     parser.add_argument("--trace", choices=sorted(TRACES), default="azure-conv")
     parser.add_argument("--instances", type=int, default=2, help="engines (decode engines with --prefill-instances)")
-    parser.add_argument("--prefill-instances", type=int, default=0, help="a prefill pool before the decode engines "
-                        "(0: monolithic engines)")
+    parser.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=0,
+        help="a prefill pool before the decode engines (0: monolithic engines)",
+    )
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 3])
     parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
     parser.add_argument("--queue-policies", nargs="+", default=["fcfs"], choices=sorted(QUEUE_POLICIES))
-    parser.add_argument("--policy-params", type=json.loads, default={},
-                        help='JSON: {"policy": {"param": value}}, as MESH_POLICY_PARAMS for each named policy')
-    parser.add_argument("--predictions", nargs="+", default=["oracle"], choices=PREDICTIONS,
-                        help="what length-reading policies get: the true length, the real predictor's (from its "
-                        "held-out evaluation), or nothing")
-    parser.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="none",
-                        help="prefix reuse (traces with block ids): per instance (vLLM) or the global KV store")
-    parser.add_argument("--store-blocks", type=int, default=1 << 20, help="the global store's capacity, in trace blocks")
-    parser.add_argument("--local-prefill-margin-s", type=float, default=None,
-                        help="conditional disaggregation as the router's MESH_LOCAL_PREFILL_MARGIN_S (unset: off)")
+    parser.add_argument(
+        "--policy-params",
+        type=json.loads,
+        default={},
+        help='JSON: {"policy": {"param": value}}, as MESH_POLICY_PARAMS for each named policy',
+    )
+    parser.add_argument(
+        "--predictions",
+        nargs="+",
+        default=["oracle"],
+        choices=PREDICTIONS,
+        help="what length-reading policies get: the true length, the real predictor's (from its "
+        "held-out evaluation), or nothing",
+    )
+    parser.add_argument(
+        "--prefix-cache",
+        choices=PREFIX_CACHES,
+        default="none",
+        help="prefix reuse (traces with block ids): per instance (vLLM) or the global KV store",
+    )
+    parser.add_argument(
+        "--store-blocks", type=int, default=1 << 20, help="the global store's capacity, in trace blocks"
+    )
+    parser.add_argument(
+        "--local-prefill-margin-s",
+        type=float,
+        default=None,
+        help="conditional disaggregation as the router's MESH_LOCAL_PREFILL_MARGIN_S (unset: off)",
+    )
     parser.add_argument("--input-scale", type=float, default=1.0)
     parser.add_argument("--output-scale", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -131,29 +179,70 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(args.profile)
     trace = read_trace(args.trace, args.seed)
     heldout = HeldOutPredictions.load() if "real" in args.predictions else None
-    runs = [(p, q, m, r) for p in args.policies for q in args.queue_policies for m in args.predictions
-            for r in args.rates]
+    runs = [
+        (p, q, m, r) for p in args.policies for q in args.queue_policies for m in args.predictions for r in args.rates
+    ]
     results: list[Point] = []
     for policy, queue_policy, predictions, rate in tqdm(runs, desc="sim", unit="point", file=sys.stderr):
-        reqs = workload(trace, args.requests, rate, args.input_scale, args.output_scale, args.max_model_len,
-                        args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+        reqs = workload(
+            trace,
+            args.requests,
+            rate,
+            args.input_scale,
+            args.output_scale,
+            args.max_model_len,
+            args.ttft_slo_ms / 1000,
+            args.tpot_slo_ms / 1000,
+        )
         with_predictions(reqs, predictions, args.seed, heldout)
-        done = simulate(reqs, profile, args.instances, make_policy(policy, args.policy_params.get(policy)),
-                        make_queue_policy(queue_policy, args.policy_params.get(queue_policy)),
-                        seed=args.seed, prefill_instances=args.prefill_instances,
-                        local_prefill_margin_s=args.local_prefill_margin_s, tpot_slo_s=args.tpot_slo_ms / 1000,
-                        prefix_cache=args.prefix_cache, store_blocks=args.store_blocks, max_wait_s=args.max_wait_s)
-        results.append(Point(policy, queue_policy, predictions, rate,
-                             summarize(done, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)))
+        done = simulate(
+            reqs,
+            profile,
+            args.instances,
+            make_policy(policy, args.policy_params.get(policy)),
+            make_queue_policy(queue_policy, args.policy_params.get(queue_policy)),
+            seed=args.seed,
+            prefill_instances=args.prefill_instances,
+            local_prefill_margin_s=args.local_prefill_margin_s,
+            tpot_slo_s=args.tpot_slo_ms / 1000,
+            prefix_cache=args.prefix_cache,
+            store_blocks=args.store_blocks,
+            max_wait_s=args.max_wait_s,
+        )
+        results.append(
+            Point(
+                policy,
+                queue_policy,
+                predictions,
+                rate,
+                summarize(done, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000),
+            )
+        )
     command = f"python -m llmesh_sim {' '.join(argv if argv is not None else sys.argv[1:])}"
     table = report(results, command, profile, args)
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sim.md").write_text(table)
-        (args.out / "sim.json").write_text(json.dumps({"command": command, "points": [
-            {"policy": p.policy, "queue": p.queue, "predictions": p.predictions, "rate": p.rate, **asdict(p.summary)}
-            for p in results]}, indent=1) + "\n")
+        (args.out / "sim.json").write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "points": [
+                        {
+                            "policy": p.policy,
+                            "queue": p.queue,
+                            "predictions": p.predictions,
+                            "rate": p.rate,
+                            **asdict(p.summary),
+                        }
+                        for p in results
+                    ],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         _plot(results, args.out / "sim.png")
     return 0
 
@@ -182,24 +271,37 @@ def highest_rate(points: list[Point], attainment: float) -> float | None:
 
 
 def report(results: list[Point], command: str, profile: EngineProfile, args: argparse.Namespace) -> str:
-    lines = [f"Command: `{command}`", "",
-             f"Profile {profile.name} ({profile.source or 'no source given'}), "
-             f"{f'{args.prefill_instances} prefill + ' if args.prefill_instances else ''}{args.instances} instances, trace "
-             f"{args.trace}, {args.requests} requests per point, prefix cache {args.prefix_cache}, SLO: TTFT ≤ "
-             f"{args.ttft_slo_ms:g} ms, TPOT ≤ {args.tpot_slo_ms:g} ms.", "",
-             "| policy | queue | predictions | req/s | TTFT P50 ms | TTFT P99 ms | TPOT P50 ms | TPOT P99 ms | "
-             "SLO attained | goodput req/s | refused |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Profile {profile.name} ({profile.source or 'no source given'}), "
+        f"{f'{args.prefill_instances} prefill + ' if args.prefill_instances else ''}{args.instances} instances, trace "
+        f"{args.trace}, {args.requests} requests per point, prefix cache {args.prefix_cache}, SLO: TTFT ≤ "
+        f"{args.ttft_slo_ms:g} ms, TPOT ≤ {args.tpot_slo_ms:g} ms.",
+        "",
+        "| policy | queue | predictions | req/s | TTFT P50 ms | TTFT P99 ms | TPOT P50 ms | TPOT P99 ms | "
+        "SLO attained | goodput req/s | refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in results:
         s = p.summary
-        lines.append(f"| {p.policy} | {p.queue} | {p.predictions} | {p.rate:g} | {s.ttft_p50_s * 1000:.0f} | "
-                     f"{s.ttft_p99_s * 1000:.0f} | {s.tpot_p50_s * 1000:.1f} | {s.tpot_p99_s * 1000:.1f} | "
-                     f"{s.slo_attainment:.1%} | {s.goodput_rps:.2f} | {s.refused} |")
-    lines += ["", "Highest swept rate up to which SLO attainment held:", "",
-              "| policy | queue | predictions | ≥ 90% | ≥ 99% |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {p.policy} | {p.queue} | {p.predictions} | {p.rate:g} | {s.ttft_p50_s * 1000:.0f} | "
+            f"{s.ttft_p99_s * 1000:.0f} | {s.tpot_p50_s * 1000:.1f} | {s.tpot_p99_s * 1000:.1f} | "
+            f"{s.slo_attainment:.1%} | {s.goodput_rps:.2f} | {s.refused} |"
+        )
+    lines += [
+        "",
+        "Highest swept rate up to which SLO attainment held:",
+        "",
+        "| policy | queue | predictions | ≥ 90% | ≥ 99% |",
+        "|---|---|---|---|---|",
+    ]
     for key in dict.fromkeys((p.policy, p.queue, p.predictions) for p in results):
         points = [p for p in results if (p.policy, p.queue, p.predictions) == key]
-        cells = [f"{r:g} req/s" if r is not None else "none" for r in (highest_rate(points, 0.9),
-                                                                       highest_rate(points, 0.99))]
+        cells = [
+            f"{r:g} req/s" if r is not None else "none" for r in (highest_rate(points, 0.9), highest_rate(points, 0.99))
+        ]
         lines.append(f"| {' | '.join(key)} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 

@@ -38,7 +38,9 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729) % 1000 + 3 for i in range(n)]  # token ids of the tiny vocab
 
 
-async def measure(model: str, settings: WorkerSettings) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]], int]:
+async def measure(
+    model: str, settings: WorkerSettings
+) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]], int]:
     """(prompt tokens, TTFT s) and (batch, context tokens, step s) measurements, and the engine's KV blocks."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -49,16 +51,25 @@ async def measure(model: str, settings: WorkerSettings) -> tuple[list[tuple[int,
     from llmesh.worker import WARMUP_PROMPT
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=model, dtype=settings.dtype, max_model_len=settings.max_model_len, block_size=settings.block_size,
-        enforce_eager=True, disable_log_stats=True, enable_prefix_caching=False))
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=model,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            block_size=settings.block_size,
+            enforce_eager=True,
+            disable_log_stats=True,
+            enable_prefix_caching=False,
+        )
+    )
     serial = 0
 
     async def run(prompt: list[int], max_tokens: int) -> list[float]:
         nonlocal serial
         serial += 1
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         stamps = [time.perf_counter()]
         async for _ in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"c{serial}"):
             stamps.append(time.perf_counter())
@@ -79,11 +90,17 @@ async def measure(model: str, settings: WorkerSettings) -> tuple[list[tuple[int,
             for batch in DECODE_BATCHES:
                 runs = await asyncio.gather(*[run(_prompt(context, 1000 + b), DECODE_TOKENS) for b in range(batch)])
                 # the steps after every prompt is in: each request's later gaps
-                gaps = [b - a for stamps in runs for a, b in zip(stamps[-DECODE_TOKENS // 2:], stamps[-DECODE_TOKENS // 2 + 1:])]
+                gaps = [
+                    b - a
+                    for stamps in runs
+                    for a, b in zip(stamps[-DECODE_TOKENS // 2 :], stamps[-DECODE_TOKENS // 2 + 1 :])
+                ]
                 step = statistics.median(gaps)
                 decodes.append((batch, batch * (context + DECODE_TOKENS * 3 // 4), step))
-                print(f"calibrate: decode batch {batch} at {context}-token prompts: {step * 1000:.2f} ms/step",
-                      file=sys.stderr)
+                print(
+                    f"calibrate: decode batch {batch} at {context}-token prompts: {step * 1000:.2f} ms/step",
+                    file=sys.stderr,
+                )
         return prefills, decodes, engine.vllm_config.cache_config.num_gpu_blocks or 0
     finally:
         engine.shutdown()
@@ -116,8 +133,15 @@ def fitted_profile(name: str, points: list[Point], **limits) -> tuple[EngineProf
     """The profile `fit_step_time` gives `points`, with the engine's `limits` (EngineProfile's other
     fields); and each point's fitted seconds."""
     (base, per_token, per_pair, per_seq, per_ctx), fitted = fit_step_time(points)
-    return EngineProfile(name, base_s=base, prefill_token_s=per_token, prefill_attention_s=per_pair,
-                         decode_seq_s=per_seq, context_token_s=per_ctx, **limits), fitted
+    return EngineProfile(
+        name,
+        base_s=base,
+        prefill_token_s=per_token,
+        prefill_attention_s=per_pair,
+        decode_seq_s=per_seq,
+        context_token_s=per_ctx,
+        **limits,
+    ), fitted
 
 
 def write_profile(profile: EngineProfile, report: list[tuple[str, float, float]], path: Path) -> None:
@@ -126,22 +150,37 @@ def write_profile(profile: EngineProfile, report: list[tuple[str, float, float]]
     for what, measured, fitted in report:
         print(f"| {what} | {measured * 1000:.2f} | {fitted * 1000:.2f} | {(fitted - measured) / measured:+.1%} |")
     worst = max(abs(f - m) / m for _, m, f in report)
-    print(f"\nprofile {profile.name}: step = {profile.base_s * 1000:.3f} ms + {profile.prefill_token_s * 1e6:.2f} µs per "
-          f"prompt token + {profile.prefill_attention_s * 1e9:.3f} ns per prompt attention pair + "
-          f"{profile.decode_seq_s * 1e6:.2f} µs per decoding request + {profile.context_token_s * 1e9:.2f} ns per "
-          f"context token; worst error {worst:.1%}")
+    print(
+        f"\nprofile {profile.name}: step = {profile.base_s * 1000:.3f} ms + {profile.prefill_token_s * 1e6:.2f} µs per "
+        f"prompt token + {profile.prefill_attention_s * 1e9:.3f} ns per prompt attention pair + "
+        f"{profile.decode_seq_s * 1e6:.2f} µs per decoding request + {profile.context_token_s * 1e9:.2f} ns per "
+        f"context token; worst error {worst:.1%}"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**asdict(profile), "fit_worst_error": worst}, indent=2) + "\n")
 
 
-def fit(name: str, prefills: list[tuple[int, float]], decodes: list[tuple[int, int, float]], kv_blocks: int,
-        settings: WorkerSettings, source: str) -> tuple[EngineProfile, list[tuple[str, float, float]]]:
+def fit(
+    name: str,
+    prefills: list[tuple[int, float]],
+    decodes: list[tuple[int, int, float]],
+    kv_blocks: int,
+    settings: WorkerSettings,
+    source: str,
+) -> tuple[EngineProfile, list[tuple[str, float, float]]]:
     """The profile fitted to a lone prompt's times and decode steps' times, and each measurement
     beside its fitted value."""
     points = [(f"prefill {n}", n, attention_pairs(0, n), 0, 0, t) for n, t in prefills]
     points += [(f"decode batch {b}, context {ctx}", 0, 0, b, ctx, t) for b, ctx, t in decodes]
-    profile, fitted = fitted_profile(name, points, max_batched_tokens=settings.max_model_len, max_seqs=settings.capacity,
-                                     kv_blocks=kv_blocks, block_size=settings.block_size, source=source)
+    profile, fitted = fitted_profile(
+        name,
+        points,
+        max_batched_tokens=settings.max_model_len,
+        max_seqs=settings.capacity,
+        kv_blocks=kv_blocks,
+        block_size=settings.block_size,
+        source=source,
+    )
     return profile, [(what, t, f) for (what, *_, t), f in zip(points, fitted)]
 
 

@@ -19,8 +19,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, RunningRequest, WorkerView
+from llmesh.messages import RequestProgress, WorkerInfo
+from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
+from llmesh.views import worker_view
 
 from .engine import EngineProfile, PrefixCache, SimEngine, SimRequest
 
@@ -30,10 +32,18 @@ MODEL = "sim"
 def _request_view(r: SimRequest) -> RequestView:
     """As the router builds it; once its first token is out, without a TTFT target (router.dispatch). The
     traces give no client budget (`max_tokens`): the true length is told only as a prediction."""
-    return RequestView(r.request_id, MODEL, prompt_tokens=r.prompt_tokens, arrival=r.arrival, deadline=float("inf"),
-                       predicted_tokens=r.predicted_tokens,
-                       ttft_slo_s=r.ttft_slo_s if r.first_token_at is None else None, tpot_slo_s=r.tpot_slo_s,
-                       priority=r.priority, prefix_hashes=r.prefix_hashes)
+    return RequestView(
+        r.request_id,
+        MODEL,
+        prompt_tokens=r.prompt_tokens,
+        arrival=r.arrival,
+        deadline=float("inf"),
+        predicted_tokens=r.predicted_tokens,
+        ttft_slo_s=r.ttft_slo_s if r.first_token_at is None else None,
+        tpot_slo_s=r.tpot_slo_s,
+        priority=r.priority,
+        prefix_hashes=r.prefix_hashes,
+    )
 
 
 def _worker_view(e: SimEngine) -> WorkerView:
@@ -45,22 +55,35 @@ def _worker_view(e: SimEngine) -> WorkerView:
 
 
 def _build_view(e: SimEngine) -> WorkerView:
+    """Through the heartbeat a live worker would send, and the conversion the router makes of it."""
     p = e.profile
     held = e.requests
-    return WorkerView(
-        worker_id=e.worker_id, role=e.role, model=MODEL, fingerprint="sim", capacity=p.max_seqs,  # type: ignore[arg-type]
-        running=len(held), queued_tokens=sum(r.prompt_tokens - r.prefilled + r.output_tokens - r.generated for r in held),
-        generates=e.role == "decode", kv_blocks_used=e.blocks_used(), kv_blocks_total=p.kv_blocks, block_size=p.block_size,
+    info = WorkerInfo(
+        worker_id=e.worker_id,
+        role=e.role,
+        model=MODEL,
+        fingerprint="sim",
+        max_model_len=p.kv_blocks * p.block_size,
+        heartbeat_s=1.0,
+        capacity=p.max_seqs,
+        running=len(held),
+        queued_tokens=sum(r.prompt_tokens - r.prefilled + r.output_tokens - r.generated for r in held),
+        generates=e.role == "decode",
+        kv_blocks_used=e.blocks_used(),
+        kv_blocks_total=p.kv_blocks,
+        block_size=p.block_size,
         prefill_tokens_per_s=1 / p.prefill_token_s if p.prefill_token_s else 0.0,
-        requests=tuple(RunningRequest(r.request_id, r.prompt_tokens, r.generated,
-                                      r.output_tokens, r.predicted_tokens, r.priority) for r in held))
+        requests=[RequestProgress.model_validate(r, from_attributes=True) for r in held],
+    )
+    return worker_view(info)
 
 
 PREFIX_CACHES = ("none", "local", "global")
 
 
-def _prefix_caches(ids: Sequence[str], mode: str, profile: EngineProfile, block_tokens: int,
-                   store_blocks: int) -> dict[str, PrefixCache | None]:
+def _prefix_caches(
+    ids: Sequence[str], mode: str, profile: EngineProfile, block_tokens: int, store_blocks: int
+) -> dict[str, PrefixCache | None]:
     """Each engine's prefix cache: none; vLLM's own, in the engine's KV memory ("local"); or the mesh's
     global store, shared, each hit loaded at the KV transfer speed ("global")."""
     if mode == "none":
@@ -74,11 +97,22 @@ def _prefix_caches(ids: Sequence[str], mode: str, profile: EngineProfile, block_
     raise ValueError(f"prefix cache {mode!r}: one of {', '.join(PREFIX_CACHES)}")
 
 
-def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: int, policy: Policy,
-             queue_policy: QueuePolicy, seed: int = 0, prefill_instances: int = 0,
-             local_prefill_margin_s: float | None = None, tpot_slo_s: float = 0.05, prefix_cache: str = "none",
-             prefix_block_tokens: int = 512, store_blocks: int = 1 << 20, max_wait_s: float = 30.0,
-             heartbeat_s: float = 1.0) -> list[SimRequest]:
+def simulate(
+    requests: Sequence[SimRequest],
+    profile: EngineProfile,
+    instances: int,
+    policy: Policy,
+    queue_policy: QueuePolicy,
+    seed: int = 0,
+    prefill_instances: int = 0,
+    local_prefill_margin_s: float | None = None,
+    tpot_slo_s: float = 0.05,
+    prefix_cache: str = "none",
+    prefix_block_tokens: int = 512,
+    store_blocks: int = 1 << 20,
+    max_wait_s: float = 30.0,
+    heartbeat_s: float = 1.0,
+) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
     that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it."""
@@ -131,9 +165,16 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             role = role_of(r)
             if role in held_back:
                 continue
-            ctx = DispatchContext(now=now, rng=rng, request=view, role=role,  # type: ignore[arg-type]
-                                  workers=tuple(workers.values()), generates=monolithic, dispatched=dispatched[role],
-                                  cached_blocks=routed.matches(list(workers), r.prefix_hashes) if routed else {})
+            ctx = DispatchContext(
+                now=now,
+                rng=rng,
+                request=view,
+                role=role,  # type: ignore[arg-type]
+                workers=tuple(workers.values()),
+                generates=monolithic,
+                dispatched=dispatched[role],
+                cached_blocks=routed.matches(list(workers), r.prefix_hashes) if routed else {},
+            )
             chosen = policy.pick(ctx)
             if chosen is None:
                 if not policy.declines_by_request:
@@ -142,8 +183,9 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             held_back.clear()
             if role == "prefill" and local_prefill_margin_s is not None:
                 local = policy.pick(replace(ctx, role="decode", generates=True))
-                if local is not None and _prefill_locally(view, by_id[chosen.worker_id], by_id[local.worker_id],
-                                                          now, local_prefill_margin_s, tpot_slo_s):
+                if local is not None and _prefill_locally(
+                    view, by_id[chosen.worker_id], by_id[local.worker_id], now, local_prefill_margin_s, tpot_slo_s
+                ):
                     chosen = local
             queue.remove(r)
             if routed is not None:
@@ -180,8 +222,9 @@ def simulate(requests: Sequence[SimRequest], profile: EngineProfile, instances: 
             left = engine.finish_step(now)
             for r in left:
                 if r.finished_at is None:  # a prefill engine's: on to decode once its KV is there
-                    heapq.heappush(events, (now + r.prompt_tokens * profile.kv_transfer_token_s, next(order),
-                                            "kv_ready", r))
+                    heapq.heappush(
+                        events, (now + r.prompt_tokens * profile.kv_transfer_token_s, next(order), "kv_ready", r)
+                    )
             start(engine, now)
             if left:
                 dispatch(now)
@@ -195,17 +238,25 @@ def _backlog(e: SimEngine) -> int:
     return sum(r.prompt_tokens - r.prefilled for r in e.requests)
 
 
-def _prefill_locally(view: RequestView, prefill: SimEngine, decode: SimEngine, now: float, margin_s: float,
-                     tpot_slo_s: float) -> bool:
+def _prefill_locally(
+    view: RequestView, prefill: SimEngine, decode: SimEngine, now: float, margin_s: float, tpot_slo_s: float
+) -> bool:
     """The router's choice (router.dispatch `_local_prefill_site`), from the engines' exact state."""
     p = decode.profile
     speed = 1 / p.prefill_token_s if p.prefill_token_s else 0.0
     decoding = [r for r in decode.running if r.first_token_at is not None]
-    streams = [StreamProgress(now - r.first_token_at, r.generated, r.output_tokens - r.generated)  # type: ignore[operator]
-               for r in decoding]
+    streams = [
+        StreamProgress(now - r.first_token_at, r.generated, r.output_tokens - r.generated)  # type: ignore[operator]
+        for r in decoding
+    ]
     step_s = p.step_s(0, len(decoding), sum(r.prompt_tokens + r.generated for r in decoding)) if decoding else None
-    return prefill_locally(view.prompt_tokens, PrefillSite(_backlog(prefill), speed), PrefillSite(_backlog(decode), speed),
-                           margin_s, stall_budget(streams, tpot_slo_s, step_s))
+    return prefill_locally(
+        view.prompt_tokens,
+        PrefillSite(_backlog(prefill), speed),
+        PrefillSite(_backlog(decode), speed),
+        margin_s,
+        stall_budget(streams, tpot_slo_s, step_s),
+    )
 
 
 @dataclass(frozen=True)
@@ -232,9 +283,22 @@ def summarize(requests: Sequence[SimRequest], ttft_slo_s: float, tpot_slo_s: flo
     done = [r for r in requests if r.finished_at is not None]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    good = [r for r in done if r.ttft_s <= (r.ttft_slo_s or ttft_slo_s)  # type: ignore[operator]
-            and (r.tpot_s is None or r.tpot_s <= (r.tpot_slo_s or tpot_slo_s))]
-    span = (max((r.finished_at for r in done), default=0.0) - min((r.arrival for r in requests), default=0.0)) or 1.0
-    return Summary(len(requests), len(done), sum(r.refused for r in requests), percentile(ttfts, 0.5),
-                   percentile(ttfts, 0.99), percentile(tpots, 0.5), percentile(tpots, 0.99),
-                   len(good) / max(len(requests), 1), len(good) / span)
+    good = [
+        r
+        for r in done
+        if r.ttft_s <= (r.ttft_slo_s or ttft_slo_s)  # type: ignore[operator]
+        and (r.tpot_s is None or r.tpot_s <= (r.tpot_slo_s or tpot_slo_s))
+    ]
+    finished = (r.finished_at for r in requests if r.finished_at is not None)
+    span = (max(finished, default=0.0) - min((r.arrival for r in requests), default=0.0)) or 1.0
+    return Summary(
+        len(requests),
+        len(done),
+        sum(r.refused for r in requests),
+        percentile(ttfts, 0.5),
+        percentile(ttfts, 0.99),
+        percentile(tpots, 0.5),
+        percentile(tpots, 0.99),
+        len(good) / max(len(requests), 1),
+        len(good) / span,
+    )

@@ -6,8 +6,8 @@ plus one token for every request already decoding. Its time is
 + decode_seq_s · decoding requests + context_token_s · their context`, where a chunk of c prompt
 tokens after k already computed attends to c·k + c(c+1)/2 (token, earlier token) pairs: prefill
 attention is quadratic in the prompt, which dominates long prompts on a GPU. A prompt's first
-token comes at the end of the step that computes its last chunk. KV memory is counted in blocks; a request is admitted to the batch
-only when its prompt's blocks are free, and holds its blocks until it finishes.
+token comes at the end of the step that computes its last chunk. KV memory is counted in blocks; a
+request is admitted to the batch only when its prompt's blocks are free, and holds its blocks until it finishes.
 
 Prefix reuse: a request carrying its prompt's block hashes (`prefix_hashes`, `prefix_block_tokens`
 tokens each, as the Mooncake traces give them) skips the leading blocks its engine's prefix cache
@@ -44,8 +44,13 @@ class EngineProfile:
     source: str = ""  # where the numbers come from
 
     def step_s(self, prefill_tokens: int, decoding: int, context_tokens: int, attention_pairs: int = 0) -> float:
-        return (self.base_s + self.prefill_token_s * prefill_tokens + self.prefill_attention_s * attention_pairs
-                + self.decode_seq_s * decoding + self.context_token_s * context_tokens)
+        return (
+            self.base_s
+            + self.prefill_token_s * prefill_tokens
+            + self.prefill_attention_s * attention_pairs
+            + self.decode_seq_s * decoding
+            + self.context_token_s * context_tokens
+        )
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """A lone prompt's time in one step (its time to first token on an idle engine)."""
@@ -78,6 +83,16 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     refused: bool = False
+    # what a live worker also reports of a request (llmesh.messages.RequestProgress, read by name) and the
+    # simulator does not model: live migration, refined length predictions
+    migrating: bool = False
+    predicted_remaining: float | None = None
+    remaining_at: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        """Its output budget: the simulator generates exactly `output_tokens`."""
+        return self.output_tokens
 
     @property
     def ttft_s(self) -> float | None:
@@ -173,8 +188,11 @@ class SimEngine:
                     self.cache.index.record(self.cache.key, r.prefix_hashes)
         for r in self._decoding:
             r.generated += 1
-        leaving = [r for r in self.running if r.first_token_at is not None
-                   and (self.role == "prefill" or r.generated >= r.output_tokens)]
+        leaving = [
+            r
+            for r in self.running
+            if r.first_token_at is not None and (self.role == "prefill" or r.generated >= r.output_tokens)
+        ]
         for r in leaving:
             if r.generated >= r.output_tokens:
                 r.finished_at = now

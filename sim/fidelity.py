@@ -23,14 +23,19 @@ from .cluster import percentile, simulate
 from .engine import SimRequest
 
 # deployment -> (decode or monolithic engines, prefill engines, dispatch policy, conditional disaggregation margin)
-DEPLOYMENTS = {"mesh": (1, 1, "least_loaded", 0.25), "vllm-router": (2, 0, "power_of_two", None),
-               "vllm": (1, 0, "least_loaded", None)}
+DEPLOYMENTS = {
+    "mesh": (1, 1, "least_loaded", 0.25),
+    "vllm-router": (2, 0, "power_of_two", None),
+    "vllm": (1, 0, "least_loaded", None),
+}
 
 
 def replay(point: dict) -> list[SimRequest]:
     r = point["requests"]
-    return [SimRequest(f"r{i}", start, prompt, output) for i, (start, prompt, output)
-            in enumerate(zip(r["start_s"], r["prompt_tokens"], r["output_tokens"]))]
+    return [
+        SimRequest(f"r{i}", start, prompt, output)
+        for i, (start, prompt, output) in enumerate(zip(r["start_s"], r["prompt_tokens"], r["output_tokens"]))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,20 +46,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
     points = [p for p in json.loads(args.results.read_text())["points"] if p.get("requests", {}).get("start_s")]
-    print("| deployment | workload | req/s | requests | P50 TTFT real ms | sim ms | ratio | P99 TTFT real ms | sim ms "
-          "| ratio |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| deployment | workload | req/s | requests | P50 TTFT real ms | sim ms | ratio | P99 TTFT real ms | sim ms "
+        "| ratio |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for point in points:
         engines, prefill, policy, margin = DEPLOYMENTS[point["deployment"]]
-        done = simulate(replay(point), profile, engines, make_policy(policy), make_queue_policy("fcfs"),
-                        prefill_instances=prefill, local_prefill_margin_s=margin, tpot_slo_s=args.tpot_slo_ms / 1000)
+        done = simulate(
+            replay(point),
+            profile,
+            engines,
+            make_policy(policy),
+            make_queue_policy("fcfs"),
+            prefill_instances=prefill,
+            local_prefill_margin_s=margin,
+            tpot_slo_s=args.tpot_slo_ms / 1000,
+        )
         real = [t for t in point["requests"]["ttft_ms"] if t is not None]
         sim = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
         cells = []
         for q in (0.5, 0.99):
             measured, simulated = percentile(real, q), percentile(sim, q)
             cells += [f"{measured:.0f}", f"{simulated:.0f}", f"{simulated / measured:.2f}"]
-        print(f"| {point['deployment']} | {point['workload']} | {point['rate']:g} | {len(real)} | " + " | ".join(cells)
-              + " |")
+        print(
+            f"| {point['deployment']} | {point['workload']} | {point['rate']:g} | {len(real)} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return 0
 
 

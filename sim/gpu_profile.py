@@ -39,8 +39,17 @@ KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V o
 
 MLP_CSV = "data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv"
 ATTENTION_CSV = "data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/attention.csv"
-LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-             "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+LAYER_OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
 
 # Published figures for attention when Vidur's attention.csv is absent.
 # FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608), Fig. 5 "Attention forward speed, head dim 128
@@ -83,8 +92,10 @@ def _ms(row: dict[str, str], op: str) -> float:
 def read_layer_ops(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Token counts and, for each, seconds of one layer's per-token operations, of the embedding lookup
     and of the MLP up-projection (TP 1 rows)."""
-    rows = sorted(_rows(path, num_tensor_parallel_workers="1", n_embd=str(HIDDEN), n_expanded_embd=str(FFN)),
-                  key=lambda r: int(r["num_tokens"]))
+    rows = sorted(
+        _rows(path, num_tensor_parallel_workers="1", n_embd=str(HIDDEN), n_expanded_embd=str(FFN)),
+        key=lambda r: int(r["num_tokens"]),
+    )
     if not rows:
         raise SystemExit(f"{path}: no TP-1 rows of a {HIDDEN}/{FFN} model")
     tokens = np.array([int(r["num_tokens"]) for r in rows], float)
@@ -103,9 +114,12 @@ def per_tokens(tokens: np.ndarray, seconds: np.ndarray, n: float) -> float:
 
 class PublishedAttention:
     """Attention time of one layer from the published figures above."""
-    source = ("attention from published figures: FlashAttention-3 paper (arXiv:2407.08608) Fig. 5 causal "
-              "hdim-128 H100 throughput; decode KV read at 80% of H100 SXM5 3.35 TB/s + 19 µs/layer (fitted "
-              "to Vidur data/profiling/a100/attention.csv @ acb95f6)")
+
+    source = (
+        "attention from published figures: FlashAttention-3 paper (arXiv:2407.08608) Fig. 5 causal "
+        "hdim-128 H100 throughput; decode KV read at 80% of H100 SXM5 3.35 TB/s + 19 µs/layer (fitted "
+        "to Vidur data/profiling/a100/attention.csv @ acb95f6)"
+    )
 
     def prefill(self, n: int, done: int = 0) -> float:
         """A chunk of n prompt tokens after `done` computed ones, at the throughput of a done + n sequence."""
@@ -124,12 +138,24 @@ class VidurAttention:
     and its KV tokens, by least squares."""
 
     def __init__(self, path: Path):
-        rows = _rows(path, n_q_head=str(Q_HEADS), n_kv_head=str(KV_HEADS), n_embd=str(HIDDEN),
-                     num_tensor_parallel_workers="1", block_size=str(BLOCK_SIZE))
-        prefill = sorted((int(r["prefill_chunk_size"]), _ms(r, "attn_prefill")) for r in rows
-                         if r["is_prefill"] == "True" and int(r["kv_cache_size"]) == 0 and r["batch_size"] == "1")
-        decode = [(int(r["batch_size"]), int(r["kv_cache_size"]), _ms(r, "attn_decode")) for r in rows
-                  if r["is_prefill"] != "True"]
+        rows = _rows(
+            path,
+            n_q_head=str(Q_HEADS),
+            n_kv_head=str(KV_HEADS),
+            n_embd=str(HIDDEN),
+            num_tensor_parallel_workers="1",
+            block_size=str(BLOCK_SIZE),
+        )
+        prefill = sorted(
+            (int(r["prefill_chunk_size"]), _ms(r, "attn_prefill"))
+            for r in rows
+            if r["is_prefill"] == "True" and int(r["kv_cache_size"]) == 0 and r["batch_size"] == "1"
+        )
+        decode = [
+            (int(r["batch_size"]), int(r["kv_cache_size"]), _ms(r, "attn_decode"))
+            for r in rows
+            if r["is_prefill"] != "True"
+        ]
         if not prefill or len(decode) < 3:
             raise SystemExit(f"{path}: too few prefill or decode rows for this model")
         self.lengths, self.prefill_s = np.array([n for n, _ in prefill], float), np.array([t for _, t in prefill])
@@ -141,8 +167,11 @@ class VidurAttention:
         """A chunk of n prompt tokens after `done` computed ones: a lone n-token prompt's time, scaled by
         the attention pairs."""
         last = int(self.lengths[-1])
-        lone = (self.prefill_s[-1] * attention_pairs(0, n) / attention_pairs(0, last) if n > last
-                else np.interp(n, self.lengths, self.prefill_s))
+        lone = (
+            self.prefill_s[-1] * attention_pairs(0, n) / attention_pairs(0, last)
+            if n > last
+            else np.interp(n, self.lengths, self.prefill_s)
+        )
         return float(lone * attention_pairs(done, n) / attention_pairs(0, n))
 
     def decode(self, batch: int, context: int) -> float:
@@ -154,8 +183,12 @@ def kv_save(tokens: int) -> float:
     return tokens * KV_BYTES_PER_TOKEN / LAYERS / (DECODE_BW_EFFICIENCY * H100_HBM_BYTES_S)
 
 
-def kv_cache_blocks(gpu_gib: float = GPU_GIB, utilization: float = GPU_MEMORY_UTILIZATION,
-                    non_kv_gib: float = NON_KV_GIB, block_size: int = BLOCK_SIZE) -> int:
+def kv_cache_blocks(
+    gpu_gib: float = GPU_GIB,
+    utilization: float = GPU_MEMORY_UTILIZATION,
+    non_kv_gib: float = NON_KV_GIB,
+    block_size: int = BLOCK_SIZE,
+) -> int:
     """vLLM's KV blocks: what the memory budget leaves after the weights and the rest, in blocks."""
     free = (gpu_gib * utilization - non_kv_gib) * 2**30 - PARAMS * DTYPE_BYTES
     return int(free // (KV_BYTES_PER_TOKEN * block_size))
@@ -166,15 +199,26 @@ def points(mlp: Path, attention, kv_tokens: int) -> list[Point]:
     tokens, layer, emb, up = read_layer_ops(mlp)
 
     def linear(n: int, logits: int) -> float:  # layers' per-token work, embedding, LM head on `logits` rows
-        return (LAYERS * (per_tokens(tokens, layer, n) + kv_save(n)) + per_tokens(tokens, emb, n)
-                + per_tokens(tokens, up, logits) * VOCAB / (2 * FFN))
+        return (
+            LAYERS * (per_tokens(tokens, layer, n) + kv_save(n))
+            + per_tokens(tokens, emb, n)
+            + per_tokens(tokens, up, logits) * VOCAB / (2 * FFN)
+        )
 
     out: list[Point] = []
     for n in PREFILLS:
         out.append((f"prefill {n}", n, attention_pairs(0, n), 0, 0, linear(n, 1) + LAYERS * attention.prefill(n)))
     for c, done in CHUNKS:
-        out.append((f"chunk {c} after {done}", c, attention_pairs(done, c), 0, 0,
-                    linear(c, 1) + LAYERS * attention.prefill(c, done)))
+        out.append(
+            (
+                f"chunk {c} after {done}",
+                c,
+                attention_pairs(done, c),
+                0,
+                0,
+                linear(c, 1) + LAYERS * attention.prefill(c, done),
+            )
+        )
     for c in DECODE_CONTEXTS:
         for b in DECODE_BATCHES:
             if b * c <= kv_tokens:  # a batch that fits the KV cache
@@ -197,12 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     pts = points(mlp, attention, blocks * BLOCK_SIZE)
     at = f" @ {args.commit}" if args.commit else ""
     profile, fitted = fitted_profile(
-        args.out.stem, pts, max_batched_tokens=MAX_BATCHED_TOKENS, max_seqs=MAX_SEQS, kv_blocks=blocks,
-        block_size=BLOCK_SIZE, kv_transfer_token_s=KV_BYTES_PER_TOKEN / LINK_BYTES_S,
-        source=(f"Llama-2-7B bf16 TP1 on one H100, vLLM-like: per-operation GPU times from github.com/microsoft/vidur"
-                f"{at} {MLP_CSV} (x{LAYERS} layers); {attention.source}; fitted by `python -m llmesh_sim.gpu_profile`; "
-                f"KV {blocks} blocks of {BLOCK_SIZE} ({GPU_GIB} GiB x {GPU_MEMORY_UTILIZATION} - weights - "
-                f"{NON_KV_GIB} GiB); KV transfer {KV_BYTES_PER_TOKEN // 1024} KiB/token over 400 Gb/s RDMA"))
+        args.out.stem,
+        pts,
+        max_batched_tokens=MAX_BATCHED_TOKENS,
+        max_seqs=MAX_SEQS,
+        kv_blocks=blocks,
+        block_size=BLOCK_SIZE,
+        kv_transfer_token_s=KV_BYTES_PER_TOKEN / LINK_BYTES_S,
+        source=(
+            f"Llama-2-7B bf16 TP1 on one H100, vLLM-like: per-operation GPU times from github.com/microsoft/vidur"
+            f"{at} {MLP_CSV} (x{LAYERS} layers); {attention.source}; fitted by `python -m llmesh_sim.gpu_profile`; "
+            f"KV {blocks} blocks of {BLOCK_SIZE} ({GPU_GIB} GiB x {GPU_MEMORY_UTILIZATION} - weights - "
+            f"{NON_KV_GIB} GiB); KV transfer {KV_BYTES_PER_TOKEN // 1024} KiB/token over 400 Gb/s RDMA"
+        ),
+    )
     write_profile(profile, [(what, t, f) for (what, *_, t), f in zip(pts, fitted)], args.out)
     return 0
 

@@ -75,8 +75,9 @@ class HeldOutPredictions:
         return rng.choice(self.by_bucket[self.source_bucket(actual_tokens)])
 
 
-def with_predictions(requests: Sequence[SimRequest], mode: str, seed: int = 0,
-                     heldout: HeldOutPredictions | None = None) -> Sequence[SimRequest]:
+def with_predictions(
+    requests: Sequence[SimRequest], mode: str, seed: int = 0, heldout: HeldOutPredictions | None = None
+) -> Sequence[SimRequest]:
     """Set each request's `predicted_tokens` (in place; returns `requests`): "oracle" its
     `output_tokens`, "real" a draw from `heldout` (one `random.Random(seed)`, in list order, so
     the same requests and seed get the same predictions), "none" None."""
@@ -89,6 +90,7 @@ def with_predictions(requests: Sequence[SimRequest], mode: str, seed: int = 0,
         if mode == "oracle":
             r.predicted_tokens = float(r.output_tokens)
         elif mode == "real":
+            assert heldout is not None
             r.predicted_tokens = heldout.predict(r.output_tokens, rng)
         else:
             r.predicted_tokens = None
@@ -114,18 +116,25 @@ def held_out_rows(family: str = "llama", seed: int = 0) -> tuple[list[list[float
     mu = ridge.predict(features.x[rows], features.dense[rows])
     probs = bucket_probs(mu, ridge.sigma)
     out = [[e.output_tokens, float(np.expm1(m)), int(p.argmax()), float(p.max())] for e, m, p in zip(test, mu, probs)]
-    info = {"family": family, "seed": seed, "test_fraction": TEST_FRACTION, "train_responses": len(fit),
-            "model": "llmesh_lengthpred.train's prompt-only regression, all sources"}
+    info = {
+        "family": family,
+        "seed": seed,
+        "test_fraction": TEST_FRACTION,
+        "train_responses": len(fit),
+        "model": "llmesh_lengthpred.train's prompt-only regression, all sources",
+    }
     return out, info
 
 
 def scores(rows: Sequence[Sequence[float]], edges: Sequence[int] = EDGES) -> dict[str, float]:
     """Exact-bucket and ±1-bucket accuracy and MAE (tokens), as train.py scores them."""
     truth = [bisect_right(edges, int(a)) for a, *_ in rows]
-    return {"rows": len(rows),
-            "exact": sum(t == int(r[2]) for t, r in zip(truth, rows)) / len(rows),
-            "within_one": sum(abs(t - int(r[2])) <= 1 for t, r in zip(truth, rows)) / len(rows),
-            "mae_tokens": sum(abs(r[1] - r[0]) for r in rows) / len(rows)}
+    return {
+        "rows": len(rows),
+        "exact": sum(t == int(r[2]) for t, r in zip(truth, rows)) / len(rows),
+        "within_one": sum(abs(t - int(r[2])) <= 1 for t, r in zip(truth, rows)) / len(rows),
+        "mae_tokens": sum(abs(r[1] - r[0]) for r in rows) / len(rows),
+    }
 
 
 def _relative(path: Path) -> str:
@@ -143,19 +152,24 @@ def main(argv: list[str] | None = None) -> int:
     rows, info = held_out_rows(args.family)
     got = scores(rows)
     command = " ".join(["python -m llmesh_sim.predictions", *(argv if argv is not None else sys.argv[1:])])
-    out = {"command": command,
-           "source": "llmesh_lengthpred.train's prompt-only model on the prompts it was not fitted on; lengths in "
-                     "WordPiece tokens (llmesh_lengthpred.model; traces: Llama tokens)",
-           **info, "bucket_edges": list(EDGES),
-           "scores": {k: round(v, 4) for k, v in got.items()},
-           "columns": COLUMNS,
-           "rows": [[int(a), round(e, 1), int(b), round(c, 3)] for a, e, b, c in rows]}
+    out = {
+        "command": command,
+        "source": "llmesh_lengthpred.train's prompt-only model on the prompts it was not fitted on; lengths in "
+        "WordPiece tokens (llmesh_lengthpred.model; traces: Llama tokens)",
+        **info,
+        "bucket_edges": list(EDGES),
+        "scores": {k: round(v, 4) for k, v in got.items()},
+        "columns": COLUMNS,
+        "rows": [[int(a), round(e, 1), int(b), round(c, 3)] for a, e, b, c in rows],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     head = json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=2, ensure_ascii=False)[: -len("\n}")]
     body = ",\n".join("    " + json.dumps(r) for r in out["rows"])  # a row a line: small diffs
     args.out.write_text(f'{head},\n  "rows": [\n{body}\n  ]\n}}\n')
-    print(f"predictions: {got['rows']} held-out {info['family']} rows: MAE {got['mae_tokens']:.1f} tokens, "
-          f"exact bucket {got['exact']:.1%}, ±1 {got['within_one']:.1%}")
+    print(
+        f"predictions: {got['rows']} held-out {info['family']} rows: MAE {got['mae_tokens']:.1f} tokens, "
+        f"exact bucket {got['exact']:.1%}, ±1 {got['within_one']:.1%}"
+    )
     print(json.dumps({"out": _relative(args.out)}))
     return 0
 

@@ -42,8 +42,11 @@ class Hosts:
         try:
             for name in self._netns:
                 self._shm[name] = Path(tempfile.mkdtemp(prefix=f"llmesh-shm-{name}-"))
-                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SHM_BYTES}", "tmpfs", str(self._shm[name])],
-                               check=True, capture_output=True)
+                subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", f"size={SHM_BYTES}", "tmpfs", str(self._shm[name])],
+                    check=True,
+                    capture_output=True,
+                )
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{SUBNET}.254/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
@@ -75,10 +78,24 @@ class Hosts:
         each `tmpfs` directory (path -> bytes) a filesystem that size of its own (a full disk gives a
         real ENOSPC)."""
         steps = [f"mount --bind {shlex.quote(str(self._shm[name]))} /dev/shm"]
-        steps += [f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o size={size} tmpfs {shlex.quote(path)}"
-                  for path, size in (tmpfs or {}).items()]
-        return ["ip", "netns", "exec", self._netns[name], "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", f'{" && ".join(steps)} && exec "$@"', "sh"]
+        steps += [
+            f"mkdir -p {shlex.quote(path)} && mount -t tmpfs -o size={size} tmpfs {shlex.quote(path)}"
+            for path, size in (tmpfs or {}).items()
+        ]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self._netns[name],
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'{" && ".join(steps)} && exec "$@"',
+            "sh",
+        ]
 
     def cut(self, name: str) -> None:
         """Host `name` drops off the network: its link goes down, nothing it sends or is sent arrives."""
@@ -89,7 +106,25 @@ class Hosts:
         queue holding at most 400 ms of packets (the rest are dropped and TCP sends them again): a
         congested or failing link. None: as before. (This kernel has no netem for plain delay.)"""
         for netns, dev in ((None, self._veth[name]), (self._netns[name], "eth0")):
-            command = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "16kbit",
-                       "latency", "400ms"] if rate else ["tc", "qdisc", "del", "dev", dev, "root"]
-            subprocess.run(["ip", "netns", "exec", netns, *command] if netns else command, check=True,
-                           capture_output=True)
+            command = (
+                [
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "16kbit",
+                    "latency",
+                    "400ms",
+                ]
+                if rate
+                else ["tc", "qdisc", "del", "dev", dev, "root"]
+            )
+            subprocess.run(
+                ["ip", "netns", "exec", netns, *command] if netns else command, check=True, capture_output=True
+            )

@@ -71,12 +71,16 @@ class OtlpReceiver:
                 resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
-                        out.append({
-                            "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                            "parent_id": span.parent_span_id.hex(), "name": span.name,
-                            "service": resource.get("service.name", ""),
-                            "attributes": {a.key: _value(a.value) for a in span.attributes},
-                        })
+                        out.append(
+                            {
+                                "trace_id": span.trace_id.hex(),
+                                "span_id": span.span_id.hex(),
+                                "parent_id": span.parent_span_id.hex(),
+                                "name": span.name,
+                                "service": resource.get("service.name", ""),
+                                "attributes": {a.key: _value(a.value) for a in span.attributes},
+                            }
+                        )
         return out
 
     def close(self) -> None:

@@ -29,21 +29,52 @@ TORCH_WHEELS = Path("/opt/wheels")
 
 
 def _torch_source() -> list[str]:
-    return (["--find-links", str(TORCH_WHEELS)] if TORCH_WHEELS.is_dir()
-            else ["--extra-index-url", "https://download.pytorch.org/whl/cpu"])
+    return (
+        ["--find-links", str(TORCH_WHEELS)]
+        if TORCH_WHEELS.is_dir()
+        else ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+    )
 
 
 LMCACHE_STEPS = [  # pip arguments, one install a step
-    [*_torch_source(), "torch==2.13.0",  # and what lmcache's client and server modules import on CPU
-     "numpy<=2.2.6", "numba", "transformers>=5.4", "pyyaml", "requests", "cachetools", "psutil", "py-cpuinfo",
-     "prometheus_client>=0.18,<=0.24.1", "aiohttp", "msgspec", "pyzmq>=25", "cryptography",
-     "sortedcontainers", "aiofile", "aiofiles", "nvtx", "awscrt"],
+    [
+        *_torch_source(),
+        "torch==2.13.0",  # and what lmcache's client and server modules import on CPU
+        "numpy<=2.2.6",
+        "numba",
+        "transformers>=5.4",
+        "pyyaml",
+        "requests",
+        "cachetools",
+        "psutil",
+        "py-cpuinfo",
+        "prometheus_client>=0.18,<=0.24.1",
+        "aiohttp",
+        "msgspec",
+        "pyzmq>=25",
+        "cryptography",
+        "sortedcontainers",
+        "aiofile",
+        "aiofiles",
+        "nvtx",
+        "awscrt",
+    ],
     ["--no-deps", "lmcache==0.5.6"],
 ]
 LMCACHE_CHECK = "import lmcache.v1.server.__main__, lmcache.v1.storage_backend.connector.lm_connector"
 COMPOSE_STEPS = [
-    ["pyyaml>=6", "docker<7", "dockerpty", "docopt", "jsonschema<4", "python-dotenv", "requests", "texttable",
-     "websocket-client", "distro"],
+    [
+        "pyyaml>=6",
+        "docker<7",
+        "dockerpty",
+        "docopt",
+        "jsonschema<4",
+        "python-dotenv",
+        "requests",
+        "texttable",
+        "websocket-client",
+        "distro",
+    ],
     ["--no-deps", "docker-compose==1.29.2"],
 ]
 COMPOSE_CHECK = "import compose.cli.main"

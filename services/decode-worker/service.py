@@ -43,15 +43,15 @@ from llmesh.messages import (
     KvHandle,
     LengthPrediction,
     MigrateCommand,
+    Migrated,
     MigrateOutcome,
     MigratePrepare,
-    Migrated,
     PrefillRequest,
     SamplingOptions,
     Subjects,
     TokenDelta,
+    kv_blocks,
 )
-from llmesh.policies.core import kv_blocks
 from llmesh.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,12 @@ class DecodeService:
     def handlers(self) -> dict[str, Any]:
         asyncio.get_running_loop().create_task(self._warm_up())
         wid = self.worker.worker_id
-        return {self.worker.subject: self.decode, Subjects.generate(wid): self.generate,
-                Subjects.migrate(wid): self.migrate, Subjects.migrate_in(wid): self.prepare}
+        return {
+            self.worker.subject: self.decode,
+            Subjects.generate(wid): self.generate,
+            Subjects.migrate(wid): self.migrate,
+            Subjects.migrate_in(wid): self.prepare,
+        }
 
     # ---- serving ----------------------------------------------------------------------------
 
@@ -89,31 +93,54 @@ class DecodeService:
         self._check_layout(req.fingerprint, req.kv.kv_layout if req.kv else None)
         total, done = req.sampling.max_tokens, len(req.output_token_ids)
         if total is None or done >= total or len(req.prompt_token_ids) + total > self.worker.max_model_len:
-            raise InvalidRequest("decode needs output tokens so far < max_tokens <= the context left after the "
-                                 "prompt", param="max_tokens")
-        trace.get_current_span().set_attributes({"request.id": req.request_id, "worker.id": self.worker.worker_id,
-                                                 "decode.resumed_at": done, "decode.migration_id": req.migration_id or "",
-                                                 "decode.kv": "handle" if req.kv else
-                                                 "recompute" if req.recompute else "lookup"})
+            raise InvalidRequest(
+                "decode needs output tokens so far < max_tokens <= the context left after the prompt",
+                param="max_tokens",
+            )
+        trace.get_current_span().set_attributes(
+            {
+                "request.id": req.request_id,
+                "worker.id": self.worker.worker_id,
+                "decode.resumed_at": done,
+                "decode.migration_id": req.migration_id or "",
+                "decode.kv": "handle" if req.kv else "recompute" if req.recompute else "lookup",
+            }
+        )
         kv_params: dict[str, Any] = req.kv.params() if req.kv else {"fingerprint": req.fingerprint}
         if req.recompute:
             kv_params["recompute"] = True
-        async with self.worker.admit(req.request_id, req.model, req.deadline, total - done,
-                                     prompt_tokens=len(req.prompt_token_ids), max_tokens=total,
-                                     predicted=req.predicted_length, generated=done, priority=req.priority,
-                                     migration_id=req.migration_id) as held:
+        async with self.worker.admit(
+            req.request_id,
+            req.model,
+            req.deadline,
+            total - done,
+            prompt_tokens=len(req.prompt_token_ids),
+            max_tokens=total,
+            predicted=req.predicted_length,
+            generated=done,
+            priority=req.priority,
+            migration_id=req.migration_id,
+        ) as held:
             self._name_admission(held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt)
             if done and self.worker.settings.length_refine_every:  # resumed: the output so far, for the refinements
-                held.output_text.append(await asyncio.get_running_loop().run_in_executor(
-                    None, self.worker.tokenizer.decode, req.output_token_ids))
+                held.output_text.append(
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, self.worker.tokenizer.decode, req.output_token_ids
+                    )
+                )
             # Text is made here, continuing the stream's (llmesh.detokenizer); stop strings, which need
             # the text, are the router's to find.
-            params = sampling_params(req.sampling.model_copy(update={"stop": []}), max_tokens=total - done,
-                                     kv_transfer_params=kv_params | {"tail_id": held.tail_id},
-                                     output_kind=RequestOutputKind.DELTA, detokenize=False)
+            params = sampling_params(
+                req.sampling.model_copy(update={"stop": []}),
+                max_tokens=total - done,
+                kv_transfer_params=kv_params | {"tail_id": held.tail_id},
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False,
+            )
             text = ContinuedText(self.worker.tokenizer, req.prompt_token_ids, req.output_token_ids)
-            async for delta in self._stream(held, held.engine_request_id, list(held.token_ids), req.cache_salt,
-                                            params, req.predicted_length, text):
+            async for delta in self._stream(
+                held, held.engine_request_id, list(held.token_ids), req.cache_salt, params, req.predicted_length, text
+            ):
                 yield delta
             if held.migration is not None and not held.finished:
                 yield await self._hand_over(held)
@@ -124,17 +151,29 @@ class DecodeService:
         token_ids = self.worker.prompt_token_ids(req)
         max_tokens = self.worker.max_tokens(req, len(token_ids))
         trace.get_current_span().set_attribute("prompt.tokens", len(token_ids))
-        async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids) + max_tokens,
-                                     prompt_tokens=len(token_ids), max_tokens=max_tokens,
-                                     predicted=req.predicted_length, priority=req.priority) as held:
+        async with self.worker.admit(
+            req.request_id,
+            req.model,
+            req.deadline,
+            len(token_ids) + max_tokens,
+            prompt_tokens=len(token_ids),
+            max_tokens=max_tokens,
+            predicted=req.predicted_length,
+            priority=req.priority,
+        ) as held:
             self._name_admission(held, "generate", list(token_ids), req.cache_salt)
-            params = sampling_params(req.sampling, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
-                                     kv_transfer_params={"save_prompt": True, "tail_id": held.tail_id})
+            params = sampling_params(
+                req.sampling,
+                max_tokens=max_tokens,
+                output_kind=RequestOutputKind.DELTA,
+                kv_transfer_params={"save_prompt": True, "tail_id": held.tail_id},
+            )
             self.worker.prefill_meter.started()  # its prompt's KV goes to the store too
             computed = 0
             try:
-                async for delta in self._stream(held, held.engine_request_id, token_ids, req.cache_salt, params,
-                                                req.predicted_length):
+                async for delta in self._stream(
+                    held, held.engine_request_id, token_ids, req.cache_salt, params, req.predicted_length
+                ):
                     if not computed:  # the prompt is computed once the first token is out
                         computed = len(token_ids)
                         self.worker.prefill_meter.finished(computed)
@@ -146,9 +185,16 @@ class DecodeService:
             if held.migration is not None and not held.finished and computed:
                 yield await self._hand_over(held)
 
-    async def _stream(self, held: HeldRequest, engine_request_id: str, token_ids: list[int], cache_salt: str | None,
-                      params: Any, predicted: LengthPrediction | None,
-                      text: ContinuedText | None = None) -> AsyncIterator[TokenDelta]:
+    async def _stream(
+        self,
+        held: HeldRequest,
+        engine_request_id: str,
+        token_ids: list[int],
+        cache_salt: str | None,
+        params: Any,
+        predicted: LengthPrediction | None,
+        text: ContinuedText | None = None,
+    ) -> AsyncIterator[TokenDelta]:
         """The engine's output as token deltas (`held.generated` tokens already generated elsewhere),
         counted on `held`, with their text from `text` if given (else the engine's); the actual length
         goes back to the predictor at the end."""
@@ -156,8 +202,9 @@ class DecodeService:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
         span, first = trace.get_current_span(), True
-        async for out in self.worker.engine.generate(tokens_prompt(token_ids, cache_salt), params,
-                                                     request_id=engine_request_id):
+        async for out in self.worker.engine.generate(
+            tokens_prompt(token_ids, cache_salt), params, request_id=engine_request_id
+        ):
             o = out.outputs[0]
             if first:
                 span.add_event("first output")
@@ -173,9 +220,13 @@ class DecodeService:
             if o.token_ids or not handed_over:
                 piece = o.text if text is None else text.feed(o.token_ids)
                 self.worker.refine_length(held, piece)
-                yield TokenDelta(text=piece, token_ids=list(o.token_ids),
-                                 finish_reason=finish_reason,
-                                 prompt_tokens=held.prompt_tokens, completion_tokens=held.generated)
+                yield TokenDelta(
+                    text=piece,
+                    token_ids=list(o.token_ids),
+                    finish_reason=finish_reason,
+                    prompt_tokens=held.prompt_tokens,
+                    completion_tokens=held.generated,
+                )
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)
 
@@ -203,8 +254,14 @@ class DecodeService:
             return known
         held = self.worker.held(cmd.request_id)
         span = trace.get_current_span()
-        span.set_attributes({"migration.id": cmd.migration_id, "request.id": cmd.request_id,
-                             "migration.target": cmd.target, "migration.reason": cmd.reason})
+        span.set_attributes(
+            {
+                "migration.id": cmd.migration_id,
+                "request.id": cmd.request_id,
+                "migration.target": cmd.target,
+                "migration.reason": cmd.reason,
+            }
+        )
         if held is not None and held.span_context is not None:
             span.add_link(held.span_context, {"link": "the migrated request"})  # the command has a trace of its own
         if held is None or not held.engine_request_id or held.finished:
@@ -217,11 +274,22 @@ class DecodeService:
         # the tail written every step from now on, so the switch need not wait for an export
         durable = None if cmd.recompute else asyncio.create_task(self._durable_from(held))
         try:
-            await self.worker.bus.request(Subjects.migrate_in(cmd.target), MigratePrepare(
-                migration_id=cmd.migration_id, request_id=cmd.request_id, model=self.worker.settings.model_name,
-                fingerprint=self.worker.fingerprint, token_ids=list(held.token_ids),
-                max_tokens_left=max(held.max_tokens - held.generated, 1), cache_salt=held.cache_salt,
-                hold_s=PREPARE_TIMEOUT_S, prefetch=not cmd.recompute), Ack, timeout=PREPARE_TIMEOUT_S)
+            await self.worker.bus.request(
+                Subjects.migrate_in(cmd.target),
+                MigratePrepare(
+                    migration_id=cmd.migration_id,
+                    request_id=cmd.request_id,
+                    model=self.worker.settings.model_name,
+                    fingerprint=self.worker.fingerprint,
+                    token_ids=list(held.token_ids),
+                    max_tokens_left=max(held.max_tokens - held.generated, 1),
+                    cache_salt=held.cache_salt,
+                    hold_s=PREPARE_TIMEOUT_S,
+                    prefetch=not cmd.recompute,
+                ),
+                Ack,
+                timeout=PREPARE_TIMEOUT_S,
+            )
             durable_from = await durable if durable is not None else None
             held.tail_durable = durable_from is not None and await self._generated_reaches(held, durable_from)
         except MeshError as exc:
@@ -231,8 +299,9 @@ class DecodeService:
         await self.worker.engine.abort(held.engine_request_id)  # takes effect at the next step boundary
         return self._outcome(cmd, True)
 
-    async def _refused(self, cmd: MigrateCommand, held: HeldRequest, durable: asyncio.Task | None,
-                       reason: str) -> MigrateOutcome:
+    async def _refused(
+        self, cmd: MigrateCommand, held: HeldRequest, durable: asyncio.Task | None, reason: str
+    ) -> MigrateOutcome:
         """The migration is off: the request decodes on here as before."""
         held.migration, held.tail_durable = None, False
         if durable is not None and await durable is not None:
@@ -242,8 +311,12 @@ class DecodeService:
     async def _durable_tail(self, held: HeldRequest, on: bool) -> bool:
         """Turn writing `held`'s partial last block every step on or off in the engine's connector."""
         try:
-            await self.worker.bus.request(Subjects.kv_control(self.worker.worker_id),
-                                          DurableTail(tail_id=held.tail_id, on=on), Ack, timeout=CONTROL_TIMEOUT_S)
+            await self.worker.bus.request(
+                Subjects.kv_control(self.worker.worker_id),
+                DurableTail(tail_id=held.tail_id, on=on),
+                Ack,
+                timeout=CONTROL_TIMEOUT_S,
+            )
             return True
         except MeshError as exc:
             log.warning("request %s: the connector did not take DurableTail(on=%s): %s", held.request_id, on, exc)
@@ -263,8 +336,14 @@ class DecodeService:
         return held.generated >= count
 
     def _outcome(self, cmd: MigrateCommand, accepted: bool, reason: str = "") -> MigrateOutcome:
-        outcome = MigrateOutcome(migration_id=cmd.migration_id, request_id=cmd.request_id,
-                                 source=self.worker.worker_id, target=cmd.target, accepted=accepted, reason=reason)
+        outcome = MigrateOutcome(
+            migration_id=cmd.migration_id,
+            request_id=cmd.request_id,
+            source=self.worker.worker_id,
+            target=cmd.target,
+            accepted=accepted,
+            reason=reason,
+        )
         if not accepted:
             log.info("migration %s of %s to %s refused: %s", cmd.migration_id, cmd.request_id, cmd.target, reason)
         trace.get_current_span().set_attributes({"migration.accepted": accepted, "migration.refusal": reason})
@@ -289,20 +368,30 @@ class DecodeService:
             ends = []  # names of the partial last block, best first: written at its step, or exported at the stop
             if loadable % size:
                 if held.tail_durable:
-                    ends += block_hashes(hashes[-1] if hashes else seed, held.token_ids[full * size : loadable], size,
-                                         partial=True)
+                    ends += block_hashes(
+                        hashes[-1] if hashes else seed, held.token_ids[full * size : loadable], size, partial=True
+                    )
                 ends.append(tail_hash(held.tail_id, full))
             stored, end = await self._wait_stored(hashes, ends)
             if stored < len(hashes):  # a block missing: hand over the run before it (the target recomputes the rest)
                 hashes, end = hashes[:stored], None
             durable = end is not None and end != ends[-1]  # else an exported tail, named as such in the handle
-            span.set_attributes({"request.id": held.request_id, "kv.blocks": len(hashes) + bool(end),
-                                 "kv.complete": stored == full and bool(end or not ends),
-                                 "kv.tail": "durable" if durable else "exported" if end else "none"})
-        kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=size,
-                      block_hashes=[*hashes, end] if durable else hashes, tail_hash=None if durable else end,
-                      num_tokens=min(loadable, (len(hashes) + bool(end)) * size),
-                      pinned_until=time.time() + self.worker.settings.kv_pin_s)
+            span.set_attributes(
+                {
+                    "request.id": held.request_id,
+                    "kv.blocks": len(hashes) + bool(end),
+                    "kv.complete": stored == full and bool(end or not ends),
+                    "kv.tail": "durable" if durable else "exported" if end else "none",
+                }
+            )
+        kv = KvHandle(
+            fingerprint=self.worker.fingerprint,
+            block_size=size,
+            block_hashes=[*hashes, end] if durable else hashes,
+            tail_hash=None if durable else end,
+            num_tokens=min(loadable, (len(hashes) + bool(end)) * size),
+            pinned_until=time.time() + self.worker.settings.kv_pin_s,
+        )
         return Migrated(migration_id=cmd.migration_id, target=cmd.target, kv=kv, output_tokens=outputs)
 
     async def _warm_up(self) -> None:
@@ -319,8 +408,12 @@ class DecodeService:
                 directory = ShardDirectory(self.worker.bus)
                 await directory.start()
                 redis_url = self.worker.settings.redis_url
-                self._store = KvClient(directory, timeout=5.0, connections_per_shard=2,
-                                       locator=ChunkLocator(redis_url) if redis_url else None)
+                self._store = KvClient(
+                    directory,
+                    timeout=5.0,
+                    connections_per_shard=2,
+                    locator=ChunkLocator(redis_url) if redis_url else None,
+                )
         return self._store
 
     async def _stored_run(self, hashes: list[str]) -> int:
@@ -338,19 +431,24 @@ class DecodeService:
         give_up = time.monotonic() + EXPORT_WAIT_S
         while True:
             try:
-                present = await asyncio.to_thread((await self._client()).stored_blocks, [*hashes, *ends],
-                                                  self.worker.layout)
+                present = await asyncio.to_thread(
+                    (await self._client()).stored_blocks, [*hashes, *ends], self.worker.layout
+                )
             except MeshError as exc:
                 log.warning("KV lookup failed: %s", exc)
                 present = [False] * (len(hashes) + len(ends))
             stored = leading_run(present[: len(hashes)])
-            end = next((name for name, ok in zip(ends, present[len(hashes):]) if ok), None)
+            end = next((name for name, ok in zip(ends, present[len(hashes) :]) if ok), None)
             if (stored == len(hashes) and (end or not ends)) or time.monotonic() >= give_up:
                 break
             await asyncio.sleep(0.002)
         if stored < len(hashes) or (ends and end is None):
-            log.warning("the store holds %d of %d blocks to hand over after %.0f s", stored + bool(end),
-                        len(hashes) + bool(ends), EXPORT_WAIT_S)
+            log.warning(
+                "the store holds %d of %d blocks to hand over after %.0f s",
+                stored + bool(end),
+                len(hashes) + bool(ends),
+                EXPORT_WAIT_S,
+            )
         return stored, end
 
     # ---- live migration: the target ---------------------------------------------------------
@@ -379,8 +477,11 @@ class DecodeService:
                     async with asyncio.timeout(PREFETCH_BUDGET_S):  # cancelled: vLLM aborts the prefetch
                         span.set_attribute("kv.blocks", await self._prefetch(req))
                 except TimeoutError:
-                    log.warning("migration %s: prefetch took over %.0f s; agreeing without it", req.migration_id,
-                                PREFETCH_BUDGET_S)
+                    log.warning(
+                        "migration %s: prefetch took over %.0f s; agreeing without it",
+                        req.migration_id,
+                        PREFETCH_BUDGET_S,
+                    )
                     span.set_attribute("kv.prefetch_timed_out", True)
             worker.reserve(req.migration_id, req.hold_s)  # the hand-over's window starts with the answer
         return Ack()
@@ -395,8 +496,15 @@ class DecodeService:
         trace.get_current_span().set_attribute("kv.stored", stored)  # what the store held: a timeout is not a miss
         if not stored:
             return 0
-        params = sampling_params(SamplingOptions(max_tokens=1, temperature=0.0), max_tokens=1, kv_transfer_params={
-            "fingerprint": self.worker.fingerprint, "block_hashes": hashes[:stored], "prefetch": True})
+        params = sampling_params(
+            SamplingOptions(max_tokens=1, temperature=0.0),
+            max_tokens=1,
+            kv_transfer_params={
+                "fingerprint": self.worker.fingerprint,
+                "block_hashes": hashes[:stored],
+                "prefetch": True,
+            },
+        )
         prompt = tokens_prompt(req.token_ids[: stored * size + 1], req.cache_salt)
         async for _ in self.worker.engine.generate(prompt, params, request_id=f"prefetch-{req.migration_id}"):
             pass

@@ -27,8 +27,12 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     state.start_cleaner(settings.ssd_clean_watermark)
     tokens = Tokens(settings.kv_shard)
     data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes, tokens)
-    info = KvShardInfo(shard=settings.kv_shard, data_host=settings.data_advertise_host or settings.data_host,
-                       data_port=data_plane.port, heartbeat_s=settings.heartbeat_s)
+    info = KvShardInfo(
+        shard=settings.kv_shard,
+        data_host=settings.data_advertise_host or settings.data_host,
+        data_port=data_plane.port,
+        heartbeat_s=settings.heartbeat_s,
+    )
     bus = await Bus.connect(settings.nats_url, f"kv-store-{settings.kv_shard}")
     service = KvStoreService(bus, state, info, tokens)
     index = RedisIndex(settings.redis_url, settings.kv_shard, state) if settings.redis_url else None
@@ -38,9 +42,14 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
         await service.start()
         watch_event_loop()
         if settings.lmcache_port:
-            lmcache = await start_lmcache_server(state.store, settings.data_host, settings.lmcache_port,
-                                                 lock=state.lock, max_value_bytes=settings.max_value_bytes,
-                                                 allow=settings.lmcache_networks())
+            lmcache = await start_lmcache_server(
+                state.store,
+                settings.data_host,
+                settings.lmcache_port,
+                lock=state.lock,
+                max_value_bytes=settings.max_value_bytes,
+                allow=settings.lmcache_networks(),
+            )
         if settings.metrics_port:
             serve_metrics(state.snapshot, settings.kv_shard, settings.metrics_port, settings.metrics_host)
         await stop.wait()
@@ -49,6 +58,7 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
             if lmcache is not None:
                 lmcache.close()
             if index is not None:
+                assert index_task is not None
                 index_task.cancel()
                 await index.close()
             await service.stop()

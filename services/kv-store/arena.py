@@ -51,8 +51,12 @@ class Arena:
             os.posix_fallocate(fd, 0, capacity)  # ENOSPC now rather than SIGBUS later
             mapped = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | POPULATE)
         except OSError as exc:
-            log.info("no shared arena of %d bytes in %s (%s): clients copy through their own segments",
-                     capacity, SHM_DIR, exc)
+            log.info(
+                "no shared arena of %d bytes in %s (%s): clients copy through their own segments",
+                capacity,
+                SHM_DIR,
+                exc,
+            )
             (SHM_DIR / name).unlink(missing_ok=True)
             return None
         finally:
@@ -72,12 +76,9 @@ class Arena:
         if need == 0:
             return 0
         exact = self._by_size.get(need)
-        if exact:
-            start = next(iter(exact))
-        else:
-            start = next((s for s in self._starts if self._sizes[s] >= need), None)
-            if start is None:
-                return None
+        start = next(iter(exact)) if exact else next((s for s in self._starts if self._sizes[s] >= need), None)
+        if start is None:
+            return None
         have = self._remove(start)
         if have > need:
             self._add(start + need, have - need)
@@ -120,7 +121,7 @@ def remove_stale_arenas() -> None:
     """Arena files of shards that died without removing theirs (the name carries the pid)."""
     for path in SHM_DIR.glob(f"{NAME_PREFIX}*"):
         try:
-            pid = int(path.name[len(NAME_PREFIX):].split("-")[0])
+            pid = int(path.name[len(NAME_PREFIX) :].split("-")[0])
             os.kill(pid, 0)
         except ProcessLookupError:
             path.unlink(missing_ok=True)

@@ -14,9 +14,10 @@ shm_capacity?} answered with {sizes} (-1: missing), `has` {keys} answered with {
 {name, size} (offer a shared-memory segment; answered with the shard's shared arena, if it has
 one), and `grant` {size, min?}: space in that arena (`size` bytes if free, else at least `min`)
 that the client lays its next puts' values out in, from the front, sending `put` {keys, sizes,
-arena_offsets} to have them adopted as chunks without a copy. What is left of a grant returns to the store with the next grant or when the
-connection closes. Errors answer {error: {code, message}}; a frame that cannot be parsed, or whose
-payload was not consumed, also closes the connection. Other connections are unaffected.
+arena_offsets} to have them adopted as chunks without a copy. What is left of a grant returns to
+the store with the next grant or when the connection closes. Errors answer {error: {code,
+message}}; a frame that cannot be parsed, or whose payload was not consumed, also closes the
+connection. Other connections are unaffected.
 """
 
 from __future__ import annotations
@@ -129,11 +130,19 @@ class _Connection:
         if got is None:
             return False
         meta, payload_len = got
-        handler = {"put": self._put, "get": self._get, "has": self._has, "attach": self._attach,
-                   "grant": self._grant}.get(meta.get("op"))
+        handler = {
+            "put": self._put,
+            "get": self._get,
+            "has": self._has,
+            "attach": self._attach,
+            "grant": self._grant,
+        }.get(str(meta.get("op")))  # (str: an op of any other type is unknown, unhashable ones too)
         trace = meta.get("trace")
-        span_cm = (_tracer.start_as_current_span(f"kv-store {meta.get('op')}", context=telemetry.extract(trace))
-                   if isinstance(trace, dict) else contextlib.nullcontext())
+        span_cm = (
+            _tracer.start_as_current_span(f"kv-store {meta.get('op')}", context=telemetry.extract(trace))
+            if isinstance(trace, dict)
+            else contextlib.nullcontext()
+        )
         with span_cm:
             try:
                 if handler is None:
@@ -155,8 +164,12 @@ class _Connection:
         total = sum(sizes)
         arena_offsets = meta.get("arena_offsets")
         if arena_offsets is not None:  # written in place into our arena: adopt them, nothing to copy
-            if self.slab is None or payload_len or not isinstance(arena_offsets, list) or \
-                    len(arena_offsets) != len(keys):
+            if (
+                self.slab is None
+                or payload_len
+                or not isinstance(arena_offsets, list)
+                or len(arena_offsets) != len(keys)
+            ):
                 raise BadMessage("put: arena_offsets need granted space and one offset per key")
             self.state.adopt(self.slab, keys, sizes, arena_offsets, float(meta.get("pin_s") or 0.0))
             send_frame(self.sock, {})
@@ -165,7 +178,13 @@ class _Connection:
         if offset is None:
             if payload_len != total:
                 raise BadMessage(f"put: payload of {payload_len} bytes but sizes sum to {total}")
-        elif self.shm is None or payload_len or not isinstance(offset, int) or offset < 0 or offset + total > self.shm.size:
+        elif (
+            self.shm is None
+            or payload_len
+            or not isinstance(offset, int)
+            or offset < 0
+            or offset + total > self.shm.size
+        ):
             raise BadMessage("put: shm_offset without an attached segment large enough")
         try:
             res = self.state.reserve(keys, sizes, float(meta.get("pin_s") or 0.0))
@@ -179,6 +198,7 @@ class _Connection:
                 if offset is None:
                     recv_into(self.sock, view)
                 else:
+                    assert self.shm is not None  # checked with the offset
                     view[:] = self.shm.view[pos : pos + len(view)]
                     pos += len(view)
         except BaseException:
@@ -201,8 +221,12 @@ class _Connection:
         found = [v for v in values if v is not None]
         total = sum(len(v) for v in found)
         offset, capacity = meta.get("shm_offset"), meta.get("shm_capacity") or 0
-        if self.shm is not None and isinstance(offset, int) and offset >= 0 and total <= min(
-                capacity, self.shm.size - offset):
+        if (
+            self.shm is not None
+            and isinstance(offset, int)
+            and offset >= 0
+            and total <= min(capacity, self.shm.size - offset)
+        ):
             pos = offset
             for value in found:
                 self.shm.view[pos : pos + len(value)] = value
@@ -215,8 +239,14 @@ class _Connection:
         """Space in the shared arena for this client's next puts (what is left of the last grant
         is given back): `size` bytes if they are free, else at least `min`, evicting for them."""
         size, least = meta.get("size"), meta.get("min", meta.get("size"))
-        if payload_len or self.shm is None or self.state.store.arena.name is None or not isinstance(size, int) \
-                or not isinstance(least, int) or not 0 < least <= size:
+        if (
+            payload_len
+            or self.shm is None
+            or self.state.store.arena.name is None
+            or not isinstance(size, int)
+            or not isinstance(least, int)
+            or not 0 < least <= size
+        ):
             raise BadMessage("grant: needs a size (and a min up to it), and an attached client on the shard's host")
         if self.slab is not None:
             self.state.release_slab(self.slab)
@@ -246,8 +276,9 @@ class _Connection:
             self.shm.close()
         self.shm = segment
         arena = self.state.store.arena
-        send_frame(self.sock, {"shm": True, "arena": arena.name, "arena_size": arena.capacity} if arena.name else
-                   {"shm": True})
+        send_frame(
+            self.sock, {"shm": True, "arena": arena.name, "arena_size": arena.capacity} if arena.name else {"shm": True}
+        )
 
 
 def _error(exc: MeshError) -> dict[str, Any]:
@@ -256,8 +287,12 @@ def _error(exc: MeshError) -> dict[str, Any]:
 
 def _sizes(meta: dict[str, Any]) -> list[int]:
     sizes, keys = meta.get("sizes"), meta.get("keys")
-    if not isinstance(sizes, list) or not isinstance(keys, list) or len(sizes) != len(keys) or any(
-            not isinstance(s, int) or s < 0 for s in sizes):
+    if (
+        not isinstance(sizes, list)
+        or not isinstance(keys, list)
+        or len(sizes) != len(keys)
+        or any(not isinstance(s, int) or s < 0 for s in sizes)
+    ):
         raise BadMessage("sizes must be one non-negative int per key")
     return sizes
 

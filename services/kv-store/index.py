@@ -67,8 +67,11 @@ class RedisIndex:
             except REDIS_ERRORS as exc:
                 self.failures += 1
                 if self.connected or self.failures == 1:
-                    log.error("Redis at %s is unreachable (%s): serving on, the index is re-published "
-                              "when it is back", self.url, exc)
+                    log.error(
+                        "Redis at %s is unreachable (%s): serving on, the index is re-published when it is back",
+                        self.url,
+                        exc,
+                    )
                 self.connected = False
                 self._resync = True
 
@@ -98,8 +101,11 @@ class RedisIndex:
             await pipe.execute()
         self.writes += len(sizes) + len(removed)
         if not self.connected:
-            log.info("Redis index at %s: %s", self.url, "re-published %d chunks" % len(sizes) if self._resync
-                     else "connected")
+            log.info(
+                "Redis index at %s: %s",
+                self.url,
+                f"re-published {len(sizes)} chunks" if self._resync else "connected",
+            )
         self.connected, self._resync = True, False
 
     def _holding(self) -> dict[str, int | None]:

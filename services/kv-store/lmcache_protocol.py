@@ -40,6 +40,8 @@ import logging
 import struct
 from collections.abc import Sequence
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
+from typing import cast
+
 from llmesh.errors import KVStoreFull
 
 from .store import ChunkStore
@@ -66,24 +68,30 @@ class _BadRequest(Exception):
 
 
 class _Connection(asyncio.BufferedProtocol):
-    def __init__(self, store: ChunkStore, lock: contextlib.AbstractContextManager, max_value_bytes: int,
-                 allow: Sequence[IPv4Network | IPv6Network]):
+    def __init__(
+        self,
+        store: ChunkStore,
+        lock: contextlib.AbstractContextManager,
+        max_value_bytes: int,
+        allow: Sequence[IPv4Network | IPv6Network],
+    ):
         self.store, self.lock, self.max_value_bytes, self.allow = store, lock, max_value_bytes, allow
         self.header = bytearray(REQUEST.size)
         self.buf = memoryview(self.header)  # what is being received: a header or a PUT's value
         self.filled = 0
         self.put_key: str | None = None  # set while a PUT's payload is being received
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # from connection_made
         self.peer = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream server's (uvloop's: not a subclass)
         self.peer = transport.get_extra_info("peername")
         address = ip_address(self.peer[0]) if isinstance(self.peer, tuple) else None
         if address is None or not any(address in network for network in self.allow):
-            log.warning("lm:// refused a connection from %s: not in the allowed networks (MESH_LMCACHE_ALLOW)",
-                        self.peer)
-            transport.abort()
+            log.warning(
+                "lm:// refused a connection from %s: not in the allowed networks (MESH_LMCACHE_ALLOW)", self.peer
+            )
+            self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.filled or self.put_key is not None:
@@ -96,7 +104,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.buf[self.filled:]
+        return self.buf[self.filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.filled += nbytes
@@ -136,7 +144,7 @@ class _Connection(asyncio.BufferedProtocol):
                 raise _BadRequest(f"PUT length {length} outside [0, {self.max_value_bytes}]")
             value = bytearray(STORED.size + length)
             STORED.pack_into(value, 0, MAGIC, fmt, DTYPE_REPLY[dtype], *shape)
-            self.put_key, self.buf = key, memoryview(value)[STORED.size:]
+            self.put_key, self.buf = key, memoryview(value)[STORED.size :]
             if length == 0:
                 self._store_put()
         elif command == GET:
@@ -149,13 +157,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._reply(SUCCESS)
         else:
             with self.lock:
-                keys = [k[len(KEY_PREFIX):] for k in self.store.keys() if k.startswith(KEY_PREFIX)]
+                keys = [k[len(KEY_PREFIX) :] for k in self.store.keys() if k.startswith(KEY_PREFIX)]
             body = "\n".join(keys).encode()
             self._reply(SUCCESS, len(body))
             self.transport.write(body)
 
     def _store_put(self) -> None:
         key, value = self.put_key, self.buf.obj
+        assert key is not None and isinstance(value, bytearray)  # a PUT's, made by _request
         self.put_key, self.buf = None, memoryview(self.header)
         try:
             with self.lock:
@@ -174,16 +183,21 @@ class _Connection(asyncio.BufferedProtocol):
         _, fmt, dtype, *shape = STORED.unpack_from(value)
         length = len(value) - STORED.size
         self.transport.write(REPLY.pack(SUCCESS, length, fmt, dtype, *shape, 0))
-        self.transport.write(memoryview(value)[STORED.size:])
+        self.transport.write(memoryview(value)[STORED.size :])
 
     def _reply(self, code: int, length: int = 0) -> None:
         self.transport.write(REPLY.pack(code, length, *_EMPTY, 0))
 
 
-async def start_lmcache_server(store: ChunkStore, host: str, port: int, *,
-                               lock: contextlib.AbstractContextManager | None = None,
-                               max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
-                               allow: Sequence[IPv4Network | IPv6Network] = LOOPBACK) -> asyncio.base_events.Server:
+async def start_lmcache_server(
+    store: ChunkStore,
+    host: str,
+    port: int,
+    *,
+    lock: contextlib.AbstractContextManager | None = None,
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    allow: Sequence[IPv4Network | IPv6Network] = LOOPBACK,
+) -> asyncio.base_events.Server:
     """Serve LMCache's lm:// protocol on host:port (0: an ephemeral port; read it from `server.sockets`).
 
     `lock` guards every store access; pass the lock other threads hold while they touch the store.

@@ -13,8 +13,12 @@ from llmesh.messages import KvStats
 _METRICS = [
     ("llmesh_kv_bytes", "Bytes held, by tier", "gauge", {"memory": "bytes", "ssd": "ssd_bytes"}),
     ("llmesh_kv_chunks", "Chunks held, by tier", "gauge", {"memory": "chunks", "ssd": "ssd_chunks"}),
-    ("llmesh_kv_capacity_bytes", "Capacity, by tier", "gauge",
-     {"memory": "capacity_bytes", "ssd": "ssd_capacity_bytes"}),
+    (
+        "llmesh_kv_capacity_bytes",
+        "Capacity, by tier",
+        "gauge",
+        {"memory": "capacity_bytes", "ssd": "ssd_capacity_bytes"},
+    ),
     ("llmesh_kv_hits", "Gets answered, by tier", "counter", {"memory": "memory_hits", "ssd": "ssd_hits"}),
     ("llmesh_kv_misses", "Gets of chunks held by no tier", "counter", {"": "misses"}),
     ("llmesh_kv_pinned_bytes", "Memory bytes pinned by live leases", "gauge", {"": "pinned_bytes"}),

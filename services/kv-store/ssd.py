@@ -11,6 +11,7 @@ the memory tier goes on alone and nothing already stored is lost.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import hashlib
 import logging
@@ -75,7 +76,7 @@ class SsdTier:
         return self._index.get(key)
 
     @_locked
-    def write(self, key: str, data: bytes) -> bool:
+    def write(self, key: str, data: builtins.bytes) -> bool:  # (in this class `bytes` is the property)
         """Store `data` under `key`, evicting the least recently used files if needed."""
         if not self.enabled or len(data) > self.capacity_bytes:
             return False
@@ -107,7 +108,7 @@ class SsdTier:
         return True
 
     @_locked
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str) -> builtins.bytes | None:
         if key not in self._index:
             return None
         path = self._path(key)
@@ -156,8 +157,12 @@ class SsdTier:
                 with open(path, "rb") as f:
                     magic, version, key_len, data_len, _ = HEADER.unpack(f.read(HEADER.size))
                     key = f.read(key_len).decode()
-                if magic != MAGIC or version != VERSION or path.stat().st_size != HEADER.size + key_len + data_len \
-                        or self._path(key) != path:
+                if (
+                    magic != MAGIC
+                    or version != VERSION
+                    or path.stat().st_size != HEADER.size + key_len + data_len
+                    or self._path(key) != path
+                ):
                     raise ValueError("bad header")
             except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
                 log.error("removing unreadable SSD chunk %s: %s", path, exc)

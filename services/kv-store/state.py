@@ -43,8 +43,9 @@ class ShardState:
         with self.lock:
             return self.store.grant(size, least)
 
-    def adopt(self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int],
-              pin_s: float) -> None:
+    def adopt(
+        self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int], pin_s: float
+    ) -> None:
         with self.lock:
             self.bytes_put += sum(sizes)
             self.store.adopt(slab, keys, sizes, offsets, pin_s)

@@ -24,9 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llmesh.errors import BadMessage, KVStoreFull
-from llmesh.messages import KvStats
-
 from llmesh.kvwire import footprint
+from llmesh.messages import KvStats
 
 from .arena import Arena
 from .ssd import SsdTier
@@ -68,8 +67,13 @@ class Read:
 
 
 class ChunkStore:
-    def __init__(self, capacity_bytes: int, ssd: SsdTier | None = None, clock: Callable[[], float] = time.monotonic,
-                 shared_arena: bool = False):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        ssd: SsdTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        shared_arena: bool = False,
+    ):
         self.capacity_bytes = capacity_bytes
         self.ssd = ssd
         self.arena = Arena(int(capacity_bytes * (1 + ARENA_SLACK)), shared=shared_arena)
@@ -140,8 +144,9 @@ class ChunkStore:
         self._bytes += size
         return Slab(offset, offset + size, offset)
 
-    def adopt(self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int],
-              pin_s: float) -> None:
+    def adopt(
+        self, slab: Slab, keys: Sequence[str], sizes: Sequence[int], offsets: Sequence[int], pin_s: float
+    ) -> None:
         """Make values a client wrote into its slab, in order from the cursor, chunks."""
         pos = slab.cursor
         for size, offset in zip(sizes, offsets):
@@ -231,8 +236,9 @@ class ChunkStore:
                 if offset is not None:
                     return offset
             if not self._evict_one():
-                raise KVStoreFull(f"need {size} bytes but everything left is pinned or in flight "
-                                  f"({self._bytes} bytes held)")
+                raise KVStoreFull(
+                    f"need {size} bytes but everything left is pinned or in flight ({self._bytes} bytes held)"
+                )
 
     def _evict_one(self) -> bool:
         now = self._clock()
@@ -267,7 +273,8 @@ class ChunkStore:
         as readers so they stay put while `clean` writes them outside the shard's lock."""
         if self.ssd is None or not self.ssd.enabled or self._bytes <= limit_bytes:
             return []
-        batch, size = [], 0
+        batch: list[tuple[str, _Chunk, memoryview]] = []
+        size = 0
         for key, chunk in self._chunks.items():
             if size >= self._bytes - limit_bytes or len(batch) >= 64:
                 break
@@ -309,8 +316,7 @@ class ChunkStore:
 
     def stats(self) -> KvStats:
         now = self._clock()
-        ssd = self.ssd
-        has_ssd = ssd is not None  # (an empty SsdTier is falsy: it has a length)
+        ssd = self.ssd  # (compared with None: an empty SsdTier is falsy, it has a length)
         return KvStats(
             chunks=len(self._chunks),
             bytes=self._bytes,
@@ -324,9 +330,9 @@ class ChunkStore:
             ssd_hits=self.ssd_hits,
             demotions=self.demotions,
             promotions=self.promotions,
-            ssd_enabled=has_ssd and ssd.enabled,
-            ssd_chunks=len(ssd) if has_ssd else 0,
-            ssd_bytes=ssd.bytes if has_ssd else 0,
-            ssd_capacity_bytes=ssd.capacity_bytes if has_ssd else 0,
-            ssd_corrupt=ssd.corrupt if has_ssd else 0,
+            ssd_enabled=ssd is not None and ssd.enabled,
+            ssd_chunks=len(ssd) if ssd is not None else 0,
+            ssd_bytes=ssd.bytes if ssd is not None else 0,
+            ssd_capacity_bytes=ssd.capacity_bytes if ssd is not None else 0,
+            ssd_corrupt=ssd.corrupt if ssd is not None else 0,
         )

@@ -30,8 +30,9 @@ async def main(settings: LengthPredictorSettings, stop: asyncio.Event) -> None:
         await service.start()
         watch_event_loop()
         if settings.length_metrics_port:
-            start_http_server(settings.length_metrics_port, addr=settings.length_metrics_host,
-                              registry=service.registry)
+            start_http_server(
+                settings.length_metrics_port, addr=settings.length_metrics_host, registry=service.registry
+            )
         await stop.wait()
     finally:
         await bus.close()

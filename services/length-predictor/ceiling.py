@@ -40,8 +40,10 @@ class Ceiling:
 
 def ceiling(source: str, examples: list[data.Example]) -> Ceiling | None:
     """None when no prompt of `examples` has two answers."""
-    generator_mean = {g: np.mean([np.log1p(e.output_tokens) for e in examples if e.generator == g])
-                      for g in {e.generator for e in examples}}
+    generator_mean = {
+        g: np.mean([np.log1p(e.output_tokens) for e in examples if e.generator == g])
+        for g in {e.generator for e in examples}
+    }
     answers: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for e in examples:
         answers[e.prompt].append((e.generator, np.log1p(e.output_tokens) - generator_mean[e.generator]))
@@ -64,10 +66,19 @@ def ceiling(source: str, examples: list[data.Example]) -> Ceiling | None:
             actual.append(v)
             generators.append(g)
     others_arr, actual_arr, gen_arr = np.array(others), np.array(actual), np.array(generators)
-    per_generator = [(m.sum(), stats.kendalltau(others_arr[m], actual_arr[m]).statistic)
-                     for g in set(generators) if (m := gen_arr == g).sum() >= 20]
-    return Ceiling(source, values.size, len(groups), float(icc), float(2 / np.pi * np.arcsin(np.sqrt(icc))),
-                   float(sum(n * t for n, t in per_generator) / sum(n for n, _ in per_generator)))
+    per_generator = [
+        (m.sum(), stats.kendalltau(others_arr[m], actual_arr[m]).statistic)
+        for g in set(generators)
+        if (m := gen_arr == g).sum() >= 20
+    ]
+    return Ceiling(
+        source,
+        values.size,
+        len(groups),
+        float(icc),
+        float(2 / np.pi * np.arcsin(np.sqrt(icc))),
+        float(sum(n * t for n, t in per_generator) / sum(n for n, _ in per_generator)),
+    )
 
 
 def main() -> None:
@@ -79,8 +90,10 @@ def main() -> None:
         if c is None:
             print(f"| {source} | one answer a prompt: not measurable | | | | |")
         else:
-            print("| {source} | {responses} | {prompts} | {icc:.2f} | {ceiling_tau:.2f} | "
-                  "{others_tau_per_generator:.2f} |".format(**asdict(c)))
+            print(
+                "| {source} | {responses} | {prompts} | {icc:.2f} | {ceiling_tau:.2f} | "
+                "{others_tau_per_generator:.2f} |".format(**asdict(c))
+            )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,17 @@ UNKNOWN = "unknown"  # a generator or family the model has not seen
 
 # generator name pattern -> family, first match wins
 _FAMILY_PATTERNS = (
-    ("llama", r"llama|vicuna|tulu|alpaca-7b"), ("gpt-4", r"gpt-?4|gpteacher"), ("gpt-3.5", r"gpt-3\.5|davinci"),
-    ("o3", r"^o\d"), ("claude", r"claude|anthropic"), ("mistral", r"mistral|mixtral|zephyr"), ("qwen", r"qwen|sky-t1"),
-    ("gemma", r"gemma"), ("yi", r"^yi-"), ("dbrx", r"dbrx"), ("deepseek", r"deepseek"),
+    ("llama", r"llama|vicuna|tulu|alpaca-7b"),
+    ("gpt-4", r"gpt-?4|gpteacher"),
+    ("gpt-3.5", r"gpt-3\.5|davinci"),
+    ("o3", r"^o\d"),
+    ("claude", r"claude|anthropic"),
+    ("mistral", r"mistral|mixtral|zephyr"),
+    ("qwen", r"qwen|sky-t1"),
+    ("gemma", r"gemma"),
+    ("yi", r"^yi-"),
+    ("dbrx", r"dbrx"),
+    ("deepseek", r"deepseek"),
 )
 
 
@@ -93,11 +101,20 @@ def _hh_rlhf() -> Iterator[tuple[str, str, str]]:
 
 
 _LOADERS: dict[str, Callable[[], Iterator[tuple[str, str, str]]]] = {
-    "alpaca-eval": _alpaca_eval, "arena-hard": _arena_hard, "gpteacher": _gpteacher, "hh-rlhf": _hh_rlhf}
+    "alpaca-eval": _alpaca_eval,
+    "arena-hard": _arena_hard,
+    "gpteacher": _gpteacher,
+    "hh-rlhf": _hh_rlhf,
+}
 
 
-def load(count_tokens: Callable[[str], int], sources: tuple[str, ...] = SOURCES, family: str | None = None,
-         limit_prompts: int | None = None, keep_text: bool = False) -> list[Example]:
+def load(
+    count_tokens: Callable[[list[str]], list[int]],
+    sources: tuple[str, ...] = SOURCES,
+    family: str | None = None,
+    limit_prompts: int | None = None,
+    keep_text: bool = False,
+) -> list[Example]:
     """Every (prompt, response length) of `sources`, of one generator `family` if given; with
     `limit_prompts`, only that many prompts of each source (chosen by hash, so the same ones each
     time); with `keep_text`, the responses' text too."""
@@ -118,6 +135,7 @@ def prompt_hash(prompt: str) -> str:
 
 def split_by_prompt(examples: list[Example], test_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
     """Train and test sets with no prompt in both."""
+
     def is_test(prompt: str) -> bool:
         digest = hashlib.sha1(f"{seed}:{prompt}".encode()).digest()
         return int.from_bytes(digest[:8], "big") / 2**64 < test_fraction

@@ -92,31 +92,49 @@ class Predictor:
         out = []
         for row, m, prompt, c in zip(probs, mu, prompts, chars):
             bucket = int(row.argmax())
-            out.append(LengthPrediction(
-                bucket=bucket, label=bucket_label(bucket), expected_tokens=float(np.expm1(m)),
-                confidence=float(row[bucket]) if head.informative else 0.0, informative=head.informative,
-                truncated=c > len(prompt), model_version=self.version, replica=self.replica))
+            out.append(
+                LengthPrediction(
+                    bucket=bucket,
+                    label=bucket_label(bucket),
+                    expected_tokens=float(np.expm1(m)),
+                    confidence=float(row[bucket]) if head.informative else 0.0,
+                    informative=head.informative,
+                    truncated=c > len(prompt),
+                    model_version=self.version,
+                    replica=self.replica,
+                )
+            )
         return out
 
-    def predict_remaining(self, prompts: list[str], generated: list[str], chars: list[int],
-                          tokens: list[int]) -> list[LengthRemaining]:
+    def predict_remaining(
+        self, prompts: list[str], generated: list[str], chars: list[int], tokens: list[int]
+    ) -> list[LengthRemaining]:
         """Tokens still to come after `generated` (the end of an output `chars` characters and `tokens`
         of the serving model's tokens long): estimated in the models' unit (counted on the text at hand,
         extrapolated by characters beyond it) and scaled back by the ratio of the two counts."""
-        counted = [round(len(ids) * c / len(text)) if text else 0 for ids, text, c in
-                   zip(self.tokenizer(generated, add_special_tokens=False)["input_ids"], generated, chars)]
+        counted = [
+            round(len(ids) * c / len(text)) if text else 0
+            for ids, text, c in zip(self.tokenizer(generated, add_special_tokens=False)["input_ids"], generated, chars)
+        ]
         mu = self.head.mu(self.scores(prompts))
         remaining = np.expm1(self.remaining.predict(prompts, generated, counted, mu))
         out = []
         for r, n, own in zip(remaining, tokens, counted):
             scale = n / own if own else 1.0
-            out.append(LengthRemaining(remaining_tokens=float(r * scale), generated_tokens=n,
-                                       informative=self.head.informative, model_version=self.version,
-                                       replica=self.replica))
+            out.append(
+                LengthRemaining(
+                    remaining_tokens=float(r * scale),
+                    generated_tokens=n,
+                    informative=self.head.informative,
+                    model_version=self.version,
+                    replica=self.replica,
+                )
+            )
         return out
 
-    def refit_head(self, fit_scores: np.ndarray, fit_lengths: list[int], held_scores: np.ndarray,
-                   held_lengths: list[int]) -> tuple[Head | None, dict[str, float], dict[str, float]]:
+    def refit_head(
+        self, fit_scores: np.ndarray, fit_lengths: list[int], held_scores: np.ndarray, held_lengths: list[int]
+    ) -> tuple[Head | None, dict[str, float], dict[str, float]]:
         """Fit a new head on (score, actual length) pairs and score it against the current head on
         held-out ones: the new head if its log loss there is lower (else None), and both scores."""
         current = self.head
@@ -137,8 +155,10 @@ def refit_split(samples: list[data.Example], holdout_fraction: float) -> tuple[l
     """Fitting and held-out samples, split by prompt."""
     fit, held = data.split_by_prompt(samples, holdout_fraction, REFIT_SEED)
     if not fit or not held:
-        raise ValueError(f"{len(samples)} samples from {len({s.prompt for s in samples})} prompts "
-                         "do not split into a fitting and a held-out part")
+        raise ValueError(
+            f"{len(samples)} samples from {len({s.prompt for s in samples})} prompts "
+            "do not split into a fitting and a held-out part"
+        )
     return fit, held
 
 
@@ -147,5 +167,9 @@ def _scores(head: Head, scores: np.ndarray, actual: list[int]) -> dict[str, floa
     probs = bucket_probs(mu, head.sigma)
     truth = np.array([bucket_of(n) for n in actual])
     s = score("", np.expm1(mu), probs.argmax(1), np.array(actual, dtype=float), [])
-    return {"log_loss": -float(np.mean(np.log(np.maximum(probs[np.arange(len(truth)), truth], 1e-9)))),
-            "exact": s.exact, "within_one": s.within_one, "mae_tokens": s.mae_tokens}
+    return {
+        "log_loss": -float(np.mean(np.log(np.maximum(probs[np.arange(len(truth)), truth], 1e-9)))),
+        "exact": s.exact,
+        "within_one": s.within_one,
+        "mae_tokens": s.mae_tokens,
+    }

@@ -60,8 +60,13 @@ class Hasher:
 
 def _numbers(text: str, words: int) -> list[float]:
     """What the words miss: size and shape (`words`: what `Hasher.add` counted in `text`)."""
-    return [math.log1p(len(text)) / 8, math.log1p(text.count("\n")) / 4, math.log1p(words) / 8,
-            float("```" in text), float("?" in text)]
+    return [
+        math.log1p(len(text)) / 8,
+        math.log1p(text.count("\n")) / 4,
+        math.log1p(words) / 8,
+        float("```" in text),
+        float("?" in text),
+    ]
 
 
 @dataclass
@@ -84,15 +89,27 @@ class Ridge:
         x = sparse.hstack([rows, sparse.csr_matrix(dense)], format="csr")
         model = SkRidge(alpha=alpha, solver="sparse_cg", max_iter=400, tol=1e-4).fit(x, y)
         w = model.coef_
-        return cls(w[: rows.shape[1]].astype(np.float32), w[rows.shape[1]:].astype(np.float64), float(model.intercept_),
-                   float(np.std(y - model.predict(x))))
+        return cls(
+            w[: rows.shape[1]].astype(np.float32),
+            w[rows.shape[1] :].astype(np.float64),
+            float(model.intercept_),
+            float(np.std(y - model.predict(x))),
+        )
 
     def save(self, path: Path) -> None:
         nonzero = np.flatnonzero(self.sparse_weights)
-        np.savez_compressed(path.with_suffix(".npz"), index=nonzero.astype(np.int32),
-                            value=self.sparse_weights[nonzero], dense=self.dense_weights)
-        path.with_suffix(".json").write_text(json.dumps({"bias": self.bias, "sigma": self.sigma, "size":
-                                                         len(self.sparse_weights), **self.info}, indent=2) + "\n")
+        np.savez_compressed(
+            path.with_suffix(".npz"),
+            index=nonzero.astype(np.int32),
+            value=self.sparse_weights[nonzero],
+            dense=self.dense_weights,
+        )
+        path.with_suffix(".json").write_text(
+            json.dumps(
+                {"bias": self.bias, "sigma": self.sigma, "size": len(self.sparse_weights), **self.info}, indent=2
+            )
+            + "\n"
+        )
 
     @classmethod
     def load(cls, path: Path) -> Ridge:
@@ -140,8 +157,9 @@ class RemainingModel:
     def __init__(self, ridge: Ridge | None = None, hasher: Hasher | None = None):
         self.ridge, self.hasher = ridge, hasher or Hasher()
 
-    def features(self, prompts: list[str], generated: list[str],
-                 generated_tokens: list[int]) -> tuple[sparse.csr_matrix, np.ndarray]:
+    def features(
+        self, prompts: list[str], generated: list[str], generated_tokens: list[int]
+    ) -> tuple[sparse.csr_matrix, np.ndarray]:
         """All but what depends on `mu` (`with_mu` adds it)."""
         rows, dense = [], []
         for prompt, text, n in zip(prompts, generated, generated_tokens):
@@ -158,8 +176,9 @@ class RemainingModel:
         seen = dense[:, -1] * 8
         return np.hstack([dense, mu[:, None] / 8, (mu - seen)[:, None] / 8])
 
-    def predict(self, prompts: list[str], generated: list[str], generated_tokens: list[int],
-                mu: np.ndarray) -> np.ndarray:
+    def predict(
+        self, prompts: list[str], generated: list[str], generated_tokens: list[int], mu: np.ndarray
+    ) -> np.ndarray:
         assert self.ridge is not None
         rows, dense = self.features(prompts, generated, generated_tokens)
         return self.ridge.predict(rows, self.with_mu(dense, mu))

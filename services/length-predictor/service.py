@@ -25,11 +25,11 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -61,7 +61,8 @@ from .predictor import Head, Predictor, refit_split
 from .settings import LengthPredictorSettings
 
 log = logging.getLogger(__name__)
-I, R = TypeVar("I"), TypeVar("R")
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 QUEUE = "length-predictor"
 SAMPLES_KEY = "llmesh:length:samples"
@@ -71,18 +72,18 @@ REFIT_CHUNK = 256  # prompts per model-thread job while a refit scores them
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
-class Batcher(Generic[I, R]):
+class Batcher(Generic[Item, Result]):
     """Runs `fn` in `executor` on batches of the items submitted while the previous batch ran."""
 
-    def __init__(self, fn: Callable[[list[I]], list[R]], max_batch: int, executor: ThreadPoolExecutor):
+    def __init__(self, fn: Callable[[list[Item]], list[Result]], max_batch: int, executor: ThreadPoolExecutor):
         self._fn, self._max, self._executor = fn, max_batch, executor
-        self._queue: asyncio.Queue[tuple[I, asyncio.Future[R]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Item, asyncio.Future[Result]]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
 
-    async def submit(self, item: I) -> R:
+    async def submit(self, item: Item) -> Result:
         if self._task is None:
             self._task = asyncio.create_task(self._run())
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((item, future))
         return await future
 
@@ -99,6 +100,7 @@ class Batcher(Generic[I, R]):
             batch = [(item, future) for item, future in batch if not future.done()]  # callers that gave up
             if not batch:
                 continue
+            results: Sequence[Result | Exception]
             try:
                 results = await loop.run_in_executor(self._executor, self._fn, [item for item, _ in batch])
             except Exception as exc:
@@ -142,9 +144,17 @@ class Calibration:
         return True
 
     def buckets(self) -> list[LengthBucketStats]:
-        return [LengthBucketStats(bucket=b, label=bucket_label(b), observed=s.observed, exact=s.exact,
-                                  within_one=s.within_one, abs_error_tokens=s.abs_error_tokens)
-                for b, s in enumerate(self.scores)]
+        return [
+            LengthBucketStats(
+                bucket=b,
+                label=bucket_label(b),
+                observed=s.observed,
+                exact=s.exact,
+                within_one=s.within_one,
+                abs_error_tokens=s.abs_error_tokens,
+            )
+            for b, s in enumerate(self.scores)
+        ]
 
 
 class _CalibrationCollector:
@@ -153,14 +163,22 @@ class _CalibrationCollector:
 
     def collect(self) -> Iterator[Metric]:
         families = {
-            "observed": CounterMetricFamily("llmesh_length_observed", "Finished requests scored, by predicted "
-                                            "bucket", labels=["bucket"]),
-            "exact": CounterMetricFamily("llmesh_length_exact", "Scored requests whose actual length fell in the "
-                                         "predicted bucket", labels=["bucket"]),
-            "within_one": CounterMetricFamily("llmesh_length_within_one", "Scored requests whose actual length "
-                                              "fell in the predicted bucket or a neighbour", labels=["bucket"]),
-            "abs_error_tokens": CounterMetricFamily("llmesh_length_abs_error_tokens", "Sum of |expected - actual| "
-                                                    "tokens", labels=["bucket"]),
+            "observed": CounterMetricFamily(
+                "llmesh_length_observed", "Finished requests scored, by predicted bucket", labels=["bucket"]
+            ),
+            "exact": CounterMetricFamily(
+                "llmesh_length_exact",
+                "Scored requests whose actual length fell in the predicted bucket",
+                labels=["bucket"],
+            ),
+            "within_one": CounterMetricFamily(
+                "llmesh_length_within_one",
+                "Scored requests whose actual length fell in the predicted bucket or a neighbour",
+                labels=["bucket"],
+            ),
+            "abs_error_tokens": CounterMetricFamily(
+                "llmesh_length_abs_error_tokens", "Sum of |expected - actual| tokens", labels=["bucket"]
+            ),
         }
         accuracy = GaugeMetricFamily("llmesh_length_accuracy", "Running exact-bucket accuracy", labels=["bucket"])
         mae = GaugeMetricFamily("llmesh_length_mae_tokens", "Running mean absolute error", labels=["bucket"])
@@ -173,8 +191,11 @@ class _CalibrationCollector:
         yield from families.values()
         yield accuracy
         yield mae
-        yield CounterMetricFamily("llmesh_length_censored", "Reports of requests cut by max_tokens (not scored)",
-                                  value=self.calibration.censored)
+        yield CounterMetricFamily(
+            "llmesh_length_censored",
+            "Reports of requests cut by max_tokens (not scored)",
+            value=self.calibration.censored,
+        )
 
 
 class SharedState:
@@ -184,14 +205,17 @@ class SharedState:
     def __init__(self, redis_url: str, limit: int):
         self.limit = limit
         self._local: deque[tuple[str, int]] = deque(maxlen=limit)
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) \
-            if redis_url else None
+        self._redis = (
+            aioredis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) if redis_url else None
+        )
 
     async def add_sample(self, prompt: str, tokens: int) -> None:
         if self._redis is not None:
             try:
-                await self._redis.pipeline().lpush(SAMPLES_KEY, json.dumps([prompt, tokens])) \
-                    .ltrim(SAMPLES_KEY, 0, self.limit - 1).execute()
+                pipe = self._redis.pipeline()  # (its commands return it, but are typed as the client's)
+                pipe.lpush(SAMPLES_KEY, json.dumps([prompt, tokens]))
+                pipe.ltrim(SAMPLES_KEY, 0, self.limit - 1)
+                await pipe.execute()
                 return
             except REDIS_ERRORS as exc:
                 log.warning("Redis is unreachable (%s): keeping the sample in memory", exc)
@@ -217,7 +241,7 @@ class SharedState:
         if self._redis is None:
             return None
         try:
-            return await self._redis.get(HEAD_KEY.format(base=base_version))
+            return cast(bytes | None, await self._redis.get(HEAD_KEY.format(base=base_version)))  # no decode_responses
         except REDIS_ERRORS as exc:
             log.warning("Redis is unreachable (%s): serving the artifact's head", exc)
             return None
@@ -231,25 +255,40 @@ class LengthPredictorService:
     """Build with `await LengthPredictorService.create(...)`: the model is loaded in the one thread
     that runs it (see llmesh_lengthpred.predictor)."""
 
-    def __init__(self, bus: Bus, predictor: Predictor, settings: LengthPredictorSettings, shared: SharedState,
-                 model_thread: ThreadPoolExecutor):
+    def __init__(
+        self,
+        bus: Bus,
+        predictor: Predictor,
+        settings: LengthPredictorSettings,
+        shared: SharedState,
+        model_thread: ThreadPoolExecutor,
+    ):
         self.bus, self.predictor, self.settings, self.shared = bus, predictor, settings, shared
         self.model_thread = model_thread
         self.replica = predictor.replica
         self.calibration = Calibration()
         self.batcher: Batcher[tuple[str, int], LengthPrediction] = Batcher(
-            self._predict_batch, settings.length_max_batch, model_thread)
+            self._predict_batch, settings.length_max_batch, model_thread
+        )
         self.remaining_batcher: Batcher[tuple[str, str, int, int], LengthRemaining] = Batcher(
-            self._remaining_batch, settings.length_max_batch, model_thread)
+            self._remaining_batch, settings.length_max_batch, model_thread
+        )
         self._prompts: OrderedDict[str, str] = OrderedDict()  # request id -> prompt, until its report
         self._refit_lock = asyncio.Lock()
         self.answered = 0
         self.registry = CollectorRegistry()
-        self.latency = Histogram("llmesh_length_predict_seconds", "From a request's arrival to its answer (its "
-                                 "_count: the predictions answered)",
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.batch_size = Histogram("llmesh_length_batch_size", "Prompts per model call",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.latency = Histogram(
+            "llmesh_length_predict_seconds",
+            "From a request's arrival to its answer (its _count: the predictions answered)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "llmesh_length_batch_size",
+            "Prompts per model call",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
         self.refits = Counter("llmesh_length_refits", "Refits by outcome", ["outcome"], registry=self.registry)
         self.registry.register(_CalibrationCollector(self.calibration))
 
@@ -258,14 +297,16 @@ class LengthPredictorService:
         model_thread = ThreadPoolExecutor(1, thread_name_prefix="length-model")
         try:
             predictor = await asyncio.get_running_loop().run_in_executor(
-                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_generator))
+                model_thread, partial(Predictor, settings.length_artifact_dir, replica, settings.length_generator)
+            )
         except BaseException:
             model_thread.shutdown(wait=False)
             raise
-        return cls(bus, predictor, settings, SharedState(settings.redis_url, settings.length_recent_samples),
-                   model_thread)
+        return cls(
+            bus, predictor, settings, SharedState(settings.redis_url, settings.length_recent_samples), model_thread
+        )
 
-    async def _in_model_thread(self, fn: Callable[..., R], *args: Any) -> R:
+    async def _in_model_thread(self, fn: Callable[..., Result], *args: Any) -> Result:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, partial(fn, *args))
 
     async def start(self) -> None:
@@ -278,8 +319,13 @@ class LengthPredictorService:
         await self.bus.serve(Subjects.length_stats(self.replica), self.stats, traced=False)
         await self.bus.serve(Subjects.LENGTH_REFIT, self.refit, queue=QUEUE, span="length-predictor refit")
         await self.bus.serve(Subjects.LENGTH_HEAD, self.on_head, traced=False)
-        log.info("%s ready: model %s (generator %s), batches of up to %d", self.replica, self.predictor.version,
-                 self.predictor.generator, self.settings.length_max_batch)
+        log.info(
+            "%s ready: model %s (generator %s), batches of up to %d",
+            self.replica,
+            self.predictor.version,
+            self.predictor.generator,
+            self.settings.length_max_batch,
+        )
 
     async def close(self) -> None:
         await self.batcher.close()
@@ -299,8 +345,9 @@ class LengthPredictorService:
             raise InvalidRequest(f"expected LengthRemainingRequest, got {type(req).__name__}")
         prompt, _ = cut_prompt(req.prompt)
         chars = max(req.generated_chars or 0, len(req.generated))
-        return await self.remaining_batcher.submit((prompt, req.generated[-MAX_GENERATED_CHARS:], chars,
-                                                    req.generated_tokens))
+        return await self.remaining_batcher.submit(
+            (prompt, req.generated[-MAX_GENERATED_CHARS:], chars, req.generated_tokens)
+        )
 
     async def predict(self, req: LengthPredictRequest, blob: memoryview) -> LengthPrediction:
         if not isinstance(req, LengthPredictRequest):
@@ -316,9 +363,13 @@ class LengthPredictorService:
             self._prompts[req.request_id] = text
             while len(self._prompts) > self.settings.length_pending_predictions:
                 self._prompts.popitem(last=False)
-        trace.get_current_span().set_attributes({"length.bucket": prediction.label,
-                                                 "length.expected_tokens": prediction.expected_tokens,
-                                                 "length.truncated": prediction.truncated})
+        trace.get_current_span().set_attributes(
+            {
+                "length.bucket": prediction.label,
+                "length.expected_tokens": prediction.expected_tokens,
+                "length.truncated": prediction.truncated,
+            }
+        )
         return prediction
 
     async def observe(self, report: LengthObserved, blob: memoryview) -> None:
@@ -327,9 +378,14 @@ class LengthPredictorService:
             await self.shared.add_sample(prompt, report.actual_tokens)
 
     async def stats(self, req: LengthStatsRequest, blob: memoryview) -> LengthStats:
-        return LengthStats(replica=self.replica, model_version=self.predictor.version,
-                           predictions=self.answered, censored=self.calibration.censored,
-                           samples=len(await self.shared.samples()), buckets=self.calibration.buckets())
+        return LengthStats(
+            replica=self.replica,
+            model_version=self.predictor.version,
+            predictions=self.answered,
+            censored=self.calibration.censored,
+            samples=len(await self.shared.samples()),
+            buckets=self.calibration.buckets(),
+        )
 
     async def refit(self, req: LengthRefit, blob: memoryview) -> LengthRefitResult:
         if not isinstance(req, LengthRefit):
@@ -340,8 +396,11 @@ class LengthPredictorService:
             result = dict(samples=len(samples), held_out=0, before={}, after={}, model_version=current)
             if len(samples) < req.min_samples:
                 self.refits.labels("skipped").inc()
-                return LengthRefitResult(accepted=False, reason=f"{len(samples)} samples; the refit asks for at "
-                                         f"least {req.min_samples}", **result)
+                return LengthRefitResult(
+                    accepted=False,
+                    reason=f"{len(samples)} samples; the refit asks for at least {req.min_samples}",
+                    **result,
+                )
             try:
                 fit, held = refit_split(samples, req.holdout_fraction)
             except ValueError as exc:
@@ -350,8 +409,12 @@ class LengthPredictorService:
             fit_scores = await self._scores([s.prompt for s in fit])
             held_scores = await self._scores([s.prompt for s in held])
             head, before, after = await self._in_model_thread(
-                self.predictor.refit_head, fit_scores, [s.output_tokens for s in fit], held_scores,
-                [s.output_tokens for s in held])
+                self.predictor.refit_head,
+                fit_scores,
+                [s.output_tokens for s in fit],
+                held_scores,
+                [s.output_tokens for s in held],
+            )
             result.update(held_out=len(held), before=before, after=after)
             change = f"held-out log loss {before['log_loss']:.3f} -> {after['log_loss']:.3f}"
             if head is None:
@@ -361,24 +424,36 @@ class LengthPredictorService:
             self._install(head, "refit")
             blob_out = head.to_bytes()
             await self.shared.save_head(self.predictor.base_version, blob_out)
-            await self.bus.publish(Subjects.LENGTH_HEAD, LengthHead(base_version=self.predictor.base_version,
-                                                                    version=head.version), blob_out)
+            await self.bus.publish(
+                Subjects.LENGTH_HEAD,
+                LengthHead(base_version=self.predictor.base_version, version=head.version),
+                blob_out,
+            )
             self.refits.labels("accepted").inc()
-            return LengthRefitResult(accepted=True, reason=f"{change}: now serving {self.predictor.version}",
-                                     **(result | {"model_version": self.predictor.version}))
+            return LengthRefitResult(
+                accepted=True,
+                reason=f"{change}: now serving {self.predictor.version}",
+                **(result | {"model_version": self.predictor.version}),
+            )
 
     async def _scores(self, prompts: list[str]) -> np.ndarray:
         """The model's scores of many prompts, a chunk at a time, so that predictions go on in between."""
-        parts = [await self._in_model_thread(self.predictor.scores, prompts[i : i + REFIT_CHUNK])
-                 for i in range(0, len(prompts), REFIT_CHUNK)]
+        parts = [
+            await self._in_model_thread(self.predictor.scores, prompts[i : i + REFIT_CHUNK])
+            for i in range(0, len(prompts), REFIT_CHUNK)
+        ]
         return np.concatenate(parts)
 
     async def on_head(self, msg: LengthHead, blob: memoryview) -> None:
         if not isinstance(msg, LengthHead) or msg.version == self.predictor.head.version:
             return
         if msg.base_version != self.predictor.base_version:
-            log.warning("ignoring head %s: fitted on artifact %s, this replica runs %s", msg.version,
-                        msg.base_version, self.predictor.base_version)
+            log.warning(
+                "ignoring head %s: fitted on artifact %s, this replica runs %s",
+                msg.version,
+                msg.base_version,
+                self.predictor.base_version,
+            )
             return
         try:
             head = Head.from_bytes(bytes(blob))

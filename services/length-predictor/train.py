@@ -36,7 +36,6 @@ SIGMA_FRACTION = 0.1  # of the training prompts, held back to measure the residu
 SEEN = (16, 32, 64, 128, 256, 512)  # generated tokens at which the remaining-length model is trained and scored
 
 
-
 @dataclass
 class Scores:
     name: str
@@ -46,12 +45,14 @@ class Scores:
     mae_tokens: float
     kendall_tau: float | None  # over all held-out responses, whoever generated them
     kendall_tau_per_generator: float | None  # within each generator's responses (a deployment serves one
-    spearman: float | None                   # model), averaged weighted by their count
+    spearman: float | None  # model), averaged weighted by their count
 
 
-def score(name: str, predicted_tokens: np.ndarray, buckets: np.ndarray, actual: np.ndarray,
-          generators: list[str]) -> Scores:
+def score(
+    name: str, predicted_tokens: np.ndarray, buckets: np.ndarray, actual: np.ndarray, generators: list[str]
+) -> Scores:
     truth = np.array([bucket_of(int(n)) for n in actual])
+
     def varies(*arrays: np.ndarray) -> bool:  # a rank correlation with a constant is undefined
         return all(len(set(a.tolist())) > 1 for a in arrays)
 
@@ -61,17 +62,22 @@ def score(name: str, predicted_tokens: np.ndarray, buckets: np.ndarray, actual: 
         rows = np.array([x == g for x in generators])
         if rows.sum() >= 20 and varies(predicted_tokens[rows], actual[rows]):
             per_generator.append((rows.sum(), stats.kendalltau(predicted_tokens[rows], actual[rows]).statistic))
-    return Scores(name, len(actual), float((buckets == truth).mean()), float((abs(buckets - truth) <= 1).mean()),
-                  float(np.abs(predicted_tokens - actual).mean()),
-                  float(stats.kendalltau(predicted_tokens, actual).statistic) if ranked else None,
-                  float(sum(n * t for n, t in per_generator) / sum(n for n, _ in per_generator))
-                  if per_generator else None,
-                  float(stats.spearmanr(predicted_tokens, actual).statistic) if ranked else None)
+    return Scores(
+        name,
+        len(actual),
+        float((buckets == truth).mean()),
+        float((abs(buckets - truth) <= 1).mean()),
+        float(np.abs(predicted_tokens - actual).mean()),
+        float(stats.kendalltau(predicted_tokens, actual).statistic) if ranked else None,
+        float(sum(n * t for n, t in per_generator) / sum(n for n, _ in per_generator)) if per_generator else None,
+        float(stats.spearmanr(predicted_tokens, actual).statistic) if ranked else None,
+    )
 
 
 def token_counter(tokenizer):
     def count(texts: list[str]) -> list[int]:
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
     return count
 
 
@@ -94,8 +100,9 @@ def prefixes(tokenizer, examples: list[data.Example], seen: tuple[int, ...] = SE
     long_enough = [e for e in examples if e.output_tokens > min(seen)]
     for start in range(0, len(long_enough), 256):
         chunk = long_enough[start : start + 256]
-        offsets = tokenizer([e.response for e in chunk], add_special_tokens=False,
-                            return_offsets_mapping=True)["offset_mapping"]
+        offsets = tokenizer([e.response for e in chunk], add_special_tokens=False, return_offsets_mapping=True)[
+            "offset_mapping"
+        ]
         for e, spans in zip(chunk, offsets):
             out += [Prefix(e, k, e.response[: spans[k - 1][1]][-MAX_GENERATED_CHARS:]) for k in seen if len(spans) > k]
     return out
@@ -110,8 +117,9 @@ class Featurized:
         self.remaining = RemainingModel(hasher=self.total.hasher)
         self.x, self.dense = self.total.features([e.prompt for e in examples], [e.generator for e in examples])
         self.y = np.log1p([e.output_tokens for e in examples])
-        self.px, self.pdense = self.remaining.features([p.example.prompt for p in prefixes], [p.text for p in prefixes],
-                                                       [p.seen for p in prefixes])
+        self.px, self.pdense = self.remaining.features(
+            [p.example.prompt for p in prefixes], [p.text for p in prefixes], [p.seen for p in prefixes]
+        )
         self.py = np.log1p([p.remaining for p in prefixes])
         self._index = {id(e): i for i, e in enumerate(examples)}
         self.prefix_example = np.array([self._index[id(p.example)] for p in prefixes], dtype=int)
@@ -151,16 +159,22 @@ def remaining_dense(f: Featurized, total: Ridge, chosen: np.ndarray) -> np.ndarr
     return RemainingModel.with_mu(f.pdense[chosen], total.predict(f.x[examples], f.dense[examples]))
 
 
-def evaluate(name: str, f: Featurized, train: np.ndarray, test: np.ndarray, seed: int,
-             by_family: bool = False) -> tuple[list[Scores], list[dict]]:
+def evaluate(
+    name: str, f: Featurized, train: np.ndarray, test: np.ndarray, seed: int, by_family: bool = False
+) -> tuple[list[Scores], list[dict]]:
     """The prompt-only model against the constant (and within each generator family with 200
     held-out responses, if `by_family`), and the remaining-length model by tokens seen
     (`evaluate_remaining`), trained on `train`, scored on `test`."""
     actual = np.expm1(f.y[test])
     generators = [f.examples[i].generator for i in test]
     median = float(np.median(np.expm1(f.y[train])))
-    constant = score(f"{name}: constant (training median)", np.full(len(test), median),
-                     np.full(len(test), bucket_of(int(round(median)))), actual, generators)
+    constant = score(
+        f"{name}: constant (training median)",
+        np.full(len(test), median),
+        np.full(len(test), bucket_of(int(round(median)))),
+        actual,
+        generators,
+    )
     total = fit_total(f, train, seed)
     mu = total.predict(f.x[test], f.dense[test])
     buckets = bucket_probs(mu, total.sigma).argmax(1)
@@ -170,10 +184,16 @@ def evaluate(name: str, f: Featurized, train: np.ndarray, test: np.ndarray, seed
         rows = families == family
         if rows.sum() >= 200:
             chosen = [g for g, keep in zip(generators, rows) if keep]
-            scores += [score(f"{name}, {family} family: constant", np.full(rows.sum(), median),
-                             np.full(rows.sum(), bucket_of(int(round(median)))), actual[rows], chosen),
-                       score(f"{name}, {family} family: regression", np.expm1(mu[rows]), buckets[rows], actual[rows],
-                             chosen)]
+            scores += [
+                score(
+                    f"{name}, {family} family: constant",
+                    np.full(rows.sum(), median),
+                    np.full(rows.sum(), bucket_of(int(round(median)))),
+                    actual[rows],
+                    chosen,
+                ),
+                score(f"{name}, {family} family: regression", np.expm1(mu[rows]), buckets[rows], actual[rows], chosen),
+            ]
     remaining = fit_remaining(f, total, train, seed)
     return scores, evaluate_remaining(name, f, total, remaining, test)
 
@@ -193,38 +213,63 @@ def evaluate_remaining(name: str, f: Featurized, total: Ridge, remaining: Ridge,
         # the prompt-only estimate, told the request is still running: at least k + 1
         before = np.abs(np.maximum(prompt_only[at], k + 1) - actual[at]).mean()
         after = np.abs(refined[at] - actual[at]).mean()
-        out.append({"split": name, "seen": k, "rows": int(at.sum()), "mae_prompt_only": float(before),
-                    "mae_refined": float(after), "ratio": float(after / before),
-                    "kendall_tau_remaining": float(stats.kendalltau(refined[at] - k, actual[at] - k).statistic)
-                    if at.sum() > 1 else None})
+        out.append(
+            {
+                "split": name,
+                "seen": k,
+                "rows": int(at.sum()),
+                "mae_prompt_only": float(before),
+                "mae_refined": float(after),
+                "ratio": float(after / before),
+                "kendall_tau_remaining": float(stats.kendalltau(refined[at] - k, actual[at] - k).statistic)
+                if at.sum() > 1
+                else None,
+            }
+        )
     return out
 
 
-def run(*, seed: int = 0, limit_prompts: int | None = None, out: Path | None = None, quiet: bool = False,
-        sources: tuple[str, ...] = data.SOURCES, leave_one_out: bool = True) -> dict:
+def run(
+    *,
+    seed: int = 0,
+    limit_prompts: int | None = None,
+    out: Path | None = None,
+    quiet: bool = False,
+    sources: tuple[str, ...] = data.SOURCES,
+    leave_one_out: bool = True,
+) -> dict:
     started = time.monotonic()
     say = (lambda *a: None) if quiet else print
     tokenizer = load_tokenizer()
     examples = data.load(token_counter(tokenizer), sources, limit_prompts=limit_prompts, keep_text=True)
     f = Featurized(examples, prefixes(tokenizer, examples))
-    say(f"{len(examples)} responses to {len({e.prompt for e in examples})} prompts from "
+    say(
+        f"{len(examples)} responses to {len({e.prompt for e in examples})} prompts from "
         f"{len({e.generator for e in examples})} generators, {len(f.prefixes)} prefixes "
-        f"({time.monotonic() - started:.0f} s)")
+        f"({time.monotonic() - started:.0f} s)"
+    )
     report: dict = {"total": [], "remaining": []}
-    splits = [(f"held-out source {s}", [e for e in examples if e.source != s], [e for e in examples if e.source == s])
-              for s in sources if leave_one_out and len(sources) > 1]
+    splits = [
+        (f"held-out source {s}", [e for e in examples if e.source != s], [e for e in examples if e.source == s])
+        for s in sources
+        if leave_one_out and len(sources) > 1
+    ]
     splits.append(("split by prompt, all sources", *data.split_by_prompt(examples, 0.2, seed)))
     for name, train, test in splits:
-        scores, remaining = evaluate(name, f, f.rows(train), f.rows(test), seed, by_family=name.startswith("split"))
+        scores, by_seen = evaluate(name, f, f.rows(train), f.rows(test), seed, by_family=name.startswith("split"))
         report["total"] += [asdict(s) for s in scores]
-        report["remaining"] += remaining
+        report["remaining"] += by_seen
         say(f"{name}: {len(train)} training, {len(test)} held-out responses ({time.monotonic() - started:.0f} s)")
     if out is not None:
         everything = np.arange(len(examples))
         total = fit_total(f, everything, seed)
         remaining = fit_remaining(f, total, everything, seed)
-        info = {"seed": seed, "sources": list(sources), "responses": len(examples),
-                "alphas": [TOTAL_ALPHA, REMAINING_ALPHA]}
+        info = {
+            "seed": seed,
+            "sources": list(sources),
+            "responses": len(examples),
+            "alphas": [TOTAL_ALPHA, REMAINING_ALPHA],
+        }
         total.info, remaining.info = info, info
         out.mkdir(parents=True, exist_ok=True)
         total.save(out / "total")
@@ -237,15 +282,26 @@ def run(*, seed: int = 0, limit_prompts: int | None = None, out: Path | None = N
 def tables(report: dict) -> str:
     pct = lambda v: f"{v:.1%}"  # noqa: E731
     num = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = ["| split: predictor | responses | exact bucket | ±1 bucket | MAE tokens | Kendall tau "
-             "| tau per generator | Spearman |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {s['name']} | {s['rows']} | {pct(s['exact'])} | {pct(s['within_one'])} | {s['mae_tokens']:.0f} | "
-              f"{num(s['kendall_tau'])} | {num(s['kendall_tau_per_generator'])} | {num(s['spearman'])} |"
-              for s in report["total"]]
-    lines += ["", "| split | tokens seen | requests still running | MAE prompt-only | MAE refined | ratio "
-              "| tau (remaining) |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['split']} | {r['seen']} | {r['rows']} | {r['mae_prompt_only']:.0f} | {r['mae_refined']:.0f} | "
-              f"{r['ratio']:.2f} | {num(r['kendall_tau_remaining'])} |" for r in report["remaining"]]
+    lines = [
+        "| split: predictor | responses | exact bucket | ±1 bucket | MAE tokens | Kendall tau "
+        "| tau per generator | Spearman |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s['name']} | {s['rows']} | {pct(s['exact'])} | {pct(s['within_one'])} | {s['mae_tokens']:.0f} | "
+        f"{num(s['kendall_tau'])} | {num(s['kendall_tau_per_generator'])} | {num(s['spearman'])} |"
+        for s in report["total"]
+    ]
+    lines += [
+        "",
+        "| split | tokens seen | requests still running | MAE prompt-only | MAE refined | ratio | tau (remaining) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['split']} | {r['seen']} | {r['rows']} | {r['mae_prompt_only']:.0f} | {r['mae_refined']:.0f} | "
+        f"{r['ratio']:.2f} | {num(r['kendall_tau_remaining'])} |"
+        for r in report["remaining"]
+    ]
     return "\n".join(lines)
 
 

@@ -28,8 +28,9 @@ async def main(settings: PlacementSettings, stop: asyncio.Event) -> None:
         raise
     try:
         if settings.placement_metrics_port:
-            start_http_server(settings.placement_metrics_port, addr=settings.placement_metrics_host,
-                              registry=service.registry)
+            start_http_server(
+                settings.placement_metrics_port, addr=settings.placement_metrics_host, registry=service.registry
+            )
         watch_event_loop()
         await service.run(stop)
     finally:

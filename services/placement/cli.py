@@ -40,21 +40,43 @@ def workers_table(status: PlacementStatus) -> str:
         kv = f"{info.kv_blocks_used}/{info.kv_blocks_total}" if info.kv_blocks_total else "-"
         free = f"{freeness(view):.1f}" if info.kv_blocks_total and info.state == "active" else "-"
         switchables += switchable(view)
-        rows.append((info.worker_id, info.role + "*" * switchable(view), info.state, f"{info.running}/{info.capacity}",
-                     kv, free, len(info.requests)))
+        rows.append(
+            (
+                info.worker_id,
+                info.role + "*" * switchable(view),
+                info.state,
+                f"{info.running}/{info.capacity}",
+                kv,
+                free,
+                len(info.requests),
+            )
+        )
     header = ("WORKER", "ROLE", "STATE", "RUNNING", "KV BLOCKS", "FREENESS", "REQUESTS")
-    lines = [table(header, rows) if rows else "no live workers", "",
-             *(["* built with both roles: `role WORKER prefill|decode` switches it"] if switchables else []),
-             f"leader {status.leader}; scaling advice: {SCALING.get(status.scaling, status.scaling)}"]
+    lines = [
+        table(header, rows) if rows else "no live workers",
+        "",
+        *(["* built with both roles: `role WORKER prefill|decode` switches it"] if switchables else []),
+        f"leader {status.leader}; scaling advice: {SCALING.get(status.scaling, status.scaling)}",
+    ]
     if status.decisions:
         lines.append("decisions: " + ", ".join(f"{k}={n}" for k, n in sorted(status.decisions.items())))
     return "\n".join(lines)
 
 
 def requests_table(status: PlacementStatus) -> str:
-    rows = [(r.request_id, info.worker_id, r.prompt_tokens, r.generated, r.max_tokens, r.priority,
-             "yes" if r.migrating else "")
-            for info in status.workers for r in info.requests]
+    rows = [
+        (
+            r.request_id,
+            info.worker_id,
+            r.prompt_tokens,
+            r.generated,
+            r.max_tokens,
+            r.priority,
+            "yes" if r.migrating else "",
+        )
+        for info in status.workers
+        for r in info.requests
+    ]
     if not rows:
         return "no requests"
     return table(("REQUEST", "WORKER", "PROMPT", "GENERATED", "MAX", "PRIORITY", "MIGRATING"), rows)
@@ -70,13 +92,19 @@ async def ask(nats_url: str, request: PlacementRequest, timeout: float) -> Place
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmesh_placement.cli",
-                                     description="Ask the leading placement replica about workers and requests, "
-                                     "or have it drain a worker, move a request or switch a worker's role.")
+    parser = argparse.ArgumentParser(
+        prog="python -m llmesh_placement.cli",
+        description="Ask the leading placement replica about workers and requests, "
+        "or have it drain a worker, move a request or switch a worker's role.",
+    )
     parser.add_argument("--nats", default=None, help="NATS URL (default: MESH_NATS_URL or nats://127.0.0.1:4222)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds to wait for the answer (default: 5; 20 for migrate and role, which wait "
-                        "for the worker's hand-shake)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the answer (default: 5; 20 for migrate and role, which wait "
+        "for the worker's hand-shake)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("workers", help="live workers, their load and freeness, and the scaling advice")
     commands.add_parser("requests", help="requests the workers hold")
@@ -91,19 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the bus's reconnect warnings are not the operator's business
 
-    request = {"workers": PlacementRequest(op="status"), "requests": PlacementRequest(op="status"),
-               "drain": PlacementRequest(op="drain", worker_id=getattr(args, "worker", None)),
-               "migrate": PlacementRequest(op="migrate", request_id=getattr(args, "request", None),
-                                           target=getattr(args, "target", None)),
-               "role": PlacementRequest(op="role", worker_id=getattr(args, "worker", None),
-                                        role=getattr(args, "role", None))}[args.command]
+    request = {
+        "workers": PlacementRequest(op="status"),
+        "requests": PlacementRequest(op="status"),
+        "drain": PlacementRequest(op="drain", worker_id=getattr(args, "worker", None)),
+        "migrate": PlacementRequest(
+            op="migrate", request_id=getattr(args, "request", None), target=getattr(args, "target", None)
+        ),
+        "role": PlacementRequest(op="role", worker_id=getattr(args, "worker", None), role=getattr(args, "role", None)),
+    }[args.command]
     timeout = args.timeout or (20.0 if args.command in ("migrate", "role") else 5.0)
     nats_url = operator_nats_url(args.nats or CommonSettings().nats_url)
     try:
         status = asyncio.run(ask(nats_url, request, timeout))
     except Timeout:
-        print(f"placement: no placement service answered on {Subjects.PLACEMENT} within {timeout:.0f}s "
-              "(none running, or none holds the leader lease)", file=sys.stderr)
+        print(
+            f"placement: no placement service answered on {Subjects.PLACEMENT} within {timeout:.0f}s "
+            "(none running, or none holds the leader lease)",
+            file=sys.stderr,
+        )
         return 1
     except ServiceUnavailable as exc:
         if exc.message.endswith(Subjects.PLACEMENT):  # no responders: nothing subscribes

@@ -29,14 +29,23 @@ _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL
 
 
 class LeaderLease:
-    def __init__(self, redis_url: str, holder: str, lease_s: float,
-                 on_change: Callable[[bool], None] = lambda held: None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        redis_url: str,
+        holder: str,
+        lease_s: float,
+        on_change: Callable[[bool], None] = lambda held: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.holder = holder
         self._lease_s = lease_s
         self._on_change = on_change
         self._clock = clock
-        self._redis = (aioredis.Redis.from_url(redis_url, socket_timeout=lease_s / 3,
-                                               socket_connect_timeout=lease_s / 3) if redis_url else None)
+        self._redis = (
+            aioredis.Redis.from_url(redis_url, socket_timeout=lease_s / 3, socket_connect_timeout=lease_s / 3)
+            if redis_url
+            else None
+        )
         self._renew = self._redis.register_script(_RENEW) if self._redis else None
         self._valid_until = math.inf if self._redis is None else 0.0
         self._mine = self._redis is None  # the last acquire or renewal succeeded
@@ -69,8 +78,9 @@ class LeaderLease:
             else:
                 # a key still naming this replica (a renewal that timed out, e.g. starved of CPU) is
                 # taken back at once, not after it expires
-                self._mine = (bool(await self._renew(keys=[LEADER_KEY], args=[self.holder, lease_ms]))
-                              or bool(await self._redis.set(LEADER_KEY, self.holder, nx=True, px=lease_ms)))
+                self._mine = bool(await self._renew(keys=[LEADER_KEY], args=[self.holder, lease_ms])) or bool(
+                    await self._redis.set(LEADER_KEY, self.holder, nx=True, px=lease_ms)
+                )
                 if not self._mine:
                     left_ms = await self._redis.pttl(LEADER_KEY)  # -2: gone meanwhile, -1: no expiry
                     wait = 0.0 if left_ms == -2 else min(period, left_ms / 1000 + 0.005) if left_ms >= 0 else period

@@ -48,12 +48,13 @@ from llmesh.messages import (
     PlacementDecision,
     PlacementRequest,
     PlacementStatus,
+    RequestProgress,
     RoleCommand,
     RoleOutcome,
     Subjects,
     WorkerInfo,
 )
-from llmesh.policies import RunningRequest, WorkerView
+from llmesh.policies import WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, switchable
 from llmesh.policies.core import Role
 from llmesh.policies.llumnix import freeness, migration_pairs, pick_migration, scaling_advice
@@ -100,19 +101,28 @@ class _Move:
 
 
 class PlacementService:
-    def __init__(self, bus: Bus, settings: PlacementSettings, placement_id: str,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, bus: Bus, settings: PlacementSettings, placement_id: str, clock: Callable[[], float] = time.monotonic
+    ):
         self.placement_id = placement_id
         self.settings = settings
         self.decisions: Counter[str] = Counter()  # "<kind>/<outcome>" -> commands and advice since start
         self.scaling = 0
         self.registry = CollectorRegistry()
-        self._decision_counter = PromCounter("llmesh_placement_decisions", "Commands and scaling advice issued, "
-                                             "by kind and outcome", ["kind", "outcome"], registry=self.registry)
-        self._leader_gauge = Gauge("llmesh_placement_leader", "1 while this replica holds the leader lease",
-                                   registry=self.registry)
-        self._scaling_gauge = Gauge("llmesh_placement_scaling", "Scaling advice: +1 add a decode instance, -1 one "
-                                    "can go, 0 hold", registry=self.registry)
+        self._decision_counter = PromCounter(
+            "llmesh_placement_decisions",
+            "Commands and scaling advice issued, by kind and outcome",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self._leader_gauge = Gauge(
+            "llmesh_placement_leader", "1 while this replica holds the leader lease", registry=self.registry
+        )
+        self._scaling_gauge = Gauge(
+            "llmesh_placement_scaling",
+            "Scaling advice: +1 add a decode instance, -1 one can go, 0 hold",
+            registry=self.registry,
+        )
         self._bus = bus
         self._clock = clock
         self._lease = LeaderLease(settings.redis_url, placement_id, settings.placement_lease_s, self._on_lease, clock)
@@ -122,18 +132,23 @@ class PlacementService:
         self._draining: set[str] = set()  # drained by command (until their heartbeats say so too)
         self._moves: dict[str, _Move] = {}  # by request id: the last command for it
         self._role_params = RoleSwitchParams(
-            threshold=settings.placement_role_threshold, hold_s=settings.placement_role_hold_s,
-            cooldown_s=settings.placement_role_cooldown_s, min_ratio=settings.placement_role_min_ratio,
-            switch_cost=settings.placement_role_switch_cost, request_cost=settings.placement_role_request_cost,
-            backlog_s=settings.placement_role_backlog_s)
+            threshold=settings.placement_role_threshold,
+            hold_s=settings.placement_role_hold_s,
+            cooldown_s=settings.placement_role_cooldown_s,
+            min_ratio=settings.placement_role_min_ratio,
+            switch_cost=settings.placement_role_switch_cost,
+            request_cost=settings.placement_role_request_cost,
+            backlog_s=settings.placement_role_backlog_s,
+        )
         self._role_balance: dict[tuple[str, str], RoleBalance] = {}  # by model and KV layout
         self._switching: set[str] = set()  # workers with a role command in flight
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()  # run a period now
 
     @classmethod
-    async def create(cls, bus: Bus, settings: PlacementSettings, placement_id: str,
-                     clock: Callable[[], float] = time.monotonic) -> PlacementService:
+    async def create(
+        cls, bus: Bus, settings: PlacementSettings, placement_id: str, clock: Callable[[], float] = time.monotonic
+    ) -> PlacementService:
         service = cls(bus, settings, placement_id, clock)
         await bus.serve(Subjects.HEARTBEAT, service._on_heartbeat, traced=False)
         await bus.serve(Subjects.PLACEMENT, service._on_command, span="placement command")
@@ -229,22 +244,27 @@ class PlacementService:
     def _unsettled(self, move: _Move, worker_id: str) -> bool:
         """`move` is in flight, or was accepted after `worker_id`'s last heartbeat (which then
         does not show it yet)."""
-        return move.in_flight or (move.accepted and self._seen_at(worker_id) <= move.done_at)
+        return move.done_at is None or (move.accepted and self._seen_at(worker_id) <= move.done_at)
 
-    def _movable(self, request: RunningRequest, holder: str, cooldown_s: float) -> bool:
+    def _movable(self, request: RequestProgress, holder: str, cooldown_s: float) -> bool:
         """The loop may move `request` off `holder` now."""
         if request.migrating or request.prefilling:
             return False
         move = self._moves.get(request.request_id)
-        return move is None or (not self._unsettled(move, holder)
-                                and self._clock() - move.issued_at >= cooldown_s)
+        return move is None or (not self._unsettled(move, holder) and self._clock() - move.issued_at >= cooldown_s)
 
     def _destination(self, views: dict[str, WorkerView], source: WorkerView) -> WorkerView | None:
         """The freest active decode worker with room that can take `source`'s requests (model, KV layout)."""
         headroom = self.settings.placement_priority_headroom_blocks
-        fits = [v for v in views.values() if v.worker_id != source.worker_id and v.role == "decode"
-                and v.state == "active" and v.has_room
-                and (v.model, v.fingerprint) == (source.model, source.fingerprint)]
+        fits = [
+            v
+            for v in views.values()
+            if v.worker_id != source.worker_id
+            and v.role == "decode"
+            and v.state == "active"
+            and v.has_room
+            and (v.model, v.fingerprint) == (source.model, source.fingerprint)
+        ]
         return min(fits, key=lambda v: (-freeness(v, headroom), v.worker_id), default=None)
 
     def _evacuate(self, views: dict[str, WorkerView]) -> None:
@@ -252,8 +272,13 @@ class PlacementService:
         draining decode workers, and those built with both roles that serve prefill now (BanaServe's
         module migration: the decodes leave with the role, so the prefills it now takes do not stall them)."""
         for source in sorted(views.values(), key=lambda v: v.worker_id):
-            reason = ("drain" if source.role == "decode" and source.state == "draining"
-                      else "role" if source.role == "prefill" and "decode" in source.roles else None)
+            reason = (
+                "drain"
+                if source.role == "decode" and source.state == "draining"
+                else "role"
+                if source.role == "prefill" and "decode" in source.roles
+                else None
+            )
             if reason is None:
                 continue
             for request in source.requests:
@@ -270,21 +295,23 @@ class PlacementService:
         settled = (v for v in views.values() if v.state == "active" and v.worker_id not in unsettled)
         s = self.settings
         for _, group in by_layout(settled):
-            for source, destination in migration_pairs(group, s.placement_source_below,
-                                                       s.placement_destination_above,
-                                                       s.placement_priority_headroom_blocks):
+            for source, destination in migration_pairs(
+                group, s.placement_source_below, s.placement_destination_above, s.placement_priority_headroom_blocks
+            ):
                 if not destination.has_room:
                     continue
-                movable = tuple(r for r in source.requests
-                                if self._movable(r, source.worker_id, s.placement_cooldown_s))
+                movable = tuple(
+                    r for r in source.requests if self._movable(r, source.worker_id, s.placement_cooldown_s)
+                )
                 request = pick_migration(replace(source, requests=movable))
                 if request is not None:
                     self._start(request, source, destination, "balance", views)
 
     def _advise(self, views: dict[str, WorkerView]) -> None:
         s = self.settings
-        advice = scaling_advice(list(views.values()), s.placement_scale_low, s.placement_scale_high,
-                                s.placement_priority_headroom_blocks)
+        advice = scaling_advice(
+            list(views.values()), s.placement_scale_low, s.placement_scale_high, s.placement_priority_headroom_blocks
+        )
         if advice == self.scaling:
             return
         self.scaling = advice
@@ -292,8 +319,15 @@ class PlacementService:
         self._count("scale", SCALING[advice])
         reason = {1: "add a decode instance", -1: "a decode instance can go", 0: "hold"}[advice]
         log.info("scaling advice: %s", reason)
-        self._spawn(self._announce(PlacementDecision(kind="scale", reason=reason, detail={
-            "advice": advice, "decode_workers": sum(v.state == "active" for v in views.values())})))
+        self._spawn(
+            self._announce(
+                PlacementDecision(
+                    kind="scale",
+                    reason=reason,
+                    detail={"advice": advice, "decode_workers": sum(v.state == "active" for v in views.values())},
+                )
+            )
+        )
 
     def _switch_roles(self, views: dict[str, WorkerView]) -> None:
         """BanaServe's role switching per model and KV layout, while no role command is in flight."""
@@ -302,36 +336,55 @@ class PlacementService:
         now = self._clock()
         for layout, group in by_layout(views.values()):
             switch, self._role_balance[layout] = pick_role_switch(
-                group, now, self._role_balance.get(layout, RoleBalance()), self._role_params)
+                group, now, self._role_balance.get(layout, RoleBalance()), self._role_params
+            )
             if switch is not None:
                 self._start_role(views[switch.worker_id], switch.role, "banaserve", asdict(switch))
 
     # ---- commands ------------------------------------------------------------------------------------------
 
-    def _start(self, request: RunningRequest, source: WorkerView, target: WorkerView, reason: str,
-               views: dict[str, WorkerView] | None = None) -> _Move:
+    def _start(
+        self,
+        request: RequestProgress,
+        source: WorkerView,
+        target: WorkerView,
+        reason: str,
+        views: dict[str, WorkerView] | None = None,
+    ) -> _Move:
         """Send a MigrateCommand in its own task; count the request on `target` in `views` meanwhile."""
-        command = MigrateCommand(migration_id=uuid.uuid4().hex, request_id=request.request_id,
-                                 target=target.worker_id, reason=reason)
+        command = MigrateCommand(
+            migration_id=uuid.uuid4().hex, request_id=request.request_id, target=target.worker_id, reason=reason
+        )
         move = _Move(command, source.worker_id, self._clock())
         self._moves[request.request_id] = move
         move.task = asyncio.create_task(self._migrate(move))
         if views is not None:
-            views[target.worker_id] = replace(target, requests=(*target.requests, request),
-                                              assigned=target.assigned + 1)
+            views[target.worker_id] = replace(
+                target, requests=(*target.requests, request), assigned=target.assigned + 1
+            )
             views[source.worker_id] = replace(source, requests=tuple(r for r in source.requests if r is not request))
         return move
 
     async def _migrate(self, move: _Move) -> tuple[str, str]:
         """Run one MigrateCommand: its outcome ("accepted", "refused" or "error") and the reason given."""
         cmd = move.command
-        attributes = {"migration.id": cmd.migration_id, "request.id": cmd.request_id, "migration.source": move.source,
-                      "migration.target": cmd.target, "migration.reason": cmd.reason}
-        with self._tracer.start_as_current_span("placement.migrate", kind=trace.SpanKind.CLIENT,
-                                                attributes=attributes) as span:
+        attributes = {
+            "migration.id": cmd.migration_id,
+            "request.id": cmd.request_id,
+            "migration.source": move.source,
+            "migration.target": cmd.target,
+            "migration.reason": cmd.reason,
+        }
+        with self._tracer.start_as_current_span(
+            "placement.migrate", kind=trace.SpanKind.CLIENT, attributes=attributes
+        ) as span:
             try:
-                outcome, _ = await self._bus.request(Subjects.migrate(move.source), cmd, MigrateOutcome,
-                                                     timeout=self.settings.placement_migrate_timeout_s)
+                outcome, _ = await self._bus.request(
+                    Subjects.migrate(move.source),
+                    cmd,
+                    MigrateOutcome,
+                    timeout=self.settings.placement_migrate_timeout_s,
+                )
                 result, reason = ("accepted" if outcome.accepted else "refused"), outcome.reason
             except MeshError as exc:
                 result, reason = "error", exc.message
@@ -339,31 +392,68 @@ class PlacementService:
             span.set_attributes({"migration.outcome": result, "migration.refusal": reason})
         move.done_at, move.accepted = self._clock(), result == "accepted"
         self._count("migrate", result)
-        log.info("migrate %s %s -> %s (%s): %s%s", cmd.request_id, move.source, cmd.target, cmd.reason, result,
-                 f": {reason}" if reason else "")
-        await self._announce(PlacementDecision(kind="migrate", reason=cmd.reason, detail={
-            "migration_id": cmd.migration_id, "request_id": cmd.request_id, "source": move.source,
-            "target": cmd.target, "outcome": result, "refusal": reason}))
+        log.info(
+            "migrate %s %s -> %s (%s): %s%s",
+            cmd.request_id,
+            move.source,
+            cmd.target,
+            cmd.reason,
+            result,
+            f": {reason}" if reason else "",
+        )
+        await self._announce(
+            PlacementDecision(
+                kind="migrate",
+                reason=cmd.reason,
+                detail={
+                    "migration_id": cmd.migration_id,
+                    "request_id": cmd.request_id,
+                    "source": move.source,
+                    "target": cmd.target,
+                    "outcome": result,
+                    "refusal": reason,
+                },
+            )
+        )
         return result, reason
 
-    def _start_role(self, worker: WorkerView, role: Role, reason: str,
-                    reckoning: dict[str, Any] | None = None) -> asyncio.Task[tuple[str, str]]:
+    def _start_role(
+        self, worker: WorkerView, role: Role, reason: str, reckoning: dict[str, Any] | None = None
+    ) -> asyncio.Task[tuple[str, str]]:
         """Send `worker` a RoleCommand in its own task (the policy's numbers in `reckoning`)."""
         self._switching.add(worker.worker_id)
-        return self._spawn(self._switch_role(worker, RoleCommand(command_id=uuid.uuid4().hex, role=role,
-                                                                 reason=reason), reckoning or {}))
+        return self._spawn(
+            self._switch_role(
+                worker, RoleCommand(command_id=uuid.uuid4().hex, role=role, reason=reason), reckoning or {}
+            )
+        )
 
     async def _switch_role(self, worker: WorkerView, cmd: RoleCommand, reckoning: dict[str, Any]) -> tuple[str, str]:
         """Run one RoleCommand: its outcome ("accepted", "refused" or "error") and the worker's reason."""
-        detail = {"command_id": cmd.command_id, "worker_id": worker.worker_id, "from": worker.role, "role": cmd.role,
-                  **reckoning}
+        detail = {
+            "command_id": cmd.command_id,
+            "worker_id": worker.worker_id,
+            "from": worker.role,
+            "role": cmd.role,
+            **reckoning,
+        }
         try:
-            with self._tracer.start_as_current_span("placement.role", kind=trace.SpanKind.CLIENT, attributes={
-                    "worker.id": worker.worker_id, "role.reason": cmd.reason,
-                    **{f"role.{k}": v for k, v in detail.items() if k != "worker_id"}}) as span:
+            with self._tracer.start_as_current_span(
+                "placement.role",
+                kind=trace.SpanKind.CLIENT,
+                attributes={
+                    "worker.id": worker.worker_id,
+                    "role.reason": cmd.reason,
+                    **{f"role.{k}": v for k, v in detail.items() if k != "worker_id"},
+                },
+            ) as span:
                 try:
-                    outcome, _ = await self._bus.request(Subjects.role(worker.worker_id), cmd, RoleOutcome,
-                                                         timeout=self.settings.placement_role_timeout_s)
+                    outcome, _ = await self._bus.request(
+                        Subjects.role(worker.worker_id),
+                        cmd,
+                        RoleOutcome,
+                        timeout=self.settings.placement_role_timeout_s,
+                    )
                     result, refusal = ("accepted" if outcome.accepted else "refused"), outcome.reason
                     self._believe_role(worker.worker_id, outcome.role)
                 except MeshError as exc:
@@ -373,10 +463,18 @@ class PlacementService:
         finally:
             self._switching.discard(worker.worker_id)
         self._count("role", result)
-        log.info("role %s %s -> %s (%s): %s%s", worker.worker_id, worker.role, cmd.role, cmd.reason, result,
-                 f": {refusal}" if refusal else "")
-        await self._announce(PlacementDecision(kind="role", reason=cmd.reason, detail={
-            **detail, "outcome": result, "refusal": refusal}))
+        log.info(
+            "role %s %s -> %s (%s): %s%s",
+            worker.worker_id,
+            worker.role,
+            cmd.role,
+            cmd.reason,
+            result,
+            f": {refusal}" if refusal else "",
+        )
+        await self._announce(
+            PlacementDecision(kind="role", reason=cmd.reason, detail={**detail, "outcome": result, "refusal": refusal})
+        )
         return result, refusal
 
     def _believe_role(self, worker_id: str, role: Role) -> None:
@@ -428,20 +526,29 @@ class PlacementService:
         return True
 
     def status(self, message: str = "") -> PlacementStatus:
-        workers = [w.info.model_copy(update={"state": "draining"}) if worker_id in self._draining else w.info
-                   for worker_id, w in sorted(self._workers.items())]
-        return PlacementStatus(leader=self.placement_id, workers=workers, decisions=dict(self.decisions),
-                               scaling=self.scaling, message=message)
+        workers = [
+            w.info.model_copy(update={"state": "draining"}) if worker_id in self._draining else w.info
+            for worker_id, w in sorted(self._workers.items())
+        ]
+        return PlacementStatus(
+            leader=self.placement_id,
+            workers=workers,
+            decisions=dict(self.decisions),
+            scaling=self.scaling,
+            message=message,
+        )
 
     async def drain(self, worker_id: str | None) -> str:
         """Tell `worker_id` to take nothing new and exit once empty; the loop then moves a decode
         worker's requests away (a prefill worker finishes its own)."""
         info = self._live(worker_id).info
-        with self._tracer.start_as_current_span("placement.drain", kind=trace.SpanKind.CLIENT,
-                                                attributes={"worker.id": info.worker_id}) as span:
+        with self._tracer.start_as_current_span(
+            "placement.drain", kind=trace.SpanKind.CLIENT, attributes={"worker.id": info.worker_id}
+        ) as span:
             try:
-                await self._bus.request(Subjects.drain(info.worker_id), DrainCommand(exit=True), Ack,
-                                        timeout=DRAIN_TIMEOUT_S)
+                await self._bus.request(
+                    Subjects.drain(info.worker_id), DrainCommand(exit=True), Ack, timeout=DRAIN_TIMEOUT_S
+                )
             except MeshError as exc:
                 self._count("drain", "error")
                 span.set_status(trace.StatusCode.ERROR, exc.message)
@@ -449,43 +556,57 @@ class PlacementService:
         self._draining.add(info.worker_id)
         self._count("drain", "ok")
         log.info("draining %s (%s, %d requests)", info.worker_id, info.role, len(info.requests))
-        await self._announce(PlacementDecision(kind="drain", reason="manual", detail={
-            "worker_id": info.worker_id, "role": info.role, "requests": len(info.requests)}))
+        await self._announce(
+            PlacementDecision(
+                kind="drain",
+                reason="manual",
+                detail={"worker_id": info.worker_id, "role": info.role, "requests": len(info.requests)},
+            )
+        )
         self._wake.set()
         if info.role == "prefill":
             return f"{info.worker_id} drains: it finishes its {len(info.requests)} requests, then exits"
         if self._destination(self._decode_views(), worker_view(info)) is None:
-            return (f"{info.worker_id} drains, but no other active decode worker has room: its "
-                    f"{len(info.requests)} requests stay until one has")
+            return (
+                f"{info.worker_id} drains, but no other active decode worker has room: its "
+                f"{len(info.requests)} requests stay until one has"
+            )
         return f"{info.worker_id} drains: its {len(info.requests)} requests move to other decode workers, then it exits"
 
     def _live(self, worker_id: str | None) -> _Worker:
         worker = self._workers.get(worker_id or "")
         if worker is None:
-            raise InvalidRequest(f"no live worker {worker_id!r}; live: {', '.join(sorted(self._workers)) or 'none'}",
-                                 param="worker_id")
+            raise InvalidRequest(
+                f"no live worker {worker_id!r}; live: {', '.join(sorted(self._workers)) or 'none'}", param="worker_id"
+            )
         return worker
 
     async def switch_role(self, worker_id: str | None, role: Role | None) -> str:
         """Have `worker_id`, built with both roles, serve `role` now (the loop moves its decodes away
         when that is prefill); the worker's answer. The policy switches nothing for a cooldown after it."""
         self._live(worker_id)
+        assert worker_id is not None  # live
         if role is None:
             raise InvalidRequest("say which role it should serve: prefill or decode", param="role")
         views = self._views()
         view = views[worker_id]
         if not switchable(view):
-            raise InvalidRequest(f"{worker_id} is not built with both roles: it serves {view.role} only",
-                                 param="worker_id")
+            raise InvalidRequest(
+                f"{worker_id} is not built with both roles: it serves {view.role} only", param="worker_id"
+            )
         if view.role == role:
             return f"{worker_id} already serves {role}"
         if worker_id in self._switching:
             return f"{worker_id} is already switching roles"
-        if not any(v.worker_id != worker_id and v.state == "active"
-                   and (v.role, v.model, v.fingerprint) == (view.role, view.model, view.fingerprint)
-                   for v in views.values()):
-            raise InvalidRequest(f"{worker_id} is the last active {view.role} worker of its model and KV layout",
-                                 param="worker_id")
+        if not any(
+            v.worker_id != worker_id
+            and v.state == "active"
+            and (v.role, v.model, v.fingerprint) == (view.role, view.model, view.fingerprint)
+            for v in views.values()
+        ):
+            raise InvalidRequest(
+                f"{worker_id} is the last active {view.role} worker of its model and KV layout", param="worker_id"
+            )
         self._role_balance[(view.model, view.fingerprint)] = RoleBalance(last_switch_at=self._clock())
         result, refusal = await asyncio.shield(self._start_role(view, role, "manual"))
         if result == "accepted":
@@ -498,8 +619,9 @@ class PlacementService:
         views = self._decode_views()
         source = next((v for v in views.values() if any(r.request_id == request_id for r in v.requests)), None)
         if source is None:
-            elsewhere = next((w for w in self._workers.values()
-                              if any(r.request_id == request_id for r in w.info.requests)), None)
+            elsewhere = next(
+                (w for w in self._workers.values() if any(r.request_id == request_id for r in w.info.requests)), None
+            )
             detail = f" (it is on {elsewhere.info.role} worker {elsewhere.info.worker_id})" if elsewhere else ""
             raise InvalidRequest(f"no decode worker reports request {request_id!r}{detail}", param="request_id")
         if target is None:
@@ -508,18 +630,26 @@ class PlacementService:
                 raise ServiceUnavailable(f"no other active decode worker with room can take {request_id}")
         else:
             destination = views.get(target)
-            problem = ("is not a live decode worker" if destination is None
-                       else "already holds the request" if destination is source
-                       else "is draining" if destination.state != "active"
-                       else "serves another model or KV layout"
-                       if (destination.model, destination.fingerprint) != (source.model, source.fingerprint) else "")
+            problem = (
+                "is not a live decode worker"
+                if destination is None
+                else "already holds the request"
+                if destination is source
+                else "is draining"
+                if destination.state != "active"
+                else "serves another model or KV layout"
+                if (destination.model, destination.fingerprint) != (source.model, source.fingerprint)
+                else ""
+            )
             if problem:
                 raise InvalidRequest(f"target {target} {problem}", param="target")
+            assert destination is not None  # else a problem
         previous = self._moves.get(request_id or "")
         if previous is not None and previous.in_flight:
             return f"{request_id} is already moving to {previous.command.target}"
         request = next(r for r in source.requests if r.request_id == request_id)
         move = self._start(request, source, destination, "manual")
+        assert move.task is not None  # started
         result, reason = await asyncio.shield(move.task)
         if result == "accepted":
             return f"{request_id}: {source.worker_id} -> {destination.worker_id}: accepted"

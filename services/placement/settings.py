@@ -9,57 +9,101 @@ class PlacementSettings(CommonSettings):
     """Named `placement_*`: `make run` gives every service the same environment (the kv-store
     reads MESH_METRICS_PORT, for one). Freeness is Llumnix's: free KV blocks per request in the
     batch (llmesh.policies.llumnix.freeness)."""
+
     NATS_USER: ClassVar[str] = "placement"
 
-    placement_id: str = Field("", description="This replica's name (the leader lease holds it); default: "
-                              "placement-<host>-<pid>.")
-    placement_period_s: float = Field(0.5, gt=0, description="How often the leader looks at the heartbeats and "
-                                      "issues migrations.")
+    placement_id: str = Field(
+        "", description="This replica's name (the leader lease holds it); default: placement-<host>-<pid>."
+    )
+    placement_period_s: float = Field(
+        0.5, gt=0, description="How often the leader looks at the heartbeats and issues migrations."
+    )
     placement_lease_s: float = Field(
-        2.0, gt=0, description="Leader lease in Redis (`MESH_REDIS_URL`), renewed every third of it; a standby "
-        "takes over about this long after the leader dies. Without Redis the replica leads alone.")
-    placement_balance: bool = Field(True, description="Migrate requests from the least free decode workers to "
-                                    "the freest (Llumnix's load balancing); drains migrate regardless.")
+        2.0,
+        gt=0,
+        description="Leader lease in Redis (`MESH_REDIS_URL`), renewed every third of it; a standby "
+        "takes over about this long after the leader dies. Without Redis the replica leads alone.",
+    )
+    placement_balance: bool = Field(
+        True,
+        description="Migrate requests from the least free decode workers to "
+        "the freest (Llumnix's load balancing); drains migrate regardless.",
+    )
     placement_source_below: float = Field(
-        10.0, description="A decode worker whose freeness is below this gives up a request: its requests can "
-        "grow by only about this many blocks each before it runs out of KV and preempts.")
+        10.0,
+        description="A decode worker whose freeness is below this gives up a request: its requests can "
+        "grow by only about this many blocks each before it runs out of KV and preempts.",
+    )
     placement_destination_above: float = Field(
-        30.0, description="... to one whose freeness is above this: the gap between the two keeps a move from "
-        "making the destination the next source.")
+        30.0,
+        description="... to one whose freeness is above this: the gap between the two keeps a move from "
+        "making the destination the next source.",
+    )
     placement_priority_headroom_blocks: int = Field(
-        0, ge=0, description="Blocks counted beside each high-priority request (priority < 0) in freeness, as the "
-        "router's llumnix policy does.")
-    placement_cooldown_s: float = Field(5.0, ge=0, description="A request moved (or refused) for balance is not "
-                                        "moved again for this long (no ping-pong).")
-    placement_migrate_timeout_s: float = Field(15.0, gt=0, description="How long a migration's hand-shake may "
-                                               "take before it counts as failed.")
-    placement_scale_low: float = Field(10.0, description="Scaling advice: average freeness of the active decode "
-                                       "workers below this asks for one more (+1).")
+        0,
+        ge=0,
+        description="Blocks counted beside each high-priority request (priority < 0) in freeness, as the "
+        "router's llumnix policy does.",
+    )
+    placement_cooldown_s: float = Field(
+        5.0,
+        ge=0,
+        description="A request moved (or refused) for balance is not moved again for this long (no ping-pong).",
+    )
+    placement_migrate_timeout_s: float = Field(
+        15.0, gt=0, description="How long a migration's hand-shake may take before it counts as failed."
+    )
+    placement_scale_low: float = Field(
+        10.0,
+        description="Scaling advice: average freeness of the active decode workers below this asks for one more (+1).",
+    )
     placement_scale_high: float = Field(60.0, description="... above this, one of them can go (-1).")
     placement_roles: bool = Field(
-        True, description="Switch workers built with both roles between the prefill and decode pools when their "
+        True,
+        description="Switch workers built with both roles between the prefill and decode pools when their "
         "loads part (BanaServe's adaptive module migration, llmesh.policies.banaserve.pick_role_switch); the "
-        "pools' loads are their mean utilisation U = C/Cmax + M/Mmax.")
-    placement_role_threshold: float = Field(0.3, ge=0, description="Role switching: the pools' mean utilisations "
-                                            "differ by more than this (δ) ...")
+        "pools' loads are their mean utilisation U = C/Cmax + M/Mmax.",
+    )
+    placement_role_threshold: float = Field(
+        0.3, ge=0, description="Role switching: the pools' mean utilisations differ by more than this (δ) ..."
+    )
     placement_role_hold_s: float = Field(3.0, ge=0, description="... for this long, in the same direction ...")
-    placement_role_cooldown_s: float = Field(15.0, ge=0, description="... and no switch came this soon before "
-                                             "(anti-oscillation; it also gives a switched worker's heartbeats "
-                                             "time to show its new load).")
-    placement_role_min_ratio: float = Field(1.0, ge=0, description="Switch only when the imbalance removed is at "
-                                            "least this many times the switch's cost (ρ).")
-    placement_role_switch_cost: float = Field(0.1, ge=0, description="The cost of a switch, in utilisation units "
-                                              "(a worker's U lies in 0-2) ...")
-    placement_role_request_cost: float = Field(0.05, ge=0, description="... plus this per request the switched "
-                                               "worker holds (they finish in its old role first).")
+    placement_role_cooldown_s: float = Field(
+        15.0,
+        ge=0,
+        description="... and no switch came this soon before "
+        "(anti-oscillation; it also gives a switched worker's heartbeats "
+        "time to show its new load).",
+    )
+    placement_role_min_ratio: float = Field(
+        1.0,
+        ge=0,
+        description="Switch only when the imbalance removed is at least this many times the switch's cost (ρ).",
+    )
+    placement_role_switch_cost: float = Field(
+        0.1, ge=0, description="The cost of a switch, in utilisation units (a worker's U lies in 0-2) ..."
+    )
+    placement_role_request_cost: float = Field(
+        0.05,
+        ge=0,
+        description="... plus this per request the switched worker holds (they finish in its old role first).",
+    )
     placement_role_backlog_s: float = Field(
-        1.0, ge=0, description="A prefill worker with this many seconds of queued prompt tokens at its measured "
-        "speed counts as fully busy, if its requests do not say more; 0: requests only.")
-    placement_role_timeout_s: float = Field(10.0, gt=0, description="How long a worker may take to answer a role "
-                                            "switch before it counts as failed.")
+        1.0,
+        ge=0,
+        description="A prefill worker with this many seconds of queued prompt tokens at its measured "
+        "speed counts as fully busy, if its requests do not say more; 0: requests only.",
+    )
+    placement_role_timeout_s: float = Field(
+        10.0, gt=0, description="How long a worker may take to answer a role switch before it counts as failed."
+    )
     placement_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
-    placement_metrics_port: int = Field(0, ge=0, description="Serve Prometheus /metrics on this port; 0: no HTTP "
-                                        "endpoint (decisions are counted in `status` too).")
+    placement_metrics_port: int = Field(
+        0,
+        ge=0,
+        description="Serve Prometheus /metrics on this port; 0: no HTTP "
+        "endpoint (decisions are counted in `status` too).",
+    )
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> "PlacementSettings":

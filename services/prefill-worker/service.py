@@ -23,9 +23,16 @@ class PrefillService:
             raise InvalidRequest(f"expected PrefillRequest, got {type(req).__name__}")
         token_ids = self.worker.prompt_token_ids(req)
         max_tokens = self.worker.max_tokens(req, len(token_ids))
-        async with self.worker.admit(req.request_id, req.model, req.deadline, len(token_ids),
-                                     prompt_tokens=len(token_ids), max_tokens=max_tokens,
-                                     predicted=req.predicted_length, priority=req.priority):
+        async with self.worker.admit(
+            req.request_id,
+            req.model,
+            req.deadline,
+            len(token_ids),
+            prompt_tokens=len(token_ids),
+            max_tokens=max_tokens,
+            predicted=req.predicted_length,
+            priority=req.priority,
+        ):
             params = sampling_params(req.sampling, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
             final = None
             started = time.monotonic()
@@ -45,13 +52,26 @@ class PrefillService:
             finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
             kv_params = final.kv_transfer_params or {}
             self.worker.count_preemptions(kv_params)
-            kv = KvHandle(fingerprint=self.worker.fingerprint, block_size=kv_params.get("block_size", 1),
-                          block_hashes=kv_params.get("block_hashes", []), num_tokens=len(token_ids),
-                          kv_layout=kv_params.get("kv_layout"),
-                          pinned_until=time.time() + self.worker.settings.kv_pin_s) if kv_params else None
+            kv = (
+                KvHandle(
+                    fingerprint=self.worker.fingerprint,
+                    block_size=kv_params.get("block_size", 1),
+                    block_hashes=kv_params.get("block_hashes", []),
+                    num_tokens=len(token_ids),
+                    kv_layout=kv_params.get("kv_layout"),
+                    pinned_until=time.time() + self.worker.settings.kv_pin_s,
+                )
+                if kv_params
+                else None
+            )
             span = trace.get_current_span()
-            span.set_attributes({"prompt.tokens": len(token_ids), "prefill.seconds": time.monotonic() - started,
-                                 "kv.blocks": len(kv.block_hashes) if kv else 0})
+            span.set_attributes(
+                {
+                    "prompt.tokens": len(token_ids),
+                    "prefill.seconds": time.monotonic() - started,
+                    "kv.blocks": len(kv.block_hashes) if kv else 0,
+                }
+            )
             if req.predicted_length is not None:
                 span.set_attribute("length.bucket", req.predicted_length.label)
             if finish is not None:  # no decode follows
@@ -59,8 +79,13 @@ class PrefillService:
             return PrefillResult(
                 prompt_token_ids=token_ids,
                 max_tokens=max_tokens,
-                first=TokenDelta(text=o.text, token_ids=list(o.token_ids), finish_reason=finish,
-                                 prompt_tokens=len(token_ids), completion_tokens=len(o.token_ids)),
+                first=TokenDelta(
+                    text=o.text,
+                    token_ids=list(o.token_ids),
+                    finish_reason=finish,
+                    prompt_tokens=len(token_ids),
+                    completion_tokens=len(o.token_ids),
+                ),
                 kv=kv,
                 fingerprint=self.worker.fingerprint,
             )

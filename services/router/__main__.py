@@ -36,8 +36,9 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
     policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
-    registry = WorkerRegistry(settings.missed_heartbeats, policy, settings.seed,
-                              max_backlog_s=settings.prefill_max_queue_s)
+    registry = WorkerRegistry(
+        settings.missed_heartbeats, policy, settings.seed, max_backlog_s=settings.prefill_max_queue_s
+    )
 
     async def on_heartbeat(info: WorkerInfo, blob: memoryview) -> None:
         registry.on_heartbeat(info)
@@ -45,13 +46,18 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
-    dispatcher = Dispatcher(bus, registry, metrics, settings.length_predict_timeout_s,
-                            predict_before_dispatch=policy.needs_prediction or queue_policy.needs_prediction,
-                            length_sample_fraction=settings.length_sample_fraction, seed=settings.seed,
-                            local_prefill_margin_s=settings.local_prefill_margin_s,
-                            tpot_slo_s=settings.slo_tpot_ms / 1000,
-                            admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s,
-                                                     queue_policy))
+    dispatcher = Dispatcher(
+        bus,
+        registry,
+        metrics,
+        settings.length_predict_timeout_s,
+        predict_before_dispatch=policy.needs_prediction or queue_policy.needs_prediction,
+        length_sample_fraction=settings.length_sample_fraction,
+        seed=settings.seed,
+        local_prefill_margin_s=settings.local_prefill_margin_s,
+        tpot_slo_s=settings.slo_tpot_ms / 1000,
+        admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s, queue_policy),
+    )
     keys = settings.keyring()
     if keys.enabled:
         log.info("the OpenAI API needs one of %d API keys", len(keys))
@@ -60,8 +66,16 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys)
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
-    server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           timeout_graceful_shutdown=5, timeout_keep_alive=75))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=75,
+        )
+    )
     serving = asyncio.create_task(server.serve())
     watch_event_loop()
     try:

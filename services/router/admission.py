@@ -41,8 +41,14 @@ class _Waiter(Generic[T]):
 
 
 class AdmissionQueue:
-    def __init__(self, max_waiting: int, max_wait_s: float, policy: QueuePolicy | None = None,
-                 service_s: ServiceTime = lambda r: 0.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_waiting: int,
+        max_wait_s: float,
+        policy: QueuePolicy | None = None,
+        service_s: ServiceTime = lambda r: 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_waiting, self.max_wait_s = max_waiting, max_wait_s
         self.policy = fcfs() if policy is None else policy
         self.service_s = service_s  # a request's expected time on a worker once placed (for the policy)
@@ -72,8 +78,9 @@ class AdmissionQueue:
         retry_after = min(max(1.0, math.ceil(excess_s)), max(1.0, math.ceil(self.max_wait_s)))
         return Overloaded(why, retry_after_s=retry_after)
 
-    async def admit(self, place: Callable[[], T], request: RequestView, group: Hashable | None = None, *,
-                    committed: bool = False) -> tuple[T, bool]:
+    async def admit(
+        self, place: Callable[[], T], request: RequestView, group: Hashable | None = None, *, committed: bool = False
+    ) -> tuple[T, bool]:
         """`place()`'s result, and whether it waited in line for it (it does not if nobody waits and
         `place` finds room). Raises Overloaded when the request cannot be served in time, and any
         other error of `place`. Waiters of one `group` look for room in the same workers: once one
@@ -92,14 +99,21 @@ class AdmissionQueue:
             ahead = len(self._uncommitted())
             wait = self.expected_wait_s(ahead)
             if ahead >= self.max_waiting:
-                raise self._overloaded(f"the router's queue is full ({self.max_waiting} requests waiting)",
-                                       self.expected_wait_s(ahead - self.max_waiting))
+                raise self._overloaded(
+                    f"the router's queue is full ({self.max_waiting} requests waiting)",
+                    self.expected_wait_s(ahead - self.max_waiting),
+                )
             allowed = min(request.deadline - now, self.max_wait_s)
             if wait > allowed:
                 raise self._overloaded(
                     f"the {ahead} requests ahead would take ~{wait:.1f}s, past "
-                    + ("this request's deadline" if now + wait > request.deadline else
-                       f"the router's longest wait ({self.max_wait_s:g}s)"), wait - allowed)
+                    + (
+                        "this request's deadline"
+                        if now + wait > request.deadline
+                        else f"the router's longest wait ({self.max_wait_s:g}s)"
+                    ),
+                    wait - allowed,
+                )
             limit = max(allowed, 0.0)
         waiter = _Waiter(place, request, group, committed)
         self._waiting.append(waiter)
@@ -112,8 +126,9 @@ class AdmissionQueue:
         except TimeoutError:
             if committed:
                 raise Timeout(f"no worker had room for it before its deadline ({limit:.1f}s)") from None
-            raise self._overloaded(f"no worker had room within {limit:.1f}s",
-                                   self.expected_wait_s(len(self._uncommitted()))) from None
+            raise self._overloaded(
+                f"no worker had room within {limit:.1f}s", self.expected_wait_s(len(self._uncommitted()))
+            ) from None
         finally:
             if waiter in self._waiting:
                 self._waiting.remove(waiter)
@@ -131,8 +146,9 @@ class AdmissionQueue:
         by_id = {w.request.request_id: w for w in open_ if not w.committed}
         committed = sorted((w for w in open_ if w.committed), key=lambda w: w.request.arrival)
         full: set[Hashable] = set()  # groups a waiter found no room for
-        for waiter in committed + [by_id[r.request_id] for r in self.policy.order(now, list(
-                w.request for w in by_id.values()))]:
+        for waiter in committed + [
+            by_id[r.request_id] for r in self.policy.order(now, list(w.request for w in by_id.values()))
+        ]:
             if waiter.group is not None and waiter.group in full:
                 continue
             try:
@@ -153,9 +169,13 @@ class AdmissionQueue:
         refused = self.policy.refused(now, [w.request for w in waiting], self.service_s)
         for waiter in waiting:
             if waiter.request.request_id in refused:
-                waiter.placed.set_exception(self._overloaded(
-                    f"cannot meet its time-to-first-token target behind the requests queued (queue policy "
-                    f"{self.policy.name})", self.expected_wait_s(len(waiting))))
+                waiter.placed.set_exception(
+                    self._overloaded(
+                        f"cannot meet its time-to-first-token target behind the requests queued (queue policy "
+                        f"{self.policy.name})",
+                        self.expected_wait_s(len(waiting)),
+                    )
+                )
 
     def _note_departure(self) -> None:
         now = self._clock()

@@ -72,7 +72,9 @@ def parse_entries(lines: Iterable[str], source: str) -> list[ApiKey]:
         try:
             rate = float(fields[2]) if len(fields) > 2 else None
         except ValueError:
-            raise ValueError(f"{source} line {number}: requests per minute must be a number, not {fields[2]!r}") from None
+            raise ValueError(
+                f"{source} line {number}: requests per minute must be a number, not {fields[2]!r}"
+            ) from None
         if rate is not None and rate <= 0:
             raise ValueError(f"{source} line {number}: requests per minute must be above 0")
         keys.append(ApiKey(name, secret, rate))
@@ -122,8 +124,10 @@ class KeyRing:
         wait_s = key.take(self._clock())
         if wait_s:
             log.warning("API key %r is over its %g requests per minute", key.name, key.requests_per_minute)
-            raise Overloaded(f"Rate limit reached for API key {key.name!r}: {key.requests_per_minute:g} requests "
-                             "per minute.", retry_after_s=wait_s)
+            raise Overloaded(
+                f"Rate limit reached for API key {key.name!r}: {key.requests_per_minute:g} requests per minute.",
+                retry_after_s=wait_s,
+            )
         return key
 
 

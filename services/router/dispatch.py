@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 import statistics
+import time
 from collections import Counter, defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -29,19 +29,26 @@ from opentelemetry import context, trace
 
 from llmesh import telemetry
 from llmesh.bus import Bus
-from llmesh.errors import (AtCapacity, MeshError, NoResponders, ServiceUnavailable, StreamInterrupted, Timeout,
-                           WorkerLost)
+from llmesh.errors import (
+    AtCapacity,
+    MeshError,
+    NoResponders,
+    ServiceUnavailable,
+    StreamInterrupted,
+    Timeout,
+    WorkerLost,
+)
 from llmesh.lengths import cut_prompt
 from llmesh.lifecycle import cancel_and_wait
 from llmesh.messages import (
     AbortRequest,
-    Message,
-    Migrated,
     ChatMessage,
     DecodeRequest,
     KvHandle,
     LengthPrediction,
     LengthPredictRequest,
+    Message,
+    Migrated,
     PrefillRequest,
     PrefillResult,
     SamplingOptions,
@@ -50,6 +57,7 @@ from llmesh.messages import (
     WorkerInfo,
 )
 from llmesh.policies import RequestView
+from llmesh.policies.core import Role
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 
 from .admission import AdmissionQueue
@@ -109,13 +117,29 @@ class _DecodeSession:
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = self.max_tokens or self.context_len - len(prompt_token_ids)
 
-    def request(self, gen: Generation, predicted: LengthPrediction | None, *, migration_id: str | None = None,
-                recompute: bool = False) -> DecodeRequest:
-        return DecodeRequest(request_id=gen.request_id, model=gen.model, prompt_token_ids=self.prompt_token_ids,
-                             output_token_ids=self.output_token_ids, fingerprint=self.fingerprint,
-                             sampling=gen.sampling.model_copy(update={"max_tokens": self.max_tokens}), kv=self.kv,
-                             deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt,
-                             priority=gen.priority, migration_id=migration_id, recompute=recompute)
+    def request(
+        self,
+        gen: Generation,
+        predicted: LengthPrediction | None,
+        *,
+        migration_id: str | None = None,
+        recompute: bool = False,
+    ) -> DecodeRequest:
+        return DecodeRequest(
+            request_id=gen.request_id,
+            model=gen.model,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            fingerprint=self.fingerprint,
+            sampling=gen.sampling.model_copy(update={"max_tokens": self.max_tokens}),
+            kv=self.kv,
+            deadline=gen.deadline,
+            predicted_length=predicted,
+            cache_salt=gen.cache_salt,
+            priority=gen.priority,
+            migration_id=migration_id,
+            recompute=recompute,
+        )
 
 
 class _Placed:
@@ -150,8 +174,10 @@ class _DecodeClaim:
         if room is None:
             raise ServiceUnavailable(f"no live decode worker for {self.model!r}")
         if room <= self.claims[self.model]:
-            raise AtCapacity(f"the decode workers of {self.model!r} have room for {room} more requests, all "
-                             "claimed by prompts admitted before this one")
+            raise AtCapacity(
+                f"the decode workers of {self.model!r} have room for {room} more requests, all "
+                "claimed by prompts admitted before this one"
+            )
         self.claims[self.model] += 1
         self.held = True
 
@@ -188,7 +214,7 @@ class Generation:
             units, size = self.prompt or "", PREFIX_BLOCK_CHARS
         hashes, h = [], 0
         for start in range(0, len(units) - size + 1, size):
-            h = hash((h, units[start:start + size]))
+            h = hash((h, units[start : start + size]))
             hashes.append(h)
         return tuple(hashes)
 
@@ -201,10 +227,20 @@ class Generation:
 
 
 class Dispatcher:
-    def __init__(self, bus: Bus, registry: WorkerRegistry, metrics: RouterMetrics, length_timeout_s: float, *,
-                 predict_before_dispatch: bool = False, length_sample_fraction: float = 1.0, seed: int = 0,
-                 local_prefill_margin_s: float | None = 0.25, tpot_slo_s: float = 0.05,
-                 admission: AdmissionQueue | None = None):
+    def __init__(
+        self,
+        bus: Bus,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        length_timeout_s: float,
+        *,
+        predict_before_dispatch: bool = False,
+        length_sample_fraction: float = 1.0,
+        seed: int = 0,
+        local_prefill_margin_s: float | None = 0.25,
+        tpot_slo_s: float = 0.05,
+        admission: AdmissionQueue | None = None,
+    ):
         self.bus, self.registry, self.metrics = bus, registry, metrics
         bus.reconnected.append(registry.interrupt_all)
         self.admission = AdmissionQueue(max_waiting=1024, max_wait_s=30.0) if admission is None else admission
@@ -256,7 +292,9 @@ class Dispatcher:
                 prediction, _ = await self.bus.request(
                     Subjects.LENGTH_PREDICT,
                     LengthPredictRequest(request_id=gen.request_id, prompt=prompt, prompt_chars=chars),
-                    LengthPrediction, timeout=min(self.length_timeout_s, gen.deadline - time.time()))
+                    LengthPrediction,
+                    timeout=min(self.length_timeout_s, gen.deadline - time.time()),
+                )
             return "ok", prediction
         except Timeout:
             return "timeout", None
@@ -266,17 +304,23 @@ class Dispatcher:
             log.warning("length prediction for %s failed: %s: %s", gen.request_id, exc.code, exc.message)
             return "error", None
 
-    def _note_length(self, parent: context.Context, outcome: str,
-                     prediction: LengthPrediction | None) -> LengthPrediction | None:
+    def _note_length(
+        self, parent: context.Context, outcome: str, prediction: LengthPrediction | None
+    ) -> LengthPrediction | None:
         self.metrics.length_predictions.labels(outcome).inc()
         span = trace.get_current_span(parent)
         if prediction is None:
             span.set_attribute("length.prediction", outcome)
         else:
-            span.set_attributes({"length.prediction": outcome, "length.bucket": prediction.label,
-                                 "length.expected_tokens": prediction.expected_tokens,
-                                 "length.confidence": prediction.confidence,
-                                 "length.model_version": prediction.model_version})
+            span.set_attributes(
+                {
+                    "length.prediction": outcome,
+                    "length.bucket": prediction.label,
+                    "length.expected_tokens": prediction.expected_tokens,
+                    "length.confidence": prediction.confidence,
+                    "length.model_version": prediction.model_version,
+                }
+            )
         return prediction
 
     def estimate_prompt_tokens(self, gen: Generation) -> int:
@@ -294,24 +338,33 @@ class Dispatcher:
         if gen.prompt is not None and gen.prompt_token_ids is None and gen.prompt:
             self._tokens_per_char += 0.1 * (tokens / len(gen.prompt) - self._tokens_per_char)
 
-    def _request_view(self, gen: Generation, prompt_tokens: int, predicted: LengthPrediction | None,
-                      max_tokens: int | None = None) -> RequestView:
+    def _request_view(
+        self, gen: Generation, prompt_tokens: int, predicted: LengthPrediction | None, max_tokens: int | None = None
+    ) -> RequestView:
         """`gen` as the dispatch policy sees it (its deadline on the monotonic clock)."""
         now = time.monotonic()
         if predicted is not None and not predicted.informative:
             predicted = None  # the predictor says it knows no more than a constant: policies act as without one
         return RequestView(
-            request_id=gen.request_id, model=gen.model, prompt_tokens=prompt_tokens, arrival=gen.arrival,
-            deadline=now + gen.deadline - time.time(), max_tokens=max_tokens or gen.sampling.max_tokens,
+            request_id=gen.request_id,
+            model=gen.model,
+            prompt_tokens=prompt_tokens,
+            arrival=gen.arrival,
+            deadline=now + gen.deadline - time.time(),
+            max_tokens=max_tokens or gen.sampling.max_tokens,
             predicted_tokens=predicted.expected_tokens if predicted else None,
-            prediction_confidence=predicted.confidence if predicted else 0.0, priority=gen.priority,
-            ttft_slo_s=gen.ttft_slo_s, tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s,
-            prefix_hashes=gen.prefix_hashes() if self.registry.policy.needs_prefix else ())
+            prediction_confidence=predicted.confidence if predicted else 0.0,
+            priority=gen.priority,
+            ttft_slo_s=gen.ttft_slo_s,
+            tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s,
+            prefix_hashes=gen.prefix_hashes() if self.registry.policy.needs_prefix else (),
+        )
 
     def _prefill_seconds(self, request: RequestView) -> float:
         """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""
-        speed = max((w.prefill_tokens_per_s for w in self.registry.live("prefill") if w.model == request.model),
-                    default=0.0)
+        speed = max(
+            (w.prefill_tokens_per_s for w in self.registry.live("prefill") if w.model == request.model), default=0.0
+        )
         return request.prompt_tokens / speed if speed else 0.0
 
     def _local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
@@ -324,8 +377,9 @@ class Dispatcher:
         # This router's own account, not the heartbeat's queued tokens: those are up to a second old,
         # and a finished prompt still counted there would send the next one to a decode worker at idle.
         # (the prefill worker's includes this request's prompt, reserved there)
-        remote = PrefillSite(self.registry.backlog.get(prefill.worker_id, 0) - request.prompt_tokens,
-                             prefill.prefill_tokens_per_s)
+        remote = PrefillSite(
+            self.registry.backlog.get(prefill.worker_id, 0) - request.prompt_tokens, prefill.prefill_tokens_per_s
+        )
         here = PrefillSite(self.registry.backlog.get(local.worker_id, 0), local.prefill_tokens_per_s)
         now = time.monotonic()
         streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
@@ -343,7 +397,7 @@ class Dispatcher:
         finally:
             self._streams[worker_id].pop(request_id, None)
 
-    async def generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
+    async def generate(self, gen: Generation, parent: context.Context) -> AsyncGenerator[TokenDelta, None]:
         """Token deltas of `gen`; spans are children of `parent`. A request whose first worker turns
         out to be gone before anything was streamed (NATS had no responder: it died since its last
         heartbeat) is placed again on another; past the first token, decode failover resumes it.
@@ -385,9 +439,14 @@ class Dispatcher:
         finally:
             claim.release()
 
-    async def _prefill_then_decode(self, gen: Generation, view: RequestView, claim: _DecodeClaim,
-                                   predicted: LengthPrediction | None,
-                                   parent: context.Context) -> AsyncIterator[TokenDelta]:
+    async def _prefill_then_decode(
+        self,
+        gen: Generation,
+        view: RequestView,
+        claim: _DecodeClaim,
+        predicted: LengthPrediction | None,
+        parent: context.Context,
+    ) -> AsyncIterator[TokenDelta]:
         prefill = await self._admit("prefill", view, parent, claim=None if gen.sampling.max_tokens == 1 else claim)
         predicting = None if self.predict_before_dispatch else self._predict_beside(gen, parent)
         local = self._local_prefill_site(view, prefill)
@@ -396,21 +455,37 @@ class Dispatcher:
             self.registry.release(prefill.worker_id)
             self.registry.prompt_done(prefill.worker_id, view.prompt_tokens)
             claim.release()  # its decode slot is reserved itself
-        request = PrefillRequest(request_id=gen.request_id, model=gen.model, prompt=gen.prompt,
-                                 prompt_token_ids=gen.prompt_token_ids, messages=gen.messages, sampling=gen.sampling,
-                                 deadline=gen.deadline, predicted_length=predicted, cache_salt=gen.cache_salt,
-                                 priority=gen.priority)
+        request = PrefillRequest(
+            request_id=gen.request_id,
+            model=gen.model,
+            prompt=gen.prompt,
+            prompt_token_ids=gen.prompt_token_ids,
+            messages=gen.messages,
+            sampling=gen.sampling,
+            deadline=gen.deadline,
+            predicted_length=predicted,
+            cache_salt=gen.cache_salt,
+            priority=gen.priority,
+        )
         stops = StopFilter(gen.sampling.stop)
         try:
             if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
                 self.metrics.prefill_sites.labels("decode").inc()
-                session = _DecodeSession([], [], gen.sampling.max_tokens or 0, local.fingerprint,
-                                         context_len=local.max_model_len)
+                session = _DecodeSession(
+                    [], [], gen.sampling.max_tokens or 0, local.fingerprint, context_len=local.max_model_len
+                )
                 placed = _Placed(self.registry, local.worker_id, view.prompt_tokens)
                 try:
-                    async for delta in self._decode(gen, session, local.worker_id, (Subjects.generate(local.worker_id),
-                                                    request), stops, parent, _Progress(gen.sampling.max_tokens or 0),
-                                                    predicted):
+                    async for delta in self._decode(
+                        gen,
+                        session,
+                        local.worker_id,
+                        (Subjects.generate(local.worker_id), request),
+                        stops,
+                        parent,
+                        _Progress(gen.sampling.max_tokens or 0),
+                        predicted,
+                    ):
                         placed.prompt_done()  # once the first token is out
                         yield delta
                 finally:
@@ -419,12 +494,19 @@ class Dispatcher:
             self.metrics.prefill_sites.labels("prefill").inc()
             with self._placed(prefill.worker_id, view.prompt_tokens):
                 try:
-                    with self._tracer.start_as_current_span("router.prefill", context=parent,
-                                                            attributes={"worker.id": prefill.worker_id}):
+                    with self._tracer.start_as_current_span(
+                        "router.prefill", context=parent, attributes={"worker.id": prefill.worker_id}
+                    ):
                         started = time.monotonic()
-                        result, _ = await self._while_alive(prefill.worker_id, self.bus.request(
-                            Subjects.worker("prefill", prefill.worker_id), request, PrefillResult,
-                            timeout=gen.deadline - time.time()))
+                        result, _ = await self._while_alive(
+                            prefill.worker_id,
+                            self.bus.request(
+                                Subjects.worker("prefill", prefill.worker_id),
+                                request,
+                                PrefillResult,
+                                timeout=gen.deadline - time.time(),
+                            ),
+                        )
                         self.metrics.prefill_seconds.observe(time.monotonic() - started)
                 except BaseException as exc:
                     await self._after_failure(prefill.worker_id, gen.request_id, exc)
@@ -437,10 +519,20 @@ class Dispatcher:
                 return
             if predicting is not None:
                 predicted, predicting = self._prediction_so_far(predicting, parent), None
-            session = _DecodeSession(list(result.prompt_token_ids), list(result.first.token_ids), result.max_tokens,
-                                     result.fingerprint, result.kv)
-            decode = await self._admit("decode", self._decode_view(gen, session, predicted), parent,
-                                       fingerprint=result.fingerprint, claim=claim)
+            session = _DecodeSession(
+                list(result.prompt_token_ids),
+                list(result.first.token_ids),
+                result.max_tokens,
+                result.fingerprint,
+                result.kv,
+            )
+            decode = await self._admit(
+                "decode",
+                self._decode_view(gen, session, predicted),
+                parent,
+                fingerprint=result.fingerprint,
+                claim=claim,
+            )
             progress = _Progress(result.max_tokens)
             progress.seen(first)
             async for delta in self._decode(gen, session, decode.worker_id, None, stops, parent, progress, predicted):
@@ -451,12 +543,21 @@ class Dispatcher:
 
     def _decode_view(self, gen: Generation, session: _DecodeSession, predicted: LengthPrediction | None) -> RequestView:
         # its first token is out: a queue policy weighs only its overall deadline now
-        return replace(self._request_view(gen, len(session.prompt_token_ids), predicted, session.max_tokens),
-                       ttft_slo_s=None)
+        return replace(
+            self._request_view(gen, len(session.prompt_token_ids), predicted, session.max_tokens), ttft_slo_s=None
+        )
 
-    async def _decode(self, gen: Generation, session: _DecodeSession, worker_id: str,
-                      start: tuple[str, Message] | None, stops: StopFilter, parent: context.Context,
-                      progress: _Progress, predicted: LengthPrediction | None) -> AsyncIterator[TokenDelta]:
+    async def _decode(
+        self,
+        gen: Generation,
+        session: _DecodeSession,
+        worker_id: str,
+        start: tuple[str, Message] | None,
+        stops: StopFilter,
+        parent: context.Context,
+        progress: _Progress,
+        predicted: LengthPrediction | None,
+    ) -> AsyncIterator[TokenDelta]:
         """The request's output from `worker_id` (reserved for it), which `start` (subject, request)
         begins there or else a `DecodeRequest` of `session`, until it finishes; resumed on another decode
         worker after a live migration's hand-over (`Migrated`) or when a worker dies or refuses."""
@@ -467,8 +568,17 @@ class Dispatcher:
             leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
             span = "router.generate" if isinstance(request, PrefillRequest) else "router.decode"
             try:
-                async for item in self._relay(worker_id, subject, request, gen, stops, parent, span, progress,
-                                              generated=len(session.output_token_ids)):
+                async for item in self._relay(
+                    worker_id,
+                    subject,
+                    request,
+                    gen,
+                    stops,
+                    parent,
+                    span,
+                    progress,
+                    generated=len(session.output_token_ids),
+                ):
                     if isinstance(item, Migrated):
                         handed = item
                         break
@@ -483,17 +593,25 @@ class Dispatcher:
                 # a refusal: the worker never took the leg, so not a failure; it waits for room (its deadline
                 # bounds how long, each try waits for a heartbeat or a request's end)
                 refused = isinstance(exc, AtCapacity)
-                if (not session.output_token_ids or time.time() >= gen.deadline
-                        or (not refused and failovers >= MAX_FAILOVERS)):
+                if (
+                    not session.output_token_ids
+                    or time.time() >= gen.deadline
+                    or (not refused and failovers >= MAX_FAILOVERS)
+                ):
                     raise
                 failovers += not refused
                 if len(session.output_token_ids) > leg_tokens or session.kv_outputs != len(session.output_token_ids):
                     session.kv = None  # what the handle lists is outdated: the new worker looks the store up
-                (log.info if refused else log.warning)("request %s: %s; resuming it after %d tokens", gen.request_id,
-                                                        exc.message, len(session.output_token_ids))
+                (log.info if refused else log.warning)(
+                    "request %s: %s; resuming it after %d tokens",
+                    gen.request_id,
+                    exc.message,
+                    len(session.output_token_ids),
+                )
                 self.metrics.resumes.labels("refused" if refused else "failover").inc()
-                trace.get_current_span(parent).add_event("decode refused" if refused else "decode failover",
-                                                         {"worker.id": worker_id, "error": exc.code})
+                trace.get_current_span(parent).add_event(
+                    "decode refused" if refused else "decode failover", {"worker.id": worker_id, "error": exc.code}
+                )
                 # a migration's target that failed before taking over: its source resumes; a stream cut by a
                 # reconnection goes on where it was (the worker replaces the leg it still runs)
                 source = moved_from if len(session.output_token_ids) == leg_tokens and not refused else None
@@ -509,37 +627,56 @@ class Dispatcher:
                 request = session.request(gen, predicted)
             else:
                 if handed.output_tokens != len(session.output_token_ids):
-                    log.error("request %s: %s handed over after %d tokens but streamed %d; resuming from the store",
-                              gen.request_id, worker_id, handed.output_tokens, len(session.output_token_ids))
+                    log.error(
+                        "request %s: %s handed over after %d tokens but streamed %d; resuming from the store",
+                        gen.request_id,
+                        worker_id,
+                        handed.output_tokens,
+                        len(session.output_token_ids),
+                    )
                     handed = handed.model_copy(update={"kv": None})
                 self.metrics.resumes.labels("migrated").inc()
-                trace.get_current_span(parent).add_event("migrated", {"worker.id": worker_id, "target": handed.target,
-                                                                      "migration.id": handed.migration_id})
+                trace.get_current_span(parent).add_event(
+                    "migrated", {"worker.id": worker_id, "target": handed.target, "migration.id": handed.migration_id}
+                )
                 session.kv, session.kv_outputs = handed.kv, len(session.output_token_ids)
                 moved_from, worker_id = worker_id, handed.target
                 self.registry.reserve(worker_id)
-                request = session.request(gen, predicted, migration_id=handed.migration_id,
-                                          recompute=handed.kv is None)
+                request = session.request(gen, predicted, migration_id=handed.migration_id, recompute=handed.kv is None)
             finally:
                 self.registry.release(leg_worker)
             subject = Subjects.worker("decode", worker_id)
 
-    async def _resume_site(self, gen: Generation, session: _DecodeSession, moved_from: str | None,
-                           parent: context.Context, predicted: LengthPrediction | None) -> str:
+    async def _resume_site(
+        self,
+        gen: Generation,
+        session: _DecodeSession,
+        moved_from: str | None,
+        parent: context.Context,
+        predicted: LengthPrediction | None,
+    ) -> str:
         """Where a decode goes on after its worker failed: the source of a migration whose target
         failed before it took over, else the dispatch policy's choice (reserved either way)."""
         if moved_from is not None and any(w.worker_id == moved_from for w in self.registry.live("decode")):
             self.registry.reserve(moved_from)
             return moved_from
-        chosen = await self._admit("decode", self._decode_view(gen, session, predicted), parent,
-                                   fingerprint=session.fingerprint)
+        chosen = await self._admit(
+            "decode", self._decode_view(gen, session, predicted), parent, fingerprint=session.fingerprint
+        )
         return chosen.worker_id
 
-    async def _admit(self, role: str, view: RequestView, parent: context.Context, fingerprint: str | None = None,
-                     claim: _DecodeClaim | None = None) -> WorkerInfo:
+    async def _admit(
+        self,
+        role: Role,
+        view: RequestView,
+        parent: context.Context,
+        fingerprint: str | None = None,
+        claim: _DecodeClaim | None = None,
+    ) -> WorkerInfo:
         """A worker of `role` for the request by the dispatch policy, reserved; waiting in the router's
         queue while none has room. A prefill with a decode `claim` also waits for decode room and takes
         the claim; the decode then releases it. The choice is counted and put on the request's span."""
+
         def place() -> WorkerInfo:
             if claim is not None and role == "prefill":
                 claim.take(self.registry)
@@ -565,9 +702,13 @@ class Dispatcher:
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
         if role == "prefill":  # its first worker: what vLLM's queue time measures
             self.metrics.queue_time.labels(view.model).observe(waited)
-        trace.get_current_span(parent).set_attributes({f"dispatch.{role}.policy": policy,
-                                                       f"dispatch.{role}.worker": worker.worker_id,
-                                                       f"dispatch.{role}.queue_s": waited if queued else 0.0})
+        trace.get_current_span(parent).set_attributes(
+            {
+                f"dispatch.{role}.policy": policy,
+                f"dispatch.{role}.worker": worker.worker_id,
+                f"dispatch.{role}.queue_s": waited if queued else 0.0,
+            }
+        )
         return worker
 
     @contextmanager
@@ -581,9 +722,18 @@ class Dispatcher:
             placed.prompt_done()
             self.registry.release(worker_id)
 
-    async def _relay(self, worker_id: str, subject: str, request: Message, gen: Generation, stops: StopFilter,
-                     parent: context.Context, span_name: str, progress: _Progress,
-                     generated: int) -> AsyncIterator[TokenDelta | Migrated]:
+    async def _relay(
+        self,
+        worker_id: str,
+        subject: str,
+        request: Message,
+        gen: Generation,
+        stops: StopFilter,
+        parent: context.Context,
+        span_name: str,
+        progress: _Progress,
+        generated: int,
+    ) -> AsyncIterator[TokenDelta | Migrated]:
         """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes
         or the worker hands the request over (`Migrated`, the last item then); meanwhile `progress`
         counts among the streams the worker decodes (for the stall bound). A delta that does not
@@ -608,8 +758,10 @@ class Dispatcher:
                         return
                     assert isinstance(delta, TokenDelta)
                     if delta.completion_tokens - len(delta.token_ids) != generated:
-                        raise StreamInterrupted(f"{worker_id}'s stream went from token {generated} to "
-                                                f"{delta.completion_tokens - len(delta.token_ids)}: replies were lost")
+                        raise StreamInterrupted(
+                            f"{worker_id}'s stream went from token {generated} to "
+                            f"{delta.completion_tokens - len(delta.token_ids)}: replies were lost"
+                        )
                     generated = delta.completion_tokens
                     self.registry.heard_from(worker_id)
                     progress.seen(delta)
@@ -649,7 +801,7 @@ class Dispatcher:
 
     async def _while_alive(self, worker_id: str, work: Awaitable[T]) -> T:
         """Await `work`, failing with WorkerLost as soon as the worker is declared dead."""
-        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        lost: asyncio.Future[T] = asyncio.get_running_loop().create_future()  # only ever fails
         task = asyncio.ensure_future(work)
 
         def on_lost(exc: BaseException) -> None:
@@ -661,7 +813,7 @@ class Dispatcher:
                 await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
-            return lost.result()  # type: ignore[return-value]  # raises WorkerLost
+            return lost.result()  # raises WorkerLost
         finally:
             lost.cancel()
             await cancel_and_wait(task)

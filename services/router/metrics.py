@@ -20,12 +20,74 @@ from llmesh.messages import TokenDelta
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # vLLM's bucket families (vllm.v1.metrics.buckets), copied so that the router need not import vLLM
-TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                               10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class RouterMetrics:
@@ -34,52 +96,105 @@ class RouterMetrics:
         r = self.registry
         model = ["model_name"]
         # vLLM's request-level metrics, for the mesh as a whole
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds "
-                              "(from the request's arrival at the router).", model,
-                              buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)
-        self.inter_token = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
-                                     "seconds (as tokens reach the router).", model,
-                                     buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds (from the request's arrival at the router).",
+            model,
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (as tokens reach the router).",
+            model,
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.time_per_output_token = Histogram(
-            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
-            model, buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds "
-                             "(requests that produced a token).", model, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of the time a request waited in "
-                                    "the router's queue for its first worker.", model,
-                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests in flight that are not waiting in the "
-                             "router's queue (on a worker, or between two).", model, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the router's queue for a worker.",
-                             model, registry=r)
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            model,
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds (requests that produced a token).",
+            model,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of the time a request waited in the router's queue for its first worker.",
+            model,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "vllm:num_requests_running",
+            "Requests in flight that are not waiting in the router's queue (on a worker, or between two).",
+            model,
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting in the router's queue for a worker.", model, registry=r
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", model, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", model,
-                                         registry=r)
-        self.request_success = Counter("vllm:request_success", "Count of requests that produced a token, by how "
-                                       "they finished (stop, length; abort: the client left; error).",
-                                       [*model, "finished_reason"], registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", model, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of requests that produced a token, by how "
+            "they finished (stop, length; abort: the client left; error).",
+            [*model, "finished_reason"],
+            registry=r,
+        )
         # the mesh's own
-        self.requests = Counter("llmesh_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
-                                registry=r)
+        self.requests = Counter(
+            "llmesh_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"], registry=r
+        )
         self.errors = Counter("llmesh_request_errors", "Failed requests by error code", ["code"], registry=r)
-        self.prefill_seconds = Histogram("llmesh_prefill_seconds", "Prefill round trip", buckets=LATENCY_BUCKETS,
-                                         registry=r)
+        self.prefill_seconds = Histogram(
+            "llmesh_prefill_seconds", "Prefill round trip", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.length_predictions = Counter(
-            "llmesh_request_length_predictions", "Requests by length-prediction outcome (ok, timeout, unavailable, "
+            "llmesh_request_length_predictions",
+            "Requests by length-prediction outcome (ok, timeout, unavailable, "
             "error; skipped: no prompt text; unsampled: not predicted (MESH_LENGTH_SAMPLE_FRACTION); late: "
-            "answered after the prefill, dropped)", ["outcome"], registry=r)
-        self.prefill_sites = Counter("llmesh_prefill_sites", "Requests by where their prompt was computed: "
-                                     "prefill (disaggregated) or decode (the whole request on a decode worker, "
-                                     "the prefill queue being longer)", ["site"], registry=r)
-        self.dispatch = Counter("llmesh_dispatch_decisions", "Worker choices by dispatch policy, role and whether "
-                                "the request waited in the router's queue first (placed, queued)",
-                                ["policy", "role", "outcome"], registry=r)
-        self.resumes = Counter("llmesh_decode_resumes", "Decodes continued on another worker: migrated (a live "
-                               "migration's hand-over), failover (the worker died or failed; resumed from the "
-                               "KV in the store), refused (the worker was full: placed again when one has room)",
-                               ["kind"], registry=r)
-        self.redispatches = Counter("llmesh_redispatches", "Requests placed again because the worker first chosen "
-                                    "was gone before it got them (NATS had no responder)", registry=r)
+            "answered after the prefill, dropped)",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefill_sites = Counter(
+            "llmesh_prefill_sites",
+            "Requests by where their prompt was computed: "
+            "prefill (disaggregated) or decode (the whole request on a decode worker, "
+            "the prefill queue being longer)",
+            ["site"],
+            registry=r,
+        )
+        self.dispatch = Counter(
+            "llmesh_dispatch_decisions",
+            "Worker choices by dispatch policy, role and whether "
+            "the request waited in the router's queue first (placed, queued)",
+            ["policy", "role", "outcome"],
+            registry=r,
+        )
+        self.resumes = Counter(
+            "llmesh_decode_resumes",
+            "Decodes continued on another worker: migrated (a live "
+            "migration's hand-over), failover (the worker died or failed; resumed from the "
+            "KV in the store), refused (the worker was full: placed again when one has room)",
+            ["kind"],
+            registry=r,
+        )
+        self.redispatches = Counter(
+            "llmesh_redispatches",
+            "Requests placed again because the worker first chosen was gone before it got them (NATS had no responder)",
+            registry=r,
+        )
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)
         self._in_flight: Tally[str] = Tally()  # model -> requests being served
         self._queued: Tally[str] = Tally()  # model -> of those, waiting in the router's queue

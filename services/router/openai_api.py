@@ -13,9 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from llmesh.errors import InvalidRequest, MeshError
 from llmesh.messages import ChatMessage, SamplingOptions
 
-
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
-Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
 
 
@@ -42,6 +41,7 @@ class _Common(BaseModel):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         """JSON may escape lone surrogates ("\\ud800"), which no UTF-8 text (nor any engine) can hold."""
+
         def check(value: Any) -> None:
             if isinstance(value, str):
                 try:
@@ -82,8 +82,14 @@ class _Common(BaseModel):
 
     def sampling(self) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingOptions(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                               stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
+        return SamplingOptions(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=stop,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -172,8 +178,11 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class ResponseShape:
@@ -189,10 +198,13 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False,
-              token_ids: list[int] | None = None) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish_reason: str | None, first: bool = False, token_ids: list[int] | None = None
+    ) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            )
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
@@ -200,8 +212,9 @@ class ResponseShape:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def chunk_event(self, text: str, finish_reason: str | None, first: bool = False,
-                    token_ids: list[int] | None = None) -> bytes:
+    def chunk_event(
+        self, text: str, finish_reason: str | None, first: bool = False, token_ids: list[int] | None = None
+    ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
         extension, are rendered in full)."""
@@ -211,7 +224,8 @@ class ResponseShape:
         template = self._templates.get(key)
         if template is None:
             head, _, tail = sse(self.chunk(self._TEXT_MARK, finish_reason, first)).rpartition(
-                json.dumps(self._TEXT_MARK).encode())
+                json.dumps(self._TEXT_MARK).encode()
+            )
             template = self._templates[key] = head, tail
         return template[0] + json.dumps(text).encode() + template[1]
 
@@ -219,8 +233,14 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
 
-    def final(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
-              token_ids: list[int] | None = None) -> dict[str, Any]:
+    def final(
+        self,
+        text: str,
+        finish_reason: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:

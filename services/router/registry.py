@@ -6,16 +6,16 @@ import asyncio
 import logging
 import random
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from llmesh.errors import AtCapacity, ModelNotFound, ServiceUnavailable, StreamInterrupted, WorkerLost
 from llmesh.messages import WorkerInfo
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, RequestView, WorkerView
 from llmesh.policies.baseline import least_loaded
-from llmesh.policies.core import fits_request
+from llmesh.policies.core import Role, fits_request
 from llmesh.views import worker_view
 
 log = logging.getLogger(__name__)
@@ -41,14 +41,23 @@ class _Entry:
             return self.heartbeat_view
         # A finished request was either sent since the heartbeat or counted in it.
         from_assigned = min(self.released, self.assigned)
-        return replace(self.heartbeat_view, assigned=self.assigned - from_assigned,
-                       running=max(self.heartbeat_view.running - (self.released - from_assigned), 0),
-                       sent_backlog=sent_backlog)
+        return replace(
+            self.heartbeat_view,
+            assigned=self.assigned - from_assigned,
+            running=max(self.heartbeat_view.running - (self.released - from_assigned), 0),
+            sent_backlog=sent_backlog,
+        )
 
 
 class WorkerRegistry:
-    def __init__(self, missed_heartbeats: int = 3, policy: Policy | None = None, seed: int = 0,
-                 clock: Callable[[], float] = time.monotonic, max_backlog_s: float | None = None):
+    def __init__(
+        self,
+        missed_heartbeats: int = 3,
+        policy: Policy | None = None,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        max_backlog_s: float | None = None,
+    ):
         self._workers: dict[str, _Entry] = {}
         self.max_backlog_s = max_backlog_s  # llmesh.policies.core.has_room
         self.backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
@@ -77,8 +86,14 @@ class WorkerRegistry:
     def _warn_on_layout_mismatch(self, info: WorkerInfo) -> None:
         for other in self._workers.values():
             if other.info.model == info.model and other.info.fingerprint != info.fingerprint:
-                log.error("worker %s serves %s with KV fingerprint %s but %s has %s: they cannot exchange KV",
-                          info.worker_id, info.model, info.fingerprint, other.info.worker_id, other.info.fingerprint)
+                log.error(
+                    "worker %s serves %s with KV fingerprint %s but %s has %s: they cannot exchange KV",
+                    info.worker_id,
+                    info.model,
+                    info.fingerprint,
+                    other.info.worker_id,
+                    other.info.fingerprint,
+                )
 
     def expire(self, late_s: float = 0.0) -> None:
         """Drop the workers silent for `missed_heartbeats` periods. `late_s`: how late this check runs
@@ -123,8 +138,11 @@ class WorkerRegistry:
     def decode_room(self, model: str) -> int | None:
         """Requests the active decode workers of `model` take now, by this router's view of them (None:
         there is none)."""
-        views = [v for v in (e.view() for e in self._workers.values())
-                 if v.role == "decode" and v.model == model and v.state == "active"]
+        views = [
+            v
+            for v in (e.view() for e in self._workers.values())
+            if v.role == "decode" and v.model == model and v.state == "active"
+        ]
         return sum(max(v.capacity - v.running - v.assigned, 0) for v in views) if views else None
 
     async def run_expiry(self, period: float = 0.25) -> None:
@@ -146,7 +164,6 @@ class WorkerRegistry:
         if entry is not None:
             entry.last_seen = self._clock()
 
-
     def models(self) -> list[str]:
         return sorted({e.info.model for e in self._workers.values()})
 
@@ -158,28 +175,44 @@ class WorkerRegistry:
         if not self._workers:
             raise ServiceUnavailable("no live workers: the mesh is starting or its workers are down")
         if model not in self.models():
-            raise ModelNotFound(f"The model {model!r} does not exist. Available: "
-                                f"{', '.join(self.models()) or 'none'}", param="model")
+            raise ModelNotFound(
+                f"The model {model!r} does not exist. Available: {', '.join(self.models()) or 'none'}", param="model"
+            )
 
-    def pick(self, role: str, request: RequestView, fingerprint: str | None = None, generates: bool = False,
-             reserve: bool = True) -> WorkerInfo:
+    def pick(
+        self,
+        role: Role,
+        request: RequestView,
+        fingerprint: str | None = None,
+        generates: bool = False,
+        reserve: bool = True,
+    ) -> WorkerInfo:
         """Choose a live worker for `request` by the dispatch policy (with KV layout `fingerprint`,
         among those that run whole requests if `generates`) and count the request against it unless
         not `reserve`d; raise a typed error when none fits."""
         self.check_served(request.model)
         cached = self._prefixes.matches(list(self._workers), request.prefix_hashes) if self._prefixes else {}
-        ctx = DispatchContext(now=self._clock(), rng=self._rng, request=request,
-                              workers=tuple(e.view(self.backlog.get(w, 0)) for w, e in self._workers.items()),
-                              role=role, fingerprint=fingerprint, generates=generates,  # type: ignore[arg-type]
-                              dispatched=self._dispatched[role], cached_blocks=cached,
-                              max_backlog_s=self.max_backlog_s)
+        ctx = DispatchContext(
+            now=self._clock(),
+            rng=self._rng,
+            request=request,
+            workers=tuple(e.view(self.backlog.get(w, 0)) for w, e in self._workers.items()),
+            role=role,
+            fingerprint=fingerprint,
+            generates=generates,
+            dispatched=self._dispatched[role],
+            cached_blocks=cached,
+            max_backlog_s=self.max_backlog_s,
+        )
         chosen = self.policy.pick(ctx)
         if chosen is None:
             detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
             if not any(fits_request(ctx, w) for w in ctx.workers):
                 raise ServiceUnavailable(f"no live {role} worker for {request.model!r}{detail}")
-            raise AtCapacity(f"no {role} worker for {request.model!r}{detail} can take the request now "
-                             f"(policy {self.policy.name}: all at capacity or over its threshold)")
+            raise AtCapacity(
+                f"no {role} worker for {request.model!r}{detail} can take the request now "
+                f"(policy {self.policy.name}: all at capacity or over its threshold)"
+            )
         if reserve:
             self.reserve(chosen.worker_id, request.prompt_tokens if role == "prefill" else 0)
             if self._prefixes is not None:
@@ -216,4 +249,3 @@ class WorkerRegistry:
             yield
         finally:
             entry.watchers.discard(notify)
-

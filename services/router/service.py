@@ -40,8 +40,13 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2
 
 
-def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: RouterMetrics,
-               request_timeout_s: float, keys: KeyRing | None = None) -> FastAPI:
+def create_app(
+    dispatcher: Dispatcher,
+    registry: WorkerRegistry,
+    metrics: RouterMetrics,
+    request_timeout_s: float,
+    keys: KeyRing | None = None,
+) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
     for probes and scrapers, do not: bind them to a private address, as vLLM's server does)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
@@ -74,8 +79,10 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
     async def health() -> JSONResponse:
         counts = {role: len(registry.live(role)) for role in ("prefill", "decode")}
         ok = all(counts.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": counts, "models": registry.models()},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "workers": counts, "models": registry.models()},
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -86,25 +93,38 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
 
     @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmesh"}
-                                           for m in registry.models()]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmesh"} for m in registry.models()],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)) -> Response:
         return await generate(request, body, key, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               key: ApiKey | None = Depends(api_key)) -> Response:
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)
+    ) -> Response:
         return await generate(request, body, key, chat=True)
 
-    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, key: ApiKey | None,
-                       chat: bool) -> Response:
+    async def generate(
+        request: Request, body: CompletionRequest | ChatCompletionRequest, key: ApiKey | None, chat: bool
+    ) -> Response:
         endpoint = request.url.path
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        span = tracer.start_span("router request", kind=trace.SpanKind.SERVER, context=telemetry.extract(request.headers),
-                                 attributes={"request.id": request_id, "model": body.model, "stream": body.stream,
-                                             "endpoint": endpoint, "api_key.name": key.name if key else ""})
+        span = tracer.start_span(
+            "router request",
+            kind=trace.SpanKind.SERVER,
+            context=telemetry.extract(request.headers),
+            attributes={
+                "request.id": request_id,
+                "model": body.model,
+                "stream": body.stream,
+                "endpoint": endpoint,
+                "api_key.name": key.name if key else "",
+            },
+        )
         parent = trace.set_span_in_context(span)
         gen = Generation(
             request_id=request_id,
@@ -148,8 +168,15 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 last = parts[-1]
                 finish(200, finished_reason=last.finish_reason)
                 token_ids = [t for p in parts for t in p.token_ids] if body.return_token_ids else None
-                return JSONResponse(shape.final("".join(p.text for p in parts), last.finish_reason,
-                                                last.prompt_tokens, last.completion_tokens, token_ids))
+                return JSONResponse(
+                    shape.final(
+                        "".join(p.text for p in parts),
+                        last.finish_reason,
+                        last.prompt_tokens,
+                        last.completion_tokens,
+                        token_ids,
+                    )
+                )
         except MeshError as exc:
             await deltas.aclose()
             finish(exc.http_status, exc)
@@ -190,8 +217,9 @@ def create_app(dispatcher: Dispatcher, registry: WorkerRegistry, metrics: Router
                 await deltas.aclose()  # client gone: the dispatcher aborts the request in the worker
                 finish(499)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": request_id}
+        )
 
     return app
 

@@ -14,47 +14,81 @@ class RouterSettings(CommonSettings):
     NATS_USER: ClassVar[str] = "router"
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, description="HTTP port.")
-    api_keys: str = Field("", description="API keys the OpenAI endpoints accept (`Authorization: Bearer`), "
-                          "comma-separated: each a key or its `sha256:` digest, optionally followed by a name and a "
-                          "rate in requests per minute. Empty, with no key file: the API is open.")
-    api_keys_file: Path | None = Field(None, description="A file of API key digests, one per line: `sha256:<hex> "
-                                       "<name> [<requests per minute>]` (`python -m llmesh_router.auth new NAME "
-                                       "--file F` makes a key and adds its line). Default: MESH_SECRETS_DIR's, if set.")
+    api_keys: str = Field(
+        "",
+        description="API keys the OpenAI endpoints accept (`Authorization: Bearer`), "
+        "comma-separated: each a key or its `sha256:` digest, optionally followed by a name and a "
+        "rate in requests per minute. Empty, with no key file: the API is open.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="A file of API key digests, one per line: `sha256:<hex> "
+        "<name> [<requests per minute>]` (`python -m llmesh_router.auth new NAME "
+        "--file F` makes a key and adds its line). Default: MESH_SECRETS_DIR's, if set.",
+    )
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
     policy: str = Field("least_loaded", description="Dispatch policy (llmesh.policies): " + ", ".join(POLICIES) + ".")
     policy_params: dict[str, float] = Field(
-        default_factory=dict, description='The policy\'s parameters as JSON, e.g. {"threshold": 1.5} for banaserve; '
-        "see each policy's docstring.")
-    queue_policy: str = Field("fcfs", description="Order of the requests waiting for room, and which to refuse "
-                              "(llmesh.policies.queueing): " + ", ".join(QUEUE_POLICIES) + ".")
-    queue_policy_params: dict[str, float] = Field(default_factory=dict, description="The queue policy's parameters "
-                                                  "as JSON.")
-    queue_max_waiting: int = Field(1024, ge=0, description="Requests that may wait for a worker with room; past "
-                                   "it, 429 with Retry-After.")
-    queue_max_wait_s: float = Field(10.0, gt=0, description="Longest wait for a worker with room (and never past "
-                                    "the request's deadline); a request expected to wait longer, or that does, "
-                                    "gets 429 with Retry-After.")
+        default_factory=dict,
+        description='The policy\'s parameters as JSON, e.g. {"threshold": 1.5} for banaserve; '
+        "see each policy's docstring.",
+    )
+    queue_policy: str = Field(
+        "fcfs",
+        description="Order of the requests waiting for room, and which to refuse "
+        "(llmesh.policies.queueing): " + ", ".join(QUEUE_POLICIES) + ".",
+    )
+    queue_policy_params: dict[str, float] = Field(
+        default_factory=dict, description="The queue policy's parameters as JSON."
+    )
+    queue_max_waiting: int = Field(
+        1024, ge=0, description="Requests that may wait for a worker with room; past it, 429 with Retry-After."
+    )
+    queue_max_wait_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for a worker with room (and never past "
+        "the request's deadline); a request expected to wait longer, or that does, "
+        "gets 429 with Retry-After.",
+    )
     prefill_max_queue_s: float | None = Field(
-        1.0, gt=0, description="A prefill worker takes prompts while those it holds, the new one included, take at "
+        1.0,
+        gt=0,
+        description="A prefill worker takes prompts while those it holds, the new one included, take at "
         "most this long at its measured prefill speed (an idle one takes any); the rest wait in the router's queue, "
         "in MESH_QUEUE_POLICY's order, bounded by MESH_QUEUE_MAX_WAIT_S. Empty: up to the worker's capacity in "
-        "requests (its engine then queues them, with no bound on the wait).")
+        "requests (its engine then queues them, with no bound on the wait).",
+    )
     seed: int = Field(0, description="Seed of the policy's tie-breaking random source.")
     local_prefill_margin_s: float | None = Field(
-        0.25, ge=0, description="Run a whole request on a decode worker when that computes its prompt sooner "
-        "than the prefill queue by more than this (llmesh.policies.disagg); empty: always disaggregate.")
+        0.25,
+        ge=0,
+        description="Run a whole request on a decode worker when that computes its prompt sooner "
+        "than the prefill queue by more than this (llmesh.policies.disagg); empty: always disaggregate.",
+    )
     slo_tpot_ms: float = Field(
-        50.0, gt=0, description="Time per output token the streams should stay within: a decode worker takes a "
+        50.0,
+        gt=0,
+        description="Time per output token the streams should stay within: a decode worker takes a "
         "whole request only if every stream on it that can still meet this (its remaining tokens at the "
         "worker's current step time) still does after the stall of computing the prompt "
-        "(llmesh.policies.disagg.stall_budget).")
+        "(llmesh.policies.disagg.stall_budget).",
+    )
     length_sample_fraction: float = Field(
-        0.1, ge=0, le=1, description="Fraction of requests whose output length is predicted when the dispatch "
+        0.1,
+        ge=0,
+        le=1,
+        description="Fraction of requests whose output length is predicted when the dispatch "
         "policy does not read predictions (beside the prefill, never delaying it): for traces, the predictor's "
-        "online scoring and refit samples. Policies that read them get every request predicted before dispatch.")
-    length_predict_timeout_s: float = Field(0.1, gt=0, description="How long a request waits for the length "
-                                            "predictor; past it, it is dispatched without a prediction.")
+        "online scoring and refit samples. Policies that read them get every request predicted before dispatch.",
+    )
+    length_predict_timeout_s: float = Field(
+        0.1,
+        gt=0,
+        description="How long a request waits for the length "
+        "predictor; past it, it is dispatched without a prediction.",
+    )
 
     @model_validator(mode="after")
     def _known_policy(self) -> "RouterSettings":

@@ -90,8 +90,16 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["BlockTransfer", "ConnectorScheduler", "ConnectorWorker", "HeadSlice", "MeshConnectorMetadata",
-           "MeshKVConnector", "MeshWorkerMetadata", "rank_slices"]
+__all__ = [
+    "BlockTransfer",
+    "ConnectorScheduler",
+    "ConnectorWorker",
+    "HeadSlice",
+    "MeshConnectorMetadata",
+    "MeshKVConnector",
+    "MeshWorkerMetadata",
+    "rank_slices",
+]
 
 
 def _log_to_stderr() -> None:
@@ -120,32 +128,55 @@ class MeshKVConnector(KVConnectorBase_V1):
             transfer = self._kv_transfer_config
             lookup = None
             if transfer.is_kv_consumer or config.reuse_prefix:
-                client = ThreadedKvClient(config.nats_url, f"{config.service_name}-lookup", threads=1,
-                                          redis_url=config.redis_url, timeout=config.timeout_s)
+                client = ThreadedKvClient(
+                    config.nats_url,
+                    f"{config.service_name}-lookup",
+                    threads=1,
+                    redis_url=config.redis_url,
+                    timeout=config.timeout_s,
+                )
                 self._clients.append(client)
                 lookup = client.client
             self._scheduler = ConnectorScheduler(
-                config, layout=layout, fingerprint=fingerprint(layout), block_size=vllm_config.cache_config.block_size,
-                block_bytes=block_bytes, producer=transfer.is_kv_producer, consumer=transfer.is_kv_consumer,
-                lookup=lookup)
+                config,
+                layout=layout,
+                fingerprint=fingerprint(layout),
+                block_size=vllm_config.cache_config.block_size,
+                block_bytes=block_bytes,
+                producer=transfer.is_kv_producer,
+                consumer=transfer.is_kv_consumer,
+                lookup=lookup,
+            )
             if self._clients and self._scheduler.serves_control:
+                assert config.control_subject is not None  # serves_control says so
                 self._clients[0].serve(config.control_subject, self._scheduler.on_control)
         elif role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from vllm.platforms import current_platform
 
             tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
-            slices = rank_slices(layout, tensor_parallel_size,
-                                 get_tensor_model_parallel_rank() if tensor_parallel_size > 1 else 0)
-            telemetry.setup_tracing(config.service_name, otlp_endpoint=config.otlp_endpoint,
-                                    trace_dir=config.trace_dir)
+            slices = rank_slices(
+                layout, tensor_parallel_size, get_tensor_model_parallel_rank() if tensor_parallel_size > 1 else 0
+            )
+            telemetry.setup_tracing(config.service_name, otlp_endpoint=config.otlp_endpoint, trace_dir=config.trace_dir)
             memory = HostMemory(current_platform.device_type, config.pinned_pool_bytes)
-            client = ThreadedKvClient(config.nats_url, f"{config.service_name}-connector", redis_url=config.redis_url,
-                                      timeout=config.timeout_s, buffers=memory)
+            client = ThreadedKvClient(
+                config.nats_url,
+                f"{config.service_name}-connector",
+                redis_url=config.redis_url,
+                timeout=config.timeout_s,
+                buffers=memory,
+            )
             self._clients.append(client)
-            self._worker = ConnectorWorker(config, slices=slices, block_bytes=block_bytes, store=client,
-                                           memory=memory, tracer=telemetry.tracer("llmesh.kv_connector"),
-                                           trace_context=telemetry.extract)
+            self._worker = ConnectorWorker(
+                config,
+                slices=slices,
+                block_bytes=block_bytes,
+                store=client,
+                memory=memory,
+                tracer=telemetry.tracer("llmesh.kv_connector"),
+                trace_context=telemetry.extract,
+            )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -45,8 +45,12 @@ class MeshWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, MeshWorkerMetadata)
-        return MeshWorkerMetadata(self.load_bytes + other.load_bytes, self.load_s + other.load_s,
-                                  max(self.compute_tokens, other.compute_tokens), max(self.compute_s, other.compute_s))
+        return MeshWorkerMetadata(
+            self.load_bytes + other.load_bytes,
+            self.load_s + other.load_s,
+            max(self.compute_tokens, other.compute_tokens),
+            max(self.compute_s, other.compute_s),
+        )
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,10 @@ def rank_slices(layout: dict[str, Any], tensor_parallel_size: int, rank: int) ->
     """The head groups a tensor-parallel rank holds, in the order of its cache's heads."""
     total, per = layout["num_kv_heads"], layout["kv_heads_per_chunk"]
     first = rank_first_head(total, tensor_parallel_size, rank)
-    return [HeadSlice((first + start) // per, start, per)
-            for start in range(0, rank_heads(total, tensor_parallel_size), per)]
+    return [
+        HeadSlice((first + start) // per, start, per)
+        for start in range(0, rank_heads(total, tensor_parallel_size), per)
+    ]
 
 
 def layer_keys(hashes: list[str], layer: int, slices: list[HeadSlice]) -> list[str]:

@@ -46,8 +46,18 @@ class ConnectorScheduler:
     """Plans the KV a request loads and saves (see the package's docstring). `producer` / `consumer`:
     vLLM's KV roles of this engine (both: a switchable decode worker)."""
 
-    def __init__(self, config: ConnectorConfig, *, layout: dict[str, Any], fingerprint: str, block_size: int,
-                 block_bytes: int, producer: bool, consumer: bool, lookup: Lookup | None):
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        layout: dict[str, Any],
+        fingerprint: str,
+        block_size: int,
+        block_bytes: int,
+        producer: bool,
+        consumer: bool,
+        lookup: Lookup | None,
+    ):
         self.config = config
         self._layout, self._fingerprint, self._block_size = layout, fingerprint, block_size
         self._block_bytes = block_bytes  # one block, every layer
@@ -123,23 +133,35 @@ class ConnectorScheduler:
         both roles serves both kinds; the prefill service marks its requests `do_remote_decode`)."""
         return not self._is_consumer or bool((params or {}).get("do_remote_decode"))
 
-    def _after_preemption(self, request: Request, num_computed_tokens: int, matched: tuple[int, bool]) -> tuple[int, bool]:
+    def _after_preemption(
+        self, request: Request, num_computed_tokens: int, matched: tuple[int, bool]
+    ) -> tuple[int, bool]:
         """A preempted request resumes: load its stored KV (swap) or let vLLM compute it (recompute)."""
         tokens = matched[0]
         if not tokens:
             return matched
         size = self._block_size
         blocks = -(-(num_computed_tokens + tokens) // size) - num_computed_tokens // size
-        cost = swap_or_recompute(tokens, blocks * self._block_bytes, self._load_rate.per_s, self._prefill_rate.per_s,
-                                 self.config.preemption)
+        cost = swap_or_recompute(
+            tokens, blocks * self._block_bytes, self._load_rate.per_s, self._prefill_rate.per_s, self.config.preemption
+        )
         if self._decided.get(request.request_id) != request.num_preemptions:  # asked again while it waits
             self._decided[request.request_id] = request.num_preemptions
             choices = self._preemptions.setdefault(request.request_id, {})
             choices[cost.choice] = choices.get(cost.choice, 0) + 1
-            log.info("request %s resumes after preemption %d: %s %d tokens (%d blocks; load ~%.1f ms at %.0f MB/s, "
-                     "recompute ~%.1f ms at %.0f tokens/s)", request.request_id, request.num_preemptions, cost.choice,
-                     tokens, blocks, cost.swap_s * 1e3, self._load_rate.per_s / 1e6, cost.recompute_s * 1e3,
-                     self._prefill_rate.per_s)
+            log.info(
+                "request %s resumes after preemption %d: %s %d tokens (%d blocks; load ~%.1f ms at %.0f MB/s, "
+                "recompute ~%.1f ms at %.0f tokens/s)",
+                request.request_id,
+                request.num_preemptions,
+                cost.choice,
+                tokens,
+                blocks,
+                cost.swap_s * 1e3,
+                self._load_rate.per_s / 1e6,
+                cost.recompute_s * 1e3,
+                self._prefill_rate.per_s,
+            )
         if cost.choice == "recompute":
             self._load_plans.pop(request.request_id, None)
             return 0, False
@@ -149,8 +171,12 @@ class ConnectorScheduler:
         """Decode: the blocks of all but the last token that the request's KV handle lists, then
         those of the rest the store holds."""
         if params.get("fingerprint", self._fingerprint) != self._fingerprint:
-            log.error("request %s: KV fingerprint %s does not match ours %s; recomputing",
-                      request.request_id, params.get("fingerprint"), self._fingerprint)
+            log.error(
+                "request %s: KV fingerprint %s does not match ours %s; recomputing",
+                request.request_id,
+                params.get("fingerprint"),
+                self._fingerprint,
+            )
             return 0, False
         # vLLM must compute at least the last token itself (after a preemption: all it generated too).
         loadable = request.all_token_ids[:-1]
@@ -189,8 +215,9 @@ class ConnectorScheduler:
         self._reused_blocks[request.request_id] = matched
         return self._plan_load(request, hashes, matched * self._block_size, num_computed_tokens)
 
-    def _plan_load(self, request: Request, hashes: list[str], loadable_tokens: int,
-                   num_computed_tokens: int) -> tuple[int, bool]:
+    def _plan_load(
+        self, request: Request, hashes: list[str], loadable_tokens: int, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         new_tokens = loadable_tokens - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
@@ -211,13 +238,21 @@ class ConnectorScheduler:
         last = -(-(computed + num_external_tokens) // self._block_size)  # a partial last block too
         block_ids = blocks.get_block_ids()[0]
         self._planned_loads.append(
-            BlockTransfer(request.request_id, list(block_ids[first:last]), list(hashes[first:last]),
-                          request_trace(request), (computed + num_external_tokens) % self._block_size)
+            BlockTransfer(
+                request.request_id,
+                list(block_ids[first:last]),
+                list(hashes[first:last]),
+                request_trace(request),
+                (computed + num_external_tokens) % self._block_size,
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MeshConnectorMetadata:
-        meta = MeshConnectorMetadata(loads=self._planned_loads, exports=self._planned_exports,
-                                     step_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta = MeshConnectorMetadata(
+            loads=self._planned_loads,
+            exports=self._planned_exports,
+            step_tokens=scheduler_output.total_num_scheduled_tokens,
+        )
         self._planned_loads, self._planned_exports = [], []
         if not (self._is_producer or self._write_behind):
             return meta
@@ -228,16 +263,25 @@ class ConnectorScheduler:
                 continue
             producer = self._prefills(params)
             if producer:  # the whole prompt, its partial last block included
-                hashes, saved = block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True), \
-                    self._reused_blocks.pop(new.req_id, 0)
+                hashes, saved = (
+                    block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True),
+                    self._reused_blocks.pop(new.req_id, 0),
+                )
             elif not self._write_behind:
                 continue
             else:  # decode: full blocks beyond what the prefill saved (all, if it prefilled itself) as they fill
                 hashes, saved = [], 0 if (params or {}).get("save_prompt") else (len(prompt) - 1) // self._block_size
-            self._saves[new.req_id] = _SaveState(hashes=hashes, num_tokens=len(prompt),
-                                                 block_ids=list(new.block_ids[0]), saved=saved,
-                                                 trace=dict((params or {}).get("trace") or {}), producer=producer)
-            self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+            self._saves[new.req_id] = _SaveState(
+                hashes=hashes,
+                num_tokens=len(prompt),
+                block_ids=list(new.block_ids[0]),
+                saved=saved,
+                trace=dict((params or {}).get("trace") or {}),
+                producer=producer,
+            )
+            self._plan_save(
+                meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._saves.get(req_id)
@@ -261,22 +305,32 @@ class ConnectorScheduler:
             # With async scheduling the newest token may not be known yet: hash what is.
             known = min(tokens_done, len(request.all_token_ids)) if request is not None else 0
             ready = known // self._block_size
-            durable = self._durable_tail or bool(self._durable_tails and request is not None
-                                                 and tail_id(request) in self._durable_tails)
+            durable = self._durable_tail or bool(
+                self._durable_tails and request is not None and tail_id(request) in self._durable_tails
+            )
             if request is not None and len(state.hashes) < ready and (ready > state.saved or durable):
-                state.hashes = block_hashes(self._seed(request), request.all_token_ids[: ready * self._block_size],
-                                            self._block_size)
+                state.hashes = block_hashes(
+                    self._seed(request), request.all_token_ids[: ready * self._block_size], self._block_size
+                )
             ready = min(ready, len(state.hashes))
             if durable and known % self._block_size and ready < len(state.block_ids):
                 assert request is not None
                 parent = state.hashes[ready - 1] if ready else self._seed(request)
-                partial = block_hashes(parent, request.all_token_ids[ready * self._block_size : known],
-                                       self._block_size, partial=True)
+                partial = block_hashes(
+                    parent, request.all_token_ids[ready * self._block_size : known], self._block_size, partial=True
+                )
                 meta.saves.append(BlockTransfer(req_id, [state.block_ids[ready]], partial, state.trace))
         complete = min(ready, len(state.block_ids))
         if complete > state.saved:
-            meta.saves.append(BlockTransfer(req_id, state.block_ids[state.saved:complete],
-                                            state.hashes[state.saved:complete], state.trace, wait=state.producer))
+            meta.saves.append(
+                BlockTransfer(
+                    req_id,
+                    state.block_ids[state.saved : complete],
+                    state.hashes[state.saved : complete],
+                    state.trace,
+                    wait=state.producer,
+                )
+            )
             state.saved = complete
 
     # ---- a request's end -------------------------------------------------------------------------------
@@ -315,8 +369,9 @@ class ConnectorScheduler:
 
         tail = tail_id(request)
         computed = request.num_computed_tokens
-        if not (self._is_consumer and tail and request.status == RequestStatus.FINISHED_ABORTED and computed
-                and block_ids):
+        if not (
+            self._is_consumer and tail and request.status == RequestStatus.FINISHED_ABORTED and computed and block_ids
+        ):
             return False
         size = self._block_size
         full = min(computed, len(request.all_token_ids)) // size

@@ -36,20 +36,25 @@ log = logging.getLogger("llmesh.kv_connector")
 class Store(Protocol):
     """The kv-store as the worker side uses it (`llmesh.kvclient.ThreadedKvClient`): transfers on its threads."""
 
-    def get(self, keys: Sequence[str], consume: Callable[[Any], Any], *, trace_context=None) -> concurrent.futures.Future:
-        ...
+    def get(
+        self, keys: Sequence[str], consume: Callable[[Any], Any], *, trace_context=None
+    ) -> concurrent.futures.Future: ...
 
-    def put_filled(self, keys: Sequence[str], sizes: Sequence[int], fill: Callable[[Any], None], *, pin_s: float,
-                   trace_context=None) -> concurrent.futures.Future:
-        ...
+    def put_filled(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        fill: Callable[[Any], None],
+        *,
+        pin_s: float,
+        trace_context=None,
+    ) -> concurrent.futures.Future: ...
 
 
 class Tracer(Protocol):
-    def start_span(self, name: str, context: Any = None, attributes: Any = None) -> Any:
-        ...
+    def start_span(self, name: str, *, context: Any = None, attributes: Any = None) -> Any: ...
 
-    def start_as_current_span(self, name: str, context: Any = None, start_time: int | None = None) -> Any:
-        ...
+    def start_as_current_span(self, name: str, *, context: Any = None, start_time: int | None = None) -> Any: ...
 
 
 @dataclass
@@ -75,8 +80,17 @@ class _PendingLoad:
 class ConnectorWorker:
     """One rank's transfers (see the module's docstring). `slices`: the head groups this rank holds."""
 
-    def __init__(self, config: ConnectorConfig, *, slices: list[HeadSlice], block_bytes: int, store: Store,
-                 memory: HostMemory, tracer: Tracer, trace_context: Callable[[dict[str, str]], Any]):
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        slices: list[HeadSlice],
+        block_bytes: int,
+        store: Store,
+        memory: HostMemory,
+        tracer: Tracer,
+        trace_context: Callable[[dict[str, str]], Any],
+    ):
         self.config = config
         self._slices, self._block_bytes = slices, block_bytes  # block_bytes: one block, every layer (all ranks)
         self._store, self._memory, self._tracer, self._context = store, memory, tracer, trace_context
@@ -102,8 +116,10 @@ class ConnectorWorker:
         heads = sum(s.count for s in self._slices)
         for name, cache in kv_caches.items():
             if cache.dim() < 3 or cache.shape[0] != num_blocks or cache.shape[1] != heads:
-                raise RuntimeError(f"{name}: expected [blocks ({num_blocks}), this rank's KV heads ({heads}), ...], "
-                                   f"got shape {tuple(cache.shape)}")
+                raise RuntimeError(
+                    f"{name}: expected [blocks ({num_blocks}), this rank's KV heads ({heads}), ...], "
+                    f"got shape {tuple(cache.shape)}"
+                )
         self._layers = {name: layer_index(name) for name in sorted(kv_caches, key=layer_index)}
         self._mover = KvMover({self._layers[name]: cache for name, cache in kv_caches.items()}, self._memory)
         some = next(iter(kv_caches.values()))
@@ -131,8 +147,9 @@ class ConnectorWorker:
             if transfer.last_block_tokens and not self._async_load:
                 # The engine writes this step's new tokens into the partial last block before
                 # `wait_for_layer_load` runs, so that block must be in place before the forward.
-                head = self._planned(BlockTransfer(transfer.req_id, transfer.block_ids[-1:], transfer.hashes[-1:],
-                                                   transfer.trace))
+                head = self._planned(
+                    BlockTransfer(transfer.req_id, transfer.block_ids[-1:], transfer.hashes[-1:], transfer.trace)
+                )
                 transfer = BlockTransfer(transfer.req_id, transfer.block_ids[:-1], transfer.hashes[:-1], transfer.trace)
             self._step_loads.append((head, self._planned(transfer)))
         self._saves = [self._planned(t) for t in meta.saves]
@@ -148,9 +165,15 @@ class ConnectorWorker:
         for head, planned in self._step_loads:
             transfer = planned.transfer
             parent = self._context(transfer.trace)
-            span = self._tracer.start_span("kv.load", context=parent, attributes={
-                "kv.blocks": len(transfer.block_ids) + (head is not None), "kv.layers": len(self._layers),
-                "request.id": transfer.req_id})
+            span = self._tracer.start_span(
+                "kv.load",
+                context=parent,
+                attributes={
+                    "kv.blocks": len(transfer.block_ids) + (head is not None),
+                    "kv.layers": len(self._layers),
+                    "request.id": transfer.req_id,
+                },
+            )
             if head is not None:
                 self._load_now(head, parent)
             self._loads[transfer.req_id] = self._start_fetch(planned, parent, span)
@@ -164,8 +187,9 @@ class ConnectorWorker:
             return load
         for layer in self._layers.values():
             ready: concurrent.futures.Future = concurrent.futures.Future()
-            fetch = self._store.get(self._keys(transfer.hashes, layer), partial(self._copy_in, layer, planned, ready),
-                                    trace_context=parent)
+            fetch = self._store.get(
+                self._keys(transfer.hashes, layer), partial(self._copy_in, layer, planned, ready), trace_context=parent
+            )
             fetch.add_done_callback(partial(self._fetched, load, ready))
             load.layers[layer] = ready
         return load
@@ -181,8 +205,11 @@ class ConnectorWorker:
     def _fetched(load: _PendingLoad, ready: concurrent.futures.Future, fetch: concurrent.futures.Future) -> None:
         load.last_arrival = time.perf_counter()
         if not ready.done():  # the fetch or the copy failed
-            ready.set_exception(concurrent.futures.CancelledError() if fetch.cancelled() else
-                                fetch.exception() or RuntimeError("no copy was made"))
+            ready.set_exception(
+                concurrent.futures.CancelledError()
+                if fetch.cancelled()
+                else fetch.exception() or RuntimeError("no copy was made")
+            )
 
     def _runs(self, fetched: Any) -> list[Run]:
         """The fetched runs, less values of the wrong size (each then its own run, or dropped: missing)."""
@@ -256,9 +283,13 @@ class ConnectorWorker:
         transfer = planned.transfer
         keys = self._keys(transfer.hashes, layer)
         guard = FillGuard()
-        future = self._store.put_filled(keys, [self._chunk_bytes] * len(keys),
-                                        guard.guarded(partial(self._write, gathered)), pin_s=pin_s,
-                                        trace_context=self._context(transfer.trace))
+        future = self._store.put_filled(
+            keys,
+            [self._chunk_bytes] * len(keys),
+            guard.guarded(partial(self._write, gathered)),
+            pin_s=pin_s,
+            trace_context=self._context(transfer.trace),
+        )
         if transfer.wait:
             self._pending_puts.append((future, guard, transfer.req_id))
         else:
@@ -275,8 +306,10 @@ class ConnectorWorker:
         self._reap_write_behind()
         meta = self._meta
         if meta is not None and not meta.loads and meta.step_tokens >= PREFILL_SAMPLE_TOKENS and self._step_started:
-            self._measured.compute_tokens, self._measured.compute_s = meta.step_tokens, \
-                time.perf_counter() - self._step_started
+            self._measured.compute_tokens, self._measured.compute_s = (
+                meta.step_tokens,
+                time.perf_counter() - self._step_started,
+            )
         if not self._pending_puts:
             return
         started_ns = time.time_ns()
@@ -289,8 +322,9 @@ class ConnectorWorker:
         self._pending_puts.clear()
         if meta is not None:
             for transfer in meta.saves:
-                with self._tracer.start_as_current_span("kv.save_wait", context=self._context(transfer.trace),
-                                                        start_time=started_ns) as span:
+                with self._tracer.start_as_current_span(
+                    "kv.save_wait", context=self._context(transfer.trace), start_time=started_ns
+                ) as span:
                     span.set_attribute("kv.blocks", len(transfer.block_ids))
 
     def _reap_write_behind(self) -> None:

@@ -15,10 +15,10 @@ from typing import Any
 from llmesh.policies.ascendra import ascendra
 from llmesh.policies.banaserve import banaserve
 from llmesh.policies.baseline import least_loaded, power_of_two, random_choice, round_robin
-from llmesh.policies.core import DispatchContext, Policy, RequestView, RunningRequest, WorkerView
+from llmesh.policies.core import DispatchContext, Policy, RequestView, WorkerView
 from llmesh.policies.llumnix import llumnix
 from llmesh.policies.prefix import PrefixIndex, cache_aware
-from llmesh.policies.queueing import QueuePolicy, edf, fairness, fcfs, prism, priority_fcfs, slo_odbs
+from llmesh.policies.queueing import QueuePolicy, edf, fairness, fcfs, priority_fcfs, prism, slo_odbs
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": round_robin,
@@ -59,10 +59,21 @@ def _make(registry: Mapping[str, Callable[..., Any]], kind: str, name: str, para
     accepted = inspect.signature(factory).parameters
     unknown = sorted(set(params or {}) - set(accepted))
     if unknown:
-        raise ValueError(f"{kind} {name!r} has no parameter {', '.join(unknown)}; "
-                         f"it takes: {', '.join(accepted) or 'none'}")
+        raise ValueError(
+            f"{kind} {name!r} has no parameter {', '.join(unknown)}; it takes: {', '.join(accepted) or 'none'}"
+        )
     return factory(**(params or {}))
 
 
-__all__ = ["POLICIES", "QUEUE_POLICIES", "DispatchContext", "Policy", "PrefixIndex", "QueuePolicy", "RequestView",
-           "RunningRequest", "WorkerView", "make_policy", "make_queue_policy"]
+__all__ = [
+    "POLICIES",
+    "QUEUE_POLICIES",
+    "DispatchContext",
+    "Policy",
+    "PrefixIndex",
+    "QueuePolicy",
+    "RequestView",
+    "WorkerView",
+    "make_policy",
+    "make_queue_policy",
+]

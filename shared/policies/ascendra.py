@@ -52,14 +52,21 @@ def ascendra(high_pool_fraction: float = 0.125, tickets: float = 2, drop_hopeles
         in_time = [(w, c) for w, c in low if ttft(w) <= slack]
         if in_time:
             return lowest_cost(ctx, in_time)
-        urgent = [(w, ttft(w)) for w, _ in scored if w.worker_id in hp
-                  and sum(r.prefilling for r in w.requests) + w.assigned < tickets and ttft(w) <= slack]
+        urgent = [
+            (w, ttft(w))
+            for w, _ in scored
+            if w.worker_id in hp and sum(r.prefilling for r in w.requests) + w.assigned < tickets and ttft(w) <= slack
+        ]
         if urgent:
             return lowest_cost(ctx, urgent)
         if drop_hopeless or not low:
             return None
         return lowest_cost(ctx, [(w, ttft(w)) for w, _ in low])
 
-    return Policy("ascendra", costs=((1.0, request_load),), picker=pick, declines_by_request=True,
-                  params={"high_pool_fraction": high_pool_fraction, "tickets": tickets,
-                          "drop_hopeless": drop_hopeless})
+    return Policy(
+        "ascendra",
+        costs=((1.0, request_load),),
+        picker=pick,
+        declines_by_request=True,
+        params={"high_pool_fraction": high_pool_fraction, "tickets": tickets, "drop_hopeless": drop_hopeless},
+    )

@@ -32,8 +32,9 @@ def banaserve(threshold: float = 1.6) -> Policy:
     """The lowest U under `threshold` (0 < θ ≤ 2: both terms are fractions), else the request waits."""
     if not 0 < threshold <= 2:
         raise ValueError(f"banaserve: threshold must lie in (0, 2], not {threshold}")
-    return Policy("banaserve", costs=((1.0, utilisation),), picker=lowest_cost_below(threshold),
-                  params={"threshold": threshold})
+    return Policy(
+        "banaserve", costs=((1.0, utilisation),), picker=lowest_cost_below(threshold), params={"threshold": threshold}
+    )
 
 
 # ---- adaptive module migration: role switching ---------------------------------------------------------------
@@ -94,8 +95,9 @@ def switchable(w: WorkerView) -> bool:
     return {"prefill", "decode"} <= set(w.roles)
 
 
-def pick_role_switch(workers: Sequence[WorkerView], now: float, state: RoleBalance,
-                     params: RoleSwitchParams = RoleSwitchParams()) -> tuple[RoleSwitch | None, RoleBalance]:
+def pick_role_switch(
+    workers: Sequence[WorkerView], now: float, state: RoleBalance, params: RoleSwitchParams = RoleSwitchParams()
+) -> tuple[RoleSwitch | None, RoleBalance]:
     """The switch Algorithm 4-1 makes now among the active `workers` (of one model and KV layout), if
     any, and the state to pass next time. L_p and L_d are the pools' mean `pool_utilisation`s; with
     either pool empty nothing is compared. The lighter pool gives up its least loaded switchable worker
@@ -114,11 +116,13 @@ def pick_role_switch(workers: Sequence[WorkerView], now: float, state: RoleBalan
         return None, replace(state, direction=None, imbalanced_since=None)
     if short != state.direction:
         state = replace(state, direction=short, imbalanced_since=now)
+    assert state.imbalanced_since is not None  # set with `direction`
     if now - state.imbalanced_since < p.hold_s or now - state.last_switch_at < p.cooldown_s:
         return None, state
     donor: Role = "decode" if short == "prefill" else "prefill"
-    candidates = [(u, w.running + w.assigned, w.worker_id, w) for u, w in zip(loads[donor], pools[donor])
-                  if switchable(w)]
+    candidates = [
+        (u, w.running + w.assigned, w.worker_id, w) for u, w in zip(loads[donor], pools[donor]) if switchable(w)
+    ]
     if len(pools[donor]) < 2 or not candidates:
         return None, state
     u, held, _, worker = min(candidates, key=lambda c: c[:3])
@@ -128,5 +132,7 @@ def pick_role_switch(workers: Sequence[WorkerView], now: float, state: RoleBalan
     ratio = benefit / cost if cost else math.inf
     if benefit <= 0 or ratio < p.min_ratio:
         return None, state
-    return (RoleSwitch(worker.worker_id, short, prefill_load, decode_load, benefit, cost, ratio),
-            RoleBalance(last_switch_at=now))
+    return (
+        RoleSwitch(worker.worker_id, short, prefill_load, decode_load, benefit, cost, ratio),
+        RoleBalance(last_switch_at=now),
+    )

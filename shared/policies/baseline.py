@@ -27,5 +27,6 @@ def least_loaded() -> Policy:
 def power_of_two() -> Policy:
     """Power of two choices (Mitzenmacher, "The Power of Two Choices in Randomized Load
     Balancing", 2001; vllm-router's `power_of_two`): two workers at random, the less loaded one."""
-    return Policy("power_of_two", costs=((1.0, request_load), (_TOKENS_TIE_BREAK, queued_tokens)),
-                  picker=cheaper_of_two)
+    return Policy(
+        "power_of_two", costs=((1.0, request_load), (_TOKENS_TIE_BREAK, queued_tokens)), picker=cheaper_of_two
+    )

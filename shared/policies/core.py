@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from llmesh.messages import RequestProgress, kv_blocks
+
 Role = Literal["prefill", "decode"]
 State = Literal["active", "draining"]
-
-
-def kv_blocks(tokens: int, block_size: int) -> int:
-    """KV blocks that `tokens` tokens fill."""
-    return -(-tokens // max(block_size, 1))
 
 
 @dataclass(frozen=True)
@@ -53,43 +50,6 @@ class RequestView:
 
 
 @dataclass(frozen=True)
-class RunningRequest:
-    """A request a worker holds, with its progress (from the worker's heartbeat)."""
-
-    request_id: str
-    prompt_tokens: int
-    generated: int  # output tokens so far
-    max_tokens: int  # output budget
-    predicted_tokens: float | None = None
-    priority: int = 0
-    migrating: bool = False  # being handed over to another worker
-    predicted_remaining: float | None = None  # the predictor's refined estimate, made at `remaining_at` tokens
-    remaining_at: int = 0
-
-    @property
-    def expected_remaining(self) -> float:
-        """Output tokens still to come, by the best estimate at hand: the refined one, else the
-        prompt-only prediction, else the budget."""
-        budget = self.max_tokens - self.generated
-        if self.predicted_remaining is not None:
-            estimate = self.predicted_remaining - (self.generated - self.remaining_at)
-        elif self.predicted_tokens is not None:
-            estimate = self.predicted_tokens - self.generated
-        else:
-            return float(budget)
-        return float(min(max(estimate, 1.0), budget))
-
-    def kv_blocks(self, block_size: int) -> int:
-        """Blocks its KV fills now."""
-        return kv_blocks(self.prompt_tokens + self.generated, block_size)
-
-    @property
-    def prefilling(self) -> bool:
-        """Its prompt is not computed yet (no output token)."""
-        return self.generated == 0
-
-
-@dataclass(frozen=True)
 class WorkerView:
     """A worker as its last heartbeat showed it, plus what this dispatcher sent it since."""
 
@@ -107,7 +67,7 @@ class WorkerView:
     kv_blocks_total: int = 0  # 0: not reported
     block_size: int = 0
     prefill_tokens_per_s: float = 0.0
-    requests: tuple[RunningRequest, ...] = ()
+    requests: tuple[RequestProgress, ...] = ()  # as its heartbeat reports them
     roles: tuple[Role, ...] = ()  # the roles it can serve (both: it switches on command; empty: `role` only)
     sent_backlog: int = 0  # prompt tokens the caller sent it that are not computed yet, by the caller's account
 
@@ -177,9 +137,13 @@ Picker = Callable[[DispatchContext, Sequence[tuple[WorkerView, float]]], "Worker
 def fits_request(ctx: DispatchContext, w: WorkerView) -> bool:
     """The role, model and KV layout the request needs, on an active worker (a draining one takes
     nothing new), among those that run whole requests when asked."""
-    return (w.role == ctx.role and w.model == ctx.request.model and w.state == "active"
-            and (ctx.fingerprint is None or w.fingerprint == ctx.fingerprint)
-            and (w.generates or not ctx.generates))
+    return (
+        w.role == ctx.role
+        and w.model == ctx.request.model
+        and w.state == "active"
+        and (ctx.fingerprint is None or w.fingerprint == ctx.fingerprint)
+        and (w.generates or not ctx.generates)
+    )
 
 
 def has_room(ctx: DispatchContext, w: WorkerView) -> bool:
@@ -217,16 +181,19 @@ def lowest_cost(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]
     if not scored:
         return None
     best = min(cost for _, cost in scored)
-    tied = sorted((w for w, cost in scored if math.isclose(cost, best, rel_tol=1e-12, abs_tol=1e-12)),
-                  key=lambda w: w.worker_id)
+    tied = sorted(
+        (w for w, cost in scored if math.isclose(cost, best, rel_tol=1e-12, abs_tol=1e-12)), key=lambda w: w.worker_id
+    )
     return tied[0] if len(tied) == 1 else ctx.rng.choice(tied)
 
 
 def lowest_cost_below(threshold: float) -> Picker:
     """`lowest_cost`, but None (the request waits) when even the cheapest costs `threshold` or more."""
+
     def pick(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
         affordable = [(w, cost) for w, cost in scored if cost < threshold]
         return lowest_cost(ctx, affordable)
+
     return pick
 
 

@@ -54,8 +54,13 @@ class PrefillSite:
     tokens_per_s: float  # prompt tokens it computes per second (0: not measured yet)
 
 
-def prefill_locally(prompt_tokens: int, remote: PrefillSite, local: PrefillSite, margin_s: float | None,
-                    max_stall_s: float = float("inf")) -> bool:
+def prefill_locally(
+    prompt_tokens: int,
+    remote: PrefillSite,
+    local: PrefillSite,
+    margin_s: float | None,
+    max_stall_s: float = float("inf"),
+) -> bool:
     """True when the decode worker `local` would compute the prompt sooner than the prefill worker
     `remote` by more than `margin_s` (None: never), within `max_stall_s` of its own prefill work
     (the queue before it included: its decode streams wait that long; see `stall_budget`). An

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmesh.policies.core import DispatchContext, Policy, RunningRequest, WorkerView, lowest_cost_below
+from llmesh.messages import RequestProgress
+from llmesh.policies.core import DispatchContext, Policy, WorkerView, lowest_cost_below
 
 
 def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
@@ -43,18 +44,23 @@ def llumnix(priority_headroom_blocks: float = 0, queue_below: float = float("-in
     def unfreeness(ctx: DispatchContext, w: WorkerView) -> float:
         return -freeness(w, headroom)
 
-    return Policy("llumnix", costs=((1.0, unfreeness),),
-                  picker=lowest_cost_below(-queue_below),
-                  params={"priority_headroom_blocks": headroom, "queue_below": queue_below})
+    return Policy(
+        "llumnix",
+        costs=((1.0, unfreeness),),
+        picker=lowest_cost_below(-queue_below),
+        params={"priority_headroom_blocks": headroom, "queue_below": queue_below},
+    )
 
 
-def migration_pairs(workers: Sequence[WorkerView], source_below: float, destination_above: float,
-                    priority_headroom_blocks: int = 0) -> list[tuple[WorkerView, WorkerView]]:
+def migration_pairs(
+    workers: Sequence[WorkerView], source_below: float, destination_above: float, priority_headroom_blocks: int = 0
+) -> list[tuple[WorkerView, WorkerView]]:
     """(source, destination) pairs for migration: the least free workers under `source_below`
     (draining ones first) matched in order with the freest over `destination_above`; each worker
     in at most one pair, and never a draining worker as a destination."""
-    scored = sorted(((freeness(w, priority_headroom_blocks), w.worker_id, w) for w in workers),
-                    key=lambda t: (t[0], t[1]))
+    scored = sorted(
+        ((freeness(w, priority_headroom_blocks), w.worker_id, w) for w in workers), key=lambda t: (t[0], t[1])
+    )
     sources = [w for f, _, w in scored if f < source_below and w.requests]
     destinations = [w for f, _, w in reversed(scored) if f > destination_above and w.state == "active"]
     pairs, used = [], set()
@@ -66,7 +72,7 @@ def migration_pairs(workers: Sequence[WorkerView], source_below: float, destinat
     return pairs
 
 
-def pick_migration(source: WorkerView) -> RunningRequest | None:
+def pick_migration(source: WorkerView) -> RequestProgress | None:
     """The request to move off `source`, as Llumnix chooses it: the least urgent priority first
     (vLLM's convention: the highest number), then the fewest tokens (prompt and output so far:
     the least KV to copy, and still its whole share of the batch freed); ties by id. Never one

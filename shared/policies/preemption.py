@@ -39,8 +39,13 @@ class PreemptionCost:
     recompute_s: float  # estimated time to compute the tokens again
 
 
-def swap_or_recompute(tokens: int, nbytes: int, load_bytes_per_s: float, prefill_tokens_per_s: float,
-                      mode: Literal["auto", "swap", "recompute"] = "auto") -> PreemptionCost:
+def swap_or_recompute(
+    tokens: int,
+    nbytes: int,
+    load_bytes_per_s: float,
+    prefill_tokens_per_s: float,
+    mode: Literal["auto", "swap", "recompute"] = "auto",
+) -> PreemptionCost:
     """Load `nbytes` holding `tokens` tokens' KV, or compute those tokens again: the cheaper
     (ties swap: it is exact by construction), unless `mode` fixes the choice."""
     if load_bytes_per_s <= 0 or prefill_tokens_per_s <= 0:

@@ -51,8 +51,9 @@ class PrefixIndex:
         self._blocks.pop(worker_id, None)
 
 
-def cache_aware(cache_threshold: float = 0.5, balance_abs_threshold: float = 32,
-                balance_rel_threshold: float = 1.1) -> Policy:
+def cache_aware(
+    cache_threshold: float = 0.5, balance_abs_threshold: float = 32, balance_rel_threshold: float = 1.1
+) -> Policy:
     """vllm-router's `cache_aware` (its defaults): while the load is balanced, the worker holding
     the longest prefix of the prompt if that covers more than `cache_threshold` of its blocks,
     else the least loaded; once the most and least loaded workers differ by more than
@@ -72,6 +73,14 @@ def cache_aware(cache_threshold: float = 0.5, balance_abs_threshold: float = 32,
                 return lowest_cost(ctx, [(w, c) for w, c in scored if ctx.cached_blocks.get(w.worker_id, 0) == best])
         return lowest_cost(ctx, scored)
 
-    return Policy("cache_aware", costs=((1.0, request_load),), picker=pick, needs_prefix=True,
-                  params={"cache_threshold": cache_threshold, "balance_abs_threshold": balance_abs_threshold,
-                          "balance_rel_threshold": balance_rel_threshold})
+    return Policy(
+        "cache_aware",
+        costs=((1.0, request_load),),
+        picker=pick,
+        needs_prefix=True,
+        params={
+            "cache_threshold": cache_threshold,
+            "balance_abs_threshold": balance_abs_threshold,
+            "balance_rel_threshold": balance_rel_threshold,
+        },
+    )

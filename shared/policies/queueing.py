@@ -50,11 +50,16 @@ def edf(drop_hopeless: float = 1) -> QueuePolicy:
     admission); with `drop_hopeless`, a request whose deadline has passed or will pass before it
     could be served even first in line is refused under overload, as Ascendra drops requests that
     cannot meet their SLO."""
+
     def hopeless(now: float, waiting: Sequence[RequestView], service_s: ServiceTime) -> set[str]:
         return {r.request_id for r in waiting if now + service_s(r) > r.ttft_deadline}
 
-    return QueuePolicy("edf", key=lambda now, r: (r.ttft_deadline,), drop=hopeless if drop_hopeless else None,
-                       params={"drop_hopeless": drop_hopeless})
+    return QueuePolicy(
+        "edf",
+        key=lambda now, r: (r.ttft_deadline,),
+        drop=hopeless if drop_hopeless else None,
+        params={"drop_hopeless": drop_hopeless},
+    )
 
 
 def moore_hodgson(now: float, waiting: Sequence[RequestView], service_s: ServiceTime) -> set[str]:
@@ -99,6 +104,7 @@ def slo_odbs(slo_bucket_s: float = 0.05) -> QueuePolicy:
 def fairness() -> QueuePolicy:
     """AdaptiveLLM's anti-starvation order: the highest waiting time / predicted output length
     first (a response ratio: short requests go early, and every wait grows until it goes)."""
+
     def key(now: float, r: RequestView) -> tuple:
         length = max(r.predicted_tokens or r.max_tokens or 1, 1)
         return (-(now - r.arrival) / length,)

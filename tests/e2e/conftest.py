@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from otlp_receiver import OtlpReceiver
 
 from llmesh.config import EMBEDDED_MODEL
 from llmesh.credentials import EVERYTHING, MeshSecrets
 from llmesh.launcher import Child, free_port, wait_healthy
 from llmesh.models import resolve_model
-from otlp_receiver import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 8192  # a long context makes long requests: the tiny model decodes 2k tokens in about a second
@@ -109,7 +109,7 @@ def extra_workers(mesh: Mesh, timeout: float = 30) -> Iterator[None]:
         while mesh.launcher.alive():
             now = router_workers(mesh.url)
             if all(n <= before.get(role, 0) for role, n in now.items()):
-                return
+                break
             assert time.monotonic() < give_up, f"the router still counts {now} workers, {before} before"
             time.sleep(0.2)
 
@@ -139,9 +139,12 @@ def otlp():
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory, model_dir, model_path, otlp):
     # Exactly what README's `make run` does (its install step is a no-op once `make test` ran).
-    with running_mesh(tmp_path_factory.mktemp("mesh"), model_dir,
-                      ["make", "--no-print-directory", "-C", str(ROOT), "run"],
-                      OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint) as mesh:
+    with running_mesh(
+        tmp_path_factory.mktemp("mesh"),
+        model_dir,
+        ["make", "--no-print-directory", "-C", str(ROOT), "run"],
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint,
+    ) as mesh:
         yield mesh
 
 
@@ -151,17 +154,30 @@ class Reference:
     def __init__(self, proc: subprocess.Popen, log_name: str):
         self.proc, self.log_name, self.ready = proc, log_name, False
 
-    def generate(self, max_tokens: int, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                 top: bool = False, ignore_eos: bool = False) -> dict:
-        return self._ask({"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos} | (
-            {"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids}))
+    def generate(
+        self,
+        max_tokens: int,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        top: bool = False,
+        ignore_eos: bool = False,
+    ) -> dict:
+        return self._ask(
+            {"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos}
+            | ({"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids})
+        )
 
     def greedy_gaps(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[float]:
         """How far each output token's logprob falls below the likeliest token's, given the prompt
         and the outputs before it (0 where this engine's greedy decoding would have chosen it): a
         check of every token of an output, not only up to where it first parts from this engine's."""
-        return self._ask({"prompt_token_ids": [*prompt_token_ids, *output_token_ids], "max_tokens": 1,
-                          "score_from": len(prompt_token_ids)})["gaps"]
+        return self._ask(
+            {
+                "prompt_token_ids": [*prompt_token_ids, *output_token_ids],
+                "max_tokens": 1,
+                "score_from": len(prompt_token_ids),
+            }
+        )["gaps"]
 
     def _ask(self, req: dict) -> dict:
         if not self.ready:
@@ -176,12 +192,27 @@ class Reference:
 def reference_engine(model_path: str, log_dir: Path, tensor_parallel_size: int = 1) -> Iterator[Reference]:
     """A monolithic engine; with several tensor-parallel ranks, a core each."""
     log = open(log_dir / "reference.log", "w")
-    ranks = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))} \
-        if tensor_parallel_size > 1 else {}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reference_engine.py")), model_path,
-                             str(MAX_MODEL_LEN), str(BLOCK_SIZE), str(tensor_parallel_size)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"} | ranks)
+    ranks = (
+        {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))}
+        if tensor_parallel_size > 1
+        else {}
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("reference_engine.py")),
+            model_path,
+            str(MAX_MODEL_LEN),
+            str(BLOCK_SIZE),
+            str(tensor_parallel_size),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"} | ranks,
+    )
     try:
         yield Reference(proc, log.name)
     finally:

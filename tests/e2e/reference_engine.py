@@ -6,9 +6,9 @@ answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_to
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
 "top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie, three ways
 too); with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the
-end-of-sequence token. With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from the k-th on, how far
-(in nats) its logprob falls below the likeliest token's there, given the tokens before it (0 where
-greedy decoding would have chosen it).
+end-of-sequence token. With "score_from": k it generates nothing and answers {"gaps": [...]}: for
+each prompt token from the k-th on, how far (in nats) its logprob falls below the likeliest
+token's there, given the tokens before it (0 where greedy decoding would have chosen it).
 """
 
 import asyncio
@@ -29,16 +29,23 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="bfloat16", max_model_len=max_model_len,
-                                                       block_size=block_size, enforce_eager=True,
-                                                       tensor_parallel_size=tensor_parallel_size,
-                                                       distributed_executor_backend="mp" if tensor_parallel_size > 1
-                                                       else None,
-                                                       disable_log_stats=True))
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=max_model_len,
+            block_size=block_size,
+            enforce_eager=True,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+            disable_log_stats=True,
+        )
+    )
     from llmesh.worker import WARMUP_PROMPT
 
-    async for _ in engine.generate(TokensPrompt(prompt_token_ids=WARMUP_PROMPT),
-                                   SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"):
+    async for _ in engine.generate(
+        TokensPrompt(prompt_token_ids=WARMUP_PROMPT), SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"
+    ):
         pass  # as the workers do: vLLM-CPU may die on a first forward pass of very few tokens
     print(json.dumps({"ready": True}), file=protocol, flush=True)
     loop = asyncio.get_running_loop()
@@ -48,22 +55,35 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
         prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"]) if "prompt_token_ids" in req else req["prompt"]
         n += 1
         if "score_from" in req:
-            print(json.dumps({"gaps": await gaps(engine, prompt, req["score_from"], f"ref-{n}")}), file=protocol,
-                  flush=True)
+            print(
+                json.dumps({"gaps": await gaps(engine, prompt, req["score_from"], f"ref-{n}")}),
+                file=protocol,
+                flush=True,
+            )
             continue
         started, stamps = time.perf_counter(), []
-        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, logprobs=TOP if req.get("top") else None,
-                                ignore_eos=bool(req.get("ignore_eos")))
+        params = SamplingParams(
+            max_tokens=req["max_tokens"],
+            temperature=0.0,
+            logprobs=TOP if req.get("top") else None,
+            ignore_eos=bool(req.get("ignore_eos")),
+        )
         async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
             stamps.append(time.perf_counter())
             final = out
-        answer = {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(final.outputs[0].token_ids),
-                  "text": final.outputs[0].text}
+        answer = {
+            "prompt_token_ids": list(final.prompt_token_ids),
+            "token_ids": list(final.outputs[0].token_ids),
+            "text": final.outputs[0].text,
+        }
         if req.get("top"):  # per step: the likeliest tokens and their logprobs
             answer["top"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
         if req.get("timing"):  # for bench/: time to first token, time per later token
-            answer |= {"ttft": stamps[0] - started, "gap": stamps[1] - stamps[0],
-                       "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1)}
+            answer |= {
+                "ttft": stamps[0] - started,
+                "gap": stamps[1] - stamps[0],
+                "tpot": (stamps[-1] - stamps[0]) / max(len(final.outputs[0].token_ids) - 1, 1),
+            }
         print(json.dumps(answer), file=protocol, flush=True)
     engine.shutdown()
 
@@ -76,8 +96,10 @@ async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:
     async for out in engine.generate(prompt, params, request_id=request_id):
         final = out
     tokens, steps = final.prompt_token_ids, final.prompt_logprobs
-    return [max(lp.logprob for lp in steps[i].values()) - steps[i][tokens[i]].logprob
-            for i in range(max(start, 1), len(tokens))]
+    return [
+        max(lp.logprob for lp in steps[i].values()) - steps[i][tokens[i]].logprob
+        for i in range(max(start, 1), len(tokens))
+    ]
 
 
 if __name__ == "__main__":

@@ -37,17 +37,33 @@ def processes_with(marker: str) -> list[int]:
 def test_quick_run_serves_every_workload_on_every_deployment_and_cleans_up(tmp_path, model_dir):
     marker = f"LLMESH_BENCH_TEST={uuid.uuid4().hex}"
     name, value = marker.split("=")
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--quick", "--out", str(tmp_path),
-                          "--model-dir", str(model_dir)], env={**os.environ, name: value}, cwd=ROOT,
-                         capture_output=True, text=True, timeout=1100)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "serve.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--model-dir",
+            str(model_dir),
+        ],
+        env={**os.environ, name: value},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for death in results["restarts"]:  # a baseline's vLLM server died starting (seen once in CI): say why
-        warnings.warn(f"{death['process']} exited with {death['exit_code']} while starting:\n{death['log_tail']}")
+        warnings.warn(
+            f"{death['process']} exited with {death['exit_code']} while starting:\n{death['log_tail']}", stacklevel=1
+        )
     assert all(death["process"] != "mesh" for death in results["restarts"])
     points = results["points"]
     assert {(p["deployment"], p["workload"]) for p in points} == {
-        (d, w) for d in ("mesh", "vllm", "vllm-router") for w in ("random", "prefix", "trace")}
+        (d, w) for d in ("mesh", "vllm", "vllm-router") for w in ("random", "prefix", "trace")
+    }
     for p in points:
         assert p["completed"] == 4 and p["failed"] == 0 and not p["errors"], p
         assert p["total_output_tokens"] > 0 and p["cpu"], p

@@ -48,15 +48,21 @@ BURST_PROMPT, BURST_OUTPUT = 64, 96  # long enough that decodes overlap across t
 def start_router(mesh, policy: str, trace_dir: Path):
     """A router on the mesh's bus with `policy`, every request disaggregated; its spans in `trace_dir`."""
     port = free_port()
-    env = {"MESH_NATS_URL": mesh.nats_url, "MESH_HOST": "127.0.0.1", "MESH_PORT": str(port),
-           "MESH_POLICY": policy, "MESH_TRACE_DIR": str(trace_dir), "MESH_REQUEST_TIMEOUT_S": "120",
-           # No whole requests on decode workers (the prefill queue of a burst could otherwise send
-           # some there, placed by the same policy but not as decodes): empty is "always disaggregate".
-           "MESH_LOCAL_PREFILL_MARGIN_S": "",
-           "MESH_LENGTH_SAMPLE_FRACTION": "0",
-           # Three engines on two cores here: a worker's heartbeats were once 3 s late mid-burst, and
-           # its in-flight requests failed as `worker_lost`.
-           "MESH_MISSED_HEARTBEATS": "10"}
+    env = {
+        "MESH_NATS_URL": mesh.nats_url,
+        "MESH_HOST": "127.0.0.1",
+        "MESH_PORT": str(port),
+        "MESH_POLICY": policy,
+        "MESH_TRACE_DIR": str(trace_dir),
+        "MESH_REQUEST_TIMEOUT_S": "120",
+        # No whole requests on decode workers (the prefill queue of a burst could otherwise send
+        # some there, placed by the same policy but not as decodes): empty is "always disaggregate".
+        "MESH_LOCAL_PREFILL_MARGIN_S": "",
+        "MESH_LENGTH_SAMPLE_FRACTION": "0",
+        # Three engines on two cores here: a worker's heartbeats were once 3 s late mid-burst, and
+        # its in-flight requests failed as `worker_lost`.
+        "MESH_MISSED_HEARTBEATS": "10",
+    }
     child = start_service("router", env, mesh.logs / f"router-{policy}.log")
     wait_for_port(port, 60, child.proc)
     return child, f"http://127.0.0.1:{port}"
@@ -82,12 +88,21 @@ def busy_worker(mesh, model_dir):
     hold KV: so it yields the CPU to the engines serving the bursts instead of slowing them down,
     and, stalled while they compute, it lasts longer. Once it is gone, the mesh's router has dropped
     it too."""
-    env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_WORKER_ID": BUSY_WORKER,
-           "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_MAX_MODEL_LEN": str(BUSY_CONTEXT),
-           "MESH_KV_BLOCKS": str(BUSY_KV_BLOCKS)} | engine_cores().get("decode-worker", {})
+    env = {
+        "MESH_NATS_URL": mesh.nats_url,
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_WORKER_ID": BUSY_WORKER,
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_MAX_MODEL_LEN": str(BUSY_CONTEXT),
+        "MESH_KV_BLOCKS": str(BUSY_KV_BLOCKS),
+    } | engine_cores().get("decode-worker", {})
     with extra_workers(mesh):
-        child = Child(BUSY_WORKER, ["nice", "-n", "19", sys.executable, "-m", SERVICES["decode-worker"]], env=env,
-                      log_path=mesh.logs / f"{BUSY_WORKER}.log")
+        child = Child(
+            BUSY_WORKER,
+            ["nice", "-n", "19", sys.executable, "-m", SERVICES["decode-worker"]],
+            env=env,
+            log_path=mesh.logs / f"{BUSY_WORKER}.log",
+        )
         try:
             # Each service runs in its own session, and where the kernel groups sessions for the scheduler
             # (autogroups), nice values count only within a group: lower the group's too. (Measured here:
@@ -151,10 +166,18 @@ def usage(info: WorkerInfo) -> float:
 
 async def burst(http: httpx.AsyncClient, url: str, seed: int) -> list[str]:
     """BURST short requests at once through the router at `url`; their request ids."""
+
     async def one(i: int) -> str:
-        resp = await http.post(f"{url}/v1/completions", json={
-            "model": MODEL, "prompt": token_prompt(BURST_PROMPT, seed=seed * 1000 + i), "max_tokens": BURST_OUTPUT,
-            "ignore_eos": True, "temperature": 0})
+        resp = await http.post(
+            f"{url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": token_prompt(BURST_PROMPT, seed=seed * 1000 + i),
+                "max_tokens": BURST_OUTPUT,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == BURST_OUTPUT
         return resp.json()["id"]
@@ -197,10 +220,17 @@ def test_banaserve_keeps_a_burst_off_the_worker_with_full_kv_where_least_loaded_
 
             # One long request on the capped worker (run whole there, over the bus), streamed meanwhile.
             generated = []
-            replies = await bus.stream(Subjects.generate(BUSY_WORKER), PrefillRequest(
-                request_id=long_id, model=MODEL, prompt_token_ids=token_prompt(LONG_PROMPT, seed=11),
-                sampling=SamplingOptions(max_tokens=LONG_OUTPUT, temperature=0, ignore_eos=True),
-                deadline=time.time() + 300), deadline=time.time() + 300)
+            replies = await bus.stream(
+                Subjects.generate(BUSY_WORKER),
+                PrefillRequest(
+                    request_id=long_id,
+                    model=MODEL,
+                    prompt_token_ids=token_prompt(LONG_PROMPT, seed=11),
+                    sampling=SamplingOptions(max_tokens=LONG_OUTPUT, temperature=0, ignore_eos=True),
+                    deadline=time.time() + 300,
+                ),
+                deadline=time.time() + 300,
+            )
 
             ended = []  # how, if it did
 
@@ -241,12 +271,16 @@ def test_banaserve_keeps_a_burst_off_the_worker_with_full_kv_where_least_loaded_
             await bus.close()
 
     roomy, windows, placed, kv_seen, long_tokens, long_ended = asyncio.run(go())
-    summary = {"burst": BURST, "busy_worker_kv_blocks": BUSY_KV_BLOCKS,
-               "placed": {policy: dict(counts) for policy, counts in placed.items()},
-               "busy_worker_kv_usage_during_burst": kv_seen,
-               "burst_seconds": {policy: round(end - begin, 2) for policy, (begin, end) in windows.items()},
-               "long_request_tokens": long_tokens, "long_request_ended": long_ended,
-               "test_seconds": round(time.monotonic() - started, 1)}
+    summary = {
+        "burst": BURST,
+        "busy_worker_kv_blocks": BUSY_KV_BLOCKS,
+        "placed": {policy: dict(counts) for policy, counts in placed.items()},
+        "busy_worker_kv_usage_during_burst": kv_seen,
+        "burst_seconds": {policy: round(end - begin, 2) for policy, (begin, end) in windows.items()},
+        "long_request_tokens": long_tokens,
+        "long_request_ended": long_ended,
+        "test_seconds": round(time.monotonic() - started, 1),
+    }
     (mesh.logs / "policy_choice.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     assert long_ended is None, f"the long request ended before the bursts did: {summary}"

@@ -40,16 +40,34 @@ def infrastructure(mesh, program: str) -> int:
     return found[0]
 
 
-async def stream(http: httpx.AsyncClient, mesh, ids: list[int] | str, started: asyncio.Event, *, url: str | None = None,
-                 output: int = OUTPUT, request_ids: list[str] | None = None,
-                 first_token: asyncio.Event | None = None) -> tuple[list[int], dict | None]:
+async def stream(
+    http: httpx.AsyncClient,
+    mesh,
+    ids: list[int] | str,
+    started: asyncio.Event,
+    *,
+    url: str | None = None,
+    output: int = OUTPUT,
+    request_ids: list[str] | None = None,
+    first_token: asyncio.Event | None = None,
+) -> tuple[list[int], dict | None]:
     """A greedy streamed completion through the router at `url` (the mesh's): its token ids, and the
     error that ended it, if one did. `started` is set at its 20th token, `first_token` at its first;
     its request id is added to `request_ids`."""
     tokens: list[int] = []
-    async with http.stream("POST", f"{url or mesh.url}/v1/completions", json={
-            "model": MODEL, "prompt": ids, "max_tokens": output, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}) as resp:
+    async with http.stream(
+        "POST",
+        f"{url or mesh.url}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": output,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ) as resp:
         if request_ids is not None:
             request_ids.append(resp.headers.get("X-Request-Id", ""))
         if resp.status_code != 200:
@@ -68,8 +86,9 @@ async def stream(http: httpx.AsyncClient, mesh, ids: list[int] | str, started: a
     return tokens, None
 
 
-def check_outputs(reference, prompts: list[list[int]], results: list[tuple[list[int], dict | None]],
-                  output: int = OUTPUT) -> None:
+def check_outputs(
+    reference, prompts: list[list[int]], results: list[tuple[list[int], dict | None]], output: int = OUTPUT
+) -> None:
     """Every stream completed greedy under the reference (but for near-ties) or ended with a typed error
     in OpenAI's shape."""
     for ids, (tokens, error) in zip(prompts, results):
@@ -101,8 +120,9 @@ async def wait_serving(mesh, since: float) -> float:
     async with httpx.AsyncClient(timeout=10, headers=mesh.headers) as http:
         while True:
             try:
-                resp = await http.post(f"{mesh.url}/v1/completions",
-                                       json={"model": MODEL, "prompt": "back?", "max_tokens": 2})
+                resp = await http.post(
+                    f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "back?", "max_tokens": 2}
+                )
                 if resp.status_code == 200:
                     return time.monotonic() - since
             except httpx.HTTPError:
@@ -112,8 +132,7 @@ async def wait_serving(mesh, since: float) -> float:
 
 
 @pytest.mark.parametrize("program", ["nats-server", "redis-server"])
-def test_an_infrastructure_server_killed_mid_load_loses_no_request_and_the_mesh_serves_again(mesh, reference,
-                                                                                             program):
+def test_an_infrastructure_server_killed_mid_load_loses_no_request_and_the_mesh_serves_again(mesh, reference, program):
     victim = infrastructure(mesh, program)
     services = service_pids(mesh)
     prompts = [token_prompt(200, seed=4000 + 10 * len(program) + i) for i in range(CONCURRENT)]
@@ -135,9 +154,11 @@ def test_an_infrastructure_server_killed_mid_load_loses_no_request_and_the_mesh_
     check_outputs(reference, prompts, results)
     assert infrastructure(mesh, program) != victim
     assert service_pids(mesh) == services  # none restarted
-    print(f"{program}: served again {back_after:.1f} s after the kill; "
-          f"{sum(e is None for _, e in results)}/{len(results)} streams completed, errors: "
-          f"{[e['code'] for _, e in results if e is not None]}")
+    print(
+        f"{program}: served again {back_after:.1f} s after the kill; "
+        f"{sum(e is None for _, e in results)}/{len(results)} streams completed, errors: "
+        f"{[e['code'] for _, e in results if e is not None]}"
+    )
 
 
 def test_a_kv_store_killed_mid_transfer_is_recomputed_around_and_comes_back_from_its_ssd_tier(mesh, reference):
@@ -181,9 +202,17 @@ def test_a_router_killed_mid_load_costs_only_its_own_streams_and_comes_back(mesh
     replies) instead of decoding them to the end; the launcher starts the router again."""
     secrets_dir = mesh.logs.parent / "secrets"
     port = free_port()
-    second = start_service("router", {"MESH_NATS_URL": without_userinfo(mesh.nats_url), "MESH_SECRETS_DIR":
-                                      str(secrets_dir), "MESH_PORT": str(port), "MESH_REQUEST_TIMEOUT_S": "120"},
-                           mesh.logs / "router-second.log", "router-second")
+    second = start_service(
+        "router",
+        {
+            "MESH_NATS_URL": without_userinfo(mesh.nats_url),
+            "MESH_SECRETS_DIR": str(secrets_dir),
+            "MESH_PORT": str(port),
+            "MESH_REQUEST_TIMEOUT_S": "120",
+        },
+        mesh.logs / "router-second.log",
+        "router-second",
+    )
     second_url = f"http://127.0.0.1:{port}"
     killed = infrastructure(mesh, "llmesh_router")
     services = {pid: cmd for pid, cmd in service_pids(mesh).items() if pid != killed}
@@ -196,11 +225,19 @@ def test_a_router_killed_mid_load_costs_only_its_own_streams_and_comes_back(mesh
             started = [asyncio.Event() for _ in prompts]
             orphans: list[str] = []
             async with httpx.AsyncClient(timeout=150, headers=mesh.headers) as http:
+
                 async def through(i, ids):
                     on_first = i % 2 == 0
                     try:
-                        return await stream(http, mesh, ids, started[i], url=mesh.url if on_first else second_url,
-                                            output=output, request_ids=orphans if on_first else None)
+                        return await stream(
+                            http,
+                            mesh,
+                            ids,
+                            started[i],
+                            url=mesh.url if on_first else second_url,
+                            output=output,
+                            request_ids=orphans if on_first else None,
+                        )
                     except httpx.HTTPError as exc:
                         return [], {"code": "connection_lost", "message": repr(exc)}
 
@@ -224,8 +261,10 @@ def test_a_router_killed_mid_load_costs_only_its_own_streams_and_comes_back(mesh
         check_outputs(reference, prompts[1::2], survivors, output)
         assert all(error is not None for i, (_, error) in enumerate(results) if i % 2 == 0)  # its clients saw it die
         assert {pid: cmd for pid, cmd in service_pids(mesh).items() if "llmesh_router" not in cmd} == services
-        print(f"router: its requests left the decode worker {stopped_after:.1f} s after the kill; "
-              f"served again after {back_after:.1f} s")
+        print(
+            f"router: its requests left the decode worker {stopped_after:.1f} s after the kill; "
+            f"served again after {back_after:.1f} s"
+        )
     finally:
         second.stop()
         wait_healthy(mesh.url, 60, [])  # the next test needs the launcher's router back, even after a failure
@@ -239,8 +278,14 @@ def test_without_the_length_predictor_and_placement_the_mesh_serves_exactly_unti
     async def predictions(outcome: str) -> float:
         async with httpx.AsyncClient(timeout=10) as http:
             text = (await http.get(f"{mesh.url}/metrics")).text
-        line = next((l for l in text.splitlines()
-                     if l.startswith(f'llmesh_request_length_predictions_total{{outcome="{outcome}"}}')), "")
+        line = next(
+            (
+                line
+                for line in text.splitlines()
+                if line.startswith(f'llmesh_request_length_predictions_total{{outcome="{outcome}"}}')
+            ),
+            "",
+        )
         return float(line.split()[-1]) if line else 0.0
 
     async def go():
@@ -257,8 +302,12 @@ def test_without_the_length_predictor_and_placement_the_mesh_serves_exactly_unti
             give_up = time.monotonic() + 90
             while True:  # both answer again
                 try:
-                    await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(request_id="back", prompt="hi"),
-                                      LengthPrediction, timeout=2)
+                    await bus.request(
+                        Subjects.LENGTH_PREDICT,
+                        LengthPredictRequest(request_id="back", prompt="hi"),
+                        LengthPrediction,
+                        timeout=2,
+                    )
                     await bus.request(Subjects.PLACEMENT, PlacementRequest(op="status"), PlacementStatus, timeout=2)
                     break
                 except MeshError:

@@ -7,8 +7,8 @@ its own shared memory, the bus and the kv-store's data plane over TCP between th
 
 In order: outputs equal a monolithic engine's with KV crossing hosts; host d's link throttled until
 its store answers past the workers' kv-store timeout (a slow store: loads give up and decode
-recomputes, every request ends within its deadline); its SSD full (a flush meets ENOSPC, the shard goes on serving); host c cut off
-mid-load (its streams fail over to b and complete).
+recomputes, every request ends within its deadline); its SSD full (a flush meets ENOSPC, the shard
+goes on serving); host c cut off mid-load (its streams fail over to b and complete).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from hosts import Hosts
+
 from llmesh.bus import Bus
 from llmesh.credentials import EVERYTHING, MeshSecrets, without_userinfo
 from llmesh.errors import MeshError
@@ -30,11 +30,14 @@ from llmesh.messages import KvFlush, KvStats, KvStatsRequest, Subjects, WorkerIn
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from .test_faults import check_outputs, stream
-from .test_live_migration import NEAR_TIE
 from .test_mesh import MODEL, token_prompt
 
-pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900),
-              pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.own_engines,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+]
 KV_TIMEOUT_S = 2.0
 DEADLINE_S = 60
 
@@ -56,27 +59,55 @@ def hosts_mesh(tmp_path_factory, model_dir, model_path):
     with Hosts(["a", "b", "c", "d"]) as hosts:
         try:
             a = hosts.address("a")
-            nats, nats_url = start_nats(work, free_port(), log_path=logs / "nats.log", host=a, prefix=hosts.prefix("a"),
-                                        authorization=secrets.nats_authorization())
+            nats, nats_url = start_nats(
+                work,
+                free_port(),
+                log_path=logs / "nats.log",
+                host=a,
+                prefix=hosts.prefix("a"),
+                authorization=secrets.nats_authorization(),
+            )
             children.append(nats)
-            redis, redis_url = start_redis(free_port(), logs / "redis.log", secrets.redis_password, host=a,
-                                           prefix=hosts.prefix("a"))
+            redis, redis_url = start_redis(
+                free_port(), logs / "redis.log", secrets.redis_password, host=a, prefix=hosts.prefix("a")
+            )
             children.append(redis)
-            env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": without_userinfo(redis_url),
-                   "MESH_SECRETS_DIR": str(work / "secrets"),
-                   "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-                   "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_KV_TIMEOUT_S": str(KV_TIMEOUT_S),
-                   "MESH_REQUEST_TIMEOUT_S": str(DEADLINE_S)}
+            env = {
+                "MESH_NATS_URL": nats_url,
+                "MESH_REDIS_URL": without_userinfo(redis_url),
+                "MESH_SECRETS_DIR": str(work / "secrets"),
+                "MESH_MODEL_DIR": str(model_dir),
+                "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+                "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+                "MESH_KV_TIMEOUT_S": str(KV_TIMEOUT_S),
+                "MESH_REQUEST_TIMEOUT_S": str(DEADLINE_S),
+            }
             port = free_port()
 
             def run(host: str, service: str, name: str, tmpfs: dict[str, int] | None = None, **own: str) -> None:
-                children.append(start_service(service, env | own, logs / f"{name}.log", name,
-                                              prefix=hosts.prefix(host, tmpfs)))
+                children.append(
+                    start_service(service, env | own, logs / f"{name}.log", name, prefix=hosts.prefix(host, tmpfs))
+                )
 
-            run("a", "kv-store", "kv-store-0", MESH_KV_SHARD="0", MESH_DATA_HOST=a, MESH_CAPACITY_BYTES=str(256 << 20),
-                MESH_DATA_DIR=str(work / "ssd-0"))
-            run("d", "kv-store", "kv-store-1", {str(work / "ssd-1"): 1 << 20}, MESH_KV_SHARD="1",
-                MESH_DATA_HOST=hosts.address("d"), MESH_CAPACITY_BYTES=str(256 << 20), MESH_DATA_DIR=str(work / "ssd-1"))
+            run(
+                "a",
+                "kv-store",
+                "kv-store-0",
+                MESH_KV_SHARD="0",
+                MESH_DATA_HOST=a,
+                MESH_CAPACITY_BYTES=str(256 << 20),
+                MESH_DATA_DIR=str(work / "ssd-0"),
+            )
+            run(
+                "d",
+                "kv-store",
+                "kv-store-1",
+                {str(work / "ssd-1"): 1 << 20},
+                MESH_KV_SHARD="1",
+                MESH_DATA_HOST=hosts.address("d"),
+                MESH_CAPACITY_BYTES=str(256 << 20),
+                MESH_DATA_DIR=str(work / "ssd-1"),
+            )
             run("a", "prefill-worker", "prefill-a", MESH_WORKER_ID="prefill-a", MESH_CPU_CORES="0")
             for host in ("b", "c"):
                 run(host, "decode-worker", f"decode-{host}", MESH_WORKER_ID=f"decode-{host}", MESH_CPU_CORES="1")
@@ -103,8 +134,12 @@ async def shard(mesh: HostsMesh, name: str, request=None) -> KvStats:
 
 
 def complete(mesh: HostsMesh, ids: list[int], max_tokens: int = 16) -> list[int]:
-    resp = httpx.post(f"{mesh.url}/v1/completions", headers=mesh.headers, timeout=DEADLINE_S + 10, json={
-        "model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+    resp = httpx.post(
+        f"{mesh.url}/v1/completions",
+        headers=mesh.headers,
+        timeout=DEADLINE_S + 10,
+        json={"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["token_ids"]
 
@@ -127,10 +162,12 @@ def test_a_store_slower_than_the_workers_timeout_costs_recomputes_not_deadlines(
     prompts = [token_prompt(900, seed=9200 + i) for i in range(4)]
     hosts_mesh.hosts.throttle("d", "64kbit")
     try:
+
         async def go():
             async with httpx.AsyncClient(timeout=DEADLINE_S + 10, headers=hosts_mesh.headers) as http:
-                return await asyncio.gather(*(stream(http, hosts_mesh, ids, asyncio.Event(), output=64)
-                                              for ids in prompts))
+                return await asyncio.gather(
+                    *(stream(http, hosts_mesh, ids, asyncio.Event(), output=64) for ids in prompts)
+                )
 
         started = time.monotonic()
         results = asyncio.run(go())
@@ -143,8 +180,12 @@ def test_a_store_slower_than_the_workers_timeout_costs_recomputes_not_deadlines(
     # the prefill's puts to d or the decodes' loads from it gave up (which ones depends on timing: a put
     # that gave up is not listed for loading, and d's heartbeats queue behind its puts on the slow link)
     d = f"kv-store {hosts_mesh.hosts.address('d')}:"
-    gave_up = [line for name in ("prefill-a", "decode-b", "decode-c") for line in
-               (hosts_mesh.logs / f"{name}.log").read_text().splitlines() if d in line and "did not answer in time" in line]
+    gave_up = [
+        line
+        for name in ("prefill-a", "decode-b", "decode-c")
+        for line in (hosts_mesh.logs / f"{name}.log").read_text().splitlines()
+        if d in line and "did not answer in time" in line
+    ]
     assert gave_up, "no transfer with the slow store gave up: the test did not slow it"
 
 
@@ -176,8 +217,10 @@ def test_a_host_cut_off_mid_load_fails_its_streams_over(hosts_mesh, reference):
                 assert len(tasks) < len(prompts), "the router sent host c none of the streams"
                 started = [asyncio.Event() for _ in range(2)]
                 request_ids += [[] for _ in started]
-                tasks += [asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output, request_ids=i))
-                          for ids, s, i in zip(prompts[len(tasks):], started, request_ids[len(tasks):])]
+                tasks += [
+                    asyncio.create_task(stream(http, hosts_mesh, ids, s, output=output, request_ids=i))
+                    for ids, s, i in zip(prompts[len(tasks) :], started, request_ids[len(tasks) :])
+                ]
                 await until_started(tasks[-2:], started)
                 on_c = await held_by(hosts_mesh, "decode-c")
             hosts_mesh.hosts.cut("c")
@@ -189,7 +232,7 @@ def test_a_host_cut_off_mid_load_fails_its_streams_over(hosts_mesh, reference):
     before = failovers(hosts_mesh)
     results, took, cut_off = asyncio.run(go())
     assert all(error is None for _, error in results), results
-    check_outputs(reference, prompts[:len(results)], results, output=output)
+    check_outputs(reference, prompts[: len(results)], results, output=output)
     assert cut_off, "c's streams all ended before the cut: the test did not exercise a failover"
     assert failovers(hosts_mesh) - before >= cut_off  # c's streams resumed elsewhere
     give_up = time.monotonic() + 10
@@ -204,6 +247,7 @@ def test_a_host_cut_off_mid_load_fails_its_streams_over(hosts_mesh, reference):
 async def until_started(tasks: list[asyncio.Task], started: list[asyncio.Event], timeout: float = 60) -> None:
     """Until each stream has started or ended; one that ended with an error before the cut fails the test
     with that error (rather than a bare timeout)."""
+
     async def one(task: asyncio.Task, event: asyncio.Event) -> None:
         waiter = asyncio.ensure_future(event.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -232,5 +276,8 @@ async def held_by(mesh: HostsMesh, worker_id: str) -> set[str]:
 
 def failovers(mesh: HostsMesh) -> float:
     text = httpx.get(f"{mesh.url}/metrics", timeout=5).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith('llmesh_decode_resumes_total{kind="failover"}'))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith('llmesh_decode_resumes_total{kind="failover"}')
+    )

@@ -29,15 +29,22 @@ LAUNCHER = [sys.executable, "-m", "llmesh.launcher"]
 async def kv_request(nats_url: str, request) -> KvStats:
     bus = await Bus.connect(nats_url, "test-kv")
     try:
-        return (await bus.request(Subjects.kv("0", "flush" if isinstance(request, KvFlush) else "stats"), request,
-                                  KvStats, timeout=30))[0]
+        return (
+            await bus.request(
+                Subjects.kv("0", "flush" if isinstance(request, KvFlush) else "stats"), request, KvStats, timeout=30
+            )
+        )[0]
     finally:
         await bus.close()
 
 
 def complete(mesh, ids: list[int]) -> list[int]:
-    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=120, headers=mesh.headers, json={
-        "model": SERVED, "prompt": ids, "max_tokens": 16, "temperature": 0, "return_token_ids": True})
+    resp = httpx.post(
+        f"{mesh.url}/v1/completions",
+        timeout=120,
+        headers=mesh.headers,
+        json={"model": SERVED, "prompt": ids, "max_tokens": 16, "temperature": 0, "return_token_ids": True},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["token_ids"]
 
@@ -57,8 +64,10 @@ def test_new_weights_at_the_same_path_never_load_the_old_checkpoints_kv(tmp_path
     shutil.copyfile(tmp_path / "fine-tune" / "model.safetensors", weights)  # in place: same inode
     assert weights.stat().st_size == stat.st_size  # same shapes: only the content tells them apart
 
-    with reference_engine(str(checkpoint), tmp_path) as reference, \
-            running_mesh(tmp_path / "second", model_dir, LAUNCHER, **env) as mesh:  # the same data directory
+    with (
+        reference_engine(str(checkpoint), tmp_path) as reference,
+        running_mesh(tmp_path / "second", model_dir, LAUNCHER, **env) as mesh,
+    ):  # the same data directory
         before = asyncio.run(kv_request(mesh.nats_url, KvStatsRequest()))
         assert before.ssd_chunks >= 5 * 4, "the old checkpoint's chunks are not in the store"
         new = complete(mesh, ids)

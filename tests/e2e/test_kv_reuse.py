@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from e2e.test_mesh import BLOCK_SIZE, NUM_LAYERS, disaggregated, kv_stats, live_worker, start_extra_worker, token_prompt
 
 from llmesh.kvkeys import block_hashes, chunk_key
 from llmesh_kvstore.ssd import SsdTier
-
-from e2e.test_mesh import BLOCK_SIZE, NUM_LAYERS, disaggregated, kv_stats, live_worker, start_extra_worker, \
-    token_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -47,10 +45,11 @@ def first_prefill_worker(mesh, second_prefill_worker):
     return worker
 
 
-def test_prefix_stored_by_one_prefill_worker_is_loaded_by_another(mesh, reference, first_prefill_worker,
-                                                                   second_prefill_worker):
+def test_prefix_stored_by_one_prefill_worker_is_loaded_by_another(
+    mesh, reference, first_prefill_worker, second_prefill_worker
+):
     a = token_prompt(600, seed=4242)
-    b = a[:4 * BLOCK_SIZE] + token_prompt(201, seed=4343)[1:]  # 4 shared full blocks, then 200 other tokens
+    b = a[: 4 * BLOCK_SIZE] + token_prompt(201, seed=4343)[1:]  # 4 shared full blocks, then 200 other tokens
     # The reference serves B right after A, so its own prefix cache holds A's blocks (as the store does ours).
     expected_a = reference.generate(16, prompt_token_ids=a)["token_ids"]
     expected_b = reference.generate(16, prompt_token_ids=b)["token_ids"]
@@ -62,8 +61,9 @@ def test_prefix_stored_by_one_prefill_worker_is_loaded_by_another(mesh, referenc
     assert stored == 2 * NUM_LAYERS  # only what it computed: block 4 and the partial block 5
 
 
-def test_stored_prefixes_are_shared_only_within_a_cache_salt(mesh, reference, first_prefill_worker,
-                                                             second_prefill_worker):
+def test_stored_prefixes_are_shared_only_within_a_cache_salt(
+    mesh, reference, first_prefill_worker, second_prefill_worker
+):
     ids = token_prompt(600, seed=6161)  # blocks 0-3 full, block 4 partial
     expected = reference.generate(16, prompt_token_ids=ids)["token_ids"]
     tokens, loaded, stored = prefill_loads(mesh, ids, prefill_worker=first_prefill_worker, cache_salt="tenant-a")
@@ -76,8 +76,9 @@ def test_stored_prefixes_are_shared_only_within_a_cache_salt(mesh, reference, fi
     assert tokens == expected and loaded == 4 * NUM_LAYERS and stored == NUM_LAYERS
 
 
-def test_decode_writes_generated_kv_back_for_the_next_turn(mesh, reference, first_prefill_worker,
-                                                          second_prefill_worker):
+def test_decode_writes_generated_kv_back_for_the_next_turn(
+    mesh, reference, first_prefill_worker, second_prefill_worker
+):
     turn1 = token_prompt(370, seed=5151)  # blocks 0-1 full; generation completes block 2
     out1, loaded, _ = prefill_loads(mesh, turn1, max_tokens=40, prefill_worker=first_prefill_worker)
     assert out1 == reference.generate(40, prompt_token_ids=turn1)["token_ids"] and loaded == 0

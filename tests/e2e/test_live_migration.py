@@ -49,24 +49,32 @@ NEAR_TIE = 0.1
 @pytest.fixture(scope="module")
 def decode_workers(mesh, model_dir):
     """The mesh's decode worker, and two more started beside it (at once: engines load in parallel)."""
-    base = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_TRACE_DIR": str(mesh.trace_dir),
-            "MESH_REDIS_URL": os.environ.get("MESH_REDIS_URL", "")}
+    base = {
+        "MESH_NATS_URL": mesh.nats_url,
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_TRACE_DIR": str(mesh.trace_dir),
+        "MESH_REDIS_URL": os.environ.get("MESH_REDIS_URL", ""),
+    }
     # decode-b on the prefill engine's core (idle here), decode-c on the mesh decode worker's: the
     # moves between a and b, and from c to b, cross cores; between a and c they share one (fairly:
     # the launcher's children share its session, so no autogroup of one starves another's engine).
     extra = {"decode-b": {"MESH_KV_DURABLE_TAIL": "1", "MESH_CPU_CORES": "0"}, "decode-c": {"MESH_CPU_CORES": "1"}}
     with extra_workers(mesh):
-        children = {wid: start_service("decode-worker", base | env | {"MESH_WORKER_ID": wid},
-                                       mesh.logs / f"{wid}.log") for wid, env in extra.items()}
+        children = {
+            wid: start_service("decode-worker", base | env | {"MESH_WORKER_ID": wid}, mesh.logs / f"{wid}.log")
+            for wid, env in extra.items()
+        }
         try:
             first = asyncio.run(live_worker(mesh, "decode"))
             give_up = time.monotonic() + 300
             for wid, child in children.items():
                 while asyncio.run(live_worker(mesh, "decode", wid)) is None:
                     assert child.alive() and time.monotonic() < give_up, f"{wid} did not start"
-            mesh_decode = (first.worker_id if first.worker_id not in extra
-                           else asyncio.run(other_decode(mesh, set(extra))))
+            mesh_decode = (
+                first.worker_id if first.worker_id not in extra else asyncio.run(other_decode(mesh, set(extra)))
+            )
             for wid in extra:  # a first request with a long context on each: fresh engines start slowly
                 asyncio.run(disaggregated(mesh, token_prompt(700, seed=7), max_tokens=4, decode_worker=wid))
             yield {"a": mesh_decode, "b": "decode-b", "c": "decode-c", "children": children}
@@ -90,11 +98,16 @@ async def command(nats_url: str, subject: str, msg, reply_type, timeout: float =
         await bus.close()
 
 
-async def migrate(mesh, request_id: str, source: str, target: str, recompute: bool = False,
-                  timeout: float = 20) -> MigrateOutcome:
-    return await command(mesh.nats_url, Subjects.migrate(source), MigrateCommand(
-        migration_id=uuid.uuid4().hex, request_id=request_id, target=target, recompute=recompute), MigrateOutcome,
-        timeout)
+async def migrate(
+    mesh, request_id: str, source: str, target: str, recompute: bool = False, timeout: float = 20
+) -> MigrateOutcome:
+    return await command(
+        mesh.nats_url,
+        Subjects.migrate(source),
+        MigrateCommand(migration_id=uuid.uuid4().hex, request_id=request_id, target=target, recompute=recompute),
+        MigrateOutcome,
+        timeout,
+    )
 
 
 @dataclass
@@ -111,9 +124,19 @@ async def stream(mesh, ids: list[int], keep: int, on_token=None) -> Streamed:
     returns true.
     The request generates up to the context limit, so it outlives the commands sent meanwhile."""
     async with httpx.AsyncClient(timeout=120, headers=mesh.headers) as http:
-        async with http.stream("POST", f"{mesh.url}/v1/completions", json={
-                "model": MODEL, "prompt": ids, "max_tokens": MAX_MODEL_LEN - len(ids) - 8, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}) as resp:
+        async with http.stream(
+            "POST",
+            f"{mesh.url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ids,
+                "max_tokens": MAX_MODEL_LEN - len(ids) - 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ) as resp:
             assert resp.status_code == 200, await resp.aread()
             got = Streamed(resp.headers["x-request-id"], "", [], 0)
             async for line in resp.aiter_lines():
@@ -151,15 +174,22 @@ def same_tokens(tokens: list[int], expected: dict, near_tie: float, name: str, d
     nats of its choice (printed); else an AssertionError naming `name` (and `detail()`)."""
     if tokens == expected["token_ids"]:
         return True
-    at = next((i for i, (a, b) in enumerate(zip(tokens, expected["token_ids"])) if a != b),
-              min(len(tokens), len(expected["token_ids"])))
+    at = next(
+        (i for i, (a, b) in enumerate(zip(tokens, expected["token_ids"])) if a != b),
+        min(len(tokens), len(expected["token_ids"])),
+    )
     likeliest = expected["top"][at] if at < len(expected["top"]) else {}
-    if at < len(tokens) and str(tokens[at]) in likeliest and \
-            likeliest[str(expected["token_ids"][at])] - likeliest[str(tokens[at])] <= near_tie:
+    if (
+        at < len(tokens)
+        and str(tokens[at]) in likeliest
+        and likeliest[str(expected["token_ids"][at])] - likeliest[str(tokens[at])] <= near_tie
+    ):
         print(f"{name} parted from the reference at token {at}, a near-tie: {likeliest}")
         return False
-    raise AssertionError(f"{name} differs at token {at}: {tokens[at:at + 5]} != {expected['token_ids'][at:at + 5]} "
-                         f"(the reference's likeliest there: {likeliest}); {detail()}")
+    raise AssertionError(
+        f"{name} differs at token {at}: {tokens[at : at + 5]} != {expected['token_ids'][at : at + 5]} "
+        f"(the reference's likeliest there: {likeliest}); {detail()}"
+    )
 
 
 def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0) -> None:
@@ -169,8 +199,13 @@ def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: 
     (recomputed KV is not bit-identical to decoded KV)."""
     expected = reference.generate(len(streamed.token_ids), prompt_token_ids=ids, top=True, ignore_eos=True)
     assert len(streamed.token_ids) >= streamed.chunks
-    if not same_tokens(streamed.token_ids, expected, near_tie, streamed.request_id,
-                       lambda: f"its resumed decodes (worker, after, kv): {resumes(mesh, streamed.request_id, 99, 3)}"):
+    if not same_tokens(
+        streamed.token_ids,
+        expected,
+        near_tie,
+        streamed.request_id,
+        lambda: f"its resumed decodes (worker, after, kv): {resumes(mesh, streamed.request_id, 99, 3)}",
+    ):
         return
     common = min(len(streamed.text), len(expected["text"]))  # a last, incomplete character may be held back
     assert streamed.text[:common] == expected["text"][:common], (streamed.request_id, streamed.text, expected["text"])
@@ -181,9 +216,11 @@ def resumes(mesh, request_id: str, count: int, wait_s: float = 15) -> list[tuple
     that resumed one (a hand-over or a failover), once `count` are written (spans go out in batches)."""
     give_up = time.monotonic() + wait_s
     while True:
-        found = sorted((a["worker.id"], a["decode.resumed_at"], a["decode.kv"]) for a in
-                       (span["attributes"] for span in mesh.spans())
-                       if a.get("request.id") == request_id and a.get("decode.resumed_at", 0) > 1)
+        found = sorted(
+            (a["worker.id"], a["decode.resumed_at"], a["decode.kv"])
+            for a in (span["attributes"] for span in mesh.spans())
+            if a.get("request.id") == request_id and a.get("decode.resumed_at", 0) > 1
+        )
         if len(found) >= count or time.monotonic() > give_up:
             return found
         time.sleep(0.5)
@@ -209,12 +246,14 @@ def one_trace(mesh, request_id: str, resumed: int, wait_s: float = 15, whole: bo
         time.sleep(0.5)
     assert roots == ["router request"] if whole else "router request" in roots, roots
     legs = [s for s in named if s["attributes"].get("decode.resumed_at", 0) > 1]
-    assert len(legs) >= resumed and all(s["context"]["trace_id"] == trace_id for s in legs), \
-        [(s["name"], s["context"]["trace_id"]) for s in legs]
+    assert len(legs) >= resumed and all(s["context"]["trace_id"] == trace_id for s in legs), [
+        (s["name"], s["context"]["trace_id"]) for s in legs
+    ]
     for s in named:
         if s["context"]["trace_id"] != trace_id and s["attributes"].get("migration.accepted"):
-            assert any(link["context"]["trace_id"] == trace_id for link in s.get("links") or []), \
+            assert any(link["context"]["trace_id"] == trace_id for link in s.get("links") or []), (
                 f"{s['name']} is in another trace, unlinked"
+            )
     return trace
 
 
@@ -291,14 +330,22 @@ def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_wo
     assert len(hand_overs) == 3 and {kv for _, _, kv in hand_overs} == {"handle"}, hand_overs
     trace = one_trace(mesh, streamed.request_id, 3)  # the three hand-overs, in the request's trace
     assert sum(s["name"] == "router.decode" for s in trace) >= 3
-    accepted = [s for s in mesh.spans() if s["name"] == "decode-worker migrate"
-                and s["attributes"].get("request.id") == streamed.request_id and s["attributes"]["migration.accepted"]]
+    accepted = [
+        s
+        for s in mesh.spans()
+        if s["name"] == "decode-worker migrate"
+        and s["attributes"].get("request.id") == streamed.request_id
+        and s["attributes"]["migration.accepted"]
+    ]
     assert len(accepted) == 3  # each linked to the request's trace (one_trace)
     # the source has its partial last block written every step once the hand-shake begins, so a
     # hand-over need not wait for the export at the stop (which stays as the fallback: it was
     # used in about one hand-over in ten in these tests)
-    tails = [a["kv.tail"] for a in (span["attributes"] for span in mesh.spans())
-             if a.get("request.id") == streamed.request_id and "kv.tail" in a]
+    tails = [
+        a["kv.tail"]
+        for a in (span["attributes"] for span in mesh.spans())
+        if a.get("request.id") == streamed.request_id and "kv.tail" in a
+    ]
     assert len(tails) == 3 and "durable" in tails, tails
 
 
@@ -306,8 +353,11 @@ def prefetches(mesh, request_ids: set[str], count: int, wait_s: float = 15) -> l
     """The targets' `migration.prefetch` spans for these requests (attributes, and `seconds`), once `count` are in."""
     give_up = time.monotonic() + wait_s
     while True:
-        found = [s["attributes"] | {"seconds": span_seconds(s)} for s in mesh.spans()
-                 if s["name"] == "migration.prefetch" and s["attributes"].get("request.id") in request_ids]
+        found = [
+            s["attributes"] | {"seconds": span_seconds(s)}
+            for s in mesh.spans()
+            if s["name"] == "migration.prefetch" and s["attributes"].get("request.id") in request_ids
+        ]
         if len(found) >= count or time.monotonic() > give_up:
             return found
         time.sleep(0.5)
@@ -351,8 +401,9 @@ def test_prefetches_start_at_once_while_the_source_decodes_on_the_same_core(mesh
     found = prefetches(mesh, {s.request_id for s in streams}, 12)
     print("prefetches (s):", sorted(round(p["seconds"], 3) for p in found))  # docs/benchmarks.md, with -s
     waited = [p for p in found if p.get("kv.prefetch_timed_out") and p.get("kv.stored")]
-    assert len(found) == 12 and not waited, \
+    assert len(found) == 12 and not waited, (
         f"{len(waited)} of {len(found)} prefetches waited out their limit while the store held the blocks: {waited}"
+    )
     for ids, streamed in zip(prompts, streams):
         assert_exact(mesh, reference, ids, streamed, near_tie=NEAR_TIE)  # three streams batched together
 
@@ -378,8 +429,10 @@ def test_a_target_that_fails_before_taking_over_hands_back_to_the_source(mesh, r
         if n == 2:
             ghost = await Bus.connect(mesh.nats_url, "ghost-decode")
             try:
+
                 async def agree(msg: MigratePrepare, blob):
                     return Ack()
+
                 await ghost.serve(Subjects.migrate_in("decode-ghost"), agree)
                 outcome = await first_outcome(mesh, request_id, decode_workers, "decode-ghost")
             finally:
@@ -421,8 +474,9 @@ def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference,
         if n == 2:
             await move(mesh, request_id, decode_workers, lambda source: c)  # onto the worker to drain
         if n == 5:
-            status = await command(mesh.nats_url, Subjects.PLACEMENT, PlacementRequest(op="drain", worker_id=c),
-                                   PlacementStatus)
+            status = await command(
+                mesh.nats_url, Subjects.PLACEMENT, PlacementRequest(op="drain", worker_id=c), PlacementStatus
+            )
             assert "drains" in status.message, status.message
         if request_id in moved and not moved_at:
             moved_at.append(n)
@@ -445,8 +499,7 @@ def test_drain_moves_running_requests_away_and_the_worker_exits(mesh, reference,
     assert child.proc.returncode == 0
 
 
-def test_sigkill_of_a_migrations_source_mid_hand_shake_resumes_from_the_store_exactly(mesh, reference,
-                                                                                     decode_workers):
+def test_sigkill_of_a_migrations_source_mid_hand_shake_resumes_from_the_store_exactly(mesh, reference, decode_workers):
     """decode-b, which writes its partial last block every step, is SIGKILLed while its hand-shake
     with a target is under way (the target has the request to prepare): the migration is off, the
     router takes the request over to another worker, which loads every token's KV but the last and
@@ -466,6 +519,7 @@ def test_sigkill_of_a_migrations_source_mid_hand_shake_resumes_from_the_store_ex
         if n == 10:
             spy = await Bus.connect(mesh.nats_url, "test-spy")
             try:
+
                 async def kill_the_source(msg: MigratePrepare, blob) -> None:  # a answers; b dies meanwhile
                     os.killpg(pid, signal.SIGKILL)
                     killed.append(msg.migration_id)

@@ -146,8 +146,14 @@ def test_chat_streaming_and_non_streaming(client):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 12
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
@@ -159,8 +165,12 @@ def test_stop_sequences_and_seeded_sampling(client):
     stop = text[5:8]
     stopped = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=30, temperature=0, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
-    seeded = [client.completions.create(model=MODEL, prompt="Lists are", max_tokens=15, temperature=0.9, top_p=0.9,
-                                        seed=7).choices[0].text for _ in range(2)]
+    seeded = [
+        client.completions.create(model=MODEL, prompt="Lists are", max_tokens=15, temperature=0.9, top_p=0.9, seed=7)
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
 
@@ -174,18 +184,25 @@ def tokenizer(model_path):
 # ---- exactness ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length", [
-    50,  # shorter than a KV block: one partial block
-    BLOCK_SIZE, BLOCK_SIZE + 1,  # on and just past a block boundary
-    3 * BLOCK_SIZE, 3 * BLOCK_SIZE + 1,  # the boundary that trapped vLLM's example connector
-    1000, 1500,  # many blocks
-    MAX_MODEL_LEN - 24,  # near the context limit
-])
+@pytest.mark.parametrize(
+    "length",
+    [
+        50,  # shorter than a KV block: one partial block
+        BLOCK_SIZE,
+        BLOCK_SIZE + 1,  # on and just past a block boundary
+        3 * BLOCK_SIZE,
+        3 * BLOCK_SIZE + 1,  # the boundary that trapped vLLM's example connector
+        1000,
+        1500,  # many blocks
+        MAX_MODEL_LEN - 24,  # near the context limit
+    ],
+)
 def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, tokenizer, length):
     ids = token_prompt(length, seed=length)
     before = asyncio.run(kv_stats(mesh))
-    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
-                                    extra_body={"return_token_ids": True})
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body={"return_token_ids": True}
+    )
     after = asyncio.run(kv_stats(mesh))
     expected = reference.generate(16, prompt_token_ids=ids)
     assert out.choices[0].token_ids == expected["token_ids"]
@@ -207,8 +224,9 @@ def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference
     aclient = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=120)
 
     async def one(ids):
-        r = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
-                                             extra_body={"return_token_ids": True})
+        r = await aclient.completions.create(
+            model=MODEL, prompt=ids, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+        )
         return r.choices[0].token_ids
 
     async def all_():
@@ -240,9 +258,13 @@ def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference
 
 
 def test_one_trace_spans_router_prefill_kvstore_decode(mesh):
-    trace_id, root_span = "%032x" % random.getrandbits(128), "%016x" % random.getrandbits(64)
-    httpx.post(f"{mesh.url}/v1/completions", timeout=60, headers={**mesh.headers, "traceparent": f"00-{trace_id}-{root_span}-01"},
-               json={"model": MODEL, "prompt": token_prompt(600, seed=5), "max_tokens": 4}).raise_for_status()
+    trace_id, root_span = f"{random.getrandbits(128):032x}", f"{random.getrandbits(64):016x}"
+    httpx.post(
+        f"{mesh.url}/v1/completions",
+        timeout=60,
+        headers={**mesh.headers, "traceparent": f"00-{trace_id}-{root_span}-01"},
+        json={"model": MODEL, "prompt": token_prompt(600, seed=5), "max_tokens": 4},
+    ).raise_for_status()
     time.sleep(1)
     spans = [s for s in mesh.spans() if s["context"]["trace_id"] == f"0x{trace_id}"]
     by_id = {s["context"]["span_id"]: s for s in spans}
@@ -272,8 +294,12 @@ def test_one_trace_per_request_reaches_an_otlp_collector_with_every_service_link
     request's spans in one trace, rooted at the router's, each with its parent in the trace, from the
     router, the length predictor, the prefill worker (a KV put per layer, each parented on it), the
     kv-store and the decode worker (its engine's KV load)."""
-    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60, headers=mesh.headers,
-                      json={"model": MODEL, "prompt": "Tell me about the tides. " * 60, "max_tokens": 4})  # text:
+    resp = httpx.post(
+        f"{mesh.url}/v1/completions",
+        timeout=60,
+        headers=mesh.headers,
+        json={"model": MODEL, "prompt": "Tell me about the tides. " * 60, "max_tokens": 4},
+    )  # text:
     resp.raise_for_status()  # token-id prompts are not predicted
     request_id = resp.json()["id"]
 
@@ -287,8 +313,15 @@ def test_one_trace_per_request_reaches_an_otlp_collector_with_every_service_link
         return needed <= {s["name"] for s in spans} and all(s["parent_id"] in ids for s in spans if s["parent_id"])
 
     give_up = time.monotonic() + 30  # spans leave in batches (every 5 s by default)
-    needed = {"router request", "length-predictor predict", "prefill-worker prefill", "kv-store put",
-              "decode-worker decode", "kv-store get", "kv.load"}
+    needed = {
+        "router request",
+        "length-predictor predict",
+        "prefill-worker prefill",
+        "kv-store put",
+        "decode-worker decode",
+        "kv-store get",
+        "kv.load",
+    }
     while not whole(trace()) and time.monotonic() < give_up:
         time.sleep(0.2)
     spans = trace()
@@ -306,7 +339,9 @@ def test_one_trace_per_request_reaches_an_otlp_collector_with_every_service_link
             chain.append(span["service"])
         return chain
 
-    assert {"router", "length-predictor", "prefill-worker", "kv-store", "decode-worker"} <= {s["service"] for s in spans}
+    assert {"router", "length-predictor", "prefill-worker", "kv-store", "decode-worker"} <= {
+        s["service"] for s in spans
+    }
     prefill_puts = [s for s in spans if s["name"] == "kv-store put" and "prefill-worker" in services_above(s)]
     assert len(prefill_puts) >= NUM_LAYERS, len(prefill_puts)  # each layer's blocks as the layer is computed
     loads = [s for s in spans if s["name"] == "kv.load"]
@@ -315,10 +350,17 @@ def test_one_trace_per_request_reaches_an_otlp_collector_with_every_service_link
 
 def garbage_frames(rng: random.Random, n: int) -> list[bytes]:
     """Random bytes, and real messages cut inside their header (what a crashed or hostile peer sends)."""
-    whole = [encode(m) for m in (KvDiscover(), LengthStatsRequest(), PlacementRequest(op="status"),
-                                 LengthPredictRequest(prompt="x" * 50))]
+    whole = [
+        encode(m)
+        for m in (
+            KvDiscover(),
+            LengthStatsRequest(),
+            PlacementRequest(op="status"),
+            LengthPredictRequest(prompt="x" * 50),
+        )
+    ]
     out = [rng.randbytes(rng.randint(0, 200)) for _ in range(n // 2)]
-    out += [w[:rng.randint(0, 4 + int.from_bytes(w[:4], "big") - 1)] for w in rng.choices(whole, k=n - n // 2)]
+    out += [w[: rng.randint(0, 4 + int.from_bytes(w[:4], "big") - 1)] for w in rng.choices(whole, k=n - n // 2)]
     return out
 
 
@@ -329,16 +371,33 @@ def test_garbage_on_every_subject_crashes_nothing_leaks_no_request_and_the_mesh_
     prefill, decode = asyncio.run(live_worker(mesh, "prefill")), asyncio.run(live_worker(mesh, "decode"))
     replica = asyncio.run(length_stats(mesh)).replica
     health_before = httpx.get(f"{mesh.url}/health", timeout=5).json()
-    answered = [Subjects.worker("prefill", prefill.worker_id), Subjects.worker("decode", decode.worker_id),
-                Subjects.generate(decode.worker_id), Subjects.migrate(decode.worker_id),
-                Subjects.migrate_in(decode.worker_id), Subjects.drain(prefill.worker_id),
-                Subjects.drain(decode.worker_id), Subjects.kv_control(decode.worker_id),
-                Subjects.LENGTH_PREDICT, Subjects.LENGTH_REMAINING, Subjects.LENGTH_REFIT,
-                Subjects.length_stats(replica), Subjects.PLACEMENT, Subjects.kv("0", "stats"),
-                Subjects.kv("0", "flush")]
-    events = [Subjects.HEARTBEAT, Subjects.abort(decode.worker_id), Subjects.abort(prefill.worker_id),
-              Subjects.LENGTH_HEAD, Subjects.length_observed(replica), Subjects.KV_DISCOVER, Subjects.KV_SHARDS,
-              Subjects.PLACEMENT_EVENTS]
+    answered = [
+        Subjects.worker("prefill", prefill.worker_id),
+        Subjects.worker("decode", decode.worker_id),
+        Subjects.generate(decode.worker_id),
+        Subjects.migrate(decode.worker_id),
+        Subjects.migrate_in(decode.worker_id),
+        Subjects.drain(prefill.worker_id),
+        Subjects.drain(decode.worker_id),
+        Subjects.kv_control(decode.worker_id),
+        Subjects.LENGTH_PREDICT,
+        Subjects.LENGTH_REMAINING,
+        Subjects.LENGTH_REFIT,
+        Subjects.length_stats(replica),
+        Subjects.PLACEMENT,
+        Subjects.kv("0", "stats"),
+        Subjects.kv("0", "flush"),
+    ]
+    events = [
+        Subjects.HEARTBEAT,
+        Subjects.abort(decode.worker_id),
+        Subjects.abort(prefill.worker_id),
+        Subjects.LENGTH_HEAD,
+        Subjects.length_observed(replica),
+        Subjects.KV_DISCOVER,
+        Subjects.KV_SHARDS,
+        Subjects.PLACEMENT_EVENTS,
+    ]
     rng = random.Random(7)
 
     async def send() -> dict[str, set[str]]:
@@ -379,10 +438,12 @@ async def length_stats(mesh) -> LengthStats:
     """The stats of the length-predictor replica `make run` started (a prediction names it)."""
     bus = await Bus.connect(mesh.nats_url, "test-length")
     try:
-        probe, _ = await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt="probe"), LengthPrediction,
-                                     timeout=30)
-        stats, _ = await bus.request(Subjects.length_stats(probe.replica), LengthStatsRequest(), LengthStats,
-                                     timeout=30)
+        probe, _ = await bus.request(
+            Subjects.LENGTH_PREDICT, LengthPredictRequest(prompt="probe"), LengthPrediction, timeout=30
+        )
+        stats, _ = await bus.request(
+            Subjects.length_stats(probe.replica), LengthStatsRequest(), LengthStats, timeout=30
+        )
         return stats
     finally:
         await bus.close()
@@ -390,10 +451,13 @@ async def length_stats(mesh) -> LengthStats:
 
 def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(mesh):
     before = asyncio.run(length_stats(mesh))
-    trace_id = "%032x" % random.getrandbits(128)
-    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=60,
-                      headers={**mesh.headers, "traceparent": f"00-{trace_id}-{'%016x' % random.getrandbits(64)}-01"},
-                      json={"model": MODEL, "prompt": "Write a short poem about the sea. " * 120, "max_tokens": 6})
+    trace_id = f"{random.getrandbits(128):032x}"
+    resp = httpx.post(
+        f"{mesh.url}/v1/completions",
+        timeout=60,
+        headers={**mesh.headers, "traceparent": f"00-{trace_id}-{f'{random.getrandbits(64):016x}'}-01"},
+        json={"model": MODEL, "prompt": "Write a short poem about the sea. " * 120, "max_tokens": 6},
+    )
     resp.raise_for_status()
     time.sleep(1)
     spans = {s["name"]: s for s in mesh.spans() if s["context"]["trace_id"] == f"0x{trace_id}"}
@@ -419,26 +483,44 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body, status, code", [
-    ("/v1/completions", b"{not json", 400, "invalid_request"),
-    ("/v1/chat/completions", {"model": MODEL}, 400, "invalid_request"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_request"),
-    ("/v1/completions", {"model": MODEL}, 400, "invalid_request"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "invalid_request"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "invalid_request"),
-    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
-    ("/v1/completions", {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400,
-     "context_length_exceeded"),
-    ("/v1/completions", {"model": MODEL, "prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}, 400,
-     "context_length_exceeded"),
-    ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "cache_salt": "a/b"}, 400, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, code",
+    [
+        ("/v1/completions", b"{not json", 400, "invalid_request"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "invalid_request"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "invalid_request"),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8},
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN},
+            400,
+            "context_length_exceeded",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "cache_salt": "a/b"},
+            400,
+            "invalid_request",
+        ),
+    ],
+)
 def test_bad_input_gets_openai_error(mesh, path, body, status, code):
-    kwargs = {"content": body, "headers": {**mesh.headers, "content-type": "application/json"}} \
-        if isinstance(body, bytes) else {"json": body, "headers": mesh.headers}
+    kwargs = (
+        {"content": body, "headers": {**mesh.headers, "content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body, "headers": mesh.headers}
+    )
     resp = httpx.post(f"{mesh.url}{path}", timeout=30, **kwargs)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
@@ -457,10 +539,20 @@ def test_decode_refuses_kv_from_a_different_layout(mesh):
         try:
             layout = {"block_size": 64, "model": MODEL}
             kv = KvHandle(fingerprint="0" * 32, block_size=64, block_hashes=[], num_tokens=0, kv_layout=layout)
-            replies = await bus.stream(Subjects.worker("decode", decode.worker_id), DecodeRequest(
-                request_id="fp-mismatch", model=MODEL, prompt_token_ids=[1, 2, 3], output_token_ids=[4],
-                sampling=SamplingOptions(max_tokens=2), kv=kv, fingerprint="0" * 32, deadline=time.time() + 10),
-                deadline=time.time() + 10)
+            replies = await bus.stream(
+                Subjects.worker("decode", decode.worker_id),
+                DecodeRequest(
+                    request_id="fp-mismatch",
+                    model=MODEL,
+                    prompt_token_ids=[1, 2, 3],
+                    output_token_ids=[4],
+                    sampling=SamplingOptions(max_tokens=2),
+                    kv=kv,
+                    fingerprint="0" * 32,
+                    deadline=time.time() + 10,
+                ),
+                deadline=time.time() + 10,
+            )
             with pytest.raises(KVFingerprintMismatch, match="block_size"):
                 async for _ in replies:
                     pass
@@ -481,10 +573,19 @@ def test_a_decode_resumed_inside_a_character_shows_the_rest_of_the_text(mesh, to
         decode = await live_worker(mesh, "decode")
         bus = await Bus.connect(mesh.nats_url, "test-detokenize")
         try:
-            replies = await bus.stream(Subjects.worker("decode", decode.worker_id), DecodeRequest(
-                request_id="inside-a-character", model=MODEL, prompt_token_ids=prompt, output_token_ids=outputs,
-                sampling=SamplingOptions(max_tokens=8, temperature=0, ignore_eos=True), fingerprint=decode.fingerprint,
-                deadline=time.time() + 60), deadline=time.time() + 60)
+            replies = await bus.stream(
+                Subjects.worker("decode", decode.worker_id),
+                DecodeRequest(
+                    request_id="inside-a-character",
+                    model=MODEL,
+                    prompt_token_ids=prompt,
+                    output_token_ids=outputs,
+                    sampling=SamplingOptions(max_tokens=8, temperature=0, ignore_eos=True),
+                    fingerprint=decode.fingerprint,
+                    deadline=time.time() + 60,
+                ),
+                deadline=time.time() + 60,
+            )
             return [delta async for delta, _ in replies]
         finally:
             await bus.close()
@@ -501,8 +602,13 @@ def test_a_decode_resumed_inside_a_character_shows_the_rest_of_the_text(mesh, to
 
 def start_extra_worker(mesh, model_dir, role: str, worker_id: str, **env: str):
     """Another worker of the mesh's model beside the ones `make run` started (a fixture body)."""
-    env = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_WORKER_ID": worker_id,
-           "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "MESH_BLOCK_SIZE": str(BLOCK_SIZE)} | env
+    env = {
+        "MESH_NATS_URL": mesh.nats_url,
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_WORKER_ID": worker_id,
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+    } | env
     with extra_workers(mesh):
         child = start_service(f"{role}-worker", env, mesh.logs / f"{worker_id}.log")
         try:
@@ -520,8 +626,15 @@ def async_decode_worker(mesh, model_dir):
     yield from start_extra_worker(mesh, model_dir, "decode", "decode-async", MESH_KV_LOAD_MODE="async")
 
 
-async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worker: str | None = None,
-                        between=None, prefill_worker: str | None = None, cache_salt: str | None = None) -> list[int]:
+async def disaggregated(
+    mesh,
+    ids: list[int],
+    max_tokens: int = 16,
+    decode_worker: str | None = None,
+    between=None,
+    prefill_worker: str | None = None,
+    cache_salt: str | None = None,
+) -> list[int]:
     """Prefill then decode over the bus, as the router does, with `between()` run in the middle."""
     prefill_worker = prefill_worker or (await live_worker(mesh, "prefill")).worker_id
     decode_worker = decode_worker or (await live_worker(mesh, "decode")).worker_id
@@ -530,16 +643,37 @@ async def disaggregated(mesh, ids: list[int], max_tokens: int = 16, decode_worke
     try:
         deadline = time.time() + 60
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=0)
-        result, _ = await bus.request(Subjects.worker("prefill", prefill_worker), PrefillRequest(
-            request_id=request_id, model=MODEL, prompt_token_ids=ids, sampling=sampling, deadline=deadline,
-            cache_salt=cache_salt), PrefillResult, timeout=60)
+        result, _ = await bus.request(
+            Subjects.worker("prefill", prefill_worker),
+            PrefillRequest(
+                request_id=request_id,
+                model=MODEL,
+                prompt_token_ids=ids,
+                sampling=sampling,
+                deadline=deadline,
+                cache_salt=cache_salt,
+            ),
+            PrefillResult,
+            timeout=60,
+        )
         if between is not None:
             await between()
         tokens = list(result.first.token_ids)
-        replies = await bus.stream(Subjects.worker("decode", decode_worker), DecodeRequest(
-            request_id=request_id, model=MODEL, prompt_token_ids=result.prompt_token_ids, output_token_ids=tokens[:1],
-            sampling=sampling, kv=result.kv, fingerprint=result.fingerprint,
-            deadline=deadline, cache_salt=cache_salt), deadline=deadline)
+        replies = await bus.stream(
+            Subjects.worker("decode", decode_worker),
+            DecodeRequest(
+                request_id=request_id,
+                model=MODEL,
+                prompt_token_ids=result.prompt_token_ids,
+                output_token_ids=tokens[:1],
+                sampling=sampling,
+                kv=result.kv,
+                fingerprint=result.fingerprint,
+                deadline=deadline,
+                cache_salt=cache_salt,
+            ),
+            deadline=deadline,
+        )
         async for delta, _ in replies:
             tokens += delta.token_ids
         return tokens
@@ -553,10 +687,17 @@ async def generated_on_decode(mesh, ids: list[int], max_tokens: int = 16) -> lis
     bus = await Bus.connect(mesh.nats_url, "test-generate")
     try:
         tokens = []
-        replies = await bus.stream(Subjects.generate(decode_worker), PrefillRequest(
-            request_id=f"whole-{random.getrandbits(32):x}", model=MODEL, prompt_token_ids=ids,
-            sampling=SamplingOptions(max_tokens=max_tokens, temperature=0), deadline=time.time() + 60),
-            deadline=time.time() + 60)
+        replies = await bus.stream(
+            Subjects.generate(decode_worker),
+            PrefillRequest(
+                request_id=f"whole-{random.getrandbits(32):x}",
+                model=MODEL,
+                prompt_token_ids=ids,
+                sampling=SamplingOptions(max_tokens=max_tokens, temperature=0),
+                deadline=time.time() + 60,
+            ),
+            deadline=time.time() + 60,
+        )
         async for delta, _ in replies:
             tokens += delta.token_ids
         return tokens
@@ -631,8 +772,10 @@ def test_kv_read_from_ssd_after_demotion_and_after_a_store_restart_is_exact(mesh
         restarted = await replacement_kv_store()
         assert restarted.chunks == 0 and restarted.ssd_chunks >= 8 * NUM_LAYERS  # re-indexed from disk
 
-    assert asyncio.run(disaggregated(mesh, ids, between=spill_and_restart)) == \
-        reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    assert (
+        asyncio.run(disaggregated(mesh, ids, between=spill_and_restart))
+        == reference.generate(16, prompt_token_ids=ids)["token_ids"]
+    )
     after = asyncio.run(kv_stats(mesh))
     assert after.ssd_hits == 8 * NUM_LAYERS and after.misses == 0
 
@@ -641,6 +784,7 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
     """What the dispatch policies read: a streaming request appears on the decode worker's
     heartbeats with its prompt, its progress, the KV blocks it fills and the length predictor's
     estimate of its remaining output, refined as tokens arrive (every MESH_LENGTH_REFINE_EVERY)."""
+
     async def go():
         bus = await Bus.connect(mesh.nats_url, "test-heartbeats")
         seen: list[WorkerInfo] = []
@@ -652,12 +796,21 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
         try:
             await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
             async with httpx.AsyncClient(timeout=60, headers=mesh.headers) as http:
-                async with http.stream("POST", f"{mesh.url}/v1/completions", json={
-                        "model": MODEL, "prompt": "Tell me a long story " * 20, "max_tokens": 6000, "ignore_eos": True,
-                        "stream": True, "priority": -2}) as resp:
+                async with http.stream(
+                    "POST",
+                    f"{mesh.url}/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": "Tell me a long story " * 20,
+                        "max_tokens": 6000,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "priority": -2,
+                    },
+                ) as resp:
                     assert resp.status_code == 200
                     async for line in resp.aiter_lines():
-                        assert not line.startswith("data: {\"error\""), line
+                        assert not line.startswith('data: {"error"'), line
         finally:
             await bus.close()
         assert seen, "no decode heartbeat showed the request while it ran"
@@ -669,8 +822,11 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
             assert held.priority == -2
             assert info.kv_blocks_used == -(-(held.prompt_tokens + held.generated) // info.block_size)
         assert len({info.requests[0].generated for info in seen}) == len(seen)  # progress, not a fixed number
-        refined = {(r.remaining_at, r.predicted_remaining) for r in (info.requests[0] for info in seen)
-                   if r.predicted_remaining is not None}
+        refined = {
+            (r.remaining_at, r.predicted_remaining)
+            for r in (info.requests[0] for info in seen)
+            if r.predicted_remaining is not None
+        }
         assert all(at >= 64 and remaining > 0 for at, remaining in refined), refined
         assert len(refined) >= 2, f"the refined estimate did not change as tokens arrived: {refined}"
 
@@ -683,8 +839,11 @@ def test_heartbeats_carry_each_running_request_and_kv_blocks_for_the_policies(me
 def test_client_disconnect_aborts_the_request_in_the_worker(mesh):
     async def go():
         async with httpx.AsyncClient(timeout=30, headers=mesh.headers) as http:
-            async with http.stream("POST", f"{mesh.url}/v1/completions", json={
-                    "model": MODEL, "prompt": "Tell me everything", "max_tokens": 1500, "stream": True}) as resp:
+            async with http.stream(
+                "POST",
+                f"{mesh.url}/v1/completions",
+                json={"model": MODEL, "prompt": "Tell me everything", "max_tokens": 1500, "stream": True},
+            ) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data:"):
                         break  # the first token arrived: hang up
@@ -709,8 +868,9 @@ def test_decode_worker_death_mid_stream_ends_in_an_error_not_a_hang(client, mesh
                 started = time.monotonic()
                 os.killpg(pid, signal.SIGKILL)  # the worker and its engine process, abruptly
     assert time.monotonic() - started < 10
-    resp = httpx.post(f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5,
-                      headers=mesh.headers)
+    resp = httpx.post(
+        f"{mesh.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5, headers=mesh.headers
+    )
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
 
 

@@ -19,8 +19,13 @@ from .test_mesh import MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 # (named to run after test_bench_serve.py, which needs the machine before the session mesh starts)
-OPERATIONS = [("POST", "/v1/completions", 40), ("POST", "/v1/chat/completions", 40), ("GET", "/v1/models", 10),
-              ("GET", "/health", 5), ("GET", "/metrics", 5)]
+OPERATIONS = [
+    ("POST", "/v1/completions", 40),
+    ("POST", "/v1/chat/completions", 40),
+    ("GET", "/v1/models", 10),
+    ("GET", "/health", 5),
+    ("GET", "/metrics", 5),
+]
 MAX_TOKENS = 32
 
 
@@ -56,8 +61,9 @@ def test_any_request_gets_an_answer_without_a_5xx_and_errors_in_openais_shape(me
     statuses: list[int] = []
 
     @given(st.tuples(operation.as_strategy(), st.booleans()))
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     def check(drawn):
         case = bounded(*drawn)
         response = case.call(headers=mesh.headers, timeout=90)  # no hang: the router's deadline is 120 s

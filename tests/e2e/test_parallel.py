@@ -28,7 +28,8 @@ LAUNCHER = [sys.executable, "-m", "llmesh.launcher"]
 LAYERS, KV_HEADS = 4, 4  # the embedded tiny model
 # MESH_TEST_TP_PROMPTS more prompts and MESH_TEST_TP_TOKENS tokens each, for a measurement (docs/benchmarks.md)
 PROMPTS = [token_prompt(600, seed=7070), token_prompt(130, seed=7171), token_prompt(37, seed=7272)] + [
-    token_prompt(40 + 97 * i % 900, seed=7300 + i) for i in range(int(os.environ.get("MESH_TEST_TP_PROMPTS", "0")))]
+    token_prompt(40 + 97 * i % 900, seed=7300 + i) for i in range(int(os.environ.get("MESH_TEST_TP_PROMPTS", "0")))
+]
 MAX_TOKENS = int(os.environ.get("MESH_TEST_TP_TOKENS", "24"))
 
 
@@ -44,18 +45,31 @@ def expected(model_path, tmp_path_factory):
 
 
 def complete(mesh, ids: list[int]) -> list[int]:
-    resp = httpx.post(f"{mesh.url}/v1/completions", timeout=120, headers=mesh.headers, json={
-        "model": "llmesh/tiny-llama", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True})
+    resp = httpx.post(
+        f"{mesh.url}/v1/completions",
+        timeout=120,
+        headers=mesh.headers,
+        json={
+            "model": "llmesh/tiny-llama",
+            "prompt": ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["token_ids"]
 
 
 @pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 2), (2, 1), (1, 2)])
-def test_tensor_parallel_prefill_and_decode_are_exact(prefill_ranks, decode_ranks, expected, tmp_path, model_dir,
-                                                      model_path):
-    env = {"MESH_PREFILL_TENSOR_PARALLEL_SIZE": str(prefill_ranks), "MESH_DECODE_TENSOR_PARALLEL_SIZE":
-           str(decode_ranks), "MESH_LENGTH_SAMPLE_FRACTION": "0"}
+def test_tensor_parallel_prefill_and_decode_are_exact(
+    prefill_ranks, decode_ranks, expected, tmp_path, model_dir, model_path
+):
+    env = {
+        "MESH_PREFILL_TENSOR_PARALLEL_SIZE": str(prefill_ranks),
+        "MESH_DECODE_TENSOR_PARALLEL_SIZE": str(decode_ranks),
+        "MESH_LENGTH_SAMPLE_FRACTION": "0",
+    }
     if prefill_ranks != decode_ranks:
         env["MESH_KV_HEADS_PER_CHUNK"] = str(KV_HEADS // 2)
     with running_mesh(tmp_path, model_dir, LAUNCHER, **env) as mesh:
@@ -72,11 +86,14 @@ def test_tensor_parallel_prefill_and_decode_are_exact(prefill_ranks, decode_rank
     # rank differs in its last bits from KV computed with 2: a decode that mixes them equals neither
     # monolith bit for bit, and may part from it where its likeliest tokens are that close.
     assert [tokens[0] for tokens in outputs] == [tokens[0] for tokens in expected[decode_ranks]]  # the prefill's
-    parted = [(ids, tokens) for ids, tokens, reference in zip(PROMPTS, outputs, expected[decode_ranks])
-              if tokens != reference]
+    parted = [
+        (ids, tokens) for ids, tokens, reference in zip(PROMPTS, outputs, expected[decode_ranks]) if tokens != reference
+    ]
     if parted:
         with reference_engine(model_path, tmp_path, decode_ranks) as engine:
             gaps = [max(engine.greedy_gaps(ids, tokens)) for ids, tokens in parted]
-        print(f"{prefill_ranks} -> {decode_ranks} ranks: {len(parted)} of {len(PROMPTS)} outputs parted from the "
-              f"monolith's, the chosen tokens at most {max(gaps):.3f} nats below its likeliest")
+        print(
+            f"{prefill_ranks} -> {decode_ranks} ranks: {len(parted)} of {len(PROMPTS)} outputs parted from the "
+            f"monolith's, the chosen tokens at most {max(gaps):.3f} nats below its likeliest"
+        )
         assert max(gaps) <= NEAR_TIE, f"a token {max(gaps):.3f} nats below the likeliest"

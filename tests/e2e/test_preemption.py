@@ -37,12 +37,23 @@ PROMPT, OUTPUT, CONCURRENT = 1000, 1000, 12
 @pytest.fixture(scope="module")
 def small_kv_workers(mesh, model_dir):
     """A decode worker per choice, each with `KV_BLOCKS` blocks (started at once: engines load in parallel)."""
-    base = {"MESH_NATS_URL": mesh.nats_url, "MESH_MODEL_DIR": str(model_dir), "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-            "MESH_BLOCK_SIZE": str(BLOCK_SIZE), "MESH_KV_BLOCKS": str(KV_BLOCKS), "MESH_TRACE_DIR": str(mesh.trace_dir)}
+    base = {
+        "MESH_NATS_URL": mesh.nats_url,
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_KV_BLOCKS": str(KV_BLOCKS),
+        "MESH_TRACE_DIR": str(mesh.trace_dir),
+    }
     with extra_workers(mesh):
-        children = {choice: start_service("decode-worker", base | {"MESH_WORKER_ID": f"decode-{choice}",
-                                                                  "MESH_KV_PREEMPTION": choice},
-                                          mesh.logs / f"decode-{choice}.log") for choice in ("swap", "recompute")}
+        children = {
+            choice: start_service(
+                "decode-worker",
+                base | {"MESH_WORKER_ID": f"decode-{choice}", "MESH_KV_PREEMPTION": choice},
+                mesh.logs / f"decode-{choice}.log",
+            )
+            for choice in ("swap", "recompute")
+        }
         try:
             give_up = time.monotonic() + 300
             for choice, child in children.items():
@@ -69,15 +80,18 @@ def test_preempted_requests_resume_exactly(mesh, reference, small_kv_workers, ch
             # suite the swap worker, given new prompts, had at most 3 at once; the recompute worker, given
             # the same prompts after it, found them stored and had all 12 at once)
             prefilled = asyncio.Barrier(CONCURRENT)
-            return await asyncio.gather(*(disaggregated(mesh, ids, OUTPUT, decode_worker=worker,
-                                                        between=prefilled.wait) for ids in prompts))
+            return await asyncio.gather(
+                *(disaggregated(mesh, ids, OUTPUT, decode_worker=worker, between=prefilled.wait) for ids in prompts)
+            )
 
         outputs = asyncio.run(together())
         for i, (ids, tokens) in enumerate(zip(prompts, outputs)):
             gaps = reference.greedy_gaps(ids, tokens)
             worst = max(range(len(gaps)), key=gaps.__getitem__)
-            assert gaps[worst] <= NEAR_TIE, (f"round {round} request {i}: output token {worst} ({tokens[worst]}) "
-                                             f"is {gaps[worst]:.3f} nats below the likeliest there")
+            assert gaps[worst] <= NEAR_TIE, (
+                f"round {round} request {i}: output token {worst} ({tokens[worst]}) "
+                f"is {gaps[worst]:.3f} nats below the likeliest there"
+            )
         counted = asyncio.run(live_worker(mesh, "decode", worker)).preemptions
         if counted:
             break
@@ -85,7 +99,8 @@ def test_preempted_requests_resume_exactly(mesh, reference, small_kv_workers, ch
 
 
 def test_sigkill_without_a_durable_tail_resumes_from_the_full_blocks_exactly_but_for_near_ties(
-        mesh, reference, small_kv_workers):
+    mesh, reference, small_kv_workers
+):
     """The worker that takes the request over loads its full blocks from the store and computes the
     tokens after them again (up to a block) in one pass: greedy output equals a monolithic engine's, but
     a recomputed token at a near-tie may come out as the other of the two (then the outputs part)."""

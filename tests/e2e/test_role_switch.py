@@ -13,8 +13,8 @@ import pytest
 from llmesh.bus import Bus
 from llmesh.messages import PlacementDecision, Subjects
 
-from .test_live_migration import NEAR_TIE, Streamed, migrate, other_decode, stream
 from .test_dispatch_policy import start_router, wait_for_decode_workers
+from .test_live_migration import NEAR_TIE, Streamed, migrate, other_decode, stream
 from .test_mesh import MODEL, live_worker, start_extra_worker, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -43,8 +43,10 @@ def disaggregating_router(mesh, switchable_worker):
 
 
 async def complete(http: httpx.AsyncClient, url: str, ids: list[int]) -> list[int]:
-    resp = await http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 4,
-                                                          "temperature": 0, "return_token_ids": True})
+    resp = await http.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["token_ids"]
 
@@ -90,8 +92,9 @@ def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_work
                 while not (outcome := await migrate(mesh, request_id, mesh_decode, SWITCHABLE)).accepted:
                     assert time.monotonic() < give_up, outcome
                     await asyncio.sleep(0.02)
-            if not left_at and any(d.detail["request_id"] == request_id and d.detail["outcome"] == "accepted"
-                                   for d in hand_backs):
+            if not left_at and any(
+                d.detail["request_id"] == request_id and d.detail["outcome"] == "accepted" for d in hand_backs
+            ):
                 left_at.append(n)
             return bool(left_at) and n >= left_at[0] + 20
 
@@ -106,8 +109,10 @@ def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_work
                         assert time.monotonic() < give_up, f"no role switch under prefill load ({len(clients)} clients)"
                         assert not any(c.done() for c in clients), "a request of the load failed"
                         if time.monotonic() > more_at and len(clients) < MAX_CLIENTS:
-                            clients += [asyncio.create_task(client(http, i))
-                                        for i in range(len(clients), len(clients) + MORE_CLIENTS)]
+                            clients += [
+                                asyncio.create_task(client(http, i))
+                                for i in range(len(clients), len(clients) + MORE_CLIENTS)
+                            ]
                             more_at = time.monotonic() + 5
                         await asyncio.sleep(0.1)
                     print(f"switched with {len(clients)} clients")
@@ -128,15 +133,20 @@ def test_a_switchable_worker_takes_prefill_load(mesh, reference, switchable_work
     switch = next(d for d in switches if d.detail.get("outcome") == "accepted")
     assert switch.reason == "banaserve" and switch.detail["role"] == "prefill", switch
     # placement retries a hand-back the target refused: one of its tries was accepted
-    (hand_back,) = [d for d in hand_backs if d.detail["request_id"] == streamed.request_id
-                    and d.detail["outcome"] == "accepted"]
+    (hand_back,) = [
+        d for d in hand_backs if d.detail["request_id"] == streamed.request_id and d.detail["outcome"] == "accepted"
+    ]
     assert hand_back.detail["source"] == SWITCHABLE, hand_back
     # decoded in a batch with the load's requests: every token greedy, but for batching's near-ties (in a
     # clean-clone run at 9f768d2 it took the second of two tokens 0.031 nats apart, before its hand-back)
     assert max(reference.greedy_gaps(held_ids, streamed.token_ids)) <= NEAR_TIE
     assert (asyncio.run(live_worker(mesh, "prefill", SWITCHABLE))) is not None  # it now heart-beats as prefill
-    prefilled_there = [s for s in mesh.spans() if s.get("name") == "router request"
-                       and (s.get("attributes") or {}).get("dispatch.prefill.worker") == SWITCHABLE]
+    prefilled_there = [
+        s
+        for s in mesh.spans()
+        if s.get("name") == "router request"
+        and (s.get("attributes") or {}).get("dispatch.prefill.worker") == SWITCHABLE
+    ]
     assert prefilled_there, "the router sent the switched worker no prefill"
     for i, outputs in answers.items():  # each output token greedy, but for batching's near-ties
         for output in outputs:

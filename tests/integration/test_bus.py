@@ -27,6 +27,7 @@ async def test_queue_group_members_share_the_load_and_each_message_is_handled_on
             handled[name] += 1
             await asyncio.sleep(0.01)
             return Ack()
+
         return handle
 
     try:
@@ -72,11 +73,13 @@ def test_spans_are_exported_over_otlp_when_an_endpoint_is_configured():
     server = HTTPServer(("127.0.0.1", 0), Collector)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        script = ("from llmesh import telemetry; from opentelemetry import trace;"
-                  f"telemetry.setup_tracing('probe', otlp_endpoint='http://127.0.0.1:{server.server_port}',"
-                  " trace_dir=None);"
-                  "trace.get_tracer('t').start_span('exported-span').end();"
-                  "trace.get_tracer_provider().force_flush()")
+        script = (
+            "from llmesh import telemetry; from opentelemetry import trace;"
+            f"telemetry.setup_tracing('probe', otlp_endpoint='http://127.0.0.1:{server.server_port}',"
+            " trace_dir=None);"
+            "trace.get_tracer('t').start_span('exported-span').end();"
+            "trace.get_tracer_provider().force_flush()"
+        )
         subprocess.run([sys.executable, "-c", script], check=True, timeout=20)
     finally:
         server.shutdown()
@@ -110,8 +113,10 @@ async def test_streams_of_one_client_share_one_message_per_turn_and_each_gets_it
 
     try:
         await server.serve("test.stream", generate)
-        streams = [await client.stream("test.stream", LengthPredictRequest(prompt=f"s{i}"),
-                                       deadline=time.time() + 10) for i in range(20)]
+        streams = [
+            await client.stream("test.stream", LengthPredictRequest(prompt=f"s{i}"), deadline=time.time() + 10)
+            for i in range(20)
+        ]
         sent_before = server.nc.stats["out_msgs"]
 
         async def read(i, stream):
@@ -184,9 +189,12 @@ async def test_streams_to_a_client_that_died_stop_at_once_and_others_go_on(nats_
 
     try:
         await server.serve("test.endless", endless)
-        streams = {name: await bus.stream("test.endless", LengthPredictRequest(request_id=name, prompt=name),
-                                          deadline=time.time() + 20)
-                   for name, bus in (("doomed", doomed), ("survivor", survivor))}
+        streams = {
+            name: await bus.stream(
+                "test.endless", LengthPredictRequest(request_id=name, prompt=name), deadline=time.time() + 20
+            )
+            for name, bus in (("doomed", doomed), ("survivor", survivor))
+        }
         for replies in streams.values():
             await anext(replies)
         await doomed.nc.close()  # as the process's death closes its socket

@@ -59,8 +59,13 @@ async def connect(url: str, user: str | None, observed: Observed) -> nats.NATS:
     async def on_error(exc):
         observed.errors.append(str(exc))
 
-    return await nats.connect(url, inbox_prefix=inbox_prefix(user) if user else "_INBOX", error_cb=on_error,
-                              allow_reconnect=False, connect_timeout=2)
+    return await nats.connect(
+        url,
+        inbox_prefix=inbox_prefix(user) if user else "_INBOX",
+        error_cb=on_error,
+        allow_reconnect=False,
+        connect_timeout=2,
+    )
 
 
 async def harness(secrets: MeshSecrets, url: str, observed: Observed) -> nats.NATS:
@@ -76,8 +81,11 @@ async def harness(secrets: MeshSecrets, url: str, observed: Observed) -> nats.NA
 
 async def test_no_or_wrong_nats_credentials_cannot_connect(secured):
     secrets, url, _, work = secured
-    for attempt in (url, secrets.nats_url(url, "router").replace(secrets.nats_passwords["router"], "wrong"),
-                    secrets.nats_url(url, "router").replace("router:", "nobody:")):
+    for attempt in (
+        url,
+        secrets.nats_url(url, "router").replace(secrets.nats_passwords["router"], "wrong"),
+        secrets.nats_url(url, "router").replace("router:", "nobody:"),
+    ):
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
             await connect(attempt, None, Observed())
         with pytest.raises(ServiceUnavailable) as refused:  # as services see it, without the password
@@ -89,20 +97,41 @@ async def test_no_or_wrong_nats_credentials_cannot_connect(secured):
 
 # (user, subject, may publish there); "worker" is both prefill and decode workers
 PUBLISH = [
-    ("router", "mesh.prefill.w1", True), ("router", "mesh.decode.w1", True), ("router", "mesh.abort.w1", True),
-    ("router", "mesh.migrate.w1", False), ("router", "mesh.drain.w1", False), ("router", "mesh.placement", False),
-    ("router", "mesh.kv.0.token", False), ("router", "mesh.kv.shards", False), ("router", "mesh.heartbeat", False),
-    ("placement", "mesh.migrate.w1", True), ("placement", "mesh.drain.w1", True), ("placement", "mesh.role.w1", True),
-    ("placement", "mesh.decode.w1", False), ("placement", "mesh.prefill.w1", False),
-    ("worker", "mesh.heartbeat", True), ("worker", "mesh.migrate_in.w2", True), ("worker", "mesh.kv.discover", True),
-    ("worker", "mesh.kv.0.token", True), ("worker", "mesh.length.remaining", True), ("worker", "mesh.decode.w2", False),
+    ("router", "mesh.prefill.w1", True),
+    ("router", "mesh.decode.w1", True),
+    ("router", "mesh.abort.w1", True),
+    ("router", "mesh.migrate.w1", False),
+    ("router", "mesh.drain.w1", False),
+    ("router", "mesh.placement", False),
+    ("router", "mesh.kv.0.token", False),
+    ("router", "mesh.kv.shards", False),
+    ("router", "mesh.heartbeat", False),
+    ("placement", "mesh.migrate.w1", True),
+    ("placement", "mesh.drain.w1", True),
+    ("placement", "mesh.role.w1", True),
+    ("placement", "mesh.decode.w1", False),
+    ("placement", "mesh.prefill.w1", False),
+    ("worker", "mesh.heartbeat", True),
+    ("worker", "mesh.migrate_in.w2", True),
+    ("worker", "mesh.kv.discover", True),
+    ("worker", "mesh.kv.0.token", True),
+    ("worker", "mesh.length.remaining", True),
+    ("worker", "mesh.decode.w2", False),
     ("worker", "mesh.generate.w2", False),
-    ("worker", "mesh.migrate.w2", False), ("worker", "mesh.kv.shards", False), ("worker", "mesh.placement", False),
-    ("kv-store", "mesh.kv.shards", True), ("kv-store", "mesh.decode.w1", False), ("kv-store", "mesh.heartbeat", False),
-    ("length-predictor", "mesh.length.head", True), ("length-predictor", "mesh.decode.w1", False),
+    ("worker", "mesh.migrate.w2", False),
+    ("worker", "mesh.kv.shards", False),
+    ("worker", "mesh.placement", False),
+    ("kv-store", "mesh.kv.shards", True),
+    ("kv-store", "mesh.decode.w1", False),
+    ("kv-store", "mesh.heartbeat", False),
+    ("length-predictor", "mesh.length.head", True),
+    ("length-predictor", "mesh.decode.w1", False),
     ("router", "mesh.length.remaining", False),
-    ("admin", "mesh.placement", True), ("admin", "mesh.length.refit", True), ("admin", "mesh.migrate.w1", False),
-    ("admin", "mesh.decode.w1", False), ("admin", "mesh.kv.0.token", False),
+    ("admin", "mesh.placement", True),
+    ("admin", "mesh.length.refit", True),
+    ("admin", "mesh.migrate.w1", False),
+    ("admin", "mesh.decode.w1", False),
+    ("admin", "mesh.kv.0.token", False),
 ]
 
 
@@ -132,15 +161,23 @@ async def test_each_service_publishes_only_where_its_part_needs(secured):
 
 async def test_a_user_reads_neither_other_users_replies_nor_subjects_outside_its_part(secured):
     secrets, url, _, _ = secured
-    for user, subject in [("router", "_INBOX.worker.>"), ("router", "mesh.kv.shards"), ("router", "mesh.decode.w1"),
-                          ("worker", "mesh.heartbeat"), ("worker", "mesh.placement"), ("admin", "mesh.kv.shards"),
-                          ("placement", "mesh.length.predict"), ("kv-store", "mesh.decode.w1")]:
+    for user, subject in [
+        ("router", "_INBOX.worker.>"),
+        ("router", "mesh.kv.shards"),
+        ("router", "mesh.decode.w1"),
+        ("worker", "mesh.heartbeat"),
+        ("worker", "mesh.placement"),
+        ("admin", "mesh.kv.shards"),
+        ("placement", "mesh.length.predict"),
+        ("kv-store", "mesh.decode.w1"),
+    ]:
         refused = Observed()
         nc = await connect(secrets.nats_url(url, user), user, refused)
         await nc.subscribe(subject)
         await nc.flush()
-        assert await until(lambda: any("permissions violation for subscription" in e.lower()
-                                       for e in refused.errors)), (user, subject)
+        assert await until(
+            lambda: any("permissions violation for subscription" in e.lower() for e in refused.errors)
+        ), (user, subject)
         await nc.close()
 
 
@@ -152,6 +189,7 @@ async def test_request_and_reply_work_across_users_through_their_own_inboxes(sec
     worker = await Bus.connect(secrets.nats_url(url, WorkerSettings.NATS_USER), "decode-worker")
     shard = await Bus.connect(secrets.nats_url(url, KvStoreSettings.NATS_USER), "kv-store")
     try:
+
         async def echo(msg: KvDiscover, blob: memoryview):
             return msg
 
@@ -161,8 +199,12 @@ async def test_request_and_reply_work_across_users_through_their_own_inboxes(sec
 
         await worker.serve(Subjects.worker("decode", "w1"), stream)
         await shard.serve(Subjects.kv("0", "token"), echo)
-        got = [reply async for reply, _ in await router.stream(Subjects.worker("decode", "w1"), KvDiscover(),
-                                                               deadline=time.time() + 10)]
+        got = [
+            reply
+            async for reply, _ in await router.stream(
+                Subjects.worker("decode", "w1"), KvDiscover(), deadline=time.time() + 10
+            )
+        ]
         assert len(got) == 3
         reply, _ = await worker.request(Subjects.kv("0", "token"), KvDiscover(), KvDiscover, timeout=5)
         assert isinstance(reply, KvDiscover)
@@ -174,7 +216,10 @@ async def test_request_and_reply_work_across_users_through_their_own_inboxes(sec
 def test_redis_refuses_clients_without_its_password(secured):
     secrets, _, redis_url, _ = secured
     assert redis.Redis.from_url(redis_url).set("k", "v")
-    for url in (redis_url.replace(secrets.redis_password, "wrong"), redis_url.replace(f":{secrets.redis_password}@", "")):
+    for url in (
+        redis_url.replace(secrets.redis_password, "wrong"),
+        redis_url.replace(f":{secrets.redis_password}@", ""),
+    ):
         client = redis.Redis.from_url(url)
         with pytest.raises(redis.exceptions.AuthenticationError):
             client.set("k", "changed")

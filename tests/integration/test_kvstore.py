@@ -27,14 +27,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.asynccontextmanager
-async def shard(url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier | None = None,
-                shared_arena: bool = False):
+async def shard(
+    url: str, name: str, capacity: int = 64 * 1024**2, ssd: SsdTier | None = None, shared_arena: bool = False
+):
     state = ShardState(ChunkStore(capacity, ssd, shared_arena=shared_arena))
     tokens = Tokens(name)
     data_plane = DataPlaneServer(state, "127.0.0.1", 0, max_value_bytes=256 * 1024**2, tokens=tokens)
     bus = await Bus.connect(url, f"kv-{name}")
-    service = KvStoreService(bus, state, KvShardInfo(shard=name, data_host="127.0.0.1", data_port=data_plane.port,
-                                                     heartbeat_s=0.5), tokens)
+    service = KvStoreService(
+        bus, state, KvShardInfo(shard=name, data_host="127.0.0.1", data_port=data_plane.port, heartbeat_s=0.5), tokens
+    )
     await service.start()
     try:
         yield data_plane
@@ -87,6 +89,7 @@ async def test_puts_are_written_in_place_into_the_shards_shared_arena(nats_url):
     async with shard(nats_url, "arena", shared_arena=True) as plane:
         big, small = os.urandom(3 * 1024**2), os.urandom(1000)
         async with client(nats_url) as kv:
+
             def staged():
                 with kv.staged_put(["big", "small"], [len(big), len(small)], pin_s=5) as views:
                     assert views[0].obj is views[1].obj  # both in one mapping: the shard's arena
@@ -175,6 +178,7 @@ def _reply(sock: socket.socket) -> dict:
 
 async def test_bad_frames_get_clear_errors_and_the_shard_keeps_serving(nats_url):
     async with shard(nats_url, "bad") as plane, client(nats_url) as kv:
+
         def probe():
             with _raw(plane) as s:  # not our protocol at all: an error, then the connection closes
                 s.sendall(b"GET / HTTP/1.1\r\n\r\n")
@@ -207,13 +211,15 @@ async def test_a_connection_without_a_valid_token_is_refused_before_it_touches_t
     async with shard(nats_url, "door") as plane, client(nats_url) as kv:
         await put(kv, ["kept"], [b"v" * 100])
         other_shard = Tokens("door")  # a shard of the same name, but another key
-        cases = [({"op": "get", "keys": ["kept"]}, "starts with hello"),
-                 ({"op": "put", "keys": ["k"], "sizes": [0]}, "starts with hello"),
-                 ({"op": "hello"}, "not a data-plane token"),
-                 ({"op": "hello", "token": "9999999999.deadbeef"}, "not a data-plane token"),
-                 ({"op": "hello", "token": other_shard.mint()}, "not a data-plane token"),
-                 ({"op": "hello", "token": plane.tokens.mint(ttl_s=-2)}, "expired"),
-                 ({"op": "hello", "token": plane.tokens.mint() + "0"}, "not a data-plane token")]
+        cases = [
+            ({"op": "get", "keys": ["kept"]}, "starts with hello"),
+            ({"op": "put", "keys": ["k"], "sizes": [0]}, "starts with hello"),
+            ({"op": "hello"}, "not a data-plane token"),
+            ({"op": "hello", "token": "9999999999.deadbeef"}, "not a data-plane token"),
+            ({"op": "hello", "token": other_shard.mint()}, "not a data-plane token"),
+            ({"op": "hello", "token": plane.tokens.mint(ttl_s=-2)}, "expired"),
+            ({"op": "hello", "token": plane.tokens.mint() + "0"}, "not a data-plane token"),
+        ]
 
         def probe():
             for first, reason in cases:
@@ -257,11 +263,14 @@ async def test_a_store_that_never_came_does_not_hold_each_call_for_the_transfer_
 
 async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path):
     import httpx
+
     from llmesh.launcher import free_port
     from llmesh_kvstore.metrics import serve_metrics
 
-    async with shard(nats_url, "metrics", capacity=1500, ssd=SsdTier(tmp_path, 10_000)) as plane, \
-            client(nats_url) as kv:
+    async with (
+        shard(nats_url, "metrics", capacity=1500, ssd=SsdTier(tmp_path, 10_000)) as plane,
+        client(nats_url) as kv,
+    ):
         port = free_port()
         serve_metrics(plane.state.snapshot, "metrics", port)
         await put(kv, ["a"], [b"a" * 1000], pin_s=60)
@@ -271,13 +280,15 @@ async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path)
         await get(kv, ["a", "missing"])
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-        for line in ['llmesh_kv_bytes{shard="metrics",tier="memory"} 1400.0',
-                     'llmesh_kv_hits_total{shard="metrics",tier="memory"} 1.0',
-                     'llmesh_kv_misses_total{shard="metrics"} 1.0',
-                     'llmesh_kv_pinned_bytes{shard="metrics"} 1000.0',
-                     'llmesh_kv_put_bytes_total{shard="metrics"} 2400.0',  # the refused put was received too
-                     'llmesh_kv_get_bytes_total{shard="metrics"} 1000.0',
-                     'llmesh_kv_ssd_enabled{shard="metrics"} 1.0']:
+        for line in [
+            'llmesh_kv_bytes{shard="metrics",tier="memory"} 1400.0',
+            'llmesh_kv_hits_total{shard="metrics",tier="memory"} 1.0',
+            'llmesh_kv_misses_total{shard="metrics"} 1.0',
+            'llmesh_kv_pinned_bytes{shard="metrics"} 1000.0',
+            'llmesh_kv_put_bytes_total{shard="metrics"} 2400.0',  # the refused put was received too
+            'llmesh_kv_get_bytes_total{shard="metrics"} 1000.0',
+            'llmesh_kv_ssd_enabled{shard="metrics"} 1.0',
+        ]:
             assert line in text, line
 
 
@@ -304,8 +315,12 @@ async def test_a_failed_grant_leaves_no_stale_space_to_write_into(nats_url):
     pinned chunks, cannot grant it: that remainder went back to the store (another client's chunk
     may lie there now), so the connection's next, smaller put must not be written into it."""
     capacity = 8 * 1024**2  # grants of 128 KiB (1/64 of the arena)
-    async with shard(nats_url, "stale", capacity=capacity, shared_arena=True), \
-            client(nats_url, connections_per_shard=1) as kv, client(nats_url) as others:
+    async with (
+        shard(nats_url, "stale", capacity=capacity, shared_arena=True),
+        client(nats_url, connections_per_shard=1) as kv,
+        client(nats_url) as others,
+    ):
+
         def put_in_place(client_kv, key, value, pin_s=60.0):
             with client_kv.staged_put([key], [len(value)], pin_s=pin_s) as (view,):
                 view[:] = value
@@ -363,11 +378,11 @@ async def test_a_put_and_a_get_say_which_contiguous_memory_holds_which_values(na
 
             def put_then_get():
                 with kv.staged_put(keys, [4096] * 5) as staged:
-                    (positions, run), = staged.runs
+                    ((positions, run),) = staged.runs
                     assert positions == list(range(5)) and len(run) == 5 * 4096
                     run[:] = b"".join(values)
                 with kv.get(["missing", *keys]) as fetched:
-                    (positions, run), = fetched.runs
+                    ((positions, run),) = fetched.runs
                     assert positions == [1, 2, 3, 4, 5] and bytes(run) == b"".join(values)
 
             await asyncio.to_thread(put_then_get)

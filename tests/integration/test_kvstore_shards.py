@@ -15,9 +15,9 @@ import redis
 from llmesh.bus import Bus
 from llmesh.errors import MeshError
 from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory, rendezvous_owner
+from llmesh.kvkeys import INDEX_KEY, decode_entry
 from llmesh.launcher import free_port, start_redis, start_service
 from llmesh.messages import KvFlush, KvStats, Subjects
-from llmesh.kvkeys import INDEX_KEY, decode_entry
 from llmesh_kvstore.lmcache_protocol import HEALTH, REPLY, REQUEST, SUCCESS
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,9 +29,15 @@ LMCACHE_PORT = free_port()
 
 
 def start_shard(name: str, nats_url: str, redis_url: str, data_dir, logs):
-    env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url, "MESH_KV_SHARD": name,
-           "MESH_DATA_DIR": str(data_dir), "MESH_CAPACITY_BYTES": str(64 * 1024**2), "MESH_HEARTBEAT_S": "0.3",
-           "MESH_LMCACHE_PORT": str(LMCACHE_PORT) if name == "a" else "0"}
+    env = {
+        "MESH_NATS_URL": nats_url,
+        "MESH_REDIS_URL": redis_url,
+        "MESH_KV_SHARD": name,
+        "MESH_DATA_DIR": str(data_dir),
+        "MESH_CAPACITY_BYTES": str(64 * 1024**2),
+        "MESH_HEARTBEAT_S": "0.3",
+        "MESH_LMCACHE_PORT": str(LMCACHE_PORT) if name == "a" else "0",
+    }
     return start_service("kv-store", env, logs / f"kv-{name}-{time.monotonic_ns()}.log")
 
 

@@ -28,8 +28,9 @@ def test_every_source_loads_with_its_generators_and_splits_by_prompt():
     count = token_counter(load_tokenizer())
     examples = data.load(count, limit_prompts=40, keep_text=True)
     by_source = {s: [e for e in examples if e.source == s] for s in data.SOURCES}
-    assert all(len({e.prompt for e in rows}) == 40 for rows in by_source.values()), \
-        {s: len(r) for s, r in by_source.items()}
+    assert all(len({e.prompt for e in rows}) == 40 for rows in by_source.values()), {
+        s: len(r) for s, r in by_source.items()
+    }
     assert len({e.generator for e in by_source["alpaca-eval"]}) == 30
     assert {e.family for e in by_source["gpteacher"]} == {"gpt-4"}
     assert {"o3-mini-2025-01-31", "gpt-4-0314"} <= {e.generator for e in by_source["arena-hard"]}
@@ -41,10 +42,19 @@ def test_every_source_loads_with_its_generators_and_splits_by_prompt():
 
 
 def test_families_of_generators():
-    assert [data.family_of(g) for g in ("Meta-Llama-3-8B-Instruct", "gpt4_1106_preview", "gpt-4o-2024-05-13",
-                                        "Mixtral-8x7B-Instruct-v0.1", "claude-3-opus-20240229", "Qwen2-72B-Instruct",
-                                        "o3-mini-2025-01-31", "someone-new")] == \
-        ["llama", "gpt-4", "gpt-4", "mistral", "claude", "qwen", "o3", data.UNKNOWN]
+    assert [
+        data.family_of(g)
+        for g in (
+            "Meta-Llama-3-8B-Instruct",
+            "gpt4_1106_preview",
+            "gpt-4o-2024-05-13",
+            "Mixtral-8x7B-Instruct-v0.1",
+            "claude-3-opus-20240229",
+            "Qwen2-72B-Instruct",
+            "o3-mini-2025-01-31",
+            "someone-new",
+        )
+    ] == ["llama", "gpt-4", "gpt-4", "mistral", "claude", "qwen", "o3", data.UNKNOWN]
 
 
 def test_hashing_is_the_same_in_every_process():
@@ -58,8 +68,13 @@ def test_bucket_probabilities_sum_to_one_and_follow_the_estimate():
 
 
 def test_training_on_a_slice_beats_the_constant_and_refines_with_tokens_seen(tmp_path):
-    report = run(limit_prompts=120, sources=("alpaca-eval", "gpteacher", "hh-rlhf"), leave_one_out=False,
-                 out=tmp_path / "model", quiet=True)
+    report = run(
+        limit_prompts=120,
+        sources=("alpaca-eval", "gpteacher", "hh-rlhf"),
+        leave_one_out=False,
+        out=tmp_path / "model",
+        quiet=True,
+    )
     constant, ours = report["total"][:2]
     assert ours["mae_tokens"] < constant["mae_tokens"] and ours["within_one"] > constant["within_one"]
     assert ours["kendall_tau"] > 0.2 and constant["kendall_tau"] is None
@@ -67,8 +82,13 @@ def test_training_on_a_slice_beats_the_constant_and_refines_with_tokens_seen(tmp
     assert later and np.mean([r["mae_refined"] for r in later]) < np.mean([r["mae_prompt_only"] for r in later])
     # the artifact it wrote serves
     predictor = Predictor(tmp_path / "model", "test", "Meta-Llama-3-8B-Instruct")
-    short, long = predictor.predict(["What is 2 + 2? Answer with the number only.",
-                                     "Write a detailed, multi-section essay on the history of Rome."], [40, 60])
+    short, long = predictor.predict(
+        [
+            "What is 2 + 2? Answer with the number only.",
+            "Write a detailed, multi-section essay on the history of Rome.",
+        ],
+        [40, 60],
+    )
     assert short.expected_tokens < long.expected_tokens and short.informative
     (refined,) = predictor.predict_remaining(["Write a story."], ["Once upon a time"], [16], [5])
     assert refined.remaining_tokens > 0 and refined.generated_tokens == 5

@@ -49,16 +49,20 @@ from llmesh_router.service import create_app
 
 pytestmark = pytest.mark.timeout(180)
 
-PROMPTS = ["Write a haiku about autumn.", "Explain how a transformer works, step by step, in detail.",
-           "What is the capital of France?", "Write a long story about a dragon and a knight."]
-
+PROMPTS = [
+    "Write a haiku about autumn.",
+    "Explain how a transformer works, step by step, in detail.",
+    "What is the capital of France?",
+    "Write a long story about a dragon and a knight.",
+]
 
 
 @pytest.fixture(scope="module")
 async def service(nats_url, redis_url):
     bus = await Bus.connect(nats_url, "length-predictor-test")
-    settings = LengthPredictorSettings(_env_file=None, redis_url=redis_url, length_max_batch=32,
-                                       length_recent_samples=1000)
+    settings = LengthPredictorSettings(
+        _env_file=None, redis_url=redis_url, length_max_batch=32, length_recent_samples=1000
+    )
     svc = await LengthPredictorService.create(bus, settings, "length-test")
     await svc.start()
     try:
@@ -78,8 +82,12 @@ async def client(nats_url):
 
 
 async def predict(bus: Bus, prompt: str, request_id: str = "") -> LengthPrediction:
-    reply, _ = await bus.request(Subjects.LENGTH_PREDICT, LengthPredictRequest(request_id=request_id, prompt=prompt),
-                                 LengthPrediction, timeout=10)
+    reply, _ = await bus.request(
+        Subjects.LENGTH_PREDICT,
+        LengthPredictRequest(request_id=request_id, prompt=prompt),
+        LengthPrediction,
+        timeout=10,
+    )
     return reply
 
 
@@ -129,8 +137,12 @@ async def test_bad_input_gets_a_clear_error_and_the_service_keeps_serving(servic
 
 
 async def remaining(bus: Bus, prompt: str, generated: str, tokens: int) -> LengthRemaining:
-    reply, _ = await bus.request(Subjects.LENGTH_REMAINING, LengthRemainingRequest(
-        prompt=prompt, generated=generated, generated_tokens=tokens), LengthRemaining, timeout=10)
+    reply, _ = await bus.request(
+        Subjects.LENGTH_REMAINING,
+        LengthRemainingRequest(prompt=prompt, generated=generated, generated_tokens=tokens),
+        LengthRemaining,
+        timeout=10,
+    )
     return reply
 
 
@@ -156,8 +168,10 @@ async def test_remaining_length_answers_change_with_the_text_so_far(service, cli
 async def observe(service, client, prompt: str, actual: int, finish: str = "stop") -> LengthPrediction:
     request_id = f"req-{time.monotonic_ns()}"
     prediction = await predict(client, prompt, request_id)
-    await client.publish(Subjects.length_observed(prediction.replica), LengthObserved(
-        request_id=request_id, predicted=prediction, actual_tokens=actual, finish_reason=finish))
+    await client.publish(
+        Subjects.length_observed(prediction.replica),
+        LengthObserved(request_id=request_id, predicted=prediction, actual_tokens=actual, finish_reason=finish),
+    )
     return prediction
 
 
@@ -232,8 +246,7 @@ async def test_refit_that_is_worse_is_rejected_and_a_better_one_serves_everywher
     version = service.predictor.version
     worse = await refit(client, min_samples=20, holdout_fraction=0.25)
     assert not worse.accepted, worse
-    assert worse.after["log_loss"] > worse.before["log_loss"] and worse.held_out == sum(
-        1 for p in prompts if p in held)
+    assert worse.after["log_loss"] > worse.before["log_loss"] and worse.held_out == sum(1 for p in prompts if p in held)
     assert service.predictor.version == version == worse.model_version
     assert (await predict(client, prompts[0])).model_version == version
 
@@ -278,12 +291,22 @@ def spans():
 def heartbeat(worker_id: str, role: str):
     from llmesh.messages import WorkerInfo
 
-    return WorkerInfo(worker_id=worker_id, role=role, model="m", fingerprint="f" * 32, max_model_len=2048,
-                      running=0, queued_tokens=0, capacity=4, heartbeat_s=1.0)
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        model="m",
+        fingerprint="f" * 32,
+        max_model_len=2048,
+        running=0,
+        queued_tokens=0,
+        capacity=4,
+        heartbeat_s=1.0,
+    )
 
 
-async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: float = 5.0, prefill_s: float = 0.0,
-                                   **dispatcher):
+async def router_with_fake_workers(
+    nats_url: str, name: str, length_timeout_s: float = 5.0, prefill_s: float = 0.0, **dispatcher
+):
     """The router app in-process, and prefill/decode doubles on the bus that record what they get
     (the prefill takes `prefill_s`)."""
     bus = await Bus.connect(nats_url, f"router-{name}")
@@ -292,8 +315,12 @@ async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: f
     async def prefill(req, blob):
         seen.append(req)
         await asyncio.sleep(prefill_s)
-        return PrefillResult(prompt_token_ids=[1, 2, 3], max_tokens=4, fingerprint="f" * 32,
-                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=3, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2, 3],
+            max_tokens=4,
+            fingerprint="f" * 32,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=3, completion_tokens=1),
+        )
 
     async def decode(req, blob):
         seen.append(req)
@@ -305,14 +332,17 @@ async def router_with_fake_workers(nats_url: str, name: str, length_timeout_s: f
     registry.on_heartbeat(heartbeat(f"p-{name}", "prefill"))
     registry.on_heartbeat(heartbeat(f"d-{name}", "decode"))
     metrics = RouterMetrics()
-    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s, **dispatcher), registry, metrics,
-                     request_timeout_s=30)
+    app = create_app(
+        Dispatcher(bus, registry, metrics, length_timeout_s, **dispatcher), registry, metrics, request_timeout_s=30
+    )
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router"), metrics, seen
 
 
 def outcomes(metrics: RouterMetrics) -> dict[str, float]:
-    return {o: metrics.registry.get_sample_value("llmesh_request_length_predictions_total", {"outcome": o}) or 0
-            for o in ("ok", "timeout", "unavailable", "error", "skipped", "unsampled", "late")}
+    return {
+        o: metrics.registry.get_sample_value("llmesh_request_length_predictions_total", {"outcome": o}) or 0
+        for o in ("ok", "timeout", "unavailable", "error", "skipped", "unsampled", "late")
+    }
 
 
 def router_span(spans: InMemorySpanExporter) -> dict:
@@ -324,9 +354,13 @@ def router_span(spans: InMemorySpanExporter) -> dict:
 async def test_a_policy_that_reads_predictions_gets_them_before_dispatch(service, client, nats_url, spans):
     bus, http, metrics, seen = await router_with_fake_workers(nats_url, "with-predictor", predict_before_dispatch=True)
     try:
-        resp = await http.post("/v1/chat/completions", json={
-            "model": "m", "messages": [{"role": "system", "content": "Be brief."},
-                                       {"role": "user", "content": PROMPTS[3]}]})
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "m",
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[3]}],
+            },
+        )
         assert resp.status_code == 200, resp.text
         expected = await predict(client, PROMPTS[3])  # the user's turns are what the predictor reads
         prefill, decode = seen
@@ -342,8 +376,9 @@ async def test_a_policy_that_reads_predictions_gets_them_before_dispatch(service
         # JSON can escape a lone surrogate, which no UTF-8 message can carry: a 400 before any dispatch.
         seen.clear()
         for path, body in [
-                ("/v1/completions", b'{"model": "m", "prompt": "\\ud800 hi"}'),
-                ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}')]:
+            ("/v1/completions", b'{"model": "m", "prompt": "\\ud800 hi"}'),
+            ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+        ]:
             resp = await http.post(path, content=body, headers={"content-type": "application/json"})
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", resp.text
         assert not seen
@@ -363,8 +398,7 @@ async def settled_predictions(client, replica: str) -> int:
         count = now
 
 
-async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying_it(service, client, nats_url,
-                                                                                    spans):
+async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying_it(service, client, nats_url, spans):
     # The prediction (tens of ms) is in before this prefill ends: decode carries it, prefill did not wait.
     bus, http, metrics, seen = await router_with_fake_workers(nats_url, "beside", prefill_s=1.0)
     try:
@@ -413,8 +447,9 @@ async def test_router_serves_without_the_predictor_or_past_a_slow_one(tmp_path, 
     from llmesh.launcher import start_nats
 
     nats, url = start_nats(tmp_path)  # a mesh whose predictor is not running
-    bus, http, metrics, seen = await router_with_fake_workers(url, "alone", length_timeout_s=0.05,
-                                                              predict_before_dispatch=True)
+    bus, http, metrics, seen = await router_with_fake_workers(
+        url, "alone", length_timeout_s=0.05, predict_before_dispatch=True
+    )
     try:
         resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
         assert resp.status_code == 200, resp.text

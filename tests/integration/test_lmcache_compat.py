@@ -16,8 +16,8 @@ import time
 from ipaddress import ip_network
 
 import pytest
-
 from tool_envs import lmcache_python
+
 from llmesh_kvstore.lmcache_protocol import start_lmcache_server
 from llmesh_kvstore.store import ChunkStore
 
@@ -120,8 +120,9 @@ async def _serve(store: ChunkStore, **kwargs):
 
 async def _run_in_lmcache_env(python, *args: str, timeout: float = 300) -> str:
     """Runs without blocking this loop, which is serving the lm:// endpoint."""
-    proc = await asyncio.create_subprocess_exec(str(python), *args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        str(python), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
@@ -146,8 +147,15 @@ async def test_lmcache_client_round_trips_through_our_server(lmcache_py):
     assert sum(len(store.get("lmc:" + k)) for k in result["keys"]) == sum(g["nbytes"] + 28 for g in result["gets"])
 
 
-def _request(command: int, key: str | bytes = "m@1@0@abc@bfloat16", length: int = 0, fmt: int = 1, dtype: int = 2,
-             shape=(0, 0, 0, 0), location: int = 0) -> bytes:
+def _request(
+    command: int,
+    key: str | bytes = "m@1@0@abc@bfloat16",
+    length: int = 0,
+    fmt: int = 1,
+    dtype: int = 2,
+    shape=(0, 0, 0, 0),
+    location: int = 0,
+) -> bytes:
     raw = key.encode() if isinstance(key, str) else key
     return REQUEST.pack(command, length, fmt, dtype, location, *shape, raw.ljust(150))
 
@@ -199,9 +207,16 @@ async def test_replies_equal_lmcache_reference_server_byte_for_byte(lmcache_py):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         ref_port = s.getsockname()[1]
-    ref = await asyncio.create_subprocess_exec(str(lmcache_py), "-m", "lmcache.v1.server", "127.0.0.1",
-                                               str(ref_port), "cpu", stdout=asyncio.subprocess.DEVNULL,
-                                               stderr=asyncio.subprocess.DEVNULL)
+    ref = await asyncio.create_subprocess_exec(
+        str(lmcache_py),
+        "-m",
+        "lmcache.v1.server",
+        "127.0.0.1",
+        str(ref_port),
+        "cpu",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     server, port = await _serve(ChunkStore(64 * 1024**2))
     try:
         deadline = time.monotonic() + 120

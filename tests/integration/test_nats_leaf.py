@@ -22,16 +22,24 @@ def start_from_credentials(directory: Path, *args: str) -> tuple[Child, str]:
     """nats-server from the config `python -m llmesh.credentials DIR --nats-listen ...` writes (as compose runs it)."""
     port = free_port()
     assert main([str(directory), "--nats-listen", f"127.0.0.1:{port}", *args]) == 0
-    child = Child(directory.name, [nats_server_binary(), "-c", str(directory / "nats.conf")],
-                  log_path=directory.parent / f"{directory.name}.log")
+    child = Child(
+        directory.name,
+        [nats_server_binary(), "-c", str(directory / "nats.conf")],
+        log_path=directory.parent / f"{directory.name}.log",
+    )
     wait_for_port(port, 10, child.proc)
     return child, f"nats://127.0.0.1:{port}"
 
 
 async def connect(secrets: MeshSecrets, url: str, user: str):
     servers, tls = nats_tls(secrets.nats_url(url, user))
-    return await nats.connect(servers=servers, tls=tls, tls_handshake_first=tls is not None,
-                              inbox_prefix=f"_INBOX.{user}".encode(), allow_reconnect=False)
+    return await nats.connect(
+        servers=servers,
+        tls=tls,
+        tls_handshake_first=tls is not None,
+        inbox_prefix=f"_INBOX.{user}".encode(),
+        allow_reconnect=False,
+    )
 
 
 async def crossing(hub_secrets: MeshSecrets, hub: str, leaf_secrets: MeshSecrets, leaf: str, within_s: float) -> bool:

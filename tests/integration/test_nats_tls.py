@@ -41,8 +41,13 @@ def tls_secrets(directory: Path) -> MeshSecrets:
 
 
 def start_tls_nats(work: Path, directory: Path, port: int | None = None):
-    return start_nats(work, port, authorization=MeshSecrets.load(directory).nats_authorization(),
-                      tls=nats_tls_block(directory), log_path=work / f"nats-{port}.log")
+    return start_nats(
+        work,
+        port,
+        authorization=MeshSecrets.load(directory).nats_authorization(),
+        tls=nats_tls_block(directory),
+        log_path=work / f"nats-{port}.log",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +74,9 @@ async def refusal(url: str, context: ssl.SSLContext | None = None, **options) ->
     servers, tls = nats_tls(url)
     tls = context or tls
     with pytest.raises((nats.errors.Error, OSError, asyncio.TimeoutError)) as refused:
-        nc = await nats.connect(servers, tls=tls, tls_handshake_first=tls is not None, allow_reconnect=False,
-                                connect_timeout=2, **options)
+        nc = await nats.connect(
+            servers, tls=tls, tls_handshake_first=tls is not None, allow_reconnect=False, connect_timeout=2, **options
+        )
         await nc.close()
     return repr(refused.value)
 
@@ -82,6 +88,7 @@ async def test_a_service_trusting_the_ca_connects_over_tls_and_does_its_part(mes
     assert urlsplit(router_url).scheme == "tls" and secrets.nats_passwords["router"] in router_url
     router, worker = await Bus.connect(router_url, "router"), await Bus.connect(worker_url, "decode-worker")
     try:
+
         async def echo(msg: KvDiscover, blob: memoryview):
             return msg
 
@@ -93,8 +100,12 @@ async def test_a_service_trusting_the_ca_connects_over_tls_and_does_its_part(mes
         await worker.serve(Subjects.worker("decode", "w2"), stream)
         reply, _ = await router.request(Subjects.worker("decode", "w1"), KvDiscover(), KvDiscover, timeout=5)
         assert isinstance(reply, KvDiscover)
-        got = [r async for r, _ in await router.stream(Subjects.worker("decode", "w2"), KvDiscover(),
-                                                       deadline=time.time() + 10)]
+        got = [
+            r
+            async for r, _ in await router.stream(
+                Subjects.worker("decode", "w2"), KvDiscover(), deadline=time.time() + 10
+            )
+        ]
         assert len(got) == 3
     finally:
         await router.close()
@@ -140,8 +151,10 @@ async def test_a_client_checks_the_servers_name_against_its_certificate(mesh):
 
 async def test_a_client_over_tls_without_a_valid_password_is_refused(mesh):
     secrets, url, directory = mesh
-    for attempt in (trusting_nats_ca(url, directory),
-                    secrets.nats_url(url, "router").replace(secrets.nats_passwords["router"], "wrong")):
+    for attempt in (
+        trusting_nats_ca(url, directory),
+        secrets.nats_url(url, "router").replace(secrets.nats_passwords["router"], "wrong"),
+    ):
         assert "Authorization Violation" in await refusal(attempt)
         with pytest.raises(ServiceUnavailable):
             await Bus.connect(attempt, "intruder", connect_timeout=1.5)

@@ -42,8 +42,9 @@ class FakeWorker:
     """Heartbeats every 0.2 s; answers migrations (accepting: the request leaves its list), drains and,
     built with both `roles`, role switches (accepting: it serves the new role at once)."""
 
-    def __init__(self, bus: Bus, worker_id: str, requests: list[RequestProgress], role: str, accept: bool,
-                 roles: list[str]):
+    def __init__(
+        self, bus: Bus, worker_id: str, requests: list[RequestProgress], role: str, accept: bool, roles: list[str]
+    ):
         self.bus, self.worker_id, self.requests, self.role, self.accept = bus, worker_id, requests, role, accept
         self.roles = roles
         self.state = "active"
@@ -53,13 +54,22 @@ class FakeWorker:
         self._beating: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True,
-                    roles=()) -> FakeWorker:
+    async def start(
+        cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True, roles=()
+    ) -> FakeWorker:
         """`requests`: (id, prompt tokens, generated, priority) of each."""
         bus = await Bus.connect(nats_url, worker_id)
-        worker = cls(bus, worker_id, [RequestProgress(request_id=r, prompt_tokens=p, generated=g, max_tokens=512,
-                                                      priority=prio) for r, p, g, prio in requests], role, accept,
-                     list(roles))
+        worker = cls(
+            bus,
+            worker_id,
+            [
+                RequestProgress(request_id=r, prompt_tokens=p, generated=g, max_tokens=512, priority=prio)
+                for r, p, g, prio in requests
+            ],
+            role,
+            accept,
+            list(roles),
+        )
         await bus.serve(Subjects.migrate(worker_id), worker._on_migrate)
         await bus.serve(Subjects.drain(worker_id), worker._on_drain)
         if roles:
@@ -70,10 +80,23 @@ class FakeWorker:
 
     def info(self) -> WorkerInfo:
         used = sum(kv_blocks(r.prompt_tokens + r.generated, BLOCK) for r in self.requests)
-        return WorkerInfo(worker_id=self.worker_id, role=self.role, model="m", fingerprint="f" * 32,
-                          max_model_len=4096, running=len(self.requests), queued_tokens=0, capacity=8,
-                          heartbeat_s=0.2, state=self.state, kv_blocks_used=used, kv_blocks_total=100,
-                          block_size=BLOCK, requests=self.requests, roles=self.roles)
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model="m",
+            fingerprint="f" * 32,
+            max_model_len=4096,
+            running=len(self.requests),
+            queued_tokens=0,
+            capacity=8,
+            heartbeat_s=0.2,
+            state=self.state,
+            kv_blocks_used=used,
+            kv_blocks_total=100,
+            block_size=BLOCK,
+            requests=self.requests,
+            roles=self.roles,
+        )
 
     async def _beat(self) -> None:
         while True:
@@ -84,8 +107,14 @@ class FakeWorker:
         self.migrations.append((time.monotonic(), cmd))
         if self.accept:
             self.requests = [r for r in self.requests if r.request_id != cmd.request_id]
-        return MigrateOutcome(migration_id=cmd.migration_id, request_id=cmd.request_id, source=self.worker_id,
-                              target=cmd.target, accepted=self.accept, reason="" if self.accept else "fake refuses")
+        return MigrateOutcome(
+            migration_id=cmd.migration_id,
+            request_id=cmd.request_id,
+            source=self.worker_id,
+            target=cmd.target,
+            accepted=self.accept,
+            reason="" if self.accept else "fake refuses",
+        )
 
     async def _on_drain(self, cmd: DrainCommand, blob) -> Ack:
         self.drains.append(cmd)
@@ -136,8 +165,11 @@ class Replica:
 @asynccontextmanager
 async def placement(nats_url, placement_id, redis_url="", **settings):
     bus = await Bus.connect(nats_url, placement_id)
-    service = await PlacementService.create(bus, PlacementSettings(
-        nats_url=nats_url, redis_url=redis_url, placement_id=placement_id, **settings), placement_id)
+    service = await PlacementService.create(
+        bus,
+        PlacementSettings(nats_url=nats_url, redis_url=redis_url, placement_id=placement_id, **settings),
+        placement_id,
+    )
     replica = Replica(bus, service)
     try:
         yield replica
@@ -166,7 +198,6 @@ async def recorded_events(bus) -> list[PlacementDecision]:
 async def ask(bus, **request) -> PlacementStatus:
     status, _ = await bus.request(Subjects.PLACEMENT, PlacementRequest(**request), PlacementStatus, timeout=5)
     return status
-
 
 
 # ---- (a) one leader --------------------------------------------------------------------------------------------
@@ -233,12 +264,16 @@ async def test_without_redis_a_replica_leads_alone(nats_url):
 async def test_a_killed_leader_is_replaced_and_commands_resume_within_3s(nats_url, redis_url, tmp_path):
     """Real processes: the leader is SIGKILLed (no lease given up); the standby takes over when the
     lease runs out and issues the next drain command."""
-    async with fakes(nats_url, (("kill-src", [("k1", 100, 5, 0)]), {"accept": False}),
-                     (("kill-dst",), {})) as (src, dst):
+    async with fakes(nats_url, (("kill-src", [("k1", 100, 5, 0)]), {"accept": False}), (("kill-dst",), {})) as (
+        src,
+        dst,
+    ):
         src.state = "draining"  # its request is moved (and refused) every period
         env = {"MESH_NATS_URL": nats_url, "MESH_REDIS_URL": redis_url}
-        children = {pid: start_service("placement", env | {"MESH_PLACEMENT_ID": pid}, tmp_path / f"{pid}.log")
-                    for pid in ("proc-a", "proc-b")}
+        children = {
+            pid: start_service("placement", env | {"MESH_PLACEMENT_ID": pid}, tmp_path / f"{pid}.log")
+            for pid in ("proc-a", "proc-b")
+        }
         client = await Bus.connect(nats_url, "kill-client")
         try:
             await until(lambda: src.migrations, 15, step=0.1)
@@ -264,8 +299,12 @@ async def test_a_killed_leader_is_replaced_and_commands_resume_within_3s(nats_ur
 async def test_skewed_load_moves_the_cheapest_request_to_the_freest_worker_once_per_cooldown(nats_url):
     # busy: 76 + 7 + 2 of 100 blocks for 3 requests, freeness 5; idle: 100; mid: 74
     busy_requests = [("big", 1200, 1, 0), ("small", 100, 10, 0), ("urgent", 20, 1, -1)]
-    async with fakes(nats_url, (("bal-busy", busy_requests), {"accept": False}), (("bal-idle",), {}),
-                     (("bal-mid", [("m", 400, 1, 0)]), {})) as (busy, idle, mid):
+    async with fakes(
+        nats_url,
+        (("bal-busy", busy_requests), {"accept": False}),
+        (("bal-idle",), {}),
+        (("bal-mid", [("m", 400, 1, 0)]), {}),
+    ) as (busy, idle, mid):
         watcher = await Bus.connect(nats_url, "bal-events")
         events = await recorded_events(watcher)
         try:
@@ -282,17 +321,26 @@ async def test_skewed_load_moves_the_cheapest_request_to_the_freest_worker_once_
         assert busy.migrations[1][0] - first_at >= 0.4  # one in flight per source, one per period
         assert not idle.migrations and not mid.migrations
         assert replica.service.decisions["migrate/refused"] == len(moved)
-        assert any(isinstance(e, PlacementDecision) and e.kind == "migrate" and e.reason == "balance"
-                   and e.detail["request_id"] == "small" and e.detail["outcome"] == "refused" for e in events)
+        assert any(
+            isinstance(e, PlacementDecision)
+            and e.kind == "migrate"
+            and e.reason == "balance"
+            and e.detail["request_id"] == "small"
+            and e.detail["outcome"] == "refused"
+            for e in events
+        )
 
 
 # ---- (c) drain -----------------------------------------------------------------------------------------------------
 
 
 async def test_drain_moves_every_request_away_and_manual_migration(nats_url):
-    async with fakes(nats_url, (("dr-src", [("r1", 50, 2, 0), ("r2", 60, 1, 0), ("r3", 40, 9, 1)]), {}),
-                     (("dr-dst", [("m1", 30, 3, 0)]), {}), (("dr-pre", [("p1", 30, 0, 0)]), {"role": "prefill"})
-                     ) as (src, dst, pre):
+    async with fakes(
+        nats_url,
+        (("dr-src", [("r1", 50, 2, 0), ("r2", 60, 1, 0), ("r3", 40, 9, 1)]), {}),
+        (("dr-dst", [("m1", 30, 3, 0)]), {}),
+        (("dr-pre", [("p1", 30, 0, 0)]), {"role": "prefill"}),
+    ) as (src, dst, pre):
         client = await Bus.connect(nats_url, "dr-client")
         try:
             async with placement(nats_url, "dr") as replica:
@@ -316,8 +364,11 @@ async def test_drain_moves_every_request_away_and_manual_migration(nats_url):
                 assert next(w for w in status.workers if w.worker_id == "dr-src").state == "draining"
                 await until(lambda: len(src.migrations) == 3, 2)
                 await asyncio.sleep(0.6)  # a period more: nothing is sent twice
-                assert sorted(src.moved()) == [("r1", "dr-dst", "drain"), ("r2", "dr-dst", "drain"),
-                                               ("r3", "dr-dst", "drain")]
+                assert sorted(src.moved()) == [
+                    ("r1", "dr-dst", "drain"),
+                    ("r2", "dr-dst", "drain"),
+                    ("r3", "dr-dst", "drain"),
+                ]
                 status = await ask(client, op="status")
                 assert (status.decisions["migrate/accepted"], status.decisions["drain/ok"]) == (4, 1)
                 assert "migrate/refused" not in status.decisions and "migrate/error" not in status.decisions
@@ -330,11 +381,14 @@ async def test_drain_moves_every_request_away_and_manual_migration(nats_url):
 
 async def test_busy_prefill_pool_gets_a_switchable_decode_worker_and_manual_role_commands(nats_url, capsys):
     prompts = [(f"p{i}", 200, 0, 0) for i in range(8)]  # a full prefill worker: U = 8/8 + 104/100
-    async with fakes(nats_url, (("ro-p1", prompts), {"role": "prefill"}),
-                     (("ro-p2", [(f"q{i}", 200, 0, 0) for i in range(8)]), {"role": "prefill"}),
-                     (("ro-d1", [("r1", 50, 4, 0)]), {"roles": ("prefill", "decode")}),
-                     (("ro-d2",), {"roles": ("prefill", "decode")}), (("ro-d3",), {})
-                     ) as (p1, p2, d1, d2, d3):
+    async with fakes(
+        nats_url,
+        (("ro-p1", prompts), {"role": "prefill"}),
+        (("ro-p2", [(f"q{i}", 200, 0, 0) for i in range(8)]), {"role": "prefill"}),
+        (("ro-d1", [("r1", 50, 4, 0)]), {"roles": ("prefill", "decode")}),
+        (("ro-d2",), {"roles": ("prefill", "decode")}),
+        (("ro-d3",), {}),
+    ) as (p1, p2, d1, d2, d3):
         client = await Bus.connect(nats_url, "ro-client")
         events = await recorded_events(client)
         try:
@@ -345,14 +399,18 @@ async def test_busy_prefill_pool_gets_a_switchable_decode_worker_and_manual_role
                 await until(lambda: any(e.kind == "role" for e in events), 1)
                 decision = next(e for e in events if e.kind == "role")
                 assert decision.reason == "banaserve" and decision.detail["outcome"] == "accepted"
-                assert (decision.detail["worker_id"], decision.detail["from"], decision.detail["role"]) == \
-                    ("ro-d2", "decode", "prefill")
+                assert (decision.detail["worker_id"], decision.detail["from"], decision.detail["role"]) == (
+                    "ro-d2",
+                    "decode",
+                    "prefill",
+                )
                 assert decision.detail["ratio"] >= 1.0 and decision.detail["prefill_load"] > 2.0
 
                 with pytest.raises(InvalidRequest, match="ro-d3 is not built with both roles"):
                     await ask(client, op="role", worker_id="ro-d3", role="prefill")
-                assert (await ask(client, op="role", worker_id="ro-d2", role="prefill")).message == \
-                    "ro-d2 already serves prefill"
+                assert (
+                    await ask(client, op="role", worker_id="ro-d2", role="prefill")
+                ).message == "ro-d2 already serves prefill"
                 status = await ask(client, op="role", worker_id="ro-d1", role="prefill")
                 assert status.message == "ro-d1: decode -> prefill: accepted"
                 assert [c.reason for c in d1.role_commands] == ["manual"]
@@ -370,17 +428,27 @@ async def test_busy_prefill_pool_gets_a_switchable_decode_worker_and_manual_role
         print(switched, workers, sep="\n")
         assert rc_role == 0 and switched == "ro-d2: prefill -> decode: accepted\n"
         rows = {line.split()[0]: line.split()[1] for line in workers.splitlines() if line.startswith("ro-")}
-        assert rc_workers == 0 and rows == {"ro-p1": "prefill", "ro-p2": "prefill", "ro-d1": "prefill*",
-                                            "ro-d2": "decode*", "ro-d3": "decode"}
+        assert rc_workers == 0 and rows == {
+            "ro-p1": "prefill",
+            "ro-p2": "prefill",
+            "ro-d1": "prefill*",
+            "ro-d2": "decode*",
+            "ro-d3": "decode",
+        }
         assert "* built with both roles" in workers
 
 
 async def test_a_worker_switched_to_prefill_hands_its_decodes_to_the_decode_pool(nats_url):
     # sw serves prefill now: its decodes (r1, r2) move to the decode worker; its prompt (p1) stays
-    async with fakes(nats_url, (("sw-w", [("r1", 50, 4, 0), ("r2", 70, 1, 0), ("p1", 80, 0, 0)]),
-                                {"role": "prefill", "roles": ("prefill", "decode")}),
-                     (("sw-d", [("m1", 30, 3, 0)]), {}), (("sw-p", [("q1", 30, 0, 0)]), {"role": "prefill"})
-                     ) as (switched, decode, prefill):
+    async with fakes(
+        nats_url,
+        (
+            ("sw-w", [("r1", 50, 4, 0), ("r2", 70, 1, 0), ("p1", 80, 0, 0)]),
+            {"role": "prefill", "roles": ("prefill", "decode")},
+        ),
+        (("sw-d", [("m1", 30, 3, 0)]), {}),
+        (("sw-p", [("q1", 30, 0, 0)]), {"role": "prefill"}),
+    ) as (switched, decode, prefill):
         client = await Bus.connect(nats_url, "sw-client")
         events = await recorded_events(client)
         try:
@@ -401,8 +469,15 @@ async def test_a_worker_switched_to_prefill_hands_its_decodes_to_the_decode_pool
 
 async def cli(nats_url, *args):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmesh_placement.cli", "--nats", nats_url, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "llmesh_placement.cli",
+        "--nats",
+        nats_url,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await proc.communicate()
     return proc.returncode, out.decode(), err.decode()
 
@@ -411,8 +486,9 @@ async def test_cli_prints_workers_and_requests(nats_url, capsys):
     async with fakes(nats_url, (("cli-a", [("q1", 300, 4, 0), ("q2", 20, 1, 2)]), {}), (("cli-b",), {})):
         async with placement(nats_url, "cli-leader", placement_balance=False):
             await asyncio.sleep(0.3)
-            (rc_w, workers, _), (rc_r, requests, _) = await asyncio.gather(cli(nats_url, "workers"),
-                                                                           cli(nats_url, "requests"))
+            (rc_w, workers, _), (rc_r, requests, _) = await asyncio.gather(
+                cli(nats_url, "workers"), cli(nats_url, "requests")
+            )
             # the errors in this process (a thread: the service runs on this loop), to spare a start-up
             rc_unknown = await asyncio.to_thread(cli_main, ["--nats", nats_url, "migrate", "nope"])
             unknown = capsys.readouterr().err

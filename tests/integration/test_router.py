@@ -22,23 +22,39 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def info(worker_id, role="prefill", fingerprint="f" * 32, model="m", capacity=4):
-    return WorkerInfo(worker_id=worker_id, role=role, model=model, fingerprint=fingerprint, max_model_len=2048,
-                      running=0, queued_tokens=0, capacity=capacity, heartbeat_s=1.0)
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        fingerprint=fingerprint,
+        max_model_len=2048,
+        running=0,
+        queued_tokens=0,
+        capacity=capacity,
+        heartbeat_s=1.0,
+    )
 
 
 async def _client(nats_url, registry, admission=None, keys=None):
     bus = await Bus.connect(nats_url, "router-test")
     metrics = RouterMetrics()
-    app = create_app(Dispatcher(bus, registry, metrics, length_timeout_s=0.1, admission=admission), registry, metrics,
-                     request_timeout_s=5, keys=keys)
+    app = create_app(
+        Dispatcher(bus, registry, metrics, length_timeout_s=0.1, admission=admission),
+        registry,
+        metrics,
+        request_timeout_s=5,
+        keys=keys,
+    )
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
 async def test_no_live_worker_is_503_within_a_second(nats_url):
     bus, client = await _client(nats_url, WorkerRegistry())
     try:
-        for path, body in [("/v1/completions", {"model": "m", "prompt": "hi"}),
-                           ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})]:
+        for path, body in [
+            ("/v1/completions", {"model": "m", "prompt": "hi"}),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+        ]:
             started = time.monotonic()
             resp = await client.post(path, json=body)
             assert time.monotonic() - started < 1
@@ -57,10 +73,16 @@ async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_reque
     bus, client = await _client(nats_url, registry, keys=KeyRing.load("sk-good alice 1", None))
     completion = {"model": "m", "prompt": "hi", "max_tokens": 2}
     try:
-        for headers, code in [({}, "missing_api_key"), ({"Authorization": "Bearer sk-bad"}, "invalid_api_key"),
-                              ({"Authorization": "sk-good"}, "missing_api_key")]:
-            for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", completion),
-                                       ("POST", "/v1/chat/completions", {"model": "m", "messages": []})]:
+        for headers, code in [
+            ({}, "missing_api_key"),
+            ({"Authorization": "Bearer sk-bad"}, "invalid_api_key"),
+            ({"Authorization": "sk-good"}, "missing_api_key"),
+        ]:
+            for method, path, body in [
+                ("GET", "/v1/models", None),
+                ("POST", "/v1/completions", completion),
+                ("POST", "/v1/chat/completions", {"model": "m", "messages": []}),
+            ]:
                 resp = await client.request(method, path, json=body, headers=headers)
                 assert resp.status_code == 401 and resp.json()["error"]["code"] == code, (path, headers, resp.text)
                 assert resp.json()["error"]["type"] == "invalid_request_error"
@@ -174,7 +196,9 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
 
     registry = WorkerRegistry()
     # A stale heartbeat still counts an earlier prompt: the first request must not go whole to decode for it.
-    registry.on_heartbeat(info("slow-prefill").model_copy(update={"prefill_tokens_per_s": 100.0, "queued_tokens": 10_000}))
+    registry.on_heartbeat(
+        info("slow-prefill").model_copy(update={"prefill_tokens_per_s": 100.0, "queued_tokens": 10_000})
+    )
     registry.on_heartbeat(info("spare-decode", role="decode").model_copy(update={"generates": True}))
     bus, client = await _client(nats_url, registry)
     workers = await Bus.connect(nats_url, "fake-workers")
@@ -183,31 +207,46 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
     async def prefill(req, blob):
         served.append(f"prefill {req.request_id}")
         await asyncio.sleep(1.0)
-        return PrefillResult(prompt_token_ids=req.prompt_token_ids, max_tokens=3,
-                             fingerprint="f" * 32, first=TokenDelta(text="a", token_ids=[7], prompt_tokens=100,
-                                                                    completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=req.prompt_token_ids,
+            max_tokens=3,
+            fingerprint="f" * 32,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=100, completion_tokens=1),
+        )
 
     async def decode(req, blob):
         served.append(f"decode {req.request_id}")
         for i in (2, 3):
-            yield TokenDelta(text="b", token_ids=[8], finish_reason="length" if i == 3 else None,
-                             prompt_tokens=100, completion_tokens=i)
+            yield TokenDelta(
+                text="b",
+                token_ids=[8],
+                finish_reason="length" if i == 3 else None,
+                prompt_tokens=100,
+                completion_tokens=i,
+            )
 
     async def generate(req: PrefillRequest, blob):
         served.append(f"generate {req.request_id}")
         assert isinstance(req, PrefillRequest) and req.prompt_token_ids == list(range(1, 101))
         for i in (1, 2, 3):
             await asyncio.sleep(1.0 if i == 1 else 0.05)  # its prompt takes as long as on the prefill worker
-            yield TokenDelta(text="c", token_ids=[9], finish_reason="length" if i == 3 else None,
-                             prompt_tokens=100, completion_tokens=i)
+            yield TokenDelta(
+                text="c",
+                token_ids=[9],
+                finish_reason="length" if i == 3 else None,
+                prompt_tokens=100,
+                completion_tokens=i,
+            )
 
     await workers.serve(Subjects.worker("prefill", "slow-prefill"), prefill)
     await workers.serve(Subjects.worker("decode", "spare-decode"), decode)
     await workers.serve(Subjects.generate("spare-decode"), generate)
     try:
+
         async def complete():
-            resp = await client.post("/v1/completions", json={"model": "m", "prompt": list(range(1, 101)),
-                                                              "max_tokens": 3})
+            resp = await client.post(
+                "/v1/completions", json={"model": "m", "prompt": list(range(1, 101)), "max_tokens": 3}
+            )
             assert resp.status_code == 200, resp.text
             return resp.json()["choices"][0]["text"]
 
@@ -235,8 +274,12 @@ async def _one_slot_workers(nats_url, prefill_s):
     async def prefill(req, blob):
         order.append(req.prompt)
         await asyncio.sleep(prefill_s)
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
-                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2],
+            max_tokens=2,
+            fingerprint="f" * 32,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1),
+        )
 
     async def decode(req, blob):
         yield TokenDelta(text="b", token_ids=[8], finish_reason="length", prompt_tokens=2, completion_tokens=2)
@@ -298,10 +341,13 @@ async def test_requests_wait_in_the_router_queue_for_a_full_worker_and_run_in_or
         await bus.close()
 
 
-@pytest.mark.parametrize("max_waiting, max_wait_s, expected", [
-    (1, 5.0, [200, 200, 429]),  # the queue holds one: the third is refused at once
-    (8, 0.2, [200, 429, 429]),  # nobody gets a slot within 0.2 s
-])
+@pytest.mark.parametrize(
+    "max_waiting, max_wait_s, expected",
+    [
+        (1, 5.0, [200, 200, 429]),  # the queue holds one: the third is refused at once
+        (8, 0.2, [200, 429, 429]),  # nobody gets a slot within 0.2 s
+    ],
+)
 async def test_a_full_queue_or_a_long_wait_is_429_with_retry_after(nats_url, max_waiting, max_wait_s, expected):
     from llmesh_router.admission import AdmissionQueue
 
@@ -334,8 +380,12 @@ async def _slow_decode_workers(nats_url, decode_s, decode_capacity=1):
 
     async def prefill(req, blob):
         sent.append(("prefill", time.monotonic()))
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
-                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2],
+            max_tokens=2,
+            fingerprint="f" * 32,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1),
+        )
 
     async def decode(req, blob):
         sent.append(("decode", time.monotonic()))
@@ -389,8 +439,12 @@ async def test_a_worker_fuller_than_the_router_knew_refuses_and_the_request_wait
     decodes: list[float] = []
 
     async def prefill(req, blob):
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
-                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2],
+            max_tokens=2,
+            fingerprint="f" * 32,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1),
+        )
 
     async def decode(req, blob):
         decodes.append(time.monotonic())
@@ -405,6 +459,7 @@ async def test_a_worker_fuller_than_the_router_knew_refuses_and_the_request_wait
     registry.on_heartbeat(info("dec", role="decode"))
     bus, client = await _client(nats_url, registry)
     try:
+
         async def beat_later():
             while not decodes:
                 await asyncio.sleep(0.01)
@@ -458,8 +513,12 @@ async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_ur
 
     async def prefill(req, blob):
         seen_by_workers.append(("prefill", req.priority))
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=2, fingerprint="f" * 32,
-                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2],
+            max_tokens=2,
+            fingerprint="f" * 32,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1),
+        )
 
     async def decode(req, blob):
         seen_by_workers.append(("decode", req.priority))
@@ -469,8 +528,10 @@ async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_ur
     await workers.serve("mesh.decode.d", decode)
     bus, client = await _client(nats_url, registry)
     try:
-        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, "priority": -1,
-                                                          "ttft_slo_ms": 500, "tpot_slo_ms": 40})
+        resp = await client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "hi", "max_tokens": 2, "priority": -1, "ttft_slo_ms": 500, "tpot_slo_ms": 40},
+        )
         assert resp.status_code == 200, resp.text
         # after the first token only the overall deadline binds: no TTFT target for the decode pick
         assert ("prefill", -1, 0.5, 0.04) in seen_by_policy and ("decode", -1, None, 0.04) in seen_by_policy
@@ -500,9 +561,13 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
     def prefill_on(name):
         async def prefill(req, blob):
             served.append((name, req.prompt[:6]))
-            return PrefillResult(prompt_token_ids=[1], max_tokens=1, fingerprint="f" * 32,
-                                 first=TokenDelta(text="a", token_ids=[7], finish_reason="length", prompt_tokens=1,
-                                                  completion_tokens=1))
+            return PrefillResult(
+                prompt_token_ids=[1],
+                max_tokens=1,
+                fingerprint="f" * 32,
+                first=TokenDelta(text="a", token_ids=[7], finish_reason="length", prompt_tokens=1, completion_tokens=1),
+            )
+
         return prefill
 
     for name in ("p1", "p2", "p3"):
@@ -537,15 +602,25 @@ async def _resumable_workers(nats_url, first_decode):
     handle = KvHandle(fingerprint="f" * 32, block_size=16, block_hashes=["h0"], num_tokens=2)
 
     async def prefill(req, blob):
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=6, fingerprint="f" * 32, kv=handle,
-                             first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2],
+            max_tokens=6,
+            fingerprint="f" * 32,
+            kv=handle,
+            first=TokenDelta(text="a", token_ids=[7], prompt_tokens=2, completion_tokens=1),
+        )
 
     async def dec_b(req, blob):
         seen.append(("dec-b", req))
         done = len(req.output_token_ids)
         for i in range(done, 6):
-            yield TokenDelta(text=str(i), token_ids=[10 + i], finish_reason="length" if i == 5 else None,
-                             prompt_tokens=2, completion_tokens=i + 1)
+            yield TokenDelta(
+                text=str(i),
+                token_ids=[10 + i],
+                finish_reason="length" if i == 5 else None,
+                prompt_tokens=2,
+                completion_tokens=i + 1,
+            )
 
     async def first(req, blob):
         seen.append(("dec-a", req))
@@ -628,8 +703,13 @@ async def test_a_migration_target_gone_before_the_hand_over_sends_the_request_ba
             yield Migrated(migration_id="m-2", target="dec-gone", kv=moved, output_tokens=2)
             return
         for i in range(2, 6):
-            yield TokenDelta(text=str(i), token_ids=[10 + i], finish_reason="length" if i == 5 else None,
-                             prompt_tokens=2, completion_tokens=i + 1)
+            yield TokenDelta(
+                text=str(i),
+                token_ids=[10 + i],
+                finish_reason="length" if i == 5 else None,
+                prompt_tokens=2,
+                completion_tokens=i + 1,
+            )
 
     workers, registry, seen, _ = await _resumable_workers(nats_url, hands_over_then_resumes)
     registry.on_heartbeat(info("dec-gone", role="decode"))  # known, but nothing serves it any more
@@ -663,27 +743,34 @@ async def test_a_nats_restart_mid_stream_resends_the_request_from_what_arrived_a
             if i == 3:
                 cut.set()
             await asyncio.sleep(0.15)
-            yield TokenDelta(text=str(i), token_ids=[10 + i], finish_reason="length" if i == 5 else None,
-                             prompt_tokens=2, completion_tokens=i + 1)
+            yield TokenDelta(
+                text=str(i),
+                token_ids=[10 + i],
+                finish_reason="length" if i == 5 else None,
+                prompt_tokens=2,
+                completion_tokens=i + 1,
+            )
 
     workers, registry, seen, _ = await _resumable_workers(url, slow)
     registry.on_heartbeat(info("dec-b", role="decode").model_copy(update={"running": 4, "capacity": 4}))  # full
     bus, client = await _client(url, registry)
     try:
-        answer = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x",
-                                                                          "return_token_ids": True}))
+        answer = asyncio.create_task(
+            client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
+        )
         await asyncio.wait_for(cut.wait(), 10)
         nats.kill()
         started = time.monotonic()
         nats, _ = start_nats(tmp_path, port)
         resp = await asyncio.wait_for(answer, 20)
         assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15], [(w, r.output_token_ids)
-                                                                                    for w, r in seen]
+        assert resp.json()["choices"][0]["token_ids"] == [7, 11, 12, 13, 14, 15], [
+            (w, r.output_token_ids) for w, r in seen
+        ]
         assert time.monotonic() - started < 10
         assert [worker for worker, _ in seen] == ["dec-a", "dec-a"]
         resent = seen[1][1].output_token_ids
-        assert 2 <= len(resent) <= 4 and resent == [7, 11, 12, 13][:len(resent)]  # what arrived before the cut
+        assert 2 <= len(resent) <= 4 and resent == [7, 11, 12, 13][: len(resent)]  # what arrived before the cut
     finally:
         await client.aclose()
         await workers.close()

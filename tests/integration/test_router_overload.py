@@ -30,8 +30,9 @@ class Workers:
     a prompt in `prefill_s`, `tokens` output tokens `token_s` apart; the decode worker also refuses
     everything while `full_until` (another router's requests filling it)."""
 
-    def __init__(self, bus: Bus, *, prefill_capacity: int, decode_capacity: int, prefill_s: float, tokens: int,
-                 token_s: float):
+    def __init__(
+        self, bus: Bus, *, prefill_capacity: int, decode_capacity: int, prefill_s: float, tokens: int, token_s: float
+    ):
         self.bus, self.prefill_s, self.tokens, self.token_s = bus, prefill_s, tokens, token_s
         self.capacity = {"prefill": prefill_capacity, "decode": decode_capacity}
         self.running = {"prefill": 0, "decode": 0}
@@ -61,26 +62,45 @@ class Workers:
             await asyncio.sleep(self.prefill_s)
         finally:
             self.running["prefill"] -= 1
-        return PrefillResult(prompt_token_ids=[1, 2], max_tokens=self.tokens, fingerprint=FINGERPRINT,
-                             first=TokenDelta(text="t", token_ids=[100], prompt_tokens=2, completion_tokens=1))
+        return PrefillResult(
+            prompt_token_ids=[1, 2],
+            max_tokens=self.tokens,
+            fingerprint=FINGERPRINT,
+            first=TokenDelta(text="t", token_ids=[100], prompt_tokens=2, completion_tokens=1),
+        )
 
     async def _decode(self, req, blob):
         self._take("decode")
         try:
             for i in range(len(req.output_token_ids), self.tokens):
                 await asyncio.sleep(self.token_s)
-                yield TokenDelta(text="t", token_ids=[100 + i], prompt_tokens=2, completion_tokens=i + 1,
-                                 finish_reason="length" if i == self.tokens - 1 else None)
+                yield TokenDelta(
+                    text="t",
+                    token_ids=[100 + i],
+                    prompt_tokens=2,
+                    completion_tokens=i + 1,
+                    finish_reason="length" if i == self.tokens - 1 else None,
+                )
         finally:
             self.running["decode"] -= 1
 
     async def _beat(self) -> None:
         while True:
             for role, worker_id in (("prefill", "pre"), ("decode", "dec")):
-                await self.bus.publish(Subjects.HEARTBEAT, WorkerInfo(
-                    worker_id=worker_id, role=role, model="m", fingerprint=FINGERPRINT, max_model_len=4096,
-                    running=self.running[role], queued_tokens=0, capacity=self.capacity[role],
-                    heartbeat_s=HEARTBEAT_S))
+                await self.bus.publish(
+                    Subjects.HEARTBEAT,
+                    WorkerInfo(
+                        worker_id=worker_id,
+                        role=role,
+                        model="m",
+                        fingerprint=FINGERPRINT,
+                        max_model_len=4096,
+                        running=self.running[role],
+                        queued_tokens=0,
+                        capacity=self.capacity[role],
+                        heartbeat_s=HEARTBEAT_S,
+                    ),
+                )
             await asyncio.sleep(HEARTBEAT_S)
 
 
@@ -99,10 +119,17 @@ def nats(tmp_path):
 async def router(tmp_path: Path, nats_url: str, **settings: str):
     """`python -m llmesh_router` on a free port, its log in `tmp_path/router.log`."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESH_")} | {
-        "MESH_NATS_URL": nats_url, "MESH_PORT": str(port), "MESH_LENGTH_SAMPLE_FRACTION": "0",
-        "MESH_LOCAL_PREFILL_MARGIN_S": "",  # always disaggregate: these workers run no whole requests
-        "MESH_REQUEST_TIMEOUT_S": "30"} | {f"MESH_{k.upper()}": v for k, v in settings.items()}
+    env = (
+        {k: v for k, v in os.environ.items() if not k.startswith("MESH_")}
+        | {
+            "MESH_NATS_URL": nats_url,
+            "MESH_PORT": str(port),
+            "MESH_LENGTH_SAMPLE_FRACTION": "0",
+            "MESH_LOCAL_PREFILL_MARGIN_S": "",  # always disaggregate: these workers run no whole requests
+            "MESH_REQUEST_TIMEOUT_S": "30",
+        }
+        | {f"MESH_{k.upper()}": v for k, v in settings.items()}
+    )
     child = Child("router", [sys.executable, "-m", "llmesh_router"], env=env, log_path=tmp_path / "router.log")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -124,8 +151,11 @@ async def _streamed(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[i
 
 
 def _problems(log: str) -> list[str]:
-    return [line for line in log.splitlines()
-            if any(s in line for s in ("Traceback", "never retrieved", "already running", "Exception in ASGI"))]
+    return [
+        line
+        for line in log.splitlines()
+        if any(s in line for s in ("Traceback", "never retrieved", "already running", "Exception in ASGI"))
+    ]
 
 
 async def test_a_burst_past_capacity_gets_200s_that_finish_or_429s_before_any_byte(tmp_path, nats):
@@ -134,8 +164,14 @@ async def test_a_burst_past_capacity_gets_200s_that_finish_or_429s_before_any_by
     prompt is not refused for waiting), or a 429 with a Retry-After no longer than the queue's longest
     wait, before any byte of a stream."""
     _, nats_url, _ = nats
-    workers = Workers(await Bus.connect(nats_url, "fake-workers"), prefill_capacity=2, decode_capacity=4,
-                      prefill_s=0.05, tokens=8, token_s=0.05)
+    workers = Workers(
+        await Bus.connect(nats_url, "fake-workers"),
+        prefill_capacity=2,
+        decode_capacity=4,
+        prefill_s=0.05,
+        tokens=8,
+        token_s=0.05,
+    )
     await workers.start()
     try:
         async with router(tmp_path, nats_url, queue_max_wait_s="2", queue_max_waiting="64") as (url, child):
@@ -163,13 +199,20 @@ async def test_a_decode_worker_full_when_prompts_finish_makes_requests_wait_not_
     requests fill it) while prompts keep finishing and others wait for a prefill: each request past its
     prompt waits for a decode slot within its deadline and completes; none gets a 503."""
     _, nats_url, _ = nats
-    workers = Workers(await Bus.connect(nats_url, "fake-workers"), prefill_capacity=1, decode_capacity=16,
-                      prefill_s=0.1, tokens=4, token_s=0.02)
+    workers = Workers(
+        await Bus.connect(nats_url, "fake-workers"),
+        prefill_capacity=1,
+        decode_capacity=16,
+        prefill_s=0.1,
+        tokens=4,
+        token_s=0.02,
+    )
     await workers.start()
     try:
         async with router(tmp_path, nats_url, queue_max_wait_s="1.5") as (url, child):
             workers.full_until = time.monotonic() + 3.0
             async with httpx.AsyncClient(timeout=60) as client:
+
                 async def complete(i: int) -> httpx.Response:
                     await asyncio.sleep(0.05 * i)
                     return await client.post(f"{url}/v1/completions", json={"model": "m", "prompt": f"p{i}"})
@@ -191,8 +234,14 @@ async def test_a_client_leaving_while_nats_restarts_leaves_no_error_behind(tmp_p
     reconnection. The router logs no error for it (no generator closed while running, no task whose
     failure nobody read) and serves the next request."""
     server, nats_url, _ = nats
-    workers = Workers(await Bus.connect(nats_url, "fake-workers"), prefill_capacity=8, decode_capacity=8,
-                      prefill_s=1.0, tokens=2, token_s=0.01)
+    workers = Workers(
+        await Bus.connect(nats_url, "fake-workers"),
+        prefill_capacity=8,
+        decode_capacity=8,
+        prefill_s=1.0,
+        tokens=2,
+        token_s=0.01,
+    )
     await workers.start()
     try:
         async with router(tmp_path, nats_url) as (url, child):

@@ -30,6 +30,7 @@ class Slots:
             self.free -= 1
             self.given.append(name)
             return name
+
         return place
 
 
@@ -91,10 +92,13 @@ async def test_once_a_waiter_finds_no_room_the_rest_of_its_group_wait_untried():
         def place():
             tried.append(name)
             raise AtCapacity("full")
+
         return place
 
-    waits = [asyncio.create_task(queue.admit(full(n), rv(n), group)) for n, group in
-             [("a", "prefill"), ("b", "prefill"), ("c", "decode"), ("d", None), ("e", None)]]
+    waits = [
+        asyncio.create_task(queue.admit(full(n), rv(n), group))
+        for n, group in [("a", "prefill"), ("b", "prefill"), ("c", "decode"), ("d", None), ("e", None)]
+    ]
     await asyncio.sleep(0)
     tried.clear()
     queue.room_changed()
@@ -124,8 +128,9 @@ async def test_the_queue_policy_orders_waiters_and_refuses_the_hopeless():
     from llmesh.policies import make_queue_policy
 
     now = [10.0]
-    queue = AdmissionQueue(max_waiting=8, max_wait_s=100, policy=make_queue_policy("edf"),
-                           service_s=lambda r: 1.0, clock=lambda: now[0])
+    queue = AdmissionQueue(
+        max_waiting=8, max_wait_s=100, policy=make_queue_policy("edf"), service_s=lambda r: 1.0, clock=lambda: now[0]
+    )
     slots = Slots()
     relaxed = asyncio.create_task(queue.admit(slots.placer("relaxed"), rv("relaxed", arrival=9.0, ttft_slo_s=30.0)))
     urgent = asyncio.create_task(queue.admit(slots.placer("urgent"), rv("urgent", arrival=10.0, ttft_slo_s=5.0)))
@@ -150,7 +155,9 @@ async def test_a_committed_request_is_placed_first_and_never_refused_for_waiting
     with pytest.raises(Overloaded, match="queue is full"):
         await queue.admit(slots.placer("late"), rv("late"))
     decode = asyncio.create_task(queue.admit(slots.placer("decode"), rv("decode", arrival=5.0), committed=True))
-    doomed = asyncio.create_task(queue.admit(slots.placer("doomed"), rv("doomed", arrival=6.0, deadline=0.05), committed=True))
+    doomed = asyncio.create_task(
+        queue.admit(slots.placer("doomed"), rv("doomed", arrival=6.0, deadline=0.05), committed=True)
+    )
     await asyncio.sleep(0)
     assert len(queue) == 3
     slots.free = 1

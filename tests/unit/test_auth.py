@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmesh.errors import InvalidApiKey, MissingApiKey, Overloaded
 from llmesh.credentials import key_digest as digest
+from llmesh.errors import InvalidApiKey, MissingApiKey, Overloaded
 from llmesh_router.auth import KeyRing, main, parse_entries
 
 
@@ -20,16 +20,21 @@ class Clock:
 def test_keys_are_held_as_digests_and_plain_keys_are_hashed_on_load():
     keys = parse_entries([f"{digest('sk-a')} alice 30  # a comment", "", "# only a comment", "sk-b"], "F")
     assert [(k.name, k.digest, k.requests_per_minute) for k in keys] == [
-        ("alice", digest("sk-a"), 30.0), ("F#4", digest("sk-b"), None)]
+        ("alice", digest("sk-a"), 30.0),
+        ("F#4", digest("sk-b"), None),
+    ]
     assert all("sk-" not in k.digest for k in keys)
 
 
-@pytest.mark.parametrize("line, problem", [
-    ("sha256:abc alice", "64 lowercase hex"),
-    (f"{digest('k')} alice fast", "must be a number"),
-    (f"{digest('k')} alice 0", "above 0"),
-    (f"{digest('k')} alice 1 2", "expected"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("sha256:abc alice", "64 lowercase hex"),
+        (f"{digest('k')} alice fast", "must be a number"),
+        (f"{digest('k')} alice 0", "above 0"),
+        (f"{digest('k')} alice 1 2", "expected"),
+    ],
+)
 def test_a_broken_key_line_is_refused_with_its_line_number(line, problem):
     with pytest.raises(ValueError, match=rf"F line 2: .*{problem}"):
         parse_entries(["# keys", line], "F")
@@ -40,10 +45,17 @@ def test_the_same_key_twice_is_refused():
         KeyRing(parse_entries(["sk-x a", f"{digest('sk-x')} b"], "F"))
 
 
-@pytest.mark.parametrize("header, error", [
-    (None, MissingApiKey), ("", MissingApiKey), ("Basic sk-a", MissingApiKey), ("Bearer ", MissingApiKey),
-    ("Bearer sk-wrong", InvalidApiKey), ("Bearer " + digest("sk-a"), InvalidApiKey),  # the digest is not the key
-])
+@pytest.mark.parametrize(
+    "header, error",
+    [
+        (None, MissingApiKey),
+        ("", MissingApiKey),
+        ("Basic sk-a", MissingApiKey),
+        ("Bearer ", MissingApiKey),
+        ("Bearer sk-wrong", InvalidApiKey),
+        ("Bearer " + digest("sk-a"), InvalidApiKey),  # the digest is not the key
+    ],
+)
 def test_a_missing_or_wrong_key_is_401(header, error):
     ring = KeyRing.load("sk-a alice", None)
     with pytest.raises(error) as raised:

@@ -57,8 +57,9 @@ METRICS_FIELDS = {
 @pytest.fixture(scope="module")
 def services() -> dict[str, dict]:
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
-    assert isinstance(compose, dict) and isinstance(compose.get("services"), dict), \
+    assert isinstance(compose, dict) and isinstance(compose.get("services"), dict), (
         f"{COMPOSE_FILE.name} has no `services` mapping"
+    )
     return compose["services"]
 
 
@@ -129,22 +130,29 @@ def test_command_is_the_services_module(services, name):
     module = cmd[0]
     by_module = {m: s for s, m in SERVICES.items()}
     assert module in by_module, (
-        f"service {name!r}: command module {module!r} is not in llmesh.launcher.SERVICES {sorted(by_module)}")
+        f"service {name!r}: command module {module!r} is not in llmesh.launcher.SERVICES {sorted(by_module)}"
+    )
     assert by_module[module] == name, (
-        f"service {name!r} runs {module!r}, which the launcher names {by_module[module]!r}")
+        f"service {name!r} runs {module!r}, which the launcher names {by_module[module]!r}"
+    )
     assert importlib.util.find_spec(module) is not None, f"service {name!r}: module {module!r} is not importable"
     assert importlib.util.find_spec(f"{module}.__main__") is not None, (
-        f"service {name!r}: module {module!r} has no __main__, so `python -m {module}` cannot run it")
+        f"service {name!r}: module {module!r} has no __main__, so `python -m {module}` cannot run it"
+    )
     assert "entrypoint" not in services[name], f"service {name!r} must keep the image's `python -m` entrypoint"
 
 
 def test_image_entrypoint_is_python_m():
-    entrypoints = [line.split(None, 1)[1] for line in DOCKERFILE.read_text().splitlines()
-                   if line.strip().upper().startswith("ENTRYPOINT")]
+    entrypoints = [
+        line.split(None, 1)[1]
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.strip().upper().startswith("ENTRYPOINT")
+    ]
     assert entrypoints, f"{DOCKERFILE} has no ENTRYPOINT"
     entry = json.loads(entrypoints[-1])
     assert re.fullmatch(r"python(3(\.\d+)?)?", entry[0]) and entry[1:] == ["-m"], (
-        f"{DOCKERFILE}: ENTRYPOINT must be python -m, got {entry}")
+        f"{DOCKERFILE}: ENTRYPOINT must be python -m, got {entry}"
+    )
 
 
 @pytest.mark.parametrize("name", LLMESH_SERVICES)
@@ -156,7 +164,8 @@ def test_environment_is_read_by_the_settings_class(services, name):
     unknown = sorted(k for k in env if k.upper() not in accepted)
     assert not unknown, (
         f"service {name!r} sets {', '.join(unknown)}, which {settings.__module__}.{settings.__name__} "
-        f"does not read (it reads: {', '.join(sorted(accepted))})")
+        f"does not read (it reads: {', '.join(sorted(accepted))})"
+    )
 
 
 def compose_settings(services: dict[str, dict], name: str, monkeypatch, tmp_path: Path) -> BaseSettings:
@@ -200,7 +209,8 @@ def test_prometheus_scrapes_every_service_where_it_serves_metrics(services, monk
     scraped = {host: port for targets in jobs.values() for host, port in targets}
     assert len(scraped) == sum(map(len, jobs.values())), f"a service is scraped twice: {jobs}"
     assert set(scraped) == set(METRICS_FIELDS), (
-        f"Prometheus scrapes {sorted(scraped)}, the services with /metrics are {sorted(METRICS_FIELDS)}")
+        f"Prometheus scrapes {sorted(scraped)}, the services with /metrics are {sorted(METRICS_FIELDS)}"
+    )
     for name, (port_field, host_field) in METRICS_FIELDS.items():
         settings = compose_settings(services, name, monkeypatch, tmp_path)
         port, host = getattr(settings, port_field), getattr(settings, host_field)
@@ -209,8 +219,10 @@ def test_prometheus_scrapes_every_service_where_it_serves_metrics(services, monk
 
 
 def test_prometheus_and_grafana_get_their_committed_configuration(services):
-    mounts = {name: {src: dst.removesuffix(":ro") for src, dst in (v.split(":", 1) for v in services[name]["volumes"])}
-              for name in ("prometheus", "grafana")}
+    mounts = {
+        name: {src: dst.removesuffix(":ro") for src, dst in (v.split(":", 1) for v in services[name]["volumes"])}
+        for name in ("prometheus", "grafana")
+    }
     assert mounts["prometheus"].get("./docker/prometheus/prometheus.yml") == "/etc/prometheus/prometheus.yml"
     grafana = mounts["grafana"]
     assert grafana.get("./docker/grafana/provisioning") == "/etc/grafana/provisioning"
@@ -265,8 +277,13 @@ def test_docker_compose_renders_and_validates_the_file(tmp_path):
     its rendering keeps each worker's GPU."""
     from tool_envs import docker_compose
 
-    done = subprocess.run([*docker_compose(), "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
-                          cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    done = subprocess.run(
+        [*docker_compose(), "-f", str(COMPOSE_FILE), "config"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert done.returncode == 0, done.stderr
     rendered = yaml.safe_load(done.stdout)["services"]
     assert gpu_ids(rendered["prefill-worker"]) == ["0"] and gpu_ids(rendered["decode-worker"]) == ["1"]
@@ -293,7 +310,8 @@ def test_traces_go_to_jaeger(services):
     url = urlparse(endpoints[0])
     assert url.hostname == "jaeger", f"service 'router': OTLP endpoint {endpoints[0]!r} is not the jaeger service"
     assert url.port in port_numbers(services["jaeger"]) | {4318}, (
-        f"service 'router': OTLP endpoint {endpoints[0]!r} is not a port of the jaeger service")
+        f"service 'router': OTLP endpoint {endpoints[0]!r} is not a port of the jaeger service"
+    )
 
 
 def test_nats_takes_its_users_and_max_payload_from_the_generated_config(services, tmp_path):
@@ -337,23 +355,39 @@ def test_published_ports_listen_on_the_hosts_loopback_unless_configured(services
 LAYOUTS = {
     "single": ["single", "--prefill", "0,1", "--decode", "2", "--decode", "3", "--kv-heads-per-chunk", "4"],
     "control-plane": ["control-plane", "--address", "10.0.0.1"],
-    "gpu-host": ["gpu-host", "--control-plane", "10.0.0.1", "--address", "10.0.0.2", "--prefill", "0",
-                 "--decode", "1,2", "--kv-heads-per-chunk", "2"],
+    "gpu-host": [
+        "gpu-host",
+        "--control-plane",
+        "10.0.0.1",
+        "--address",
+        "10.0.0.2",
+        "--prefill",
+        "0",
+        "--decode",
+        "1,2",
+        "--kv-heads-per-chunk",
+        "2",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, dict]:
     """Each layout as docker-compose 1.29.2 renders it (so it validates, or this fails)."""
-    from llmesh.compose import main
     from tool_envs import docker_compose
+
+    from llmesh.compose import main
 
     out = {}
     for name, argv in LAYOUTS.items():
         path = tmp_path_factory.mktemp("layouts") / f"{name}.yml"
         assert main([*argv, "-o", str(path)]) == 0
-        done = subprocess.run([*docker_compose(), "-f", str(path), "config"], capture_output=True, text=True,
-                              env={"PATH": os.environ["PATH"]})
+        done = subprocess.run(
+            [*docker_compose(), "-f", str(path), "config"],
+            capture_output=True,
+            text=True,
+            env={"PATH": os.environ["PATH"]},
+        )
         assert done.returncode == 0, f"{name}: {done.stderr}"
         out[name] = yaml.safe_load(done.stdout)["services"]
     return out
@@ -374,9 +408,13 @@ def test_one_host_with_workers_of_several_gpus(layouts):
     services = layouts["single"]
     workers = {name: (gpu_ids(s), environment(s)) for name, s in services.items() if "-worker" in name}
     assert {name: (ids, env["MESH_TENSOR_PARALLEL_SIZE"]) for name, (ids, env) in workers.items()} == {
-        "prefill-worker-0": (["0", "1"], "2"), "decode-worker-0": (["2"], "1"), "decode-worker-1": (["3"], "1")}
-    assert all(env["MESH_KV_HEADS_PER_CHUNK"] == "4" and env["MESH_WORKER_ID"] == name
-               for name, (_, env) in workers.items())
+        "prefill-worker-0": (["0", "1"], "2"),
+        "decode-worker-0": (["2"], "1"),
+        "decode-worker-1": (["3"], "1"),
+    }
+    assert all(
+        env["MESH_KV_HEADS_PER_CHUNK"] == "4" and env["MESH_WORKER_ID"] == name for name, (_, env) in workers.items()
+    )
     assert services["decode-worker-1"]["networks"]["default"]["aliases"] == ["decode-worker"]  # Prometheus's name
     assert {"router", "kv-store", "placement", "prometheus"} <= set(services)
 
@@ -398,12 +436,19 @@ def test_the_control_planes_prometheus_is_written_from_the_one_hosts(layouts):
     from llmesh.compose import CONTROL_PLANE, control_plane_prometheus
 
     committed = ROOT / "docker" / "prometheus" / "control-plane.yml"
-    assert committed.read_text() == control_plane_prometheus(), \
+    assert committed.read_text() == control_plane_prometheus(), (
         f"{committed} is stale: python -m llmesh.compose prometheus-config -o {committed.relative_to(ROOT)}"
-    mounts = {source.split("/docker/", 1)[1]: inside for source, inside in
-              (v.removesuffix(":ro").split(":") for v in layouts["control-plane"]["prometheus"]["volumes"])}
-    assert mounts == {"prometheus/control-plane.yml": "/etc/prometheus/prometheus.yml",
-                      "prometheus/hosts": "/etc/prometheus/hosts"}  # relative to the repository, as the file is
+    )
+    mounts = {
+        source.split("/docker/", 1)[1]: inside
+        for source, inside in (
+            v.removesuffix(":ro").split(":") for v in layouts["control-plane"]["prometheus"]["volumes"]
+        )
+    }
+    assert mounts == {
+        "prometheus/control-plane.yml": "/etc/prometheus/prometheus.yml",
+        "prometheus/hosts": "/etc/prometheus/hosts",
+    }  # relative to the repository, as the file is
     assert (ROOT / "docker" / "prometheus" / "hosts").is_dir()
     jobs = {job["job_name"]: job for job in yaml.safe_load(committed.read_text())["scrape_configs"]}
     assert jobs.keys() == scrape_targets().keys()  # every job of one host, none more
@@ -412,8 +457,10 @@ def test_the_control_planes_prometheus_is_written_from_the_one_hosts(layouts):
         assert dns <= set(CONTROL_PLANE), f"job {name!r} looks up {dns}, services of no control plane"
         if not dns:
             assert job["file_sd_configs"] == [{"files": ["/etc/prometheus/hosts/*.json"]}], name
-    assert jobs["workers"]["metric_relabel_configs"] == yaml.safe_load(PROMETHEUS_CONFIG.read_text())[
-        "scrape_configs"][-1]["metric_relabel_configs"]  # the same vllm:* names dropped as on one host
+    assert (
+        jobs["workers"]["metric_relabel_configs"]
+        == yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"][-1]["metric_relabel_configs"]
+    )  # the same vllm:* names dropped as on one host
 
 
 def test_a_gpu_hosts_metrics_are_published_and_listed_for_the_control_plane(layouts, tmp_path):
@@ -423,11 +470,14 @@ def test_a_gpu_hosts_metrics_are_published_and_listed_for_the_control_plane(layo
     assert main([*LAYOUTS["gpu-host"], "--prometheus-targets", "-o", str(path)]) == 0
     groups = json.loads(path.read_text())
     services = layouts["gpu-host"]
-    listed = {g["labels"]["compose_service"]: (g["targets"], g["labels"][JOB_LABEL], g["labels"]["service"])
-              for g in groups}
-    assert listed == {"kv-store": (["10.0.0.2:9100"], "kv-store", "kv-store"),
-                      "prefill-worker-10-0-0-2-0": (["10.0.0.2:9103"], "workers", "prefill-worker"),
-                      "decode-worker-10-0-0-2-0": (["10.0.0.2:9104"], "workers", "decode-worker")}
+    listed = {
+        g["labels"]["compose_service"]: (g["targets"], g["labels"][JOB_LABEL], g["labels"]["service"]) for g in groups
+    }
+    assert listed == {
+        "kv-store": (["10.0.0.2:9100"], "kv-store", "kv-store"),
+        "prefill-worker-10-0-0-2-0": (["10.0.0.2:9103"], "workers", "prefill-worker"),
+        "decode-worker-10-0-0-2-0": (["10.0.0.2:9104"], "workers", "decode-worker"),
+    }
     jobs = scrape_targets()
     for name, (targets, job, service) in listed.items():
         inside = {port for _, port in jobs[job]}
@@ -457,12 +507,15 @@ def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
     assert gpu_ids(services["decode-worker-10-0-0-2-0"]) == ["1", "2"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["single", "--prefill", "0", "--decode", "0"], "a GPU is given to two workers"),
-    (["single", "--prefill", "0,1", "--decode", "2"], "--kv-heads-per-chunk"),
-    (["single", "--prefill", "0"], "a prefill and a decode worker"),
-    (["gpu-host", "--prefill", "0"], "--control-plane and --address"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["single", "--prefill", "0", "--decode", "0"], "a GPU is given to two workers"),
+        (["single", "--prefill", "0,1", "--decode", "2"], "--kv-heads-per-chunk"),
+        (["single", "--prefill", "0"], "a prefill and a decode worker"),
+        (["gpu-host", "--prefill", "0"], "--control-plane and --address"),
+    ],
+)
 def test_layouts_that_cannot_work_are_refused(argv, message, capsys):
     from llmesh.compose import main
 

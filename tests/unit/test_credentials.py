@@ -38,9 +38,17 @@ def secrets_dir(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("settings, user", [
-    (RouterSettings, "router"), (WorkerSettings, "worker"), (KvStoreSettings, "kv-store"),
-    (LengthPredictorSettings, "length-predictor"), (PlacementSettings, "placement"), (CommonSettings, "admin")])
+@pytest.mark.parametrize(
+    "settings, user",
+    [
+        (RouterSettings, "router"),
+        (WorkerSettings, "worker"),
+        (KvStoreSettings, "kv-store"),
+        (LengthPredictorSettings, "length-predictor"),
+        (PlacementSettings, "placement"),
+        (CommonSettings, "admin"),
+    ],
+)
 def test_each_service_connects_as_its_own_user(secrets_dir, settings, user, monkeypatch):
     monkeypatch.setenv("MESH_SECRETS_DIR", str(secrets_dir))
     monkeypatch.setenv("MESH_NATS_URL", "nats://a:4222,nats://b:4222")
@@ -89,8 +97,9 @@ def certificate_names(path) -> set[str]:
 
 
 def tls_files(directory) -> dict[str, bytes]:
-    return {name: (directory / name).read_bytes() for name in (NATS_CA, NATS_CERT, NATS_KEY)
-            if (directory / name).exists()}
+    return {
+        name: (directory / name).read_bytes() for name in (NATS_CA, NATS_CERT, NATS_KEY) if (directory / name).exists()
+    }
 
 
 def test_nats_tls_is_off_until_switched_on_then_kept_until_switched_off(tmp_path):
@@ -165,8 +174,9 @@ def test_the_credentials_tool_writes_nats_server_config_with_or_without_tls(tmp_
     assert main([str(directory), "--nats-listen", "0.0.0.0:4222"]) == 0 and "tls {" in conf.read_text()
 
 
-@pytest.mark.parametrize("value, switch", [(None, None), ("", None), ("1", True), ("on", True), ("0", False),
-                                           ("false", False)])
+@pytest.mark.parametrize(
+    "value, switch", [(None, None), ("", None), ("1", True), ("on", True), ("0", False), ("false", False)]
+)
 def test_the_tls_switch_reads_on_off_or_unset(value, switch, monkeypatch):
     monkeypatch.delenv("MESH_NATS_TLS", raising=False)
     if value is not None:

@@ -44,8 +44,11 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings (label values)
     expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)  # label matchers, ranges (with $__rate_interval)
     expr = re.sub(LABEL_LISTS, "", expr)
-    return {m.group() for m in re.finditer(r"[A-Za-z_:][\w:]*", expr)
-            if m.group() not in KEYWORDS and not expr[m.end():].lstrip().startswith("(")}
+    return {
+        m.group()
+        for m in re.finditer(r"[A-Za-z_:][\w:]*", expr)
+        if m.group() not in KEYWORDS and not expr[m.end() :].lstrip().startswith("(")
+    }
 
 
 def sample_names(registry: CollectorRegistry) -> set[str]:
@@ -69,14 +72,17 @@ def dashboard() -> dict:
 @pytest.fixture(scope="module")
 def registered() -> dict[str, set[str]]:
     stats = KvStats(chunks=0, bytes=0, capacity_bytes=0, pinned_bytes=0, hits=0, misses=0, evictions=0, puts=0)
-    predictor = LengthPredictorService(None, SimpleNamespace(replica="r"), LengthPredictorSettings(_env_file=None),
-                                       None, None)
+    predictor = LengthPredictorService(
+        None, SimpleNamespace(replica="r"), LengthPredictorSettings(_env_file=None), None, None
+    )
     placement = PlacementService(None, PlacementSettings(_env_file=None, redis_url=""), "p")
-    return {"router": sample_names(RouterMetrics().registry),
-            "kv-store": sample_names(store_registry(lambda: stats, "0")),
-            "length-predictor": sample_names(predictor.registry),
-            "placement": sample_names(placement.registry),
-            "workers": vllm_engine_sample_names()}
+    return {
+        "router": sample_names(RouterMetrics().registry),
+        "kv-store": sample_names(store_registry(lambda: stats, "0")),
+        "length-predictor": sample_names(predictor.registry),
+        "placement": sample_names(placement.registry),
+        "workers": vllm_engine_sample_names(),
+    }
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -95,14 +101,22 @@ def used_metrics(dashboard: dict) -> dict[str, str]:
     return used
 
 
-@pytest.mark.parametrize("expr, names", [
-    ('histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{model_name=~"$m"}'
-     '[$__rate_interval])))', {"vllm:time_to_first_token_seconds_bucket"}),
-    ('sum by (tier) (llmesh_kv_bytes) / sum by (tier) (llmesh_kv_capacity_bytes)',
-     {"llmesh_kv_bytes", "llmesh_kv_capacity_bytes"}),
-    ('sum(a_total{kind!="scale"}) and on (instance) b == 1', {"a_total", "b"}),
-    ("max by (role) (llmesh_live_workers)", {"llmesh_live_workers"}),
-])
+@pytest.mark.parametrize(
+    "expr, names",
+    [
+        (
+            'histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{model_name=~"$m"}'
+            "[$__rate_interval])))",
+            {"vllm:time_to_first_token_seconds_bucket"},
+        ),
+        (
+            "sum by (tier) (llmesh_kv_bytes) / sum by (tier) (llmesh_kv_capacity_bytes)",
+            {"llmesh_kv_bytes", "llmesh_kv_capacity_bytes"},
+        ),
+        ('sum(a_total{kind!="scale"}) and on (instance) b == 1', {"a_total", "b"}),
+        ("max by (role) (llmesh_live_workers)", {"llmesh_live_workers"}),
+    ],
+)
 def test_metric_names_are_read_from_promql(expr, names):
     assert metric_names(expr) == names
 
@@ -119,13 +133,20 @@ def test_the_dashboard_shows_what_the_issue_asks(dashboard, registered):
     """TTFT and TPOT/ITL histograms, queue length, KV hits by tier, migrations, predictor accuracy,
     each from the service that owns it."""
     used = used_metrics(dashboard)
-    wanted = {"router": ["vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                         "vllm:request_time_per_output_token_seconds_bucket", "vllm:num_requests_waiting",
-                         "vllm:num_requests_running", "llmesh_decode_resumes_total"],
-              "kv-store": ["llmesh_kv_hits_total", "llmesh_kv_misses_total"],
-              "placement": ["llmesh_placement_decisions_total"],
-              "length-predictor": ["llmesh_length_exact_total", "llmesh_length_observed_total"],
-              "workers": ["vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"]}
+    wanted = {
+        "router": [
+            "vllm:time_to_first_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_bucket",
+            "vllm:request_time_per_output_token_seconds_bucket",
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_running",
+            "llmesh_decode_resumes_total",
+        ],
+        "kv-store": ["llmesh_kv_hits_total", "llmesh_kv_misses_total"],
+        "placement": ["llmesh_placement_decisions_total"],
+        "length-predictor": ["llmesh_length_exact_total", "llmesh_length_observed_total"],
+        "workers": ["vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"],
+    }
     for service, names in wanted.items():
         for name in names:
             assert name in used, f"the dashboard does not read {name}"
@@ -151,8 +172,9 @@ def test_every_panel_queries_the_provisioned_prometheus(dashboard):
 def test_workers_drop_exactly_the_vllm_names_the_router_exports(registered, dashboard):
     """Prometheus keeps one source per vllm:* name: the router's request-level metrics, the engines'
     own for the rest (KV cache usage, preemptions...), which the dashboard must still get."""
-    (workers,) = [job for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
-                  if job["job_name"] == "workers"]
+    (workers,) = [
+        job for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"] if job["job_name"] == "workers"
+    ]
     (rule,) = workers["metric_relabel_configs"]
     assert rule["action"] == "drop" and rule["source_labels"] == ["__name__"]
     dropped = re.compile(rule["regex"])  # Prometheus anchors it at both ends: fullmatch
@@ -166,13 +188,19 @@ def test_workers_drop_exactly_the_vllm_names_the_router_exports(registered, dash
 def test_the_routers_histograms_have_vllms_buckets():
     """Read from vLLM's buckets.py, which its stat logger draws every histogram's buckets from."""
     tree = ast.parse((VLLM_METRICS / "buckets.py").read_text())
-    vllm_buckets = {node.target.id: ast.literal_eval(node.value) for node in tree.body
-                    if isinstance(node, ast.AnnAssign) and node.target.id.endswith("_BUCKETS")}
+    vllm_buckets = {
+        node.target.id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign) and node.target.id.endswith("_BUCKETS")
+    }
     for name in ("TIME_TO_FIRST_TOKEN_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS"):
         assert getattr(router_metrics, name) == vllm_buckets[name], name
     metrics = RouterMetrics()
-    for histogram, name in [(metrics.ttft, "TIME_TO_FIRST_TOKEN_BUCKETS"),
-                            (metrics.inter_token, "INTER_TOKEN_LATENCY_BUCKETS"),
-                            (metrics.time_per_output_token, "INTER_TOKEN_LATENCY_BUCKETS"),
-                            (metrics.e2e, "REQUEST_LATENCY_BUCKETS"), (metrics.queue_time, "REQUEST_LATENCY_BUCKETS")]:
+    for histogram, name in [
+        (metrics.ttft, "TIME_TO_FIRST_TOKEN_BUCKETS"),
+        (metrics.inter_token, "INTER_TOKEN_LATENCY_BUCKETS"),
+        (metrics.time_per_output_token, "INTER_TOKEN_LATENCY_BUCKETS"),
+        (metrics.e2e, "REQUEST_LATENCY_BUCKETS"),
+        (metrics.queue_time, "REQUEST_LATENCY_BUCKETS"),
+    ]:
         assert tuple(histogram._upper_bounds[:-1]) == vllm_buckets[name], histogram._name

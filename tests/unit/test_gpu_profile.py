@@ -1,4 +1,5 @@
-"""The H100 profile's fit (llmesh_sim.gpu_profile, with llmesh_sim.calibrate's fit) on synthetic measurements, and the committed profile."""
+"""The H100 profile's fit (llmesh_sim.gpu_profile, with llmesh_sim.calibrate's fit) on synthetic measurements,
+and the committed profile."""
 
 import csv
 import json
@@ -33,8 +34,9 @@ def test_fit_keeps_coefficients_non_negative():
     """Decode steps that get faster with more context would need a negative per-context cost: it is
     dropped to 0 and the rest refitted."""
     pts = [_point(f"prefill {n}", n, 0, 0, 0) for n in (256, 1024, 4096)]
-    pts += [(f"decode {b}x{c}", 0, 0, b, b * c, 0.005 + 1e-5 * b - 1e-8 * b * c)
-            for b in (1, 8, 64) for c in (256, 1024)]
+    pts += [
+        (f"decode {b}x{c}", 0, 0, b, b * c, 0.005 + 1e-5 * b - 1e-8 * b * c) for b in (1, 8, 64) for c in (256, 1024)
+    ]
     coef, _ = fit_step_time(pts)
     assert min(coef) >= 0 and coef[4] == 0
 
@@ -55,19 +57,47 @@ def test_main_on_synthetic_vidur_files(tmp_path, capsys):
     for tp in ("1", "2"):
         for n in (1, 2, 4, 8, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
             row = {f"time_stats.{op}.median": 0.001 + 1e-6 * n for op in gp.LAYER_OPS}
-            row |= {"time_stats.emb.median": 1e-6 * n, "n_embd": gp.HIDDEN, "n_expanded_embd": gp.FFN,
-                    "num_tensor_parallel_workers": tp, "num_tokens": n}
+            row |= {
+                "time_stats.emb.median": 1e-6 * n,
+                "n_embd": gp.HIDDEN,
+                "n_expanded_embd": gp.FFN,
+                "num_tensor_parallel_workers": tp,
+                "num_tokens": n,
+            }
             mlp.append(row)
     _write(tmp_path / gp.MLP_CSV, mlp)
-    common = {"n_embd": gp.HIDDEN, "n_q_head": gp.Q_HEADS, "n_kv_head": gp.KV_HEADS, "block_size": gp.BLOCK_SIZE,
-              "num_tensor_parallel_workers": 1}
-    attention = [common | {"batch_size": 1, "prefill_chunk_size": n, "kv_cache_size": 0, "is_prefill": True,
-                           "time_stats.attn_prefill.median": per_pair_ms * attention_pairs(0, n),
-                           "time_stats.attn_decode.median": ""} for n in (64, *gp.PREFILLS)]
-    attention += [common | {"batch_size": b, "prefill_chunk_size": 0, "kv_cache_size": c, "is_prefill": False,
-                            "time_stats.attn_prefill.median": "",
-                            "time_stats.attn_decode.median": 1e-4 * b + 1e-6 * b * c}
-                  for b in (1, 8, 64) for c in (128, 2048)]
+    common = {
+        "n_embd": gp.HIDDEN,
+        "n_q_head": gp.Q_HEADS,
+        "n_kv_head": gp.KV_HEADS,
+        "block_size": gp.BLOCK_SIZE,
+        "num_tensor_parallel_workers": 1,
+    }
+    attention = [
+        common
+        | {
+            "batch_size": 1,
+            "prefill_chunk_size": n,
+            "kv_cache_size": 0,
+            "is_prefill": True,
+            "time_stats.attn_prefill.median": per_pair_ms * attention_pairs(0, n),
+            "time_stats.attn_decode.median": "",
+        }
+        for n in (64, *gp.PREFILLS)
+    ]
+    attention += [
+        common
+        | {
+            "batch_size": b,
+            "prefill_chunk_size": 0,
+            "kv_cache_size": c,
+            "is_prefill": False,
+            "time_stats.attn_prefill.median": "",
+            "time_stats.attn_decode.median": 1e-4 * b + 1e-6 * b * c,
+        }
+        for b in (1, 8, 64)
+        for c in (128, 2048)
+    ]
     _write(tmp_path / gp.ATTENTION_CSV, attention)
     out = tmp_path / "h100-synthetic.json"
     assert gp.main(["--vidur", str(tmp_path), "--out", str(out), "--commit", "abc123"]) == 0

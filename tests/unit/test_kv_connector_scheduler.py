@@ -58,8 +58,16 @@ class FakeLookup:
 
 
 def side(*, producer=False, consumer=False, lookup=None, **settings) -> ConnectorScheduler:
-    return ConnectorScheduler(config(**settings), layout=LAYOUT, fingerprint=FP, block_size=SIZE,
-                              block_bytes=BLOCK_BYTES, producer=producer, consumer=consumer, lookup=lookup)
+    return ConnectorScheduler(
+        config(**settings),
+        layout=LAYOUT,
+        fingerprint=FP,
+        block_size=SIZE,
+        block_bytes=BLOCK_BYTES,
+        producer=producer,
+        consumer=consumer,
+        lookup=lookup,
+    )
 
 
 def blocks(ids: list[int]) -> Any:
@@ -68,20 +76,33 @@ def blocks(ids: list[int]) -> Any:
 
 def new(request: FakeRequest, ids: list[int], computed: int = 0) -> Any:
     params = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else {}
-    return SimpleNamespace(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                           sampling_params=SimpleNamespace(extra_args=params), block_ids=(ids,),
-                           num_computed_tokens=computed)
+    return SimpleNamespace(
+        req_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=SimpleNamespace(extra_args=params),
+        block_ids=(ids,),
+        num_computed_tokens=computed,
+    )
 
 
-def output(scheduled: dict[str, int], new_reqs=(), cached: list[tuple[str, int, list[int] | None]] = (),
-           resumed: set[str] = frozenset()) -> Any:
+def output(
+    scheduled: dict[str, int],
+    new_reqs=(),
+    cached: list[tuple[str, int, list[int] | None]] = (),
+    resumed: set[str] = frozenset(),
+) -> Any:
     """A SchedulerOutput: `scheduled` tokens by request id; `cached`: (id, computed tokens, new block ids)."""
     return SimpleNamespace(
-        scheduled_new_reqs=list(new_reqs), num_scheduled_tokens=scheduled,
+        scheduled_new_reqs=list(new_reqs),
+        num_scheduled_tokens=scheduled,
         total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
-                                              new_block_ids=[(c[2],) if c[2] is not None else None for c in cached],
-                                              resumed_req_ids=set(resumed)))
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            num_computed_tokens=[c[1] for c in cached],
+            new_block_ids=[(c[2],) if c[2] is not None else None for c in cached],
+            resumed_req_ids=set(resumed),
+        ),
+    )
 
 
 def prompt(n: int) -> list[int]:
@@ -125,11 +146,16 @@ def test_a_chunked_prefill_saves_each_full_block_as_it_is_computed_and_the_parti
     ids = [7, 3, 9]
     producer.update_state_after_alloc(request, blocks(ids), 0)
     hashes = block_hashes(FP, prompt(40), SIZE, partial=True)
-    steps = [producer.build_connector_meta(output({"p": 20}, [new(request, ids)])),
-             producer.build_connector_meta(output({"p": 12}, cached=[("p", 20, None)])),
-             producer.build_connector_meta(output({"p": 8}, cached=[("p", 32, None)]))]
-    assert [[(s.block_ids, s.hashes) for s in m.saves] for m in steps] == \
-        [[([7], hashes[:1])], [([3], hashes[1:2])], [([9], hashes[2:])]]
+    steps = [
+        producer.build_connector_meta(output({"p": 20}, [new(request, ids)])),
+        producer.build_connector_meta(output({"p": 12}, cached=[("p", 20, None)])),
+        producer.build_connector_meta(output({"p": 8}, cached=[("p", 32, None)])),
+    ]
+    assert [[(s.block_ids, s.hashes) for s in m.saves] for m in steps] == [
+        [([7], hashes[:1])],
+        [([3], hashes[1:2])],
+        [([9], hashes[2:])],
+    ]
     assert producer.request_finished(request, ids)[1]["block_hashes"] == hashes
 
 
@@ -165,15 +191,20 @@ def test_a_lookup_that_fails_means_computing_not_failing():
 def test_a_handle_of_another_kv_layout_is_recomputed():
     handle = prefilled(33) | {"fingerprint": "ff" * 16}
     decode = side(consumer=True, lookup=FakeLookup())
-    assert decode.get_num_new_matched_tokens(FakeRequest("d", prompt(33), [1], kv_transfer_params=handle), 0) == (0, False)
+    assert decode.get_num_new_matched_tokens(FakeRequest("d", prompt(33), [1], kv_transfer_params=handle), 0) == (
+        0,
+        False,
+    )
 
 
 def test_a_decode_finds_in_the_store_the_blocks_its_handle_does_not_list():
     hashes = block_hashes(FP, prompt(40), SIZE, partial=True)
     decode = side(consumer=True, lookup=FakeLookup(held=set(hashes[1:])))
     handle = {"fingerprint": FP, "block_hashes": hashes[:1]}
-    assert decode.get_num_new_matched_tokens(FakeRequest("d", prompt(40), [1], kv_transfer_params=handle), 0) == \
-        (40, False)
+    assert decode.get_num_new_matched_tokens(FakeRequest("d", prompt(40), [1], kv_transfer_params=handle), 0) == (
+        40,
+        False,
+    )
 
 
 @pytest.mark.parametrize("choice, matched", [("swap", (33, False)), ("recompute", (0, False))])
@@ -202,8 +233,9 @@ def test_a_migrated_request_loads_its_partial_last_block_under_the_name_its_sour
     hashes = block_hashes(FP, tokens[:-1], SIZE)  # the full blocks of all but the last token: 2
     tail = tail_hash("src/req/7/abcd", 2)
     decode = side(consumer=True, lookup=FakeLookup())
-    request = FakeRequest("d", tokens[:30], tokens[30:], kv_transfer_params={
-        "fingerprint": FP, "block_hashes": hashes, "tail_hash": tail})
+    request = FakeRequest(
+        "d", tokens[:30], tokens[30:], kv_transfer_params={"fingerprint": FP, "block_hashes": hashes, "tail_hash": tail}
+    )
     assert decode.get_num_new_matched_tokens(request, 0) == (39, False)
     decode.update_state_after_alloc(request, blocks([8, 9, 10]), 39)
     (load,) = decode.build_connector_meta(output({"d": 1}, [new(request, [8, 9, 10], 39)])).loads
@@ -245,8 +277,14 @@ def test_durable_tail_for_a_request_not_decoding_here_is_refused():
 def test_a_request_stopped_for_a_migration_exports_its_unsaved_blocks_and_its_last_two_as_tails():
     decode = side(consumer=True, write_behind=False, lookup=FakeLookup())
     tokens = prompt(50)
-    request = FakeRequest("d", tokens[:20], tokens[20:], kv_transfer_params={"tail_id": "src/d/30/x"},
-                          num_computed_tokens=49, status=RequestStatus.FINISHED_ABORTED)
+    request = FakeRequest(
+        "d",
+        tokens[:20],
+        tokens[20:],
+        kv_transfer_params={"tail_id": "src/d/30/x"},
+        num_computed_tokens=49,
+        status=RequestStatus.FINISHED_ABORTED,
+    )
     delay, _ = decode.request_finished(request, [4, 5, 6, 7])
     assert delay  # its blocks stay until the export is done (`get_finished` reports it sent)
     (export,) = decode.build_connector_meta(output({})).exports

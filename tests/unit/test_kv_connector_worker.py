@@ -26,10 +26,22 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-SETTINGS = {"nats_url": "nats://unused", "redis_url": "", "service_name": "test", "control_subject": None,
-            "otlp_endpoint": None, "trace_dir": None, "load_mode": "layerwise", "pin_s": 60.0, "timeout_s": 5.0,
-            "reuse_prefix": True, "write_behind": True, "durable_tail": False, "preemption": "auto",
-            "kv_heads_per_chunk": 0}
+SETTINGS = {
+    "nats_url": "nats://unused",
+    "redis_url": "",
+    "service_name": "test",
+    "control_subject": None,
+    "otlp_endpoint": None,
+    "trace_dir": None,
+    "load_mode": "layerwise",
+    "pin_s": 60.0,
+    "timeout_s": 5.0,
+    "reuse_prefix": True,
+    "write_behind": True,
+    "durable_tail": False,
+    "preemption": "auto",
+    "kv_heads_per_chunk": 0,
+}
 
 
 def config(**overrides) -> ConnectorConfig:
@@ -59,6 +71,7 @@ class MemoryStore:
             fill(staged)
             for key, view in zip(keys, staged):
                 self.values[key], self.pins[key] = bytes(view), pin_s
+
         return self._pool.submit(put)
 
     def get(self, keys, consume, *, trace_context=None) -> concurrent.futures.Future:
@@ -68,9 +81,11 @@ class MemoryStore:
             values = [self.values.get(k) for k in keys]
             present = [i for i, v in enumerate(values) if v is not None]
             run = memoryview(bytearray(b"".join(values[i] for i in present)))
-            fetched = Fetched([memoryview(v) if v is not None else None for v in values], [],
-                              runs=[(present, run)] if present else [])
+            fetched = Fetched(
+                [memoryview(v) if v is not None else None for v in values], [], runs=[(present, run)] if present else []
+            )
             return consume(fetched)
+
         return self._pool.submit(get)
 
 
@@ -86,9 +101,15 @@ def caches(device: str, layout: str, fill: bool) -> dict[str, torch.Tensor]:
 
 def worker(store: MemoryStore, kv: dict[str, torch.Tensor], per: int = HEADS, **overrides) -> ConnectorWorker:
     slices = rank_slices({"num_kv_heads": HEADS, "kv_heads_per_chunk": per}, 1, 0)
-    side = ConnectorWorker(config(**overrides), slices=slices, block_bytes=1, store=store,
-                           memory=HostMemory(next(iter(kv.values())).device), tracer=trace.get_tracer("test"),
-                           trace_context=telemetry.extract)
+    side = ConnectorWorker(
+        config(**overrides),
+        slices=slices,
+        block_bytes=1,
+        store=store,
+        memory=HostMemory(next(iter(kv.values())).device),
+        tracer=trace.get_tracer("test"),
+        trace_context=telemetry.extract,
+    )
     side.register_kv_caches(kv, BLOCKS)
     return side
 
@@ -189,8 +210,16 @@ def test_async_loads_are_reported_once_every_layer_is_in():
     assert all(torch.equal(kv[n][3], source[n][1]) for n in NAMES)
 
 
-FORBIDDEN = {"TensorBase.item", "TensorBase.numpy", "TensorBase.cpu", "TensorBase.tolist", "TensorBase.to",
-             "_VariableFunctionsClass.tensor", "_VariableFunctionsClass.as_tensor", "TensorBase.pin_memory"}
+FORBIDDEN = {
+    "TensorBase.item",
+    "TensorBase.numpy",
+    "TensorBase.cpu",
+    "TensorBase.tolist",
+    "TensorBase.to",
+    "_VariableFunctionsClass.tensor",
+    "_VariableFunctionsClass.as_tensor",
+    "TensorBase.pin_memory",
+}
 
 
 class TorchCalls(TorchFunctionMode):
@@ -224,16 +253,25 @@ def test_the_forward_hooks_never_make_the_host_wait_for_the_device(device, monke
     forward = threading.get_ident()
     host_waits: list[str] = []
     synchronize = KvMover.synchronize
-    monkeypatch.setattr(KvMover, "synchronize", staticmethod(
-        lambda event: (host_waits.append("synchronize") if threading.get_ident() == forward else None,
-                       synchronize(event))))
+    monkeypatch.setattr(
+        KvMover,
+        "synchronize",
+        staticmethod(
+            lambda event: (
+                host_waits.append("synchronize") if threading.get_ident() == forward else None,
+                synchronize(event),
+            )
+        ),
+    )
     store = MemoryStore()
     prefill(store, device, "NHD", 1, [0, 1, 2], ["a", "b", "c"])
     kv = caches(device, "NHD", fill=False)
     side = worker(store, kv, 1)
     # a decode step: two requests loading layer by layer, one writing a block behind
-    meta = MeshConnectorMetadata(loads=[BlockTransfer("d1", [3, 4], ["a", "b"]), BlockTransfer("d2", [5], ["c"])],
-                                 saves=[BlockTransfer("d3", [6], ["w"])])
+    meta = MeshConnectorMetadata(
+        loads=[BlockTransfer("d1", [3, 4], ["a", "b"]), BlockTransfer("d2", [5], ["c"])],
+        saves=[BlockTransfer("d3", [6], ["w"])],
+    )
     side.bind(meta)
     side.start_load_kv()
     calls = TorchCalls()

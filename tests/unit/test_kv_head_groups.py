@@ -28,8 +28,9 @@ def test_each_rank_names_the_groups_of_the_heads_it_holds():
     assert rank_slices(layout(2), 1, 0) == [HeadSlice(0, 0, 2), HeadSlice(1, 2, 2)]
     assert rank_slices(layout(2), 2, 1) == [HeadSlice(1, 0, 2)]
     assert rank_slices(layout(1), 2, 1) == [HeadSlice(2, 0, 1), HeadSlice(3, 1, 1)]
-    assert [rank_slices({"num_kv_heads": 2, "kv_heads_per_chunk": 1}, 4, r) for r in range(4)] == \
-        [[HeadSlice(0, 0, 1)]] * 2 + [[HeadSlice(1, 0, 1)]] * 2
+    assert [rank_slices({"num_kv_heads": 2, "kv_heads_per_chunk": 1}, 4, r) for r in range(4)] == [
+        [HeadSlice(0, 0, 1)]
+    ] * 2 + [[HeadSlice(1, 0, 1)]] * 2
 
 
 def test_a_block_is_stored_whole_only_with_every_layer_and_head_group():
@@ -43,7 +44,8 @@ def save(slices: list[HeadSlice], cache: torch.Tensor, block_ids: list[int], lay
     keys = layer_keys([f"h{b}" for b in block_ids], layer, slices)
     views = [memoryview(bytearray(cache[0].numel() * cache.element_size() // len(slices))) for _ in keys]
     KvMover({layer: cache}).gather(layer, torch.tensor(block_ids), stable=True).write(
-        [([i], v) for i, v in enumerate(views)], len(slices))
+        [([i], v) for i, v in enumerate(views)], len(slices)
+    )
     return dict(zip(keys, views))
 
 
@@ -62,8 +64,9 @@ def test_kv_written_by_one_tensor_parallel_size_loads_exactly_into_another(write
     share = HEADS // writer_tp
     store = {}
     for r in range(writer_tp):
-        store |= save(rank_slices(layout(per), writer_tp, r), full[:, r * share : (r + 1) * share].contiguous(),
-                      [1, 4], 3)
+        store |= save(
+            rank_slices(layout(per), writer_tp, r), full[:, r * share : (r + 1) * share].contiguous(), [1, 4], 3
+        )
 
     share = HEADS // reader_tp
     for r in range(reader_tp):

@@ -89,8 +89,13 @@ def test_no_salt_and_no_adapter_keep_the_fingerprint(salt, adapter):
 
 def test_salts_and_adapters_never_share_a_chunk():
     tokens = list(range(300))
-    seeds = [chain_seed(FP), chain_seed(FP, "tenant-a"), chain_seed(FP, "tenant-b"), chain_seed(FP, None, "lora-1"),
-             chain_seed(FP, "tenant-a", "lora-1")]
+    seeds = [
+        chain_seed(FP),
+        chain_seed(FP, "tenant-a"),
+        chain_seed(FP, "tenant-b"),
+        chain_seed(FP, None, "lora-1"),
+        chain_seed(FP, "tenant-a", "lora-1"),
+    ]
     chains = [block_hashes(seed, tokens, 128, partial=True) for seed in seeds]
     every_hash = [h for chain in chains for h in chain]
     assert len(set(every_hash)) == len(every_hash)

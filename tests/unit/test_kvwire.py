@@ -16,8 +16,9 @@ def test_a_frame_sent_in_partial_scatter_gather_writes_arrives_whole():
     writer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
     writer.settimeout(5)  # as the data plane's sockets: non-blocking underneath, so sendmsg sends part of its buffers
     try:
-        sender = threading.Thread(target=send_frame, args=(writer, {"sizes": [len(v) for v in values]},
-                                                           [memoryview(v) for v in values]))
+        sender = threading.Thread(
+            target=send_frame, args=(writer, {"sizes": [len(v) for v in values]}, [memoryview(v) for v in values])
+        )
         sender.start()
         meta, size = recv_header(reader, 1 << 30)
         payload = memoryview(bytearray(size))

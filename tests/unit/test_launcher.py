@@ -50,15 +50,18 @@ def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(
     assert engine_cores({"prefill-worker": 2})["prefill-worker"] == {"MESH_CPU_CORES": "0-1|2-3"}
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert engine_cores({"prefill-worker": 2, "decode-worker": 1}) == {
-        "prefill-worker": {"MESH_CPU_CORES": "0|1"}, "decode-worker": {"MESH_CPU_CORES": "1"}}
+        "prefill-worker": {"MESH_CPU_CORES": "0|1"},
+        "decode-worker": {"MESH_CPU_CORES": "1"},
+    }
     monkeypatch.setenv("MESH_CPU_CORES", "0")
     assert engine_cores({"prefill-worker": 2}) == {}
 
 
 def test_a_restarted_child_runs_the_same_command_again_into_the_same_log(tmp_path):
     log = tmp_path / "child.log"
-    child = Child("once", [sys.executable, "-c", "import os; print('run', os.getpid()); raise SystemExit(3)"],
-                  log_path=log)
+    child = Child(
+        "once", [sys.executable, "-c", "import os; print('run', os.getpid()); raise SystemExit(3)"], log_path=log
+    )
     first = child.pid
     assert child.proc.wait(10) == 3
     child.restart()
@@ -73,8 +76,9 @@ def test_a_child_has_its_own_process_group_in_the_launchers_session(tmp_path):
     autogroup of its own, and the kernel let one busy engine's group starve another's on a shared core
     for seconds (a migration's prefetch on the starved one waited out its limit)."""
     log = tmp_path / "child.log"
-    child = Child("ids", [sys.executable, "-c", "import os; print(os.getpid(), os.getpgid(0), os.getsid(0))"],
-                  log_path=log)
+    child = Child(
+        "ids", [sys.executable, "-c", "import os; print(os.getpid(), os.getpgid(0), os.getsid(0))"], log_path=log
+    )
     assert child.proc.wait(10) == 0
     pid, pgid, sid = map(int, child.log_tail().split())
     assert pid == pgid == child.pid, "its own process group (the launcher kills it with killpg)"

@@ -14,10 +14,15 @@ from llmesh.messages import _TYPES, SCHEMA_VERSION, ErrorReply, Message, decode,
 MESSAGE_TYPES = sorted(_TYPES)
 # what msgpack can carry, nested
 VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=20)
+    max_leaves=20,
+)
 
 
 def frame(header: object, blob: bytes = b"") -> bytes:
@@ -41,8 +46,12 @@ def test_random_bytes_decode_or_are_a_bad_message(data):
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(MESSAGE_TYPES), st.dictionaries(st.text(max_size=15), VALUES, max_size=8),
-       st.integers(-1, 3), st.binary(max_size=16))
+@given(
+    st.sampled_from(MESSAGE_TYPES),
+    st.dictionaries(st.text(max_size=15), VALUES, max_size=8),
+    st.integers(-1, 3),
+    st.binary(max_size=16),
+)
 def test_any_fields_under_any_type_name_decode_to_that_type_or_are_a_bad_message(type_name, fields, version, blob):
     data = frame({"v": SCHEMA_VERSION if version == 0 else version, "t": type_name, "d": fields}, blob)
     msg = decodes_or_is_refused(data)

@@ -24,12 +24,15 @@ def test_error_reply_is_raised_typed():
         decode_any(encode(ErrorReply(code="context_length_exceeded", message="too long", param="prompt")))
 
 
-@pytest.mark.parametrize("frame, match", [
-    (b"", "shorter than its header"),
-    (b"\x00\x00\x00\x10abc", "claims 16 bytes"),
-    (b"\x00\x00\x00\x03\xc1\xc1\xc1", "undecodable"),
-    (encode(TokenDelta(text="x", token_ids=[1])).replace(b"TokenDelta", b"NoSuchType"), "unknown message type"),
-])
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (b"", "shorter than its header"),
+        (b"\x00\x00\x00\x10abc", "claims 16 bytes"),
+        (b"\x00\x00\x00\x03\xc1\xc1\xc1", "undecodable"),
+        (encode(TokenDelta(text="x", token_ids=[1])).replace(b"TokenDelta", b"NoSuchType"), "unknown message type"),
+    ],
+)
 def test_bad_frames_are_rejected_clearly(frame, match):
     with pytest.raises(BadMessage, match=match):
         decode_any(frame)
@@ -40,8 +43,9 @@ def test_wrong_type_and_invalid_fields():
         decode(encode(TokenDelta(text="", token_ids=[])), KvShardInfo)
     import msgpack
 
-    header = msgpack.packb({"v": 1, "t": "PrefillRequest", "d": {"request_id": "r", "model": "m", "max_tokens": 0,
-                                                                  "deadline": 0}})
+    header = msgpack.packb(
+        {"v": 1, "t": "PrefillRequest", "d": {"request_id": "r", "model": "m", "max_tokens": 0, "deadline": 0}}
+    )
     with pytest.raises(BadMessage, match="invalid PrefillRequest"):
         decode(len(header).to_bytes(4, "big") + header, PrefillRequest)
 
@@ -64,7 +68,7 @@ def test_unknown_fields_are_ignored_so_a_newer_sender_does_not_break_an_older_re
 
     frame = encode(TokenDelta(text="x", token_ids=[1]))
     n = int.from_bytes(frame[:4], "big")
-    head = msgpack.unpackb(frame[4:4 + n])
+    head = msgpack.unpackb(frame[4 : 4 + n])
     head["d"]["field_from_the_future"] = {"any": [1, 2]}
     header = msgpack.packb(head)
     msg, _ = decode_any(len(header).to_bytes(4, "big") + header)

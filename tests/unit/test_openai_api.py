@@ -19,8 +19,9 @@ def test_chunk_event_renders_exactly_the_chunk(chat, model):
                 assert json.loads(event.removeprefix(b"data: "))["choices"][0]["finish_reason"] == finish_reason
 
 
-@pytest.mark.parametrize("field, value", [("seed", 2**63), ("priority", -2**63 - 1), ("max_tokens", 2**63),
-                                          ("prompt", [1, 2**64])])
+@pytest.mark.parametrize(
+    "field, value", [("seed", 2**63), ("priority", -(2**63) - 1), ("max_tokens", 2**63), ("prompt", [1, 2**64])]
+)
 def test_integers_beyond_what_the_bus_carries_are_refused_at_the_door(field, value):
     """(Found by schemathesis: a 2**64 seed reached MessagePack and answered 500.)"""
     from pydantic import ValidationError
@@ -67,8 +68,13 @@ class _Dispatcher:
         done = 0
         for i, ids in enumerate(self.outputs):
             done += len(ids)
-            yield TokenDelta(text="x" * len(ids), token_ids=ids, prompt_tokens=5, completion_tokens=done,
-                             finish_reason="length" if i == len(self.outputs) - 1 else None)
+            yield TokenDelta(
+                text="x" * len(ids),
+                token_ids=ids,
+                prompt_tokens=5,
+                completion_tokens=done,
+                finish_reason="length" if i == len(self.outputs) - 1 else None,
+            )
 
 
 def _router(outputs, queued_model=""):
@@ -81,8 +87,19 @@ def _router(outputs, queued_model=""):
 
     registry = WorkerRegistry()
     for model in ("m", "n"):
-        registry.on_heartbeat(WorkerInfo(worker_id=model, role="prefill", model=model, fingerprint="f",
-                                         max_model_len=64, running=0, queued_tokens=0, capacity=4, heartbeat_s=1.0))
+        registry.on_heartbeat(
+            WorkerInfo(
+                worker_id=model,
+                role="prefill",
+                model=model,
+                fingerprint="f",
+                max_model_len=64,
+                running=0,
+                queued_tokens=0,
+                capacity=4,
+                heartbeat_s=1.0,
+            )
+        )
     metrics = RouterMetrics()
     dispatcher = _Dispatcher(metrics, registry, outputs, queued_model)
     app = create_app(dispatcher, registry, metrics, request_timeout_s=5)
@@ -92,8 +109,11 @@ def _router(outputs, queued_model=""):
 def _samples(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 async def test_metrics_after_requests_carry_vllms_names_labels_and_buckets():
@@ -115,13 +135,21 @@ async def test_metrics_after_requests_carry_vllms_names_labels_and_buckets():
     assert got[f"vllm:generation_tokens_total{{{model}}}"] == 2 * 4
     assert got[f"vllm:request_success_total{{finished_reason=length,{model}}}"] == 2
     assert got[f"vllm:num_requests_running{{{model}}}"] == got[f"vllm:num_requests_waiting{{{model}}}"] == 0
-    for metric, buckets in [("vllm:time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS),
-                            ("vllm:inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS)]:
-        bounds = sorted(float(k.split("le=")[1].split(",")[0].rstrip("}")) for k in got
-                        if k.startswith(f"{metric}_bucket{{"))
+    for metric, buckets in [
+        ("vllm:time_to_first_token_seconds", TIME_TO_FIRST_TOKEN_BUCKETS),
+        ("vllm:inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS),
+    ]:
+        bounds = sorted(
+            float(k.split("le=")[1].split(",")[0].rstrip("}")) for k in got if k.startswith(f"{metric}_bucket{{")
+        )
         assert bounds == [*buckets, float("inf")], metric
-    for old in ("llmesh_time_to_first_token_seconds", "llmesh_generated_tokens", "llmesh_request_seconds",
-                "llmesh_requests_inflight", "llmesh_queue_wait_seconds"):
+    for old in (
+        "llmesh_time_to_first_token_seconds",
+        "llmesh_generated_tokens",
+        "llmesh_request_seconds",
+        "llmesh_requests_inflight",
+        "llmesh_queue_wait_seconds",
+    ):
         assert old not in text  # replaced by vLLM's names, not exported twice
 
 
@@ -132,8 +160,10 @@ async def test_running_and_waiting_requests_per_served_model():
     dispatcher, client = _router([[1]], queued_model="m")
     dispatcher.go.clear()
     async with client:
-        calls = [asyncio.create_task(client.post("/v1/completions", json={"model": model, "prompt": "hi"}))
-                 for model in ("m", "m", "n", "made-up")]
+        calls = [
+            asyncio.create_task(client.post("/v1/completions", json={"model": model, "prompt": "hi"}))
+            for model in ("m", "m", "n", "made-up")
+        ]
         await asyncio.sleep(0.1)
         during = _samples((await client.get("/metrics")).text)
         dispatcher.go.set()

@@ -5,32 +5,47 @@ from dataclasses import replace
 import pytest
 
 from llmesh.messages import RequestProgress, WorkerInfo
-from llmesh.policies import RunningRequest, WorkerView
+from llmesh.policies import WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, pool_utilisation, switchable
 from llmesh.policies.llumnix import pick_migration, scaling_advice
 from llmesh.views import worker_view
 
 
 def req(rid, tokens, generated=1, priority=0, migrating=False):
-    return RunningRequest(rid, tokens, generated, 64, None, priority, migrating)
+    return RequestProgress(
+        request_id=rid, prompt_tokens=tokens, generated=generated, max_tokens=64, priority=priority, migrating=migrating
+    )
 
 
 def w(worker_id, requests=(), *, kv_total=100, role="decode", state="active"):
-    return WorkerView(worker_id, role, "m", "f", capacity=8, running=len(requests), state=state,
-                      kv_blocks_total=kv_total, block_size=16, requests=tuple(requests))
+    return WorkerView(
+        worker_id,
+        role,
+        "m",
+        "f",
+        capacity=8,
+        running=len(requests),
+        state=state,
+        kv_blocks_total=kv_total,
+        block_size=16,
+        requests=tuple(requests),
+    )
 
 
-@pytest.mark.parametrize("requests, expected", [
-    ([], None),
-    ([req("a", 100), req("b", 20)], "b"),  # fewest tokens
-    ([req("a", 10, generated=50), req("b", 40, generated=1)], "b"),  # prompt and output count alike
-    ([req("a", 20, priority=-1), req("b", 900)], "b"),  # the urgent one stays, however small
-    ([req("a", 20, priority=0), req("b", 900, priority=5)], "b"),  # the least urgent goes first
-    ([req("a", 20, migrating=True), req("b", 900)], "b"),  # already moving
-    ([req("a", 20, migrating=True)], None),
-    ([req("a", 20, generated=0), req("b", 900)], "b"),  # prompt not computed yet: no KV to hand over
-    ([req("b", 30), req("a", 30)], "a"),  # ties by id
-])
+@pytest.mark.parametrize(
+    "requests, expected",
+    [
+        ([], None),
+        ([req("a", 100), req("b", 20)], "b"),  # fewest tokens
+        ([req("a", 10, generated=50), req("b", 40, generated=1)], "b"),  # prompt and output count alike
+        ([req("a", 20, priority=-1), req("b", 900)], "b"),  # the urgent one stays, however small
+        ([req("a", 20, priority=0), req("b", 900, priority=5)], "b"),  # the least urgent goes first
+        ([req("a", 20, migrating=True), req("b", 900)], "b"),  # already moving
+        ([req("a", 20, migrating=True)], None),
+        ([req("a", 20, generated=0), req("b", 900)], "b"),  # prompt not computed yet: no KV to hand over
+        ([req("b", 30), req("a", 30)], "a"),  # ties by id
+    ],
+)
 def test_pick_migration(requests, expected):
     chosen = pick_migration(w("src", requests))
     assert (chosen.request_id if chosen else None) == expected
@@ -39,17 +54,20 @@ def test_pick_migration(requests, expected):
 BIG = [req("x", 1400)]  # 88 blocks of 16 tokens: F = 12
 
 
-@pytest.mark.parametrize("workers, expected", [
-    ([], 0),
-    ([w("a", BIG)], 0),  # 12: inside the band [10, 60]
-    ([w("a", BIG), w("b", [req("y", 1600)])], 1),  # (12 - 1) / 2 < 10: add an instance
-    ([w("a"), w("b")], -1),  # idle, 100 each: one can go
-    ([w("a")], 0),  # ... but never the last one
-    ([w("a", BIG), w("b", [req("y", 1600)]), w("c")], 0),  # (12 - 1 + 100) / 3
-    ([w("a", BIG), w("b", [req("y", 1600)]), w("c", state="draining")], 1),  # a draining one does not count
-    ([w("a", BIG), w("b", [req("y", 1600)]), w("c", role="prefill")], 1),  # nor a prefill worker
-    ([w("a", BIG), w("b", [req("y", 1600)]), w("c", kv_total=0)], 1),  # nor one that reports no KV blocks
-])
+@pytest.mark.parametrize(
+    "workers, expected",
+    [
+        ([], 0),
+        ([w("a", BIG)], 0),  # 12: inside the band [10, 60]
+        ([w("a", BIG), w("b", [req("y", 1600)])], 1),  # (12 - 1) / 2 < 10: add an instance
+        ([w("a"), w("b")], -1),  # idle, 100 each: one can go
+        ([w("a")], 0),  # ... but never the last one
+        ([w("a", BIG), w("b", [req("y", 1600)]), w("c")], 0),  # (12 - 1 + 100) / 3
+        ([w("a", BIG), w("b", [req("y", 1600)]), w("c", state="draining")], 1),  # a draining one does not count
+        ([w("a", BIG), w("b", [req("y", 1600)]), w("c", role="prefill")], 1),  # nor a prefill worker
+        ([w("a", BIG), w("b", [req("y", 1600)]), w("c", kv_total=0)], 1),  # nor one that reports no KV blocks
+    ],
+)
 def test_scaling_advice(workers, expected):
     assert scaling_advice(workers, low=10, high=60) == expected
 
@@ -61,28 +79,58 @@ def test_scaling_advice_counts_the_priority_headroom():
 
 
 def test_worker_view_carries_the_heartbeat_over():
-    info = WorkerInfo(worker_id="d", role="decode", model="m", fingerprint="f", max_model_len=2048, running=1,
-                      queued_tokens=7, capacity=4, heartbeat_s=1.0, state="draining", kv_blocks_used=3,
-                      kv_blocks_total=50, block_size=16,
-                      requests=[RequestProgress(request_id="r", prompt_tokens=30, generated=2, max_tokens=9,
-                                                priority=1, migrating=True)])
+    info = WorkerInfo(
+        worker_id="d",
+        role="decode",
+        model="m",
+        fingerprint="f",
+        max_model_len=2048,
+        running=1,
+        queued_tokens=7,
+        capacity=4,
+        heartbeat_s=1.0,
+        state="draining",
+        kv_blocks_used=3,
+        kv_blocks_total=50,
+        block_size=16,
+        requests=[
+            RequestProgress(request_id="r", prompt_tokens=30, generated=2, max_tokens=9, priority=1, migrating=True)
+        ],
+    )
     view = worker_view(info)
-    assert (view.worker_id, view.state, view.kv_blocks_total, view.block_size, view.queued_tokens) == \
-        ("d", "draining", 50, 16, 7)
-    assert view.requests == (RunningRequest("r", 30, 2, 9, None, 1, migrating=True),)
+    assert (view.worker_id, view.state, view.kv_blocks_total, view.block_size, view.queued_tokens) == (
+        "d",
+        "draining",
+        50,
+        16,
+        7,
+    )
+    assert view.requests == (
+        RequestProgress(request_id="r", prompt_tokens=30, generated=2, max_tokens=9, priority=1, migrating=True),
+    )
 
 
 # ---- BanaServe's role switching (Algorithm 4-1) ---------------------------------------------------------------
 
 BOTH = ("prefill", "decode")
-PARAMS = RoleSwitchParams(threshold=0.3, hold_s=2.0, cooldown_s=10.0, min_ratio=1.0, switch_cost=0.1,
-                          request_cost=0.05)
+PARAMS = RoleSwitchParams(threshold=0.3, hold_s=2.0, cooldown_s=10.0, min_ratio=1.0, switch_cost=0.1, request_cost=0.05)
 
 
 def u(worker_id, role, running, *, roles=BOTH, state="active", kv_used=0):
     """A worker whose utilisation is running / 8 + kv_used / 100."""
-    return WorkerView(worker_id, role, "m", "f", capacity=8, running=running, state=state, kv_blocks_used=kv_used,
-                      kv_blocks_total=100, block_size=16, roles=roles)
+    return WorkerView(
+        worker_id,
+        role,
+        "m",
+        "f",
+        capacity=8,
+        running=running,
+        state=state,
+        kv_blocks_used=kv_used,
+        kv_blocks_total=100,
+        block_size=16,
+        roles=roles,
+    )
 
 
 BUSY_PREFILL = [u("p1", "prefill", 8), u("p2", "prefill", 8)]  # L_p = 1
@@ -90,24 +138,36 @@ IDLE_DECODE = [u("d1", "decode", 2), u("d2", "decode", 1), u("d3", "decode", 1, 
 HELD = RoleBalance(direction="prefill", imbalanced_since=0.0)  # prefill short of capacity since 0
 
 
-@pytest.mark.parametrize("workers, now, state, expected", [
-    ([u("p1", "prefill", 3), u("d1", "decode", 1), u("d2", "decode", 1)], 5.0, RoleBalance(), None),  # 0.25 <= δ
-    (BUSY_PREFILL + IDLE_DECODE, 5.0, RoleBalance(), None),  # imbalanced from now on: not held yet
-    (BUSY_PREFILL + IDLE_DECODE, 1.9, HELD, None),  # held 1.9 s of 2
-    (BUSY_PREFILL + IDLE_DECODE, 2.0, HELD, ("d2", "prefill")),  # held: the least loaded (d3 has KV in use)
-    (BUSY_PREFILL + IDLE_DECODE, 5.0, replace(HELD, last_switch_at=-4.0), None),  # 9 s after the last switch
-    (BUSY_PREFILL + IDLE_DECODE, 6.0, replace(HELD, last_switch_at=-4.0), ("d2", "prefill")),  # 10 s after
-    (BUSY_PREFILL + [u("d1", "decode", 0)], 5.0, HELD, None),  # never the last decode worker
-    (BUSY_PREFILL + [u("d1", "decode", 0), u("d2", "decode", 0, state="draining")], 5.0, HELD, None),  # ... active
-    (BUSY_PREFILL + [u("d1", "decode", 1, roles=()), u("d2", "decode", 0, roles=("decode",)),
-                     u("d3", "decode", 1)], 5.0, HELD, ("d3", "prefill")),  # only one built with both roles
-    (BUSY_PREFILL + [u("d1", "decode", 0, roles=()), u("d2", "decode", 0, roles=())], 5.0, HELD, None),
-    ([u("p1", "prefill", 1, kv_used=10), u("p2", "prefill", 0), u("d1", "decode", 7), u("d2", "decode", 8)], 5.0,
-     RoleBalance(direction="decode", imbalanced_since=0.0), ("p2", "decode")),  # the other way round
-    (BUSY_PREFILL + [u("d1", "decode", 1), u("d2", "decode", 1, kv_used=1)], 5.0, HELD, ("d1", "prefill")),
-    (BUSY_PREFILL + [u("d1", "decode", 1), u("d2", "decode", 1)], 5.0, HELD, ("d1", "prefill")),  # tie: by id
-    ([u("p1", "prefill", 8)], 5.0, HELD, None),  # no decode pool: nothing to compare
-])
+@pytest.mark.parametrize(
+    "workers, now, state, expected",
+    [
+        ([u("p1", "prefill", 3), u("d1", "decode", 1), u("d2", "decode", 1)], 5.0, RoleBalance(), None),  # 0.25 <= δ
+        (BUSY_PREFILL + IDLE_DECODE, 5.0, RoleBalance(), None),  # imbalanced from now on: not held yet
+        (BUSY_PREFILL + IDLE_DECODE, 1.9, HELD, None),  # held 1.9 s of 2
+        (BUSY_PREFILL + IDLE_DECODE, 2.0, HELD, ("d2", "prefill")),  # held: the least loaded (d3 has KV in use)
+        (BUSY_PREFILL + IDLE_DECODE, 5.0, replace(HELD, last_switch_at=-4.0), None),  # 9 s after the last switch
+        (BUSY_PREFILL + IDLE_DECODE, 6.0, replace(HELD, last_switch_at=-4.0), ("d2", "prefill")),  # 10 s after
+        (BUSY_PREFILL + [u("d1", "decode", 0)], 5.0, HELD, None),  # never the last decode worker
+        (BUSY_PREFILL + [u("d1", "decode", 0), u("d2", "decode", 0, state="draining")], 5.0, HELD, None),  # ... active
+        (
+            BUSY_PREFILL
+            + [u("d1", "decode", 1, roles=()), u("d2", "decode", 0, roles=("decode",)), u("d3", "decode", 1)],
+            5.0,
+            HELD,
+            ("d3", "prefill"),
+        ),  # only one built with both roles
+        (BUSY_PREFILL + [u("d1", "decode", 0, roles=()), u("d2", "decode", 0, roles=())], 5.0, HELD, None),
+        (
+            [u("p1", "prefill", 1, kv_used=10), u("p2", "prefill", 0), u("d1", "decode", 7), u("d2", "decode", 8)],
+            5.0,
+            RoleBalance(direction="decode", imbalanced_since=0.0),
+            ("p2", "decode"),
+        ),  # the other way round
+        (BUSY_PREFILL + [u("d1", "decode", 1), u("d2", "decode", 1, kv_used=1)], 5.0, HELD, ("d1", "prefill")),
+        (BUSY_PREFILL + [u("d1", "decode", 1), u("d2", "decode", 1)], 5.0, HELD, ("d1", "prefill")),  # tie: by id
+        ([u("p1", "prefill", 8)], 5.0, HELD, None),  # no decode pool: nothing to compare
+    ],
+)
 def test_role_switch(workers, now, state, expected):
     switch, _ = pick_role_switch(workers, now, state, PARAMS)
     assert ((switch.worker_id, switch.role) if switch else None) == expected
@@ -126,15 +186,20 @@ def test_role_switch_reckoning_and_state():
     assert (switch.benefit, switch.cost, switch.ratio) == pytest.approx((0.32917, 0.15, 2.19444), rel=1e-4)
     assert state == RoleBalance(last_switch_at=7.0)  # the next switch waits for a new imbalance, held anew
     assert pick_role_switch(BUSY_PREFILL + IDLE_DECODE, 8.0, state, PARAMS) == (
-        None, RoleBalance(direction="prefill", imbalanced_since=8.0, last_switch_at=7.0))
+        None,
+        RoleBalance(direction="prefill", imbalanced_since=8.0, last_switch_at=7.0),
+    )
 
 
-@pytest.mark.parametrize("min_ratio, request_cost, switches", [
-    (2.0, 0.05, True),  # ratio 2.19
-    (2.5, 0.05, False),
-    (1.0, 0.3, False),  # 0.3292 / (0.1 + 0.3)
-    (0.0, 0.3, True),
-])
+@pytest.mark.parametrize(
+    "min_ratio, request_cost, switches",
+    [
+        (2.0, 0.05, True),  # ratio 2.19
+        (2.5, 0.05, False),
+        (1.0, 0.3, False),  # 0.3292 / (0.1 + 0.3)
+        (0.0, 0.3, True),
+    ],
+)
 def test_role_switch_weighs_benefit_against_cost(min_ratio, request_cost, switches):
     params = replace(PARAMS, min_ratio=min_ratio, request_cost=request_cost)
     switch, state = pick_role_switch(BUSY_PREFILL + IDLE_DECODE, 5.0, HELD, params)
@@ -145,10 +210,14 @@ def test_role_switch_weighs_benefit_against_cost(min_ratio, request_cost, switch
 def test_role_switch_forgets_an_imbalance_that_ends_or_turns():
     balanced = [u("p1", "prefill", 2), u("d1", "decode", 2), u("d2", "decode", 2)]
     assert pick_role_switch(balanced, 5.0, replace(HELD, last_switch_at=-9.0), PARAMS) == (
-        None, RoleBalance(last_switch_at=-9.0))
+        None,
+        RoleBalance(last_switch_at=-9.0),
+    )
     decode_short = [u("p1", "prefill", 0), u("p2", "prefill", 0), u("d1", "decode", 8)]
     assert pick_role_switch(decode_short, 5.0, HELD, PARAMS) == (
-        None, RoleBalance(direction="decode", imbalanced_since=5.0))
+        None,
+        RoleBalance(direction="decode", imbalanced_since=5.0),
+    )
 
 
 def test_prefill_backlog_counts_in_the_prefill_pools_load():
@@ -168,7 +237,17 @@ def test_role_switch_params_are_checked():
 
 
 def test_worker_view_carries_the_roles_over():
-    info = WorkerInfo(worker_id="d", role="decode", model="m", fingerprint="f", max_model_len=2048, running=0,
-                      queued_tokens=0, capacity=4, heartbeat_s=1.0, roles=["prefill", "decode"])
+    info = WorkerInfo(
+        worker_id="d",
+        role="decode",
+        model="m",
+        fingerprint="f",
+        max_model_len=2048,
+        running=0,
+        queued_tokens=0,
+        capacity=4,
+        heartbeat_s=1.0,
+        roles=["prefill", "decode"],
+    )
     assert worker_view(info).roles == BOTH and switchable(worker_view(info))
     assert not switchable(worker_view(info.model_copy(update={"roles": []})))

@@ -3,21 +3,58 @@ from dataclasses import replace
 
 import pytest
 
-from llmesh.policies import POLICIES, DispatchContext, RequestView, RunningRequest, WorkerView, make_policy
+from llmesh.messages import RequestProgress
+from llmesh.policies import POLICIES, DispatchContext, RequestView, WorkerView, make_policy
 from llmesh.policies.llumnix import freeness, migration_pairs
 
 REQUEST = RequestView("r", "m", prompt_tokens=100, arrival=0.0, deadline=60.0)
 
 
-def w(worker_id, running=0, queued=0, capacity=4, assigned=0, *, role="decode", model="m", fingerprint="f",
-      state="active", generates=False, kv_used=0, kv_total=0, requests=()):
-    return WorkerView(worker_id, role, model, fingerprint, capacity, running, queued, assigned, state, generates,
-                      kv_used, kv_total, 16, 0.0, tuple(requests))
+def w(
+    worker_id,
+    running=0,
+    queued=0,
+    capacity=4,
+    assigned=0,
+    *,
+    role="decode",
+    model="m",
+    fingerprint="f",
+    state="active",
+    generates=False,
+    kv_used=0,
+    kv_total=0,
+    requests=(),
+):
+    return WorkerView(
+        worker_id,
+        role,
+        model,
+        fingerprint,
+        capacity,
+        running,
+        queued,
+        assigned,
+        state,
+        generates,
+        kv_used,
+        kv_total,
+        16,
+        0.0,
+        tuple(requests),
+    )
 
 
 def ctx(workers, seed=0, dispatched=0, **kw):
-    return DispatchContext(now=0.0, rng=random.Random(seed), request=REQUEST, workers=tuple(workers),
-                           role=kw.pop("role", "decode"), dispatched=dispatched, **kw)
+    return DispatchContext(
+        now=0.0,
+        rng=random.Random(seed),
+        request=REQUEST,
+        workers=tuple(workers),
+        role=kw.pop("role", "decode"),
+        dispatched=dispatched,
+        **kw,
+    )
 
 
 def picked(policy, workers, **kw):
@@ -42,14 +79,21 @@ def test_least_loaded(workers, expected):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("workers, kw, expected", [
-    ([w("a", model="other"), w("b")], {}, "b"),  # another model
-    ([w("a", fingerprint="x"), w("b")], {"fingerprint": "f"}, "b"),  # another KV layout
-    ([w("a", state="draining"), w("b", running=3)], {}, "b"),  # a draining worker takes nothing new
-    ([w("a"), w("b", running=3, generates=True)], {"generates": True}, "b"),  # whole requests only where it runs them
-    ([w("a", role="prefill"), w("b", running=3)], {}, "b"),  # another role
-    ([w("a", running=4), w("b", running=4)], {}, None),  # all full
-])
+@pytest.mark.parametrize(
+    "workers, kw, expected",
+    [
+        ([w("a", model="other"), w("b")], {}, "b"),  # another model
+        ([w("a", fingerprint="x"), w("b")], {"fingerprint": "f"}, "b"),  # another KV layout
+        ([w("a", state="draining"), w("b", running=3)], {}, "b"),  # a draining worker takes nothing new
+        (
+            [w("a"), w("b", running=3, generates=True)],
+            {"generates": True},
+            "b",
+        ),  # whole requests only where it runs them
+        ([w("a", role="prefill"), w("b", running=3)], {}, "b"),  # another role
+        ([w("a", running=4), w("b", running=4)], {}, None),  # all full
+    ],
+)
 def test_every_policy_filters_the_same_way(policy, workers, kw, expected):
     assert picked(policy, workers, **kw) == expected
 
@@ -57,21 +101,25 @@ def test_every_policy_filters_the_same_way(policy, workers, kw, expected):
 def prefiller(worker_id, *, speed=1000.0, backlog=0, sent=0, running=0):
     """A prefill worker measured at `speed` tokens/s holding `backlog` prompt tokens (heartbeat) and sent
     `sent` more by the caller's account."""
-    held = (RunningRequest("held", backlog, 0, 16),) if backlog else ()
-    return replace(w(worker_id, running=running, role="prefill", requests=held), prefill_tokens_per_s=speed,
-                   sent_backlog=sent)
+    held = (RequestProgress(request_id="held", prompt_tokens=backlog, max_tokens=16),) if backlog else ()
+    return replace(
+        w(worker_id, running=running, role="prefill", requests=held), prefill_tokens_per_s=speed, sent_backlog=sent
+    )
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("workers, bound, expected", [
-    ([prefiller("a", sent=950)], 1.0, None),  # 950 + 100 tokens at 1000/s: 1.05 s of prompts
-    ([prefiller("a", sent=950)], 2.0, "a"),
-    ([prefiller("a", sent=950)], None, "a"),  # no bound: slots only
-    ([prefiller("a", backlog=950, sent=100)], 1.0, "a"),  # the caller's own account, not the older heartbeat's
-    ([prefiller("a", sent=950), prefiller("b", sent=400, running=2)], 1.0, "b"),
-    ([prefiller("a", speed=0.0, sent=10_000)], 1.0, "a"),  # speed not measured: no estimate
-    ([prefiller("a", speed=10.0)], 1.0, "a"),  # nothing sent it: it takes any prompt
-])
+@pytest.mark.parametrize(
+    "workers, bound, expected",
+    [
+        ([prefiller("a", sent=950)], 1.0, None),  # 950 + 100 tokens at 1000/s: 1.05 s of prompts
+        ([prefiller("a", sent=950)], 2.0, "a"),
+        ([prefiller("a", sent=950)], None, "a"),  # no bound: slots only
+        ([prefiller("a", backlog=950, sent=100)], 1.0, "a"),  # the caller's own account, not the older heartbeat's
+        ([prefiller("a", sent=950), prefiller("b", sent=400, running=2)], 1.0, "b"),
+        ([prefiller("a", speed=0.0, sent=10_000)], 1.0, "a"),  # speed not measured: no estimate
+        ([prefiller("a", speed=10.0)], 1.0, "a"),  # nothing sent it: it takes any prompt
+    ],
+)
 def test_a_prefill_worker_has_room_only_while_its_prompts_fit_the_backlog_bound(policy, workers, bound, expected):
     assert picked(policy, workers, role="prefill", max_backlog_s=bound) == expected
 
@@ -100,21 +148,32 @@ def test_power_of_two_never_picks_the_most_loaded_of_three():
     assert picks == {"a", "b"}  # c loses every pair it is drawn in
 
 
-@pytest.mark.parametrize("workers, threshold, expected", [
-    # U = load + KV usage
-    ([w("a", running=1, kv_used=90, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "b"),  # 1.15 vs 0.6
-    ([w("a", running=1, kv_used=10, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "a"),
-    ([w("a", running=3, kv_used=90, kv_total=100), w("b", running=3, kv_used=95, kv_total=100)], 1.6, None),  # all over θ: queue
-    ([w("a", running=3, kv_used=90, kv_total=100)], 2.0, "a"),  # 1.65 < 2.0
-    ([w("a", running=2)], 1.0, "a"),  # no KV reported: the compute term alone (0.5)
-])
+@pytest.mark.parametrize(
+    "workers, threshold, expected",
+    [
+        # U = load + KV usage
+        (
+            [w("a", running=1, kv_used=90, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)],
+            1.6,
+            "b",
+        ),  # 1.15 vs 0.6
+        ([w("a", running=1, kv_used=10, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "a"),
+        (
+            [w("a", running=3, kv_used=90, kv_total=100), w("b", running=3, kv_used=95, kv_total=100)],
+            1.6,
+            None,
+        ),  # all over θ: queue
+        ([w("a", running=3, kv_used=90, kv_total=100)], 2.0, "a"),  # 1.65 < 2.0
+        ([w("a", running=2)], 1.0, "a"),  # no KV reported: the compute term alone (0.5)
+    ],
+)
 def test_banaserve_dispatches_to_the_lowest_utilisation_under_its_threshold(workers, threshold, expected):
     chosen = make_policy("banaserve", {"threshold": threshold}).pick(ctx(workers))
     assert (chosen.worker_id if chosen else None) == expected
 
 
 def req(rid, tokens, generated=0, priority=0):
-    return RunningRequest(rid, tokens, generated, 64, None, priority)
+    return RequestProgress(request_id=rid, prompt_tokens=tokens, generated=generated, max_tokens=64, priority=priority)
 
 
 def test_llumnix_freeness():
@@ -153,15 +212,18 @@ def test_llumnix_migration_pairs_least_with_most_free():
     assert migration_pairs(workers, source_below=20, destination_above=100) == []  # nowhere free enough
 
 
-@pytest.mark.parametrize("name, params, error", [
-    ("fastest", None, "unknown policy 'fastest'"),
-    ("banaserve", {"threshhold": 1.0}, "no parameter threshhold"),
-    ("banaserve", {"threshold": 3.0}, "threshold must lie in"),
-    ("llumnix", {"priority_headroom_blocks": -1}, "must be >= 0"),
-    ("ascendra", {"high_pool_fraction": 1.0}, "must lie in"),
-    ("ascendra", {"tickets": 0}, "must be >= 1"),
-    ("cache_aware", {"cache_threshold": 2}, "must lie in"),
-])
+@pytest.mark.parametrize(
+    "name, params, error",
+    [
+        ("fastest", None, "unknown policy 'fastest'"),
+        ("banaserve", {"threshhold": 1.0}, "no parameter threshhold"),
+        ("banaserve", {"threshold": 3.0}, "threshold must lie in"),
+        ("llumnix", {"priority_headroom_blocks": -1}, "must be >= 0"),
+        ("ascendra", {"high_pool_fraction": 1.0}, "must lie in"),
+        ("ascendra", {"tickets": 0}, "must be >= 1"),
+        ("cache_aware", {"cache_threshold": 2}, "must lie in"),
+    ],
+)
 def test_bad_policy_settings_are_refused_with_the_reason(name, params, error):
     with pytest.raises(ValueError, match=error):
         make_policy(name, params)
@@ -247,24 +309,56 @@ from llmesh.policies.queueing import moore_hodgson  # noqa: E402
 
 
 def q(rid, arrival=0.0, ttft=None, tpot=None, predicted=None, priority=0, max_tokens=None, prompt=100):
-    return RequestView(rid, "m", prompt_tokens=prompt, arrival=arrival, deadline=1e9, max_tokens=max_tokens,
-                       predicted_tokens=predicted, ttft_slo_s=ttft, tpot_slo_s=tpot, priority=priority)
+    return RequestView(
+        rid,
+        "m",
+        prompt_tokens=prompt,
+        arrival=arrival,
+        deadline=1e9,
+        max_tokens=max_tokens,
+        predicted_tokens=predicted,
+        ttft_slo_s=ttft,
+        tpot_slo_s=tpot,
+        priority=priority,
+    )
 
 
-@pytest.mark.parametrize("policy, params, waiting, now, expected", [
-    ("fcfs", None, [q("b", 2), q("a", 1), q("c", 3)], 5, ["a", "b", "c"]),
-    ("priority", None, [q("b", 1, priority=0), q("a", 2, priority=-1), q("c", 0, priority=3)], 5, ["a", "b", "c"]),
-    # EDF on TTFT deadlines: c arrived last but is due first (3 + 1); no target: its overall deadline (last)
-    ("edf", {"drop_hopeless": 0}, [q("a", 0, ttft=10), q("b", 1, ttft=5), q("c", 3, ttft=1), q("z", 0)], 3.5,
-     ["c", "b", "a", "z"]),
-    # SLO-ODBS: the tighter per-token group first (20-40 ms before 50-100 ms), shortest predicted first within it
-    ("slo_odbs", {"slo_bucket_s": 0.05}, [q("a", 0, tpot=0.08, predicted=10), q("b", 1, tpot=0.03, predicted=500),
-                                          q("c", 2, tpot=0.04, predicted=50), q("d", 3, tpot=0.03)], 5,
-     ["c", "b", "d", "a"]),
-    # fairness: waiting time / predicted length: a 10 s / 100 = 0.1, b 2 s / 10 = 0.2, c 9 s / 300 = 0.03
-    ("fairness", None, [q("a", 0, predicted=100), q("b", 8, predicted=10), q("c", 1, predicted=300)], 10,
-     ["b", "a", "c"]),
-])
+@pytest.mark.parametrize(
+    "policy, params, waiting, now, expected",
+    [
+        ("fcfs", None, [q("b", 2), q("a", 1), q("c", 3)], 5, ["a", "b", "c"]),
+        ("priority", None, [q("b", 1, priority=0), q("a", 2, priority=-1), q("c", 0, priority=3)], 5, ["a", "b", "c"]),
+        # EDF on TTFT deadlines: c arrived last but is due first (3 + 1); no target: its overall deadline (last)
+        (
+            "edf",
+            {"drop_hopeless": 0},
+            [q("a", 0, ttft=10), q("b", 1, ttft=5), q("c", 3, ttft=1), q("z", 0)],
+            3.5,
+            ["c", "b", "a", "z"],
+        ),
+        # SLO-ODBS: the tighter per-token group first (20-40 ms before 50-100 ms), shortest predicted first within it
+        (
+            "slo_odbs",
+            {"slo_bucket_s": 0.05},
+            [
+                q("a", 0, tpot=0.08, predicted=10),
+                q("b", 1, tpot=0.03, predicted=500),
+                q("c", 2, tpot=0.04, predicted=50),
+                q("d", 3, tpot=0.03),
+            ],
+            5,
+            ["c", "b", "d", "a"],
+        ),
+        # fairness: waiting time / predicted length: a 10 s / 100 = 0.1, b 2 s / 10 = 0.2, c 9 s / 300 = 0.03
+        (
+            "fairness",
+            None,
+            [q("a", 0, predicted=100), q("b", 8, predicted=10), q("c", 1, predicted=300)],
+            10,
+            ["b", "a", "c"],
+        ),
+    ],
+)
 def test_queue_orders(policy, params, waiting, now, expected):
     assert [r.request_id for r in make_queue_policy(policy, params).order(now, waiting)] == expected
 
@@ -310,8 +404,17 @@ def test_edf_refuses_only_what_cannot_make_it_even_first():
 
 
 def test_every_queue_policy_is_deterministic_and_total():
-    waiting = [q(f"r{i}", arrival=i % 3, ttft=5 + i % 4, tpot=0.02 * (1 + i % 3), predicted=(i * 37) % 200 or None,
-                 priority=i % 2) for i in range(12)]
+    waiting = [
+        q(
+            f"r{i}",
+            arrival=i % 3,
+            ttft=5 + i % 4,
+            tpot=0.02 * (1 + i % 3),
+            predicted=(i * 37) % 200 or None,
+            priority=i % 2,
+        )
+        for i in range(12)
+    ]
     for name in QUEUE_POLICIES:
         policy = make_queue_policy(name)
         first = [r.request_id for r in policy.order(4.0, waiting)]
@@ -321,7 +424,6 @@ def test_every_queue_policy_is_deterministic_and_total():
 
 # ---- prefix affinity -----------------------------------------------------------------------------------------
 
-from dataclasses import replace  # noqa: E402
 
 from llmesh.policies import PrefixIndex  # noqa: E402
 
@@ -339,24 +441,33 @@ def prefix_ctx(workers, cached, blocks=4):
     return replace(ctx(workers), request=replace(REQUEST, prefix_hashes=tuple(range(blocks))), cached_blocks=cached)
 
 
-@pytest.mark.parametrize("workers, cached, expected", [
-    ([w("a", running=2), w("b", running=0)], {"a": 4}, "a"),  # the whole prefix on a: there, though busier
-    ([w("a", running=2), w("b", running=0)], {"a": 2}, "b"),  # half is not more than the 0.5 threshold
-    ([w("a", running=2), w("b", running=1)], {"a": 3, "b": 4}, "b"),  # the longest match
-    ([w("a", running=2), w("b", running=0)], {}, "b"),  # nothing cached: least loaded
-    ([w("a", running=40, capacity=64), w("b", running=2, capacity=64)], {"a": 4}, "b"),  # imbalanced: least loaded
-    ([w("a", running=4), w("b", running=0)], {"a": 4}, "b"),  # a is full
-])
+@pytest.mark.parametrize(
+    "workers, cached, expected",
+    [
+        ([w("a", running=2), w("b", running=0)], {"a": 4}, "a"),  # the whole prefix on a: there, though busier
+        ([w("a", running=2), w("b", running=0)], {"a": 2}, "b"),  # half is not more than the 0.5 threshold
+        ([w("a", running=2), w("b", running=1)], {"a": 3, "b": 4}, "b"),  # the longest match
+        ([w("a", running=2), w("b", running=0)], {}, "b"),  # nothing cached: least loaded
+        ([w("a", running=40, capacity=64), w("b", running=2, capacity=64)], {"a": 4}, "b"),  # imbalanced: least loaded
+        ([w("a", running=4), w("b", running=0)], {"a": 4}, "b"),  # a is full
+    ],
+)
 def test_cache_aware_follows_the_prefix_while_load_is_balanced(workers, cached, expected):
     assert make_policy("cache_aware").pick(prefix_ctx(workers, cached)).worker_id == expected
 
 
 # ---- Ascendra ------------------------------------------------------------------------------------------------
 
+
 def fast(worker, backlog_prompts=(), speed=1000.0):
     """`worker` measured at `speed` prompt tokens/s, holding prompts not yet computed."""
-    held = tuple(RunningRequest(f"{worker.worker_id}-{i}", n, 0, 64) for i, n in enumerate(backlog_prompts))
-    return replace(worker, prefill_tokens_per_s=speed, requests=worker.requests + held, running=worker.running + len(held))
+    held = tuple(
+        RequestProgress(request_id=f"{worker.worker_id}-{i}", prompt_tokens=n, max_tokens=64)
+        for i, n in enumerate(backlog_prompts)
+    )
+    return replace(
+        worker, prefill_tokens_per_s=speed, requests=worker.requests + held, running=worker.running + len(held)
+    )
 
 
 def urgent_ctx(workers, ttft_s, now=0.0):
@@ -364,26 +475,63 @@ def urgent_ctx(workers, ttft_s, now=0.0):
     return replace(ctx(workers), request=request, now=now)
 
 
-@pytest.mark.parametrize("workers, ttft_s, params, expected", [
-    # a, b low-priority; c (last by id) high-priority. A 100-token prompt at 1000 tokens/s: 0.1 s alone.
-    ([fast(w("a", capacity=8)), fast(w("b", capacity=8), [500]), fast(w("c", capacity=8))], 1.0, {}, "a"),
-    # both in time (0.9 s, 0.7 s): the less loaded (a holds 1 request, b 2)
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [300, 300]), fast(w("c", capacity=8))], 1.0, {}, "a"),
-    # a is less loaded but its KV (10 blocks of 16) would be overcommitted: it would wait, b answers in time
-    ([fast(w("a", capacity=8, kv_total=10), [100]), fast(w("b", capacity=8), [300, 300]), fast(w("c", capacity=8))],
-     1.0, {}, "b"),
-    # no LP instance answers in 0.5 s: offloaded to the HP instance
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900, 900]), fast(w("c", capacity=8))], 0.5, {}, "c"),
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])], 0.5,
-     {}, None),  # the HP instance has no ticket left (2 prompts in progress): held back
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])], 0.5,
-     {"tickets": 3}, "c"),
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [600])], 0.5,
-     {}, None),  # hopeless everywhere: held back for the queue to refuse
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [600])], 0.5,
-     {"drop_hopeless": 0}, "a"),  # ... or best effort where it answers soonest
-    ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8))], 0.05, {"high_pool_fraction": 0}, None),
-])
+@pytest.mark.parametrize(
+    "workers, ttft_s, params, expected",
+    [
+        # a, b low-priority; c (last by id) high-priority. A 100-token prompt at 1000 tokens/s: 0.1 s alone.
+        ([fast(w("a", capacity=8)), fast(w("b", capacity=8), [500]), fast(w("c", capacity=8))], 1.0, {}, "a"),
+        # both in time (0.9 s, 0.7 s): the less loaded (a holds 1 request, b 2)
+        (
+            [fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [300, 300]), fast(w("c", capacity=8))],
+            1.0,
+            {},
+            "a",
+        ),
+        # a is less loaded but its KV (10 blocks of 16) would be overcommitted: it would wait, b answers in time
+        (
+            [
+                fast(w("a", capacity=8, kv_total=10), [100]),
+                fast(w("b", capacity=8), [300, 300]),
+                fast(w("c", capacity=8)),
+            ],
+            1.0,
+            {},
+            "b",
+        ),
+        # no LP instance answers in 0.5 s: offloaded to the HP instance
+        (
+            [fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900, 900]), fast(w("c", capacity=8))],
+            0.5,
+            {},
+            "c",
+        ),
+        (
+            [fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])],
+            0.5,
+            {},
+            None,
+        ),  # the HP instance has no ticket left (2 prompts in progress): held back
+        (
+            [fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [50, 50])],
+            0.5,
+            {"tickets": 3},
+            "c",
+        ),
+        (
+            [fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [600])],
+            0.5,
+            {},
+            None,
+        ),  # hopeless everywhere: held back for the queue to refuse
+        (
+            [fast(w("a", capacity=8), [800]), fast(w("b", capacity=8), [900]), fast(w("c", capacity=8), [600])],
+            0.5,
+            {"drop_hopeless": 0},
+            "a",
+        ),  # ... or best effort where it answers soonest
+        ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8))], 0.05, {"high_pool_fraction": 0}, None),
+    ],
+)
 def test_ascendra_offloads_what_the_low_priority_pool_would_serve_late(workers, ttft_s, params, expected):
     chosen = make_policy("ascendra", params).pick(urgent_ctx(workers, ttft_s))
     assert (chosen.worker_id if chosen else None) == expected
@@ -410,12 +558,31 @@ def test_llumnix_can_hold_requests_in_the_queue_once_kv_would_be_overcommitted()
 def test_a_running_requests_remaining_output_uses_the_best_estimate_at_hand():
     """The refined estimate (made `generated - remaining_at` tokens ago) over the prompt-only one over
     the budget, never past the budget nor below one token."""
-    budget_only = RunningRequest("r", 100, generated=40, max_tokens=500)
+    budget_only = RequestProgress(request_id="r", prompt_tokens=100, generated=40, max_tokens=500)
     assert budget_only.expected_remaining == 460
-    prompt_only = RunningRequest("r", 100, generated=40, max_tokens=500, predicted_tokens=140.0)
+    prompt_only = RequestProgress(
+        request_id="r", prompt_tokens=100, generated=40, max_tokens=500, predicted_tokens=140.0
+    )
     assert prompt_only.expected_remaining == 100
-    refined = RunningRequest("r", 100, generated=40, max_tokens=500, predicted_tokens=140.0,
-                             predicted_remaining=300.0, remaining_at=32)
+    refined = RequestProgress(
+        request_id="r",
+        prompt_tokens=100,
+        generated=40,
+        max_tokens=500,
+        predicted_tokens=140.0,
+        predicted_remaining=300.0,
+        remaining_at=32,
+    )
     assert refined.expected_remaining == 292
-    assert RunningRequest("r", 100, 40, 500, predicted_tokens=10.0).expected_remaining == 1
-    assert RunningRequest("r", 100, 40, 50, predicted_remaining=900.0, remaining_at=40).expected_remaining == 10
+    assert (
+        RequestProgress(
+            request_id="r", prompt_tokens=100, generated=40, max_tokens=500, predicted_tokens=10.0
+        ).expected_remaining
+        == 1
+    )
+    assert (
+        RequestProgress(
+            request_id="r", prompt_tokens=100, generated=40, max_tokens=50, predicted_remaining=900.0, remaining_at=40
+        ).expected_remaining
+        == 10
+    )

@@ -7,12 +7,15 @@ from llmesh.policies.preemption import RateEstimate, swap_or_recompute
 MB = 1e6
 
 
-@pytest.mark.parametrize(("tokens", "nbytes", "load_per_s", "tokens_per_s", "choice"), [
-    (1024, 64 * MB, 10_000 * MB, 5_000, "swap"),  # a fast store: 6 ms to load vs 205 ms to compute
-    (1024, 64 * MB, 100 * MB, 5_000, "recompute"),  # a slow store: 640 ms vs 205 ms
-    (128, 8 * MB, 1_000 * MB, 100_000, "recompute"),  # a fast GPU on a short context: 1.3 ms vs 8 ms
-    (100, 1 * MB, 1 * MB, 100, "swap"),  # equal: swap (exact by construction)
-])
+@pytest.mark.parametrize(
+    ("tokens", "nbytes", "load_per_s", "tokens_per_s", "choice"),
+    [
+        (1024, 64 * MB, 10_000 * MB, 5_000, "swap"),  # a fast store: 6 ms to load vs 205 ms to compute
+        (1024, 64 * MB, 100 * MB, 5_000, "recompute"),  # a slow store: 640 ms vs 205 ms
+        (128, 8 * MB, 1_000 * MB, 100_000, "recompute"),  # a fast GPU on a short context: 1.3 ms vs 8 ms
+        (100, 1 * MB, 1 * MB, 100, "swap"),  # equal: swap (exact by construction)
+    ],
+)
 def test_the_cheaper_way(tokens, nbytes, load_per_s, tokens_per_s, choice):
     cost = swap_or_recompute(tokens, nbytes, load_per_s, tokens_per_s)
     assert cost.choice == choice

@@ -9,8 +9,16 @@ from llmesh_sim.cluster import simulate, summarize
 from llmesh_sim.engine import EngineProfile, SimRequest
 
 # 10 ms a step, 1 ms a prompt token, 2 ms a decoding request
-PROFILE = EngineProfile("hand", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, max_batched_tokens=1000,
-                        max_seqs=8, kv_blocks=100, block_size=16)
+PROFILE = EngineProfile(
+    "hand",
+    base_s=0.01,
+    prefill_token_s=0.001,
+    decode_seq_s=0.002,
+    max_batched_tokens=1000,
+    max_seqs=8,
+    kv_blocks=100,
+    block_size=16,
+)
 
 
 def test_one_engine_by_hand():
@@ -58,8 +66,17 @@ def test_round_robin_alternates_and_least_loaded_fills_the_idle_engine():
 @pytest.mark.parametrize("queue_policy", sorted(QUEUE_POLICIES))
 def test_every_policy_runs_a_short_trace_to_the_end(policy, queue_policy):
     rng = random.Random(1)
-    reqs = [SimRequest(f"r{i}", i * 0.02, rng.randint(20, 400), rng.randint(2, 60), ttft_slo_s=2.0,
-                       predicted_tokens=rng.randint(2, 60)) for i in range(60)]
+    reqs = [
+        SimRequest(
+            f"r{i}",
+            i * 0.02,
+            rng.randint(20, 400),
+            rng.randint(2, 60),
+            ttft_slo_s=2.0,
+            predicted_tokens=rng.randint(2, 60),
+        )
+        for i in range(60)
+    ]
     done = simulate(reqs, PROFILE, 3, make_policy(policy), make_queue_policy(queue_policy))
     s = summarize(done, ttft_slo_s=2.0, tpot_slo_s=0.1)
     assert s.completed + s.refused == 60
@@ -69,9 +86,34 @@ def test_every_policy_runs_a_short_trace_to_the_end(policy, queue_policy):
 def test_the_command_runs_a_trace_slice_and_writes_its_table(tmp_path):
     from llmesh_sim.__main__ import main
 
-    assert main(["--profile", "sim/profiles/cpu-tiny.json", "--trace", "azure-conv", "--requests", "40",
-                 "--rates", "1", "2", "--policies", "least_loaded", "llumnix", "--queue-policies", "fcfs", "edf",
-                 "--input-scale", "0.5", "--output-scale", "0.25", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--profile",
+                "sim/profiles/cpu-tiny.json",
+                "--trace",
+                "azure-conv",
+                "--requests",
+                "40",
+                "--rates",
+                "1",
+                "2",
+                "--policies",
+                "least_loaded",
+                "llumnix",
+                "--queue-policies",
+                "fcfs",
+                "edf",
+                "--input-scale",
+                "0.5",
+                "--output-scale",
+                "0.25",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     import json
 
     points = json.loads((tmp_path / "sim.json").read_text())["points"]
@@ -84,8 +126,9 @@ def test_the_calibration_fit_recovers_a_known_profile():
     from llmesh.config import WorkerSettings
     from llmesh_sim.calibrate import fit
 
-    true = EngineProfile("t", base_s=0.004, prefill_token_s=0.0006, decode_seq_s=0.0008, context_token_s=4e-7,
-                         prefill_attention_s=3e-8)
+    true = EngineProfile(
+        "t", base_s=0.004, prefill_token_s=0.0006, decode_seq_s=0.0008, context_token_s=4e-7, prefill_attention_s=3e-8
+    )
     prefills = [(n, true.prefill_s(n)) for n in (64, 512, 1024, 1536)]
     decodes = [(b, c, true.step_s(0, b, c)) for b, c in ((1, 100), (4, 2000), (16, 1600), (16, 9000))]
     profile, report = fit("t", prefills, decodes, 4096, WorkerSettings(), "synthetic")
@@ -99,8 +142,17 @@ def test_prefill_and_decode_pools_by_hand():
     """A: 100-token prompt, 3 tokens out, on 1 prefill + 1 decode engine, KV transfer 0.1 ms a token.
     Prefill [0, 0.110]: first token; KV at the decode engine at 0.120; two decode steps of 12 ms
     (0.132, 0.144). B, 1 token out, ends on the prefill engine."""
-    profile = EngineProfile("pd", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, max_batched_tokens=1000,
-                            max_seqs=8, kv_blocks=100, block_size=16, kv_transfer_token_s=0.0001)
+    profile = EngineProfile(
+        "pd",
+        base_s=0.01,
+        prefill_token_s=0.001,
+        decode_seq_s=0.002,
+        max_batched_tokens=1000,
+        max_seqs=8,
+        kv_blocks=100,
+        block_size=16,
+        kv_transfer_token_s=0.0001,
+    )
     a, b = SimRequest("a", 0.0, 100, 3), SimRequest("b", 0.5, 50, 1)
     simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("edf"), prefill_instances=1)
     assert a.ttft_s == pytest.approx(0.110) and a.finished_at == pytest.approx(0.144)
@@ -122,8 +174,15 @@ def test_conditional_disaggregation_sends_a_prompt_past_a_long_prefill_queue(mar
     wait behind it, while the idle decode engine computes it in 0.1 s: it goes there (as the
     router decides, llmesh.policies.disagg), unless conditional disaggregation is off."""
     long, short = SimRequest("long", 0.0, 1500, 2), SimRequest("short", 0.01, 100, 2)
-    simulate([long, short], PROFILE, 1, make_policy("least_loaded"), make_queue_policy("fcfs"), prefill_instances=1,
-             local_prefill_margin_s=margin)
+    simulate(
+        [long, short],
+        PROFILE,
+        1,
+        make_policy("least_loaded"),
+        make_queue_policy("fcfs"),
+        prefill_instances=1,
+        local_prefill_margin_s=margin,
+    )
     assert long.worker_id == "p000" and short.worker_id == site
     assert short.finished_at is not None
 
@@ -133,31 +192,50 @@ def test_fidelity_replays_a_measured_point(tmp_path, capsys):
 
     from llmesh_sim.fidelity import main
 
-    requests = {"start_s": [0.0, 0.5, 1.0], "prompt_tokens": [100, 200, 50], "output_tokens": [3, 3, 3],
-                "ttft_ms": [110.0, 215.0, 60.0], "tpot_ms": [12.0, 12.0, 12.0]}
+    requests = {
+        "start_s": [0.0, 0.5, 1.0],
+        "prompt_tokens": [100, 200, 50],
+        "output_tokens": [3, 3, 3],
+        "ttft_ms": [110.0, 215.0, 60.0],
+        "tpot_ms": [12.0, 12.0, 12.0],
+    }
     points = [{"deployment": d, "workload": "trace", "rate": 1, "requests": requests} for d in ("mesh", "vllm")]
     (tmp_path / "results.json").write_text(json.dumps({"points": points}))
-    (tmp_path / "p.json").write_text(json.dumps({"name": "hand", "base_s": 0.01, "prefill_token_s": 0.001,
-                                                 "decode_seq_s": 0.002}))
+    (tmp_path / "p.json").write_text(
+        json.dumps({"name": "hand", "base_s": 0.01, "prefill_token_s": 0.001, "decode_seq_s": 0.002})
+    )
     assert main(["--results", str(tmp_path / "results.json"), "--profile", str(tmp_path / "p.json")]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| mesh")
-            or line.startswith("| vllm")]
+    rows = [
+        line.split(" | ")
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| mesh") or line.startswith("| vllm")
+    ]
     # alone on an idle engine each prompt takes 10 ms + 1 ms a token: P50 110 ms measured and simulated
     assert [(r[0], r[4], r[5]) for r in rows] == [("| mesh", "110", "110"), ("| vllm", "110", "110")]
 
 
-@pytest.mark.parametrize("mode, b_ttft", [
-    ("none", 0.010 + 0.2),  # B computes its whole 200-token prompt
-    ("local", 0.010 + 0.1),  # on A's engine, its first 100 tokens are in vLLM's cache: free
-    ("global", 0.010 + 0.1 + 100 * 0.0002),  # from the global store, 0.2 ms a token to load
-])
+@pytest.mark.parametrize(
+    "mode, b_ttft",
+    [
+        ("none", 0.010 + 0.2),  # B computes its whole 200-token prompt
+        ("local", 0.010 + 0.1),  # on A's engine, its first 100 tokens are in vLLM's cache: free
+        ("global", 0.010 + 0.1 + 100 * 0.0002),  # from the global store, 0.2 ms a token to load
+    ],
+)
 def test_prefix_reuse_by_hand(mode, b_ttft):
     """A (100 tokens, block ids [1]) then B (200 tokens, [1, 2]), 100-token blocks, one engine."""
     profile = EngineProfile("p", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0, kv_transfer_token_s=0.0002)
     a = SimRequest("a", 0.0, 100, 1, prefix_hashes=(1,))
     b = SimRequest("b", 1.0, 200, 1, prefix_hashes=(1, 2))
-    simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("fcfs"), prefix_cache=mode,
-             prefix_block_tokens=100)
+    simulate(
+        [a, b],
+        profile,
+        1,
+        make_policy("least_loaded"),
+        make_queue_policy("fcfs"),
+        prefix_cache=mode,
+        prefix_block_tokens=100,
+    )
     assert b.ttft_s == pytest.approx(b_ttft) and b.cached_tokens == (0 if mode == "none" else 100)
 
 
@@ -166,16 +244,30 @@ def test_the_global_store_serves_every_engine_and_a_local_cache_only_its_own():
     profile = EngineProfile("p", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0)
     for mode, cached in (("local", 0), ("global", 100)):
         a, b = SimRequest("a", 0.0, 100, 1, prefix_hashes=(1,)), SimRequest("b", 1.0, 200, 1, prefix_hashes=(1, 2))
-        simulate([a, b], profile, 2, make_policy("round_robin"), make_queue_policy("fcfs"), prefix_cache=mode,
-                 prefix_block_tokens=100)
+        simulate(
+            [a, b],
+            profile,
+            2,
+            make_policy("round_robin"),
+            make_queue_policy("fcfs"),
+            prefix_cache=mode,
+            prefix_block_tokens=100,
+        )
         assert (a.worker_id, b.worker_id, b.cached_tokens) == ("e000", "e001", cached)
 
 
 def test_cache_aware_routing_follows_the_prefix_it_sent():
     profile = EngineProfile("p", base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.0)
     reqs = [SimRequest(f"r{i}", i * 1.0, 200, 1, prefix_hashes=(7, 100 + i)) for i in range(4)]
-    simulate(reqs, profile, 3, make_policy("cache_aware", {"cache_threshold": 0.4}), make_queue_policy("fcfs"),
-             prefix_cache="local", prefix_block_tokens=100)
+    simulate(
+        reqs,
+        profile,
+        3,
+        make_policy("cache_aware", {"cache_threshold": 0.4}),
+        make_queue_policy("fcfs"),
+        prefix_cache="local",
+        prefix_block_tokens=100,
+    )
     assert len({r.worker_id for r in reqs}) == 1 and [r.cached_tokens for r in reqs] == [0, 100, 100, 100]
 
 
@@ -197,10 +289,12 @@ def test_each_trace_reads_into_requests(trace, has_blocks):
     rows = read_trace(trace)
     arrivals = [t for t, *_ in rows[:200]]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
-    reqs = workload(rows, 50, rate=5.0, input_scale=1.0, output_scale=1.0, max_tokens=4096, ttft_slo_s=1.0,
-                    tpot_slo_s=0.1)
-    assert len(reqs) == 50 and all(1 <= r.output_tokens <= 1024 and r.prompt_tokens + r.output_tokens <= 4096
-                                   for r in reqs)
+    reqs = workload(
+        rows, 50, rate=5.0, input_scale=1.0, output_scale=1.0, max_tokens=4096, ttft_slo_s=1.0, tpot_slo_s=0.1
+    )
+    assert len(reqs) == 50 and all(
+        1 <= r.output_tokens <= 1024 and r.prompt_tokens + r.output_tokens <= 4096 for r in reqs
+    )
     assert reqs[-1].arrival == pytest.approx(49 / 5.0)  # gaps rescaled to the rate
     assert any(r.prefix_hashes for r in reqs) is has_blocks
     assert all(len(r.prefix_hashes) <= -(-r.prompt_tokens // 512) for r in reqs)  # block ids of the prompt kept

@@ -13,14 +13,17 @@ def run(stops, deltas):
     return "".join(out) + f.flush(), False
 
 
-@pytest.mark.parametrize("stops, deltas, expected", [
-    ([], ["ab", "cd"], ("abcd", False)),
-    (["XY"], ["abX", "Ycd"], ("ab", True)),  # spans the boundary
-    (["XY"], ["ab", "cXYd"], ("abc", True)),
-    (["XY"], ["abX", "Zcd"], ("abXZcd", False)),  # a false start is released
-    (["long stop", "s"], ["long st", "op"], ("long ", True)),  # the earliest stop wins
-    (["XY"], ["X"], ("X", False)),  # held back, released at the end
-])
+@pytest.mark.parametrize(
+    "stops, deltas, expected",
+    [
+        ([], ["ab", "cd"], ("abcd", False)),
+        (["XY"], ["abX", "Ycd"], ("ab", True)),  # spans the boundary
+        (["XY"], ["ab", "cXYd"], ("abc", True)),
+        (["XY"], ["abX", "Zcd"], ("abXZcd", False)),  # a false start is released
+        (["long stop", "s"], ["long st", "op"], ("long ", True)),  # the earliest stop wins
+        (["XY"], ["X"], ("X", False)),  # held back, released at the end
+    ],
+)
 def test_stop_filter(stops, deltas, expected):
     assert run(stops, deltas) == expected
 

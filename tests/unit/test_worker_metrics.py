@@ -7,8 +7,10 @@ from prometheus_client import REGISTRY, Gauge
 from llmesh.worker import serve_metrics
 
 # what Prometheus 2.x sends: OpenMetrics first
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 def test_engine_metrics_are_served_under_vllms_names_to_a_scraper_that_asks_for_openmetrics():
@@ -16,8 +18,9 @@ def test_engine_metrics_are_served_under_vllms_names_to_a_scraper_that_asks_for_
     server = serve_metrics("127.0.0.1", 0)
     try:
         usage.labels("m").set(0.25)
-        request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/metrics",
-                                         headers={"Accept": PROMETHEUS_ACCEPT})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
+        )
         with urllib.request.urlopen(request, timeout=5) as resp:
             content_type, body = resp.headers["Content-Type"], resp.read().decode()
     finally:
