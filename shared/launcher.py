@@ -92,6 +92,7 @@ class Child:
         self._spawn()
 
     def _spawn(self) -> None:
+        self._terminated = False
         self.proc = subprocess.Popen(
             self._command,
             env=self._env,
@@ -127,8 +128,11 @@ class Child:
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
 
     def terminate(self) -> None:
-        """Ask the service to stop (SIGTERM) without waiting; it shuts down its own subprocesses."""
-        if self.alive():
+        """Ask the service to stop (SIGTERM) without waiting; it shuts down its own subprocesses. Once:
+        a service takes a second signal as "stop now" (llmesh.lifecycle.run_service) and would cut its
+        own shutdown short."""
+        if self.alive() and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> None:

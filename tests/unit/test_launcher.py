@@ -2,8 +2,9 @@
 
 import os
 import sys
+import time
 
-from llmesh.launcher import Child, Supervised
+from llmesh.launcher import Child, Supervised, stop_all
 
 
 def test_a_failed_child_restarts_at_once_then_with_growing_delays_and_one_done_stays_down(tmp_path):
@@ -84,3 +85,22 @@ def test_a_child_has_its_own_process_group_in_the_launchers_session(tmp_path):
     assert pid == pgid == child.pid, "its own process group (the launcher kills it with killpg)"
     assert sid == os.getsid(0), "the launcher's session: no autogroup of its own"
     child.stop()
+
+
+def test_stopping_children_signals_each_once_so_its_shutdown_runs_to_the_end(tmp_path):
+    """A service takes a second SIGTERM as "stop now": stop_all (SIGTERM to all, then each child's
+    stop) must not send it twice (the kv-store's shutdown was cut short closing its Redis index)."""
+    log = tmp_path / "child.log"
+    script = (
+        "import signal, sys, time\n"
+        "def on_term(*_):\n"
+        "    print('term', flush=True)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(1.5)\n"
+    )
+    child = Child("graceful", [sys.executable, "-c", script], log_path=log)
+    while "up" not in child.log_tail():
+        time.sleep(0.05)
+    stop_all([child], timeout=10)
+    assert child.log_tail().splitlines() == ["up", "term"]
