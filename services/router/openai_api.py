@@ -78,6 +78,8 @@ class _Common(BaseModel):
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and len(stop) > 4:
             raise ValueError("at most 4 stop sequences")
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop cannot contain an empty string")  # vLLM's rule (its engine raised it: a 500)
         return stop
 
     def sampling(self) -> SamplingOptions:
