@@ -265,7 +265,7 @@ class EngineWorker:
         self._heartbeat_task: asyncio.Task | None = None
         self._stop_watching: Callable[[], None] = lambda: None
         self.prefill_meter = PrefillMeter()
-        self.generates = False  # set by a service that also serves whole requests
+        self.generates = False  # it serves whole requests (`Subjects.generate`): known once it `start`s
         self.preemptions: Counter[str] = Counter()  # the connector's swap-or-recompute choices, by choice
         self.roles: tuple[Role, ...] = ("prefill", "decode") if settings.switchable else (role,)
         self._role_outcomes: dict[str, RoleOutcome] = {}  # by command id, for idempotent retries
@@ -349,6 +349,7 @@ class EngineWorker:
 
     async def start(self, handlers: dict[str, Any]) -> None:
         """Serve each handler on its subject, listen for aborts, start heartbeats."""
+        self.generates = Subjects.generate(self.worker_id) in handlers
         for subject, handler in handlers.items():
             await self.bus.serve(subject, handler, span=f"{self.role}-worker {subject.split('.')[1]}")
         await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")

@@ -67,7 +67,6 @@ OUTCOMES_KEPT = 1024  # answers to recent migration commands, for idempotent ret
 class DecodeService:
     def __init__(self, worker: EngineWorker):
         self.worker = worker
-        worker.generates = True
         cache = worker.engine.vllm_config.cache_config
         self.block_size = cache.block_size
         self._store: KvClient | None = None

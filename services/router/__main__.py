@@ -14,10 +14,11 @@ from llmesh.bus import Bus
 from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.messages import Subjects, WorkerInfo
 
-from .admission import AdmissionQueue
 from .dispatch import Dispatcher
+from .lengths import LengthTagger
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
+from .scheduler import Scheduler
 from .service import create_app
 from .settings import RouterSettings
 
@@ -36,8 +37,17 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
     policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
-    registry = WorkerRegistry(
-        settings.missed_heartbeats, policy, settings.seed, max_backlog_s=settings.prefill_max_queue_s
+    registry = WorkerRegistry(settings.missed_heartbeats)
+    scheduler = Scheduler(
+        registry,
+        policy,
+        queue_policy=queue_policy,
+        max_waiting=settings.queue_max_waiting,
+        max_wait_s=settings.queue_max_wait_s,
+        max_backlog_s=settings.prefill_max_queue_s,
+        local_prefill_margin_s=settings.local_prefill_margin_s,
+        tpot_slo_s=settings.slo_tpot_ms / 1000,
+        seed=settings.seed,
     )
 
     async def on_heartbeat(info: WorkerInfo, blob: memoryview) -> None:
@@ -46,18 +56,15 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     await bus.serve(Subjects.HEARTBEAT, on_heartbeat, traced=False)
     expiry = asyncio.create_task(registry.run_expiry())
     metrics = RouterMetrics()
-    dispatcher = Dispatcher(
+    lengths = LengthTagger(
         bus,
-        registry,
         metrics,
         settings.length_predict_timeout_s,
-        predict_before_dispatch=policy.needs_prediction or queue_policy.needs_prediction,
-        length_sample_fraction=settings.length_sample_fraction,
+        before_dispatch=policy.needs_prediction or queue_policy.needs_prediction,
+        sample_fraction=settings.length_sample_fraction,
         seed=settings.seed,
-        local_prefill_margin_s=settings.local_prefill_margin_s,
-        tpot_slo_s=settings.slo_tpot_ms / 1000,
-        admission=AdmissionQueue(settings.queue_max_waiting, settings.queue_max_wait_s, queue_policy),
     )
+    dispatcher = Dispatcher(bus, scheduler, lengths, metrics)
     keys = settings.keyring()
     if keys.enabled:
         log.info("the OpenAI API needs one of %d API keys", len(keys))

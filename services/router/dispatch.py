@@ -1,27 +1,25 @@
-"""One request through the mesh: pick workers, prefill, then stream the decode.
+"""One request through the mesh, driven by the HTTP layer (llmesh_router.service) iterating
+`Dispatcher.generate`. Its stages, each a method here:
+
+1. admitted: a length tag if a policy reads one (llmesh_router.lengths), then a prefill worker and a
+   decode slot from the scheduler, waiting in its queue while none has room (`_admit`);
+2. prefill: on the prefill worker, which returns the first token and where the KV lies; or the whole
+   request on a decode worker when the prefill queue would answer later (`_prefill_then_decode`);
+3. decode: a decode worker streams the rest (`_decode`, `_relay`);
+4. resumed or migrated: a decode worker that dies, refuses or hands the request over (live
+   migration) is followed by another, from the KV in the store (`_decode`, `_resume_site`);
+5. done: a finish reason, an error, the deadline, or the client gone (the worker is told to abort).
 
 Every stage is bounded by the request's deadline and by the chosen worker's liveness (a
-worker that stops heart-beating fails the request at once, not at the deadline). If the
-caller goes away, the generator is closed and the worker in charge is told to abort.
-
-The prompt is computed on a prefill worker and decoded elsewhere, unless the prefill queue is so
-long that a decode worker would answer sooner by running the whole request (policies.disagg).
-
-The length prediction is awaited before dispatch only when the dispatch policy reads it;
-otherwise a sample of requests is predicted beside the prefill (for the trace, the decode
-worker's report and the predictor's online scoring), never on the time to first token.
+worker that stops heart-beating fails the request at once, not at the deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import statistics
 import time
-from collections import Counter, defaultdict, deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -38,7 +36,6 @@ from llmesh.errors import (
     Timeout,
     WorkerLost,
 )
-from llmesh.lengths import cut_prompt
 from llmesh.lifecycle import cancel_and_wait
 from llmesh.messages import (
     AbortRequest,
@@ -46,7 +43,6 @@ from llmesh.messages import (
     DecodeRequest,
     KvHandle,
     LengthPrediction,
-    LengthPredictRequest,
     Message,
     Migrated,
     PrefillRequest,
@@ -58,18 +54,17 @@ from llmesh.messages import (
 )
 from llmesh.policies import RequestView
 from llmesh.policies.core import Role
-from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
+from llmesh.policies.disagg import StreamProgress
 
-from .admission import AdmissionQueue
+from .lengths import LengthTagger
 from .metrics import RouterMetrics
-from .registry import WorkerRegistry
+from .scheduler import DecodeClaim, PlacedPrompt, Scheduler
 from .stops import StopFilter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
-STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
 MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died (a refusal as full is not counted)
 # after this router's bus reconnected, how long to give the workers' connections to come back too
 # (nats-py retries every 0.5 s) before sending a request again
@@ -142,51 +137,6 @@ class _DecodeSession:
         )
 
 
-class _Placed:
-    """A request's prompt in a worker's backlog (the registry's account, counted when it was
-    reserved), until it is computed."""
-
-    def __init__(self, registry: WorkerRegistry, worker_id: str, prompt_tokens: int):
-        self._registry, self._worker_id, self._tokens = registry, worker_id, prompt_tokens
-
-    def prompt_done(self) -> None:
-        if self._tokens:
-            self._registry.prompt_done(self._worker_id, self._tokens)
-            self._tokens = 0
-
-
-@dataclass(eq=False)
-class _DecodeClaim:
-    """Room on the decode workers that a request admitted to prefill holds until its decode is placed,
-    so that the router admits no prompt it could not go on to decode: past the decode pool's room, a
-    request waits before its prompt (and is refused with 429 at the door if it waits too long), not
-    after its first token, when a refusal could only end its stream with an error."""
-
-    claims: Counter[str]  # model -> requests holding a claim
-    model: str
-    held: bool = False
-
-    def take(self, registry: WorkerRegistry) -> None:
-        """Claim a decode slot, or raise AtCapacity (every free one is claimed) or ServiceUnavailable
-        (no live decode worker serves the model)."""
-        registry.check_served(self.model)
-        room = registry.decode_room(self.model)
-        if room is None:
-            raise ServiceUnavailable(f"no live decode worker for {self.model!r}")
-        if room <= self.claims[self.model]:
-            raise AtCapacity(
-                f"the decode workers of {self.model!r} have room for {room} more requests, all "
-                "claimed by prompts admitted before this one"
-            )
-        self.claims[self.model] += 1
-        self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            self.claims[self.model] -= 1
-            self.held = False
-
-
 @dataclass(frozen=True)
 class Generation:
     request_id: str
@@ -227,101 +177,15 @@ class Generation:
 
 
 class Dispatcher:
-    def __init__(
-        self,
-        bus: Bus,
-        registry: WorkerRegistry,
-        metrics: RouterMetrics,
-        length_timeout_s: float,
-        *,
-        predict_before_dispatch: bool = False,
-        length_sample_fraction: float = 1.0,
-        seed: int = 0,
-        local_prefill_margin_s: float | None = 0.25,
-        tpot_slo_s: float = 0.05,
-        admission: AdmissionQueue | None = None,
-    ):
-        self.bus, self.registry, self.metrics = bus, registry, metrics
-        bus.reconnected.append(registry.interrupt_all)
-        self.admission = AdmissionQueue(max_waiting=1024, max_wait_s=30.0) if admission is None else admission
-        registry.room_changed = self.admission.room_changed
-        self.admission.service_s = self._prefill_seconds
-        self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
-        self.tpot_slo_s = tpot_slo_s
-        self._streams: dict[str, dict[str, _Progress]] = defaultdict(dict)  # worker id -> request id -> progress
-        self._decode_claims: Counter[str] = Counter()  # model -> requests admitted to prefill, decode not placed
-        # worker id -> recent gaps between a stream's tokens; the median is its step time, whatever stalls the
-        # last few steps had (a stall lengthens one gap per stream)
-        self._token_gaps: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=STEP_SAMPLES))
+    """Requests through the mesh, each in its own `generate`: the flow. What is believed about the
+    workers, and the choices among them, are the scheduler's; the length tags are the tagger's."""
+
+    def __init__(self, bus: Bus, scheduler: Scheduler, lengths: LengthTagger, metrics: RouterMetrics):
+        self.bus, self.scheduler, self.lengths, self.metrics = bus, scheduler, lengths, metrics
+        self.registry = scheduler.registry
+        bus.reconnected.append(self.registry.interrupt_all)
         self._tokens_per_char = 0.25
-        self.length_timeout_s = length_timeout_s
-        self.predict_before_dispatch = predict_before_dispatch  # the dispatch policy reads predicted lengths
-        self.length_sample_fraction = length_sample_fraction  # else: requests predicted beside the prefill
-        self._sampler = random.Random(seed)
         self._tracer = telemetry.tracer("llmesh.router")
-
-    def _predict_beside(self, gen: Generation, parent: context.Context) -> asyncio.Task | None:
-        """A sampled prediction that runs while the prefill does (None if not sampled)."""
-        if self._sampler.random() >= self.length_sample_fraction:
-            self.metrics.length_predictions.labels("unsampled").inc()
-            return None
-        return asyncio.create_task(self._ask_length(gen, parent))
-
-    def _prediction_so_far(self, task: asyncio.Task | None, parent: context.Context) -> LengthPrediction | None:
-        """The sampled prediction if it is in; a late one is dropped (nothing waits for it). Counted
-        here, once: a reply that lands as the task is cancelled is still late."""
-        if task is None:
-            return None
-        if not task.done():
-            task.cancel()
-            return self._note_length(parent, "late", None)
-        return self._note_length(parent, *task.result())
-
-    async def predict_length(self, gen: Generation, parent: context.Context) -> LengthPrediction | None:
-        """The length predictor's tag for `gen`, or None if it is absent, slow or failing (counted
-        by outcome, and noted on the request's span): a request never waits long for it."""
-        return self._note_length(parent, *await self._ask_length(gen, parent))
-
-    async def _ask_length(self, gen: Generation, parent: context.Context) -> tuple[str, LengthPrediction | None]:
-        text = gen.length_prompt
-        if not text or not text.strip():
-            return "skipped", None
-        prompt, chars = cut_prompt(text)
-        try:
-            with self._tracer.start_as_current_span("router.length", context=parent):
-                prediction, _ = await self.bus.request(
-                    Subjects.LENGTH_PREDICT,
-                    LengthPredictRequest(request_id=gen.request_id, prompt=prompt, prompt_chars=chars),
-                    LengthPrediction,
-                    timeout=min(self.length_timeout_s, gen.deadline - time.time()),
-                )
-            return "ok", prediction
-        except Timeout:
-            return "timeout", None
-        except ServiceUnavailable:
-            return "unavailable", None
-        except MeshError as exc:
-            log.warning("length prediction for %s failed: %s: %s", gen.request_id, exc.code, exc.message)
-            return "error", None
-
-    def _note_length(
-        self, parent: context.Context, outcome: str, prediction: LengthPrediction | None
-    ) -> LengthPrediction | None:
-        self.metrics.length_predictions.labels(outcome).inc()
-        span = trace.get_current_span(parent)
-        if prediction is None:
-            span.set_attribute("length.prediction", outcome)
-        else:
-            span.set_attributes(
-                {
-                    "length.prediction": outcome,
-                    "length.bucket": prediction.label,
-                    "length.expected_tokens": prediction.expected_tokens,
-                    "length.confidence": prediction.confidence,
-                    "length.model_version": prediction.model_version,
-                }
-            )
-        return prediction
 
     def estimate_prompt_tokens(self, gen: Generation) -> int:
         """The prompt's length in tokens before a worker tokenizes it (from its characters, at the
@@ -356,46 +220,9 @@ class Dispatcher:
             prediction_confidence=predicted.confidence if predicted else 0.0,
             priority=gen.priority,
             ttft_slo_s=gen.ttft_slo_s,
-            tpot_slo_s=gen.tpot_slo_s or self.tpot_slo_s,
-            prefix_hashes=gen.prefix_hashes() if self.registry.policy.needs_prefix else (),
+            tpot_slo_s=gen.tpot_slo_s or self.scheduler.tpot_slo_s,
+            prefix_hashes=gen.prefix_hashes() if self.scheduler.policy.needs_prefix else (),
         )
-
-    def _prefill_seconds(self, request: RequestView) -> float:
-        """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""
-        speed = max(
-            (w.prefill_tokens_per_s for w in self.registry.live("prefill") if w.model == request.model), default=0.0
-        )
-        return request.prompt_tokens / speed if speed else 0.0
-
-    def _local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
-        """A decode worker to run the whole request when the prefill queue would answer later
-        (llmesh.policies.disagg), else None."""
-        try:
-            local = self.registry.pick("decode", request, generates=True, reserve=False)
-        except MeshError:
-            return None
-        # This router's own account, not the heartbeat's queued tokens: those are up to a second old,
-        # and a finished prompt still counted there would send the next one to a decode worker at idle.
-        # (the prefill worker's includes this request's prompt, reserved there)
-        remote = PrefillSite(
-            self.registry.backlog.get(prefill.worker_id, 0) - request.prompt_tokens, prefill.prefill_tokens_per_s
-        )
-        here = PrefillSite(self.registry.backlog.get(local.worker_id, 0), local.prefill_tokens_per_s)
-        now = time.monotonic()
-        streams = [p.snapshot(now) for p in self._streams[local.worker_id].values() if p.tokens]
-        gaps = self._token_gaps[local.worker_id]
-        max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
-        chosen = prefill_locally(request.prompt_tokens, remote, here, self.local_prefill_margin_s, max_stall_s)
-        return local if chosen else None
-
-    @contextmanager
-    def _decoding(self, worker_id: str, request_id: str, progress: _Progress) -> Iterator[None]:
-        """Count `progress` among the streams `worker_id` decodes while the block runs."""
-        self._streams[worker_id][request_id] = progress
-        try:
-            yield
-        finally:
-            self._streams[worker_id].pop(request_id, None)
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncGenerator[TokenDelta, None]:
         """Token deltas of `gen`; spans are children of `parent`. A request whose first worker turns
@@ -430,9 +257,9 @@ class Dispatcher:
                 trace.get_current_span(parent).add_event("redispatched", {"error": exc.message})
 
     async def _generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
-        predicted = await self.predict_length(gen, parent) if self.predict_before_dispatch else None
+        predicted = await self.lengths.before_dispatch(gen, parent)
         view = self._request_view(gen, self.estimate_prompt_tokens(gen), predicted)
-        claim = _DecodeClaim(self._decode_claims, gen.model)
+        claim = DecodeClaim(self.scheduler, gen.model)
         try:
             async for delta in self._prefill_then_decode(gen, view, claim, predicted, parent):
                 yield delta
@@ -443,17 +270,14 @@ class Dispatcher:
         self,
         gen: Generation,
         view: RequestView,
-        claim: _DecodeClaim,
+        claim: DecodeClaim,
         predicted: LengthPrediction | None,
         parent: context.Context,
     ) -> AsyncIterator[TokenDelta]:
         prefill = await self._admit("prefill", view, parent, claim=None if gen.sampling.max_tokens == 1 else claim)
-        predicting = None if self.predict_before_dispatch else self._predict_beside(gen, parent)
-        local = self._local_prefill_site(view, prefill)
-        if local is not None:  # moves the request's reservation from the prefill worker
-            self.registry.reserve(local.worker_id, view.prompt_tokens)
-            self.registry.release(prefill.worker_id)
-            self.registry.prompt_done(prefill.worker_id, view.prompt_tokens)
+        predicting = self.lengths.beside(gen, parent)
+        local = self.scheduler.local_prefill_site(view, prefill)  # it took over the prefill's reservation
+        if local is not None:
             claim.release()  # its decode slot is reserved itself
         request = PrefillRequest(
             request_id=gen.request_id,
@@ -474,7 +298,7 @@ class Dispatcher:
                 session = _DecodeSession(
                     [], [], gen.sampling.max_tokens or 0, local.fingerprint, context_len=local.max_model_len
                 )
-                placed = _Placed(self.registry, local.worker_id, view.prompt_tokens)
+                placed = PlacedPrompt(self.scheduler, local.worker_id, view.prompt_tokens)
                 try:
                     async for delta in self._decode(
                         gen,
@@ -492,7 +316,7 @@ class Dispatcher:
                     placed.prompt_done()
                 return
             self.metrics.prefill_sites.labels("prefill").inc()
-            with self._placed(prefill.worker_id, view.prompt_tokens):
+            with self.scheduler.placed(prefill.worker_id, view.prompt_tokens):
                 try:
                     with self._tracer.start_as_current_span(
                         "router.prefill", context=parent, attributes={"worker.id": prefill.worker_id}
@@ -518,7 +342,7 @@ class Dispatcher:
             if first.finish_reason is not None:
                 return
             if predicting is not None:
-                predicted, predicting = self._prediction_so_far(predicting, parent), None
+                predicted, predicting = self.lengths.so_far(predicting, parent), None
             session = _DecodeSession(
                 list(result.prompt_token_ids),
                 list(result.first.token_ids),
@@ -641,10 +465,10 @@ class Dispatcher:
                 )
                 session.kv, session.kv_outputs = handed.kv, len(session.output_token_ids)
                 moved_from, worker_id = worker_id, handed.target
-                self.registry.reserve(worker_id)
+                self.scheduler.reserve(worker_id)
                 request = session.request(gen, predicted, migration_id=handed.migration_id, recompute=handed.kv is None)
             finally:
-                self.registry.release(leg_worker)
+                self.scheduler.release(leg_worker)
             subject = Subjects.worker("decode", worker_id)
 
     async def _resume_site(
@@ -658,7 +482,7 @@ class Dispatcher:
         """Where a decode goes on after its worker failed: the source of a migration whose target
         failed before it took over, else the dispatch policy's choice (reserved either way)."""
         if moved_from is not None and any(w.worker_id == moved_from for w in self.registry.live("decode")):
-            self.registry.reserve(moved_from)
+            self.scheduler.reserve(moved_from)
             return moved_from
         chosen = await self._admit(
             "decode", self._decode_view(gen, session, predicted), parent, fingerprint=session.fingerprint
@@ -671,34 +495,17 @@ class Dispatcher:
         view: RequestView,
         parent: context.Context,
         fingerprint: str | None = None,
-        claim: _DecodeClaim | None = None,
+        claim: DecodeClaim | None = None,
     ) -> WorkerInfo:
         """A worker of `role` for the request by the dispatch policy, reserved; waiting in the router's
         queue while none has room. A prefill with a decode `claim` also waits for decode room and takes
         the claim; the decode then releases it. The choice is counted and put on the request's span."""
 
-        def place() -> WorkerInfo:
-            if claim is not None and role == "prefill":
-                claim.take(self.registry)
-                try:
-                    return self.registry.pick(role, view, fingerprint=fingerprint)
-                except BaseException:
-                    claim.release()
-                    raise
-            chosen = self.registry.pick(role, view, fingerprint=fingerprint)
-            if claim is not None:
-                claim.release()
-            return chosen
-
-        # requests of one role, model and layout find room in the same workers, unless the policy holds
-        # back some requests but not others
-        group = None if self.registry.policy.declines_by_request else (role, view.model, fingerprint, claim is None)
         started = time.monotonic()
         with self.metrics.queued(view.model):
-            # past its prompt, a request is never refused for waiting (its client has a 200 and a token)
-            worker, queued = await self.admission.admit(place, view, group, committed=role == "decode")
+            worker, queued = await self.scheduler.admit(role, view, fingerprint, claim)
         waited = time.monotonic() - started
-        policy = self.registry.policy.name
+        policy = self.scheduler.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
         if role == "prefill":  # its first worker: what vLLM's queue time measures
             self.metrics.queue_time.labels(view.model).observe(waited)
@@ -710,17 +517,6 @@ class Dispatcher:
             }
         )
         return worker
-
-    @contextmanager
-    def _placed(self, worker_id: str, prompt_tokens: int) -> Iterator[_Placed]:
-        """The request on `worker_id` while the block runs: its prompt in this router's backlog of the
-        worker until `prompt_done()`, its reserved slot released at the end."""
-        placed = _Placed(self.registry, worker_id, prompt_tokens)
-        try:
-            yield placed
-        finally:
-            placed.prompt_done()
-            self.registry.release(worker_id)
 
     async def _relay(
         self,
@@ -749,7 +545,10 @@ class Dispatcher:
         try:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
-            with self.registry.watch(worker_id, replies.fail), self._decoding(worker_id, gen.request_id, progress):
+            with (
+                self.registry.watch(worker_id, replies.fail),
+                self.scheduler.decoding(worker_id, gen.request_id, progress),
+            ):
                 previous_at = None  # of this relay's previous delta (its first follows a prompt or a KV load)
                 async for delta, _ in replies:
                     if isinstance(delta, Migrated):
@@ -768,7 +567,7 @@ class Dispatcher:
                     if previous_at is None:
                         span.add_event("first delta")
                     elif delta.token_ids:
-                        self._token_gaps[worker_id].append((progress.last_at - previous_at) / len(delta.token_ids))
+                        self.scheduler.token_gap(worker_id, (progress.last_at - previous_at) / len(delta.token_ids))
                     previous_at = progress.last_at
                     shown = _filtered(delta, stops)
                     finished = shown.finish_reason is not None
@@ -793,9 +592,9 @@ class Dispatcher:
         nothing new to a worker NATS found nothing serving, nor to one that refused as full until a
         slot frees."""
         if isinstance(exc, NoResponders):
-            self.registry.unreachable(worker_id)
+            self.scheduler.unreachable(worker_id)
         elif isinstance(exc, AtCapacity):
-            self.registry.refused_at_capacity(worker_id)
+            self.scheduler.refused_at_capacity(worker_id)
         elif not isinstance(exc, MeshError) or isinstance(exc, Timeout):
             await self._abort(worker_id, request_id)
 

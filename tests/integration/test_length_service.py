@@ -43,8 +43,10 @@ from llmesh_lengthpred.predictor import REFIT_SEED, Head
 from llmesh_lengthpred.service import HEAD_KEY, LengthPredictorService
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_router.dispatch import Dispatcher
+from llmesh_router.lengths import LengthTagger
 from llmesh_router.metrics import RouterMetrics
 from llmesh_router.registry import WorkerRegistry
+from llmesh_router.scheduler import Scheduler
 from llmesh_router.service import create_app
 
 pytestmark = pytest.mark.timeout(180)
@@ -305,7 +307,7 @@ def heartbeat(worker_id: str, role: str):
 
 
 async def router_with_fake_workers(
-    nats_url: str, name: str, length_timeout_s: float = 5.0, prefill_s: float = 0.0, **dispatcher
+    nats_url: str, name: str, length_timeout_s: float = 5.0, prefill_s: float = 0.0, **tagging
 ):
     """The router app in-process, and prefill/decode doubles on the bus that record what they get
     (the prefill takes `prefill_s`)."""
@@ -332,9 +334,8 @@ async def router_with_fake_workers(
     registry.on_heartbeat(heartbeat(f"p-{name}", "prefill"))
     registry.on_heartbeat(heartbeat(f"d-{name}", "decode"))
     metrics = RouterMetrics()
-    app = create_app(
-        Dispatcher(bus, registry, metrics, length_timeout_s, **dispatcher), registry, metrics, request_timeout_s=30
-    )
+    lengths = LengthTagger(bus, metrics, length_timeout_s, **tagging)
+    app = create_app(Dispatcher(bus, Scheduler(registry), lengths, metrics), registry, metrics, request_timeout_s=30)
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router"), metrics, seen
 
 
@@ -352,7 +353,7 @@ def router_span(spans: InMemorySpanExporter) -> dict:
 
 
 async def test_a_policy_that_reads_predictions_gets_them_before_dispatch(service, client, nats_url, spans):
-    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "with-predictor", predict_before_dispatch=True)
+    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "with-predictor", before_dispatch=True)
     try:
         resp = await http.post(
             "/v1/chat/completions",
@@ -432,7 +433,7 @@ async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying
         await http.aclose()
         await bus.close()
     # None sampled: the predictor is not asked at all.
-    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "unsampled", length_sample_fraction=0.0)
+    bus, http, metrics, seen = await router_with_fake_workers(nats_url, "unsampled", sample_fraction=0.0)
     try:
         before = await settled_predictions(client, service.replica)  # the late ones above may still be computing
         resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
@@ -447,9 +448,7 @@ async def test_router_serves_without_the_predictor_or_past_a_slow_one(tmp_path, 
     from llmesh.launcher import start_nats
 
     nats, url = start_nats(tmp_path)  # a mesh whose predictor is not running
-    bus, http, metrics, seen = await router_with_fake_workers(
-        url, "alone", length_timeout_s=0.05, predict_before_dispatch=True
-    )
+    bus, http, metrics, seen = await router_with_fake_workers(url, "alone", length_timeout_s=0.05, before_dispatch=True)
     try:
         resp = await http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
         assert resp.status_code == 200, resp.text

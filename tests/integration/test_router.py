@@ -14,8 +14,10 @@ from llmesh.messages import WorkerInfo
 from llmesh.policies import RequestView
 from llmesh_router.auth import KeyRing
 from llmesh_router.dispatch import Dispatcher
+from llmesh_router.lengths import LengthTagger
 from llmesh_router.metrics import RouterMetrics
 from llmesh_router.registry import WorkerRegistry
+from llmesh_router.scheduler import Scheduler
 from llmesh_router.service import create_app
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,12 +37,12 @@ def info(worker_id, role="prefill", fingerprint="f" * 32, model="m", capacity=4)
     )
 
 
-async def _client(nats_url, registry, admission=None, keys=None):
+async def _client(nats_url, scheduler, keys=None):
     bus = await Bus.connect(nats_url, "router-test")
     metrics = RouterMetrics()
     app = create_app(
-        Dispatcher(bus, registry, metrics, length_timeout_s=0.1, admission=admission),
-        registry,
+        Dispatcher(bus, scheduler, LengthTagger(bus, metrics, timeout_s=0.1), metrics),
+        scheduler.registry,
         metrics,
         request_timeout_s=5,
         keys=keys,
@@ -49,7 +51,7 @@ async def _client(nats_url, registry, admission=None, keys=None):
 
 
 async def test_no_live_worker_is_503_within_a_second(nats_url):
-    bus, client = await _client(nats_url, WorkerRegistry())
+    bus, client = await _client(nats_url, Scheduler(WorkerRegistry()))
     try:
         for path, body in [
             ("/v1/completions", {"model": "m", "prompt": "hi"}),
@@ -70,7 +72,8 @@ async def test_no_live_worker_is_503_within_a_second(nats_url):
 async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_request_reaches_no_worker(nats_url):
     registry = WorkerRegistry()
     registry.on_heartbeat(info("p1"))  # a worker that never answers: a request past the door would wait on it
-    bus, client = await _client(nats_url, registry, keys=KeyRing.load("sk-good alice 1", None))
+    scheduler = Scheduler(registry)
+    bus, client = await _client(nats_url, scheduler, keys=KeyRing.load("sk-good alice 1", None))
     completion = {"model": "m", "prompt": "hi", "max_tokens": 2}
     try:
         for headers, code in [
@@ -86,7 +89,7 @@ async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_reque
                 resp = await client.request(method, path, json=body, headers=headers)
                 assert resp.status_code == 401 and resp.json()["error"]["code"] == code, (path, headers, resp.text)
                 assert resp.json()["error"]["type"] == "invalid_request_error"
-        assert registry.live("prefill")[0].worker_id == "p1" and not registry._workers["p1"].assigned
+        assert registry.live("prefill")[0].worker_id == "p1" and not scheduler.view(registry.live()[0]).assigned
         good = {"Authorization": "Bearer sk-good"}
         assert (await client.get("/v1/models", headers=good)).json()["data"][0]["id"] == "m"
         limited = await client.get("/v1/models", headers=good)  # 1 request per minute
@@ -104,7 +107,7 @@ async def test_worker_that_vanished_without_deregistering_is_503_fast(nats_url):
     registry = WorkerRegistry()
     registry.on_heartbeat(info("ghost-prefill"))
     registry.on_heartbeat(info("ghost-decode", role="decode"))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     try:
         started = time.monotonic()
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
@@ -153,9 +156,10 @@ def test_decode_is_paired_only_with_a_matching_fingerprint():
     registry.on_heartbeat(info("d1", role="decode", fingerprint="a" * 32))
     registry.on_heartbeat(info("d2", role="decode", fingerprint="b" * 32))
     request = RequestView("r1", "m", prompt_tokens=8, arrival=0.0, deadline=60.0)
-    assert registry.pick("decode", request, fingerprint="b" * 32).worker_id == "d2"
+    scheduler = Scheduler(registry)
+    assert scheduler.pick("decode", request, fingerprint="b" * 32).worker_id == "d2"
     with pytest.raises(Exception, match="KV fingerprint"):
-        registry.pick("decode", request, fingerprint="c" * 32)
+        scheduler.pick("decode", request, fingerprint="c" * 32)
 
 
 async def test_prefill_worker_that_dies_mid_request_fails_it_at_once(nats_url):
@@ -165,7 +169,7 @@ async def test_prefill_worker_that_dies_mid_request_fails_it_at_once(nats_url):
     registry = WorkerRegistry(missed_heartbeats=3, clock=lambda: now[0])
     registry.on_heartbeat(info("stuck-prefill"))
     registry.on_heartbeat(info("stuck-decode", role="decode"))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     worker_bus = await Bus.connect(nats_url, "stuck-worker")
     got_request = asyncio.Event()
 
@@ -200,7 +204,7 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
         info("slow-prefill").model_copy(update={"prefill_tokens_per_s": 100.0, "queued_tokens": 10_000})
     )
     registry.on_heartbeat(info("spare-decode", role="decode").model_copy(update={"generates": True}))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     workers = await Bus.connect(nats_url, "fake-workers")
     served: list[str] = []
 
@@ -298,11 +302,12 @@ async def test_a_request_sent_to_a_worker_gone_since_its_heartbeat_is_placed_aga
     more until it beats again and places the request on a live worker, which answers it."""
     workers, registry, order = await _one_slot_workers(nats_url, prefill_s=0.0)
     registry.on_heartbeat(info("one-slot", capacity=2))
+    scheduler = Scheduler(registry)
     for worker_id in ("one-slot", "dec"):
-        registry.reserve(worker_id)  # a request on its way: the (idle) ghosts are less loaded
+        scheduler.reserve(worker_id)  # a request on its way: the (idle) ghosts are less loaded
     registry.on_heartbeat(info("ghost-prefill"))
     registry.on_heartbeat(info("ghost-decode", role="decode"))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, scheduler)
     try:
         for prompt in ("p0", "p1"):
             resp = await client.post("/v1/completions", json={"model": "m", "prompt": prompt})
@@ -321,10 +326,8 @@ async def test_a_request_sent_to_a_worker_gone_since_its_heartbeat_is_placed_aga
 
 
 async def test_requests_wait_in_the_router_queue_for_a_full_worker_and_run_in_order(nats_url):
-    from llmesh_router.admission import AdmissionQueue
-
     workers, registry, order = await _one_slot_workers(nats_url, prefill_s=0.3)
-    bus, client = await _client(nats_url, registry, AdmissionQueue(max_waiting=8, max_wait_s=5))
+    bus, client = await _client(nats_url, Scheduler(registry, max_waiting=8, max_wait_s=5))
     try:
         started = time.monotonic()
         calls = []
@@ -349,10 +352,8 @@ async def test_requests_wait_in_the_router_queue_for_a_full_worker_and_run_in_or
     ],
 )
 async def test_a_full_queue_or_a_long_wait_is_429_with_retry_after(nats_url, max_waiting, max_wait_s, expected):
-    from llmesh_router.admission import AdmissionQueue
-
     workers, registry, _ = await _one_slot_workers(nats_url, prefill_s=0.5)
-    bus, client = await _client(nats_url, registry, AdmissionQueue(max_waiting=max_waiting, max_wait_s=max_wait_s))
+    bus, client = await _client(nats_url, Scheduler(registry, max_waiting=max_waiting, max_wait_s=max_wait_s))
     try:
         calls = []
         for i in range(3):
@@ -404,10 +405,8 @@ async def _slow_decode_workers(nats_url, decode_s, decode_capacity=1):
 async def test_a_prompt_is_admitted_only_with_decode_room_for_it(nats_url, max_wait_s, expected):
     """The decode worker has one slot: the second request waits before its prompt, not after its first
     token, and one that cannot wait long enough is a 429 at the door that reached no worker."""
-    from llmesh_router.admission import AdmissionQueue
-
     workers, registry, sent = await _slow_decode_workers(nats_url, decode_s=0.5)
-    bus, client = await _client(nats_url, registry, AdmissionQueue(max_waiting=8, max_wait_s=max_wait_s))
+    bus, client = await _client(nats_url, Scheduler(registry, max_waiting=8, max_wait_s=max_wait_s))
     try:
         calls = []
         for i in range(2):
@@ -457,7 +456,7 @@ async def test_a_worker_fuller_than_the_router_knew_refuses_and_the_request_wait
     registry = WorkerRegistry()
     registry.on_heartbeat(info("pre"))
     registry.on_heartbeat(info("dec", role="decode"))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     try:
 
         async def beat_later():
@@ -482,16 +481,17 @@ async def test_a_worker_fuller_than_the_router_knew_refuses_and_the_request_wait
 def test_a_refusal_counts_the_worker_full_until_a_request_ends_or_it_beats():
     registry = WorkerRegistry()
     registry.on_heartbeat(info("d", role="decode", capacity=4))
+    scheduler = Scheduler(registry)
     request = RequestView("r1", "m", prompt_tokens=8, arrival=0.0, deadline=60.0)
-    assert registry.decode_room("m") == 4 and registry.decode_room("other") is None
-    assert registry.pick("decode", request).worker_id == "d"
-    registry.refused_at_capacity("d")
-    registry.release("d")  # the refused request's own reservation
-    assert registry.decode_room("m") == 0
-    registry.release("d")  # a request that ran there ended
-    assert registry.decode_room("m") == 1
+    assert scheduler.decode_room("m") == 4 and scheduler.decode_room("other") is None
+    assert scheduler.pick("decode", request).worker_id == "d"
+    scheduler.refused_at_capacity("d")
+    scheduler.release("d")  # the refused request's own reservation
+    assert scheduler.decode_room("m") == 0
+    scheduler.release("d")  # a request that ran there ended
+    assert scheduler.decode_room("m") == 1
     registry.on_heartbeat(info("d", role="decode", capacity=4).model_copy(update={"running": 2}))
-    assert registry.decode_room("m") == 2
+    assert scheduler.decode_room("m") == 2
 
 
 async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_url):
@@ -506,7 +506,8 @@ async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_ur
         seen_by_policy.append((ctx.role, ctx.request.priority, ctx.request.ttft_slo_s, ctx.request.tpot_slo_s))
         return 0.0
 
-    registry = WorkerRegistry(policy=Policy("spy", costs=((1.0, spy),)))
+    registry = WorkerRegistry()
+    scheduler = Scheduler(registry, Policy("spy", costs=((1.0, spy),)))
     registry.on_heartbeat(info("p"))
     registry.on_heartbeat(info("d", role="decode"))
     workers = await Bus.connect(nats_url, "fake-workers")
@@ -526,7 +527,7 @@ async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_ur
 
     await workers.serve("mesh.prefill.p", prefill)
     await workers.serve("mesh.decode.d", decode)
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, scheduler)
     try:
         resp = await client.post(
             "/v1/completions",
@@ -551,7 +552,8 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
     from llmesh.messages import PrefillResult, TokenDelta
     from llmesh.policies import make_policy
 
-    registry = WorkerRegistry(policy=make_policy("cache_aware"))
+    registry = WorkerRegistry()
+    scheduler = Scheduler(registry, make_policy("cache_aware"))
     for name in ("p1", "p2", "p3"):
         registry.on_heartbeat(info(name))
     registry.on_heartbeat(info("d", role="decode"))
@@ -572,7 +574,7 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
 
     for name in ("p1", "p2", "p3"):
         await workers.serve(f"mesh.prefill.{name}", prefill_on(name))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, scheduler)
     shared = "You are a helpful assistant. " * 40  # ~1200 characters: 4 whole blocks
     try:
         for i, prompt in enumerate([shared + "first question", shared + "second", "unrelated " * 60, shared + "third"]):
@@ -648,7 +650,7 @@ async def test_a_migrated_decode_goes_on_at_its_target_with_every_token_so_far(n
         yield Migrated(migration_id="m-1", target="dec-b", kv=moved, output_tokens=3)
 
     workers, registry, seen, _ = await _resumable_workers(nats_url, hands_over)
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     try:
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
         assert resp.status_code == 200, resp.text
@@ -673,7 +675,7 @@ async def test_a_decode_whose_worker_dies_resumes_elsewhere_without_losing_or_re
 
     workers, registry, seen, handle = await _resumable_workers(nats_url, dies)
     expiry = asyncio.create_task(registry.run_expiry(0.05))
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     try:
         started = time.monotonic()
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
@@ -713,7 +715,7 @@ async def test_a_migration_target_gone_before_the_hand_over_sends_the_request_ba
 
     workers, registry, seen, _ = await _resumable_workers(nats_url, hands_over_then_resumes)
     registry.on_heartbeat(info("dec-gone", role="decode"))  # known, but nothing serves it any more
-    bus, client = await _client(nats_url, registry)
+    bus, client = await _client(nats_url, Scheduler(registry))
     try:
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})
         assert resp.status_code == 200, resp.text
@@ -753,7 +755,7 @@ async def test_a_nats_restart_mid_stream_resends_the_request_from_what_arrived_a
 
     workers, registry, seen, _ = await _resumable_workers(url, slow)
     registry.on_heartbeat(info("dec-b", role="decode").model_copy(update={"running": 4, "capacity": 4}))  # full
-    bus, client = await _client(url, registry)
+    bus, client = await _client(url, Scheduler(registry))
     try:
         answer = asyncio.create_task(
             client.post("/v1/completions", json={"model": "m", "prompt": "x", "return_token_ids": True})

@@ -1,0 +1,354 @@
+"""What this router believes about its workers' load, and its choices among them.
+
+The one owner of the router's scheduling state: requests reserved on each worker since its last
+heartbeat, the prompt tokens sent to each and not yet computed (its backlog), the decode slots held by
+requests admitted to prefill (claims), the streams each decode worker runs and its recent step times,
+the prefix index, and the admission queue where requests wait for room. Who is alive is the
+registry's (llmesh_router.registry); the scheduler follows it by subscription, and a heartbeat
+replaces what was assumed since the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from llmesh.errors import AtCapacity, MeshError, ServiceUnavailable
+from llmesh.messages import WorkerInfo
+from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
+from llmesh.policies.baseline import least_loaded
+from llmesh.policies.core import Role, fits_request
+from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
+from llmesh.views import worker_view
+
+from .admission import AdmissionQueue
+from .registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+STEP_SAMPLES = 64  # a worker's last per-token gaps kept to tell its current decode step time
+
+
+class Stream(Protocol):
+    """A request a decode worker streams, as far as its client has seen it."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    def snapshot(self, now: float) -> StreamProgress: ...
+
+
+@dataclass
+class _Load:
+    """A worker's load as this router sees it between two of its heartbeats."""
+
+    assigned: int = 0  # requests sent since its last heartbeat
+    released: int = 0  # requests finished since its last heartbeat
+    unreachable: bool = False  # NATS found nothing serving it since its last heartbeat: it takes nothing new
+    heartbeat_view: WorkerView | None = None  # what the policies see of its heartbeat, built once per heartbeat
+
+
+class DecodeClaim:
+    """Room on the decode workers that a request admitted to prefill holds until its decode is placed,
+    so that the router admits no prompt it could not go on to decode: past the decode pool's room, a
+    request waits before its prompt (and is refused with 429 at the door if it waits too long), not
+    after its first token, when a refusal could only end its stream with an error."""
+
+    def __init__(self, scheduler: Scheduler, model: str):
+        self._scheduler, self.model, self.held = scheduler, model, False
+
+    def take(self) -> None:
+        """Claim a decode slot, or raise AtCapacity (every free one is claimed) or ServiceUnavailable
+        (no live decode worker serves the model)."""
+        self._scheduler.take_claim(self)
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self._scheduler.release_claim(self)
+            self.held = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy | None = None,
+        *,
+        queue_policy: QueuePolicy | None = None,
+        max_waiting: int = 1024,
+        max_wait_s: float = 30.0,
+        max_backlog_s: float | None = None,
+        local_prefill_margin_s: float | None = 0.25,
+        tpot_slo_s: float = 0.05,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.registry = registry
+        self.policy = policy or least_loaded()
+        self.admission = AdmissionQueue(max_waiting, max_wait_s, queue_policy, self.prefill_seconds, clock)
+        self.max_backlog_s = max_backlog_s  # llmesh.policies.core.has_room
+        self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
+        self.tpot_slo_s = tpot_slo_s
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._load: dict[str, _Load] = defaultdict(_Load)  # worker id -> its load since its last heartbeat
+        self._backlog: dict[str, int] = defaultdict(int)  # worker id -> prompt tokens sent it, not yet computed
+        self._claims: Counter[str] = Counter()  # model -> requests admitted to prefill, decode not placed
+        self._streams: dict[str, dict[str, Stream]] = defaultdict(dict)  # worker id -> request id -> stream
+        # worker id -> recent gaps between a stream's tokens; the median is its step time, whatever stalls the
+        # last few steps had (a stall lengthens one gap per stream)
+        self._token_gaps: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=STEP_SAMPLES))
+        self._dispatched: dict[str, int] = {"prefill": 0, "decode": 0}  # requests sent per role (round-robin's turn)
+        self._prefixes = PrefixIndex() if self.policy.needs_prefix else None  # which prompts went where
+        registry.subscribe(self._membership_changed)
+
+    # -- what the registry tells: a heartbeat replaces what was assumed since the last one --
+
+    def _membership_changed(self, worker_id: str, info: WorkerInfo | None) -> None:
+        self._load.pop(worker_id, None)
+        if info is None and self._prefixes is not None:
+            self._prefixes.forget(worker_id)
+        self.admission.room_changed()
+
+    # -- the workers as the policies see them --
+
+    def view(self, info: WorkerInfo) -> WorkerView:
+        """What the policies see of a worker: its last heartbeat, what was sent it and finished since,
+        and the prompt tokens this router sent it that are not computed yet."""
+        load = self._load[info.worker_id]
+        if load.heartbeat_view is None:
+            view = worker_view(info)
+            load.heartbeat_view = replace(view, state="draining") if load.unreachable else view
+        sent_backlog = self._backlog.get(info.worker_id, 0)
+        if not load.assigned and not load.released and not sent_backlog:
+            return load.heartbeat_view
+        # A finished request was either sent since the heartbeat or counted in it.
+        from_assigned = min(load.released, load.assigned)
+        return replace(
+            load.heartbeat_view,
+            assigned=load.assigned - from_assigned,
+            running=max(load.heartbeat_view.running - (load.released - from_assigned), 0),
+            sent_backlog=sent_backlog,
+        )
+
+    def backlog(self, worker_id: str) -> int:
+        """Prompt tokens this router sent `worker_id` that it has not computed yet."""
+        return self._backlog.get(worker_id, 0)
+
+    def pick(
+        self,
+        role: Role,
+        request: RequestView,
+        fingerprint: str | None = None,
+        generates: bool = False,
+        reserve: bool = True,
+    ) -> WorkerInfo:
+        """Choose a live worker for `request` by the dispatch policy (with KV layout `fingerprint`,
+        among those that run whole requests if `generates`) and count the request against it unless
+        not `reserve`d; raise a typed error when none fits."""
+        self.registry.check_served(request.model)
+        live = {info.worker_id: info for info in self.registry.live()}
+        cached = self._prefixes.matches(list(live), request.prefix_hashes) if self._prefixes else {}
+        ctx = DispatchContext(
+            now=self._clock(),
+            rng=self._rng,
+            request=request,
+            workers=tuple(self.view(info) for info in live.values()),
+            role=role,
+            fingerprint=fingerprint,
+            generates=generates,
+            dispatched=self._dispatched[role],
+            cached_blocks=cached,
+            max_backlog_s=self.max_backlog_s,
+        )
+        chosen = self.policy.pick(ctx)
+        if chosen is None:
+            detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
+            if not any(fits_request(ctx, w) for w in ctx.workers):
+                raise ServiceUnavailable(f"no live {role} worker for {request.model!r}{detail}")
+            raise AtCapacity(
+                f"no {role} worker for {request.model!r}{detail} can take the request now "
+                f"(policy {self.policy.name}: all at capacity or over its threshold)"
+            )
+        if reserve:
+            self.reserve(chosen.worker_id, request.prompt_tokens if role == "prefill" else 0)
+            if self._prefixes is not None:
+                self._prefixes.record(chosen.worker_id, request.prefix_hashes)
+        return live[chosen.worker_id]
+
+    # -- reservations: what was sent and finished since each worker's last heartbeat --
+
+    def reserve(self, worker_id: str, prompt_tokens: int = 0) -> None:
+        """Count a request sent to `worker_id` until its next heartbeat says how loaded it is, and the
+        `prompt_tokens` it is to compute in its backlog until `prompt_done`."""
+        info = self.registry.get(worker_id)
+        if info is not None:
+            self._load[worker_id].assigned += 1
+            self._dispatched[info.role] += 1
+        self._backlog[worker_id] += prompt_tokens
+
+    def release(self, worker_id: str) -> None:
+        """A request `worker_id` held has finished: count its room until the next heartbeat says."""
+        if self.registry.get(worker_id) is not None:
+            self._load[worker_id].released += 1
+        self.admission.room_changed()
+
+    def prompt_done(self, worker_id: str, prompt_tokens: int) -> None:
+        """`worker_id` computed (or gave up) a prompt `reserve` counted: out of its backlog."""
+        left = self._backlog[worker_id] - prompt_tokens
+        if left > 0:
+            self._backlog[worker_id] = left
+        else:
+            self._backlog.pop(worker_id, None)
+
+    @contextmanager
+    def placed(self, worker_id: str, prompt_tokens: int) -> Iterator[PlacedPrompt]:
+        """A request reserved on `worker_id` while the block runs: its prompt in the worker's backlog
+        until `prompt_done()`, its slot released at the end."""
+        placed = PlacedPrompt(self, worker_id, prompt_tokens)
+        try:
+            yield placed
+        finally:
+            placed.prompt_done()
+            self.release(worker_id)
+
+    def unreachable(self, worker_id: str) -> None:
+        """NATS found nothing serving `worker_id`: send it nothing new until its next heartbeat (a
+        dead one sends none and is dropped as usual, failing what it held)."""
+        if self.registry.get(worker_id) is None or self._load[worker_id].unreachable:
+            return
+        log.warning("worker %s serves nothing on its subject: no new requests until it beats again", worker_id)
+        load = self._load[worker_id]
+        load.unreachable, load.heartbeat_view = True, None
+
+    def refused_at_capacity(self, worker_id: str) -> None:
+        """`worker_id` refused a request as full: it held its capacity then, whatever this router's
+        view of it said (requests sent before its heartbeat reached here, another router's). Count it
+        full from now on; each request that ends here frees a slot again, as does its next heartbeat."""
+        info = self.registry.get(worker_id)
+        if info is not None:
+            load = self._load[worker_id]
+            load.heartbeat_view = replace(self.view(info), running=info.capacity, assigned=0)
+            load.assigned, load.released = 1, 0  # the refused request's reservation, released after this
+
+    # -- decode claims: a prompt is admitted only with room to decode it --
+
+    def decode_room(self, model: str) -> int | None:
+        """Requests the active decode workers of `model` take now, by this router's view of them (None:
+        there is none)."""
+        views = [v for v in map(self.view, self.registry.live("decode")) if v.model == model and v.state == "active"]
+        return sum(max(v.capacity - v.running - v.assigned, 0) for v in views) if views else None
+
+    def take_claim(self, claim: DecodeClaim) -> None:
+        self.registry.check_served(claim.model)
+        room = self.decode_room(claim.model)
+        if room is None:
+            raise ServiceUnavailable(f"no live decode worker for {claim.model!r}")
+        if room <= self._claims[claim.model]:
+            raise AtCapacity(
+                f"the decode workers of {claim.model!r} have room for {room} more requests, all "
+                "claimed by prompts admitted before this one"
+            )
+        self._claims[claim.model] += 1
+
+    def release_claim(self, claim: DecodeClaim) -> None:
+        self._claims[claim.model] -= 1
+
+    # -- admission: waiting for room --
+
+    async def admit(
+        self,
+        role: Role,
+        request: RequestView,
+        fingerprint: str | None = None,
+        claim: DecodeClaim | None = None,
+    ) -> tuple[WorkerInfo, bool]:
+        """A worker of `role` for `request` by the dispatch policy, reserved, and whether the request
+        waited in the queue for it (while none has room). A prefill with a decode `claim` also waits for
+        decode room and takes the claim; the decode then releases it. Past its prompt (a decode) a
+        request is never refused for waiting: its client has a 200 and a token."""
+
+        def place() -> WorkerInfo:
+            if claim is not None and role == "prefill":
+                claim.take()
+                try:
+                    return self.pick(role, request, fingerprint=fingerprint)
+                except BaseException:
+                    claim.release()
+                    raise
+            chosen = self.pick(role, request, fingerprint=fingerprint)
+            if claim is not None:
+                claim.release()
+            return chosen
+
+        # requests of one role, model and layout find room in the same workers, unless the policy holds
+        # back some requests but not others
+        group: Hashable | None = (
+            None if self.policy.declines_by_request else (role, request.model, fingerprint, claim is None)
+        )
+        return await self.admission.admit(place, request, group, committed=role == "decode")
+
+    def prefill_seconds(self, request: RequestView) -> float:
+        """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""
+        speed = max(
+            (w.prefill_tokens_per_s for w in self.registry.live("prefill") if w.model == request.model), default=0.0
+        )
+        return request.prompt_tokens / speed if speed else 0.0
+
+    # -- decode workers' streams: what a prompt computed on a decode worker would stall --
+
+    @contextmanager
+    def decoding(self, worker_id: str, request_id: str, stream: Stream) -> Iterator[None]:
+        """Count `stream` among the streams `worker_id` decodes while the block runs."""
+        self._streams[worker_id][request_id] = stream
+        try:
+            yield
+        finally:
+            self._streams[worker_id].pop(request_id, None)
+
+    def token_gap(self, worker_id: str, gap_s: float) -> None:
+        """A stream on `worker_id` waited `gap_s` per token since its previous delta."""
+        self._token_gaps[worker_id].append(gap_s)
+
+    def local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
+        """A decode worker to run the whole request when the prefill queue would answer later
+        (llmesh.policies.disagg), else None. Chosen, it takes over the request's reservation and
+        its backlog from `prefill`."""
+        try:
+            local = self.pick("decode", request, generates=True, reserve=False)
+        except MeshError:
+            return None
+        # This router's own account, not the heartbeat's queued tokens: those are up to a second old,
+        # and a finished prompt still counted there would send the next one to a decode worker at idle.
+        # (the prefill worker's includes this request's prompt, reserved there)
+        remote = PrefillSite(self.backlog(prefill.worker_id) - request.prompt_tokens, prefill.prefill_tokens_per_s)
+        here = PrefillSite(self.backlog(local.worker_id), local.prefill_tokens_per_s)
+        now = time.monotonic()
+        streams = [s.snapshot(now) for s in self._streams[local.worker_id].values() if s.tokens]
+        gaps = self._token_gaps[local.worker_id]
+        max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
+        if not prefill_locally(request.prompt_tokens, remote, here, self.local_prefill_margin_s, max_stall_s):
+            return None
+        self.reserve(local.worker_id, request.prompt_tokens)
+        self.release(prefill.worker_id)
+        self.prompt_done(prefill.worker_id, request.prompt_tokens)
+        return local
+
+
+class PlacedPrompt:
+    """A request's prompt in a worker's backlog (counted when it was reserved), until it is computed."""
+
+    def __init__(self, scheduler: Scheduler, worker_id: str, prompt_tokens: int):
+        self._scheduler, self._worker_id, self._tokens = scheduler, worker_id, prompt_tokens
+
+    def prompt_done(self) -> None:
+        if self._tokens:
+            self._scheduler.prompt_done(self._worker_id, self._tokens)
+            self._tokens = 0
