@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m llmesh.launcher $(ARGS)
+	$(PY) -m llmesh.deploy.launcher $(ARGS)
 
 # mypy finds the packages under their import names: links to their folders (pyproject's package-dir)
 MYPY_SRC := .cache/mypy-src

@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from llmesh.kvkeys import chunk_key
-from llmesh.launcher import start_nats, start_service
+from llmesh.deploy.launcher import start_nats, start_service
+from llmesh.wire.kvkeys import chunk_key
 
 # (layers, KV heads, head size, tokens a block): Llama-3.1-8B with vLLM's GPU block of 16, and
 # the embedded tiny model with the CPU block of 128; bf16, K and V
@@ -72,8 +72,8 @@ def main() -> None:
         },
         work / "kv-store.log",
     )
-    from llmesh.bus import Bus
-    from llmesh.kvclient import KvClient, ShardDirectory
+    from llmesh.engine.kvclient import KvClient, ShardDirectory
+    from llmesh.wire.bus import Bus
 
     async def connect():
         bus = await Bus.connect(url, "bench-heads")

@@ -2,7 +2,7 @@
 
     python bench/kv_mover.py [--out FILE.json] [--repeats 10] [--smoke] [shape flags: --layers 32 ...]
 
-Imports only torch, numpy and `shared/kv_mover.py` (by path: no vLLM, no NATS, no installed llmesh),
+Imports only torch, numpy and `shared/engine/kv_mover.py` (by path: no vLLM, no NATS, no installed llmesh),
 so it runs unchanged on a GPU machine that has nothing else; `--smoke` runs small shapes on whatever
 device there is (CPU in `make test`). Default shapes: Llama-3.1-8B in bf16, vLLM's GPU block of 16
 tokens and its default physical KV layout (NHD: per layer `[blocks, tokens, KV heads, K|V]`, viewed
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_mover():
-    spec = importlib.util.spec_from_file_location("kv_mover", ROOT / "shared" / "kv_mover.py")
+    spec = importlib.util.spec_from_file_location("kv_mover", ROOT / "shared" / "engine" / "kv_mover.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["kv_mover"] = module
     spec.loader.exec_module(module)

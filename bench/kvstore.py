@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from llmesh.launcher import free_port, start_nats, start_service, wait_for_port
+from llmesh.deploy.launcher import free_port, start_nats, start_service, wait_for_port
 
 BYTES_PER_RUN = 96 * 1024**2  # per client and operation: enough for stable numbers, bounded time
 
@@ -42,8 +42,8 @@ def mesh_client(url: str, size: int, n: int, tag: str, mode: str) -> tuple[float
     the value is produced in the buffer it is sent from, as the vLLM connector's gather does;
     on this host that buffer is an extent of the shard's shared arena. Timed: the whole put
     less producing the value, i.e. reserving, committing and any copy)."""
-    from llmesh.bus import Bus
-    from llmesh.kvclient import KvClient, ShardDirectory
+    from llmesh.engine.kvclient import KvClient, ShardDirectory
+    from llmesh.wire.bus import Bus
 
     async def connect():
         bus = await Bus.connect(url, f"bench-{tag}")

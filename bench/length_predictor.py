@@ -25,10 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmesh.bus import Bus
-from llmesh.launcher import Child, start_nats, start_service
-from llmesh.lengths import cut_prompt
-from llmesh.messages import LengthPrediction, LengthPredictRequest, LengthRemaining, LengthRemainingRequest, Subjects
+from llmesh.deploy.launcher import Child, start_nats, start_service
+from llmesh.wire.bus import Bus
+from llmesh.wire.lengths import cut_prompt
+from llmesh.wire.messages import (
+    LengthPrediction,
+    LengthPredictRequest,
+    LengthRemaining,
+    LengthRemainingRequest,
+    Subjects,
+)
 from llmesh_lengthpred.settings import ARTIFACT_DIR
 
 IN_FLIGHT = 64

@@ -30,10 +30,10 @@ from pathlib import Path
 import httpx
 from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
-from llmesh.bus import Bus
-from llmesh.launcher import Child, free_port, start_service, wait_healthy
-from llmesh.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
-from llmesh.models import resolve_model
+from llmesh.deploy.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.engine.models import resolve_model
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
 
 OUTPUT_TOKENS = 3500  # long enough to outlive the hand-shake (the target prefetches meanwhile) on a fast machine
 SWITCH_AT = 8  # the chunk after which the migration is commanded
@@ -177,7 +177,7 @@ async def bench_model(model: str, contexts: list[int], repeats: int, work: Path)
         [
             sys.executable,
             "-m",
-            "llmesh.launcher",
+            "llmesh.deploy.launcher",
             "--port",
             str(port),
             "--nats-port",

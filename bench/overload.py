@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import serve  # bench/serve.py (this folder is on sys.path when a script runs)
 
-from llmesh.models import resolve_model
+from llmesh.engine.models import resolve_model
 
 SAMPLE_S = 10.0
 

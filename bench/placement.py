@@ -42,11 +42,11 @@ import psutil
 import serve  # bench/serve.py: vLLM's client, deployments, tables (this folder is on sys.path when a script runs)
 from serve import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids, spread
 
-from llmesh.bus import Bus
-from llmesh.errors import MeshError
-from llmesh.launcher import Child, free_port, start_service, wait_healthy
-from llmesh.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo
-from llmesh.models import resolve_model
+from llmesh.deploy.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.engine.models import resolve_model
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo
 
 
 @contextlib.contextmanager
@@ -66,7 +66,7 @@ def mesh(work: Path, model: str, model_dir: Path, **env: str):
         "MESH_REQUEST_TIMEOUT_S": "600",
     } | env
     work.mkdir(parents=True, exist_ok=True)
-    launcher = Child("mesh", [sys.executable, "-m", "llmesh.launcher"], env=env, log_path=work / "launcher.log")
+    launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "launcher.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 900, [launcher])
         yield f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", launcher

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
-from llmesh.bus import Bus
-from llmesh.launcher import Child, free_port, start_service, wait_healthy
-from llmesh.messages import (
+from llmesh.deploy.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.engine.models import resolve_model
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import (
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
@@ -36,7 +37,6 @@ from llmesh.messages import (
     Subjects,
     WorkerInfo,
 )
-from llmesh.models import resolve_model
 
 MODES = ("recompute", "swap", "auto")
 BLOCK_SIZE = 128
@@ -100,7 +100,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
         [
             sys.executable,
             "-m",
-            "llmesh.launcher",
+            "llmesh.deploy.launcher",
             "--port",
             str(port),
             "--nats-port",

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
-from llmesh.bus import Bus
-from llmesh.launcher import Child, engine_cores, free_port, start_service, wait_healthy
-from llmesh.messages import PrefillRequest, PrefillResult, SamplingOptions, Subjects, WorkerInfo, decode
+from llmesh.deploy.launcher import Child, engine_cores, free_port, start_service, wait_healthy
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import PrefillRequest, PrefillResult, SamplingOptions, Subjects, WorkerInfo, decode
 
 IDLE_S = 1.5  # a vLLM engine busy-polls for 1 s after its last step: let it go idle between runs
 
@@ -111,7 +111,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "llmesh.launcher",
+            "llmesh.deploy.launcher",
             "--port",
             str(port),
             "--nats-port",

@@ -4,7 +4,7 @@
     .venv/bin/python bench/serve.py --quick --out /tmp/serve   # a few requests per deployment
 
 Deployments, all on this machine and model, started once and measured one at a time:
-- `mesh`: the whole mesh as `make run` starts it (`python -m llmesh.launcher`);
+- `mesh`: the whole mesh as `make run` starts it (`python -m llmesh.deploy.launcher`);
 - `vllm`: one plain vLLM OpenAI server (vLLM's default CPU layout: one core computes, one is left);
 - `vllm-router`: `vllm-router` (the vLLM project's Rust router, from PyPI) over two plain vLLM
   servers pinned to one core each, with the policy that suits the workload (`--router-policy`).
@@ -41,9 +41,9 @@ from typing import TextIO
 
 import httpx
 
-from llmesh.credentials import MeshSecrets
-from llmesh.launcher import Child, free_port
-from llmesh.models import resolve_model
+from llmesh.deploy.credentials import load_or_create
+from llmesh.deploy.launcher import Child, free_port
+from llmesh.engine.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023_first3000.csv"
@@ -195,11 +195,11 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
             "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
             "MESH_SECRETS_DIR": str(work / "mesh-secrets"),
         }
-        key = MeshSecrets.load_or_create(work / "mesh-secrets").api_key
+        key = load_or_create(work / "mesh-secrets").api_key
         return Deployment(
             name,
             f"http://127.0.0.1:{port}",
-            [Child("mesh", [sys.executable, "-m", "llmesh.launcher"], env=env, log_path=logs / "mesh.log")],
+            [Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=logs / "mesh.log")],
             headers={"Authorization": f"Bearer {key}"},
         )
     if name == "vllm":

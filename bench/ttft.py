@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
 
-from llmesh.credentials import MeshSecrets
-from llmesh.launcher import Child, free_port, wait_healthy
-from llmesh.models import resolve_model
+from llmesh.deploy.credentials import load_or_create
+from llmesh.deploy.launcher import Child, free_port, wait_healthy
+from llmesh.engine.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_TOKENS = 32
@@ -107,13 +107,13 @@ def main() -> None:
             "MESH_MODEL_DIR": str(model_dir),
             "MESH_SECRETS_DIR": str(work / "mesh-secrets"),
         }
-        AUTH["Authorization"] = f"Bearer {MeshSecrets.load_or_create(work / 'mesh-secrets').api_key}"
+        AUTH["Authorization"] = f"Bearer {load_or_create(work / 'mesh-secrets').api_key}"
         mesh = Child(
             "mesh",
             [
                 sys.executable,
                 "-m",
-                "llmesh.launcher",
+                "llmesh.deploy.launcher",
                 "--port",
                 str(port),
                 "--nats-port",

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from llmesh.config import CommonSettings, WorkerSettings
+from llmesh.wire.config import CommonSettings, WorkerSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings

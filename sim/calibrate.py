@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmesh.config import WorkerSettings
-from llmesh.models import resolve_model
+from llmesh.engine.models import resolve_model
+from llmesh.wire.config import WorkerSettings
 
 from .engine import EngineProfile, attention_pairs
 
@@ -48,7 +48,7 @@ async def measure(
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from llmesh.worker import WARMUP_PROMPT
+    from llmesh.engine.worker import WARMUP_PROMPT
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
     engine = AsyncLLM.from_engine_args(

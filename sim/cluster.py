@@ -19,10 +19,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from llmesh.messages import RequestProgress, WorkerInfo
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
-from llmesh.views import worker_view
+from llmesh.policies.views import worker_view
+from llmesh.wire.messages import RequestProgress, WorkerInfo
 
 from .engine import EngineProfile, PrefixCache, SimEngine, SimRequest
 

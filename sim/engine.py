@@ -83,7 +83,7 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     refused: bool = False
-    # what a live worker also reports of a request (llmesh.messages.RequestProgress, read by name) and the
+    # what a live worker also reports of a request (llmesh.wire.messages.RequestProgress, read by name) and the
     # simulator does not model: live migration, refined length predictions
     migrating: bool = False
     predicted_remaining: float | None = None

@@ -9,7 +9,7 @@ expected, bucket, confidence) per held-out response of one generator family, num
 
 `HeldOutPredictions.predict` then gives a trace request of true length n the expected length the
 predictor gave a held-out response whose true length fell in n's length bucket
-(llmesh.lengths.EDGES; the nearest bucket that has rows where n's has none): the predictor's
+(llmesh.wire.lengths.EDGES; the nearest bucket that has rows where n's has none): the predictor's
 error distribution per class of true length, without the true length leaking into the guess.
 
 Units: the held-out lengths (actual and expected) are WordPiece tokens (the bert-base-uncased
@@ -28,7 +28,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
 
-from llmesh.lengths import EDGES
+from llmesh.wire.lengths import EDGES
 
 from .engine import SimRequest
 

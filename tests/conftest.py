@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from llmesh.launcher import start_nats, start_redis  # noqa: E402
+from llmesh.deploy.launcher import start_nats, start_redis  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from llmesh.launcher import free_port
+from llmesh.deploy.launcher import free_port
 
 
 class OtlpReceiver:

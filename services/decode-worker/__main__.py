@@ -1,8 +1,8 @@
-"""Run a decode worker: `python -m llmesh_decode` (settings: llmesh.config.WorkerSettings). With
+"""Run a decode worker: `python -m llmesh_decode` (settings: llmesh.wire.config.WorkerSettings). With
 `MESH_SWITCHABLE=1` it serves prefill too, on the same engine, when placement switches its role."""
 
-from llmesh.messages import Subjects
-from llmesh.worker import run_worker
+from llmesh.engine.worker import run_worker
+from llmesh.wire.messages import Subjects
 from llmesh_prefill.service import PrefillService
 
 from .service import DecodeService

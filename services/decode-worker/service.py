@@ -32,11 +32,12 @@ from typing import Any
 from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
-from llmesh.detokenizer import ContinuedText
-from llmesh.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
-from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
-from llmesh.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
-from llmesh.messages import (
+from llmesh.engine.detokenizer import ContinuedText
+from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
+from llmesh.engine.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
+from llmesh.wire.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
+from llmesh.wire.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
+from llmesh.wire.messages import (
     Ack,
     DecodeRequest,
     DurableTail,
@@ -52,7 +53,6 @@ from llmesh.messages import (
     TokenDelta,
     kv_blocks,
 )
-from llmesh.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class DecodeService:
                         None, self.worker.tokenizer.decode, req.output_token_ids
                     )
                 )
-            # Text is made here, continuing the stream's (llmesh.detokenizer); stop strings, which need
+            # Text is made here, continuing the stream's (llmesh.engine.detokenizer); stop strings, which need
             # the text, are the router's to find.
             params = sampling_params(
                 req.sampling.model_copy(update={"stop": []}),

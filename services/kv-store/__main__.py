@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
-from llmesh.messages import KvShardInfo
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
+from llmesh.wire.messages import KvShardInfo
 
 from .dataplane import DataPlaneServer, Tokens
 from .index import RedisIndex

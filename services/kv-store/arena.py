@@ -15,7 +15,7 @@ import mmap
 import os
 import uuid
 
-from llmesh.kvwire import SHM_DIR, footprint
+from llmesh.wire.kvwire import SHM_DIR, footprint
 
 log = logging.getLogger(__name__)
 

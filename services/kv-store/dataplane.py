@@ -1,4 +1,4 @@
-"""The shard's direct data plane: a TCP server, one thread per connection (see llmesh.kvwire).
+"""The shard's direct data plane: a TCP server, one thread per connection (see llmesh.wire.kvwire).
 
 Blocking `recv_into`/`sendall` release the GIL, so transfers on different connections run in
 parallel with each other and with the shard's NATS loop; the store itself is touched only
@@ -6,7 +6,7 @@ under `ShardState.lock`, and values are immutable once stored, so they are sent 
 
 A connection first shows a token (`hello` {token}): the shard hands tokens out only over NATS, in
 its announcements, which only NATS users allowed to read `mesh.kv.shards` (workers) receive
-(llmesh.credentials); each lasts `TOKEN_TTL_S` and is signed with a key the shard made at start.
+(llmesh.deploy.credentials); each lasts `TOKEN_TTL_S` and is signed with a key the shard made at start.
 Anything else first, or a wrong or expired token, is refused and the connection closed.
 
 Ops (metadata `op`): `put` {keys, sizes, pin_s, shm_offset?}, `get` {keys, pin_s, shm_offset?,
@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmesh import telemetry
-from llmesh.errors import BadMessage, MeshError, Unauthenticated
-from llmesh.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
+from llmesh.wire import telemetry
+from llmesh.wire.errors import BadMessage, MeshError, Unauthenticated
+from llmesh.wire.kvwire import ShmSegment, recv_header, recv_into, send_frame, skip
 
 from .state import ShardState
 from .store import Slab

@@ -1,7 +1,7 @@
 """The shared chunk index in Redis: which shard holds each chunk, its size and last access.
 
 Shards share one key space: a chunk lives on the shard its key wins by rendezvous hashing
-(llmesh.kvclient), and the index records where chunks actually are, so a client finds a
+(llmesh.engine.kvclient), and the index records where chunks actually are, so a client finds a
 chunk stored before the membership changed (`kvclient.ChunkLocator`) and operators can see
 the whole store. One hash, `llmesh:kv:chunks`, maps chunk key -> "shard size last_access".
 
@@ -21,8 +21,8 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from llmesh.credentials import redacted
-from llmesh.kvkeys import INDEX_KEY, encode_entry
+from llmesh.wire.kvkeys import INDEX_KEY, encode_entry
+from llmesh.wire.secrets import redacted
 
 from .state import ShardState
 

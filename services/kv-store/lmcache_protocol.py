@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from typing import cast
 
-from llmesh.errors import KVStoreFull
+from llmesh.wire.errors import KVStoreFull
 
 from .store import ChunkStore
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from llmesh.messages import KvStats
+from llmesh.wire.messages import KvStats
 
 # name, help, kind, {label value: KvStats field}; a gauge or counter labelled by tier where it has tiers
 _METRICS = [

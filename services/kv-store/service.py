@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from llmesh.bus import Bus
-from llmesh.messages import KvDiscover, KvFlush, KvShardInfo, KvStats, KvStatsRequest, Subjects
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import KvDiscover, KvFlush, KvShardInfo, KvStats, KvStatsRequest, Subjects
 
 from .dataplane import Tokens
 from .state import ShardState

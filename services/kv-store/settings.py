@@ -4,7 +4,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from llmesh.config import CommonSettings
+from llmesh.wire.config import CommonSettings
 
 
 class KvStoreSettings(CommonSettings):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from llmesh.messages import KvStats
+from llmesh.wire.messages import KvStats
 
 from .store import ChunkStore, Read, Reservation, Slab
 

@@ -23,9 +23,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from llmesh.errors import BadMessage, KVStoreFull
-from llmesh.kvwire import footprint
-from llmesh.messages import KvStats
+from llmesh.wire.errors import BadMessage, KVStoreFull
+from llmesh.wire.kvwire import footprint
+from llmesh.wire.messages import KvStats
 
 from .arena import Arena
 from .ssd import SsdTier

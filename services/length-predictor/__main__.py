@@ -6,9 +6,9 @@ import asyncio
 import os
 import socket
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
 
 from .settings import LengthPredictorSettings
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmesh.lengths import bucket_label, bucket_of
-from llmesh.messages import LengthPrediction, LengthRemaining
+from llmesh.wire.lengths import bucket_label, bucket_of
+from llmesh.wire.messages import LengthPrediction, LengthRemaining
 
 from . import data
 from .model import load_tokenizer

@@ -20,10 +20,10 @@ import sys
 
 from pydantic import ValidationError
 
-from llmesh.bus import Bus
-from llmesh.credentials import operator_nats_url
-from llmesh.errors import MeshError
-from llmesh.messages import LengthRefit, LengthRefitResult, Subjects
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.messages import LengthRefit, LengthRefitResult, Subjects
+from llmesh.wire.secrets import operator_nats_url
 
 TIMEOUT_S = 600.0
 

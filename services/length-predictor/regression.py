@@ -23,7 +23,7 @@ import numpy as np
 from scipy import sparse
 from scipy.special import ndtr
 
-from llmesh.lengths import EDGES, NUM_BUCKETS
+from llmesh.wire.lengths import EDGES, NUM_BUCKETS
 
 from .data import UNKNOWN, family_of
 

@@ -38,10 +38,10 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from llmesh.bus import Bus
-from llmesh.errors import InvalidRequest
-from llmesh.lengths import MAX_GENERATED_CHARS, NUM_BUCKETS, bucket_label, bucket_of, cut_prompt
-from llmesh.messages import (
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import InvalidRequest
+from llmesh.wire.lengths import MAX_GENERATED_CHARS, NUM_BUCKETS, bucket_label, bucket_of, cut_prompt
+from llmesh.wire.messages import (
     LengthBucketStats,
     LengthHead,
     LengthObserved,

@@ -3,7 +3,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from llmesh.config import CommonSettings
+from llmesh.wire.config import CommonSettings
 
 ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from llmesh.lengths import MAX_GENERATED_CHARS, bucket_of
+from llmesh.wire.lengths import MAX_GENERATED_CHARS, bucket_of
 
 from . import data
 from .model import load_tokenizer

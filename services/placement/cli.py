@@ -15,14 +15,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from llmesh.bus import Bus
-from llmesh.config import CommonSettings
-from llmesh.credentials import operator_nats_url
-from llmesh.errors import MeshError, ServiceUnavailable, Timeout
-from llmesh.messages import PlacementRequest, PlacementStatus, Subjects
 from llmesh.policies.banaserve import switchable
 from llmesh.policies.llumnix import freeness
-from llmesh.views import worker_view
+from llmesh.policies.views import worker_view
+from llmesh.wire.bus import Bus
+from llmesh.wire.config import CommonSettings
+from llmesh.wire.errors import MeshError, ServiceUnavailable, Timeout
+from llmesh.wire.messages import PlacementRequest, PlacementStatus, Subjects
+from llmesh.wire.secrets import operator_nats_url
 
 SCALING = {1: "add a decode instance (+1)", -1: "a decode instance can go (-1)", 0: "hold (0)"}
 

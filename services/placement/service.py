@@ -36,10 +36,15 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.errors import InvalidRequest, MeshError, ServiceUnavailable
-from llmesh.messages import (
+from llmesh.policies import WorkerView
+from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, switchable
+from llmesh.policies.core import Role
+from llmesh.policies.llumnix import freeness, migration_pairs, pick_migration, scaling_advice
+from llmesh.policies.views import worker_view
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import InvalidRequest, MeshError, ServiceUnavailable
+from llmesh.wire.messages import (
     Ack,
     DrainCommand,
     Message,
@@ -54,11 +59,6 @@ from llmesh.messages import (
     Subjects,
     WorkerInfo,
 )
-from llmesh.policies import WorkerView
-from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, switchable
-from llmesh.policies.core import Role
-from llmesh.policies.llumnix import freeness, migration_pairs, pick_migration, scaling_advice
-from llmesh.views import worker_view
 
 from .lease import LeaderLease
 from .settings import PlacementSettings

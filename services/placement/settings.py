@@ -2,7 +2,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from llmesh.config import CommonSettings
+from llmesh.wire.config import CommonSettings
 
 
 class PlacementSettings(CommonSettings):

@@ -1,6 +1,6 @@
-"""Run a prefill worker: `python -m llmesh_prefill` (settings: llmesh.config.WorkerSettings)."""
+"""Run a prefill worker: `python -m llmesh_prefill` (settings: llmesh.wire.config.WorkerSettings)."""
 
-from llmesh.worker import run_worker
+from llmesh.engine.worker import run_worker
 
 from .service import PrefillService
 

@@ -1,6 +1,6 @@
 """Prefill handler: prompt in; token ids, the first generated token and KV keys out.
 
-The KV itself goes to the kv-store from inside the engine (llmesh.kv_connector).
+The KV itself goes to the kv-store from inside the engine (llmesh.engine.kv_connector).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 
 from opentelemetry import trace
 
-from llmesh.errors import InvalidRequest
-from llmesh.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
-from llmesh.worker import EngineWorker, sampling_params, tokens_prompt
+from llmesh.engine.worker import EngineWorker, sampling_params, tokens_prompt
+from llmesh.wire.errors import InvalidRequest
+from llmesh.wire.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
 
 
 class PrefillService:

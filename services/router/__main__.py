@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
-from llmesh.messages import Subjects, WorkerInfo
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
+from llmesh.wire.messages import Subjects, WorkerInfo
 
 from .dispatch import Dispatcher
 from .lengths import LengthTagger

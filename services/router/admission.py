@@ -23,9 +23,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from llmesh.errors import AtCapacity, MeshError, Overloaded, Timeout
 from llmesh.policies import QueuePolicy, RequestView
 from llmesh.policies.queueing import ServiceTime, fcfs
+from llmesh.wire.errors import AtCapacity, MeshError, Overloaded, Timeout
 
 T = TypeVar("T")
 DRAIN_WINDOW = 64  # departures the queue's drain rate is averaged over (workers free slots in bursts)

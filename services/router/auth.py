@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmesh.credentials import DIGEST_PREFIX, key_digest, new_api_key
-from llmesh.errors import InvalidApiKey, MissingApiKey, Overloaded
+from llmesh.wire.errors import InvalidApiKey, MissingApiKey, Overloaded
+from llmesh.wire.secrets import DIGEST_PREFIX, key_digest, new_api_key
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,12 @@ from typing import TypeVar
 
 from opentelemetry import context, trace
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.errors import (
+from llmesh.policies import RequestView
+from llmesh.policies.core import Role
+from llmesh.policies.disagg import StreamProgress
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import (
     AtCapacity,
     MeshError,
     NoResponders,
@@ -36,8 +39,8 @@ from llmesh.errors import (
     Timeout,
     WorkerLost,
 )
-from llmesh.lifecycle import cancel_and_wait
-from llmesh.messages import (
+from llmesh.wire.lifecycle import cancel_and_wait
+from llmesh.wire.messages import (
     AbortRequest,
     ChatMessage,
     DecodeRequest,
@@ -52,9 +55,6 @@ from llmesh.messages import (
     TokenDelta,
     WorkerInfo,
 )
-from llmesh.policies import RequestView
-from llmesh.policies.core import Role
-from llmesh.policies.disagg import StreamProgress
 
 from .lengths import LengthTagger
 from .metrics import RouterMetrics

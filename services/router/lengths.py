@@ -17,11 +17,11 @@ from typing import Protocol
 
 from opentelemetry import context, trace
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.errors import MeshError, ServiceUnavailable, Timeout
-from llmesh.lengths import cut_prompt
-from llmesh.messages import LengthPrediction, LengthPredictRequest, Subjects
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError, ServiceUnavailable, Timeout
+from llmesh.wire.lengths import cut_prompt
+from llmesh.wire.messages import LengthPrediction, LengthPredictRequest, Subjects
 
 from .metrics import RouterMetrics
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from llmesh.messages import TokenDelta
+from llmesh.wire.messages import TokenDelta
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # vLLM's bucket families (vllm.v1.metrics.buckets), copied so that the router need not import vLLM

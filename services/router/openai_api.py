@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmesh.errors import InvalidRequest, MeshError
-from llmesh.messages import ChatMessage, SamplingOptions
+from llmesh.wire.errors import InvalidRequest, MeshError
+from llmesh.wire.messages import ChatMessage, SamplingOptions
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]

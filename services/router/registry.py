@@ -9,8 +9,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from llmesh.errors import ModelNotFound, ServiceUnavailable, StreamInterrupted, WorkerLost
-from llmesh.messages import WorkerInfo
+from llmesh.wire.errors import ModelNotFound, ServiceUnavailable, StreamInterrupted, WorkerLost
+from llmesh.wire.messages import WorkerInfo
 
 log = logging.getLogger(__name__)
 

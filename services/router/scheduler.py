@@ -20,13 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from llmesh.errors import AtCapacity, MeshError, ServiceUnavailable
-from llmesh.messages import WorkerInfo
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
 from llmesh.policies.baseline import least_loaded
 from llmesh.policies.core import Role, fits_request
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
-from llmesh.views import worker_view
+from llmesh.policies.views import worker_view
+from llmesh.wire.errors import AtCapacity, MeshError, ServiceUnavailable
+from llmesh.wire.messages import WorkerInfo
 
 from .admission import AdmissionQueue
 from .registry import WorkerRegistry

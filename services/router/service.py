@@ -16,10 +16,10 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmesh import telemetry
-from llmesh.errors import InvalidRequest, MeshError
-from llmesh.lifecycle import cancel_and_wait
-from llmesh.messages import TokenDelta
+from llmesh.wire import telemetry
+from llmesh.wire.errors import InvalidRequest, MeshError
+from llmesh.wire.lifecycle import cancel_and_wait
+from llmesh.wire.messages import TokenDelta
 
 from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher, Generation

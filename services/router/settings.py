@@ -3,9 +3,9 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from llmesh.config import CommonSettings
-from llmesh.credentials import API_KEYS_FILE
 from llmesh.policies import POLICIES, QUEUE_POLICIES, Policy, QueuePolicy, make_policy, make_queue_policy
+from llmesh.wire.config import CommonSettings
+from llmesh.wire.secrets import API_KEYS_FILE
 
 from .auth import KeyRing
 

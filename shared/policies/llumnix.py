@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmesh.messages import RequestProgress
 from llmesh.policies.core import DispatchContext, Policy, WorkerView, lowest_cost_below
+from llmesh.wire.messages import RequestProgress
 
 
 def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:

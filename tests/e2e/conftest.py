@@ -16,10 +16,11 @@ import psutil
 import pytest
 from otlp_receiver import OtlpReceiver
 
-from llmesh.config import EMBEDDED_MODEL
-from llmesh.credentials import EVERYTHING, MeshSecrets
-from llmesh.launcher import Child, free_port, wait_healthy
-from llmesh.models import resolve_model
+from llmesh.deploy.credentials import EVERYTHING, load_or_create
+from llmesh.deploy.launcher import Child, free_port, wait_healthy
+from llmesh.engine.models import resolve_model
+from llmesh.wire.config import EMBEDDED_MODEL
+from llmesh.wire.secrets import MeshSecrets
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 8192  # a long context makes long requests: the tiny model decodes 2k tokens in about a second
@@ -58,7 +59,7 @@ def model_path(model_dir) -> str:
 def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) -> Iterator[Mesh]:
     """A whole mesh started by `command` (the launcher) with its state under `work`."""
     port, nats_port, redis_port = free_port(), free_port(), free_port()
-    secrets = MeshSecrets.load_or_create(work / "secrets", extra_users={"harness": EVERYTHING})
+    secrets = load_or_create(work / "secrets", extra_users={"harness": EVERYTHING})
     env = {
         "MESH_SECRETS_DIR": str(work / "secrets"),
         "MESH_PORT": str(port),

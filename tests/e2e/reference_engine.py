@@ -41,7 +41,7 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             disable_log_stats=True,
         )
     )
-    from llmesh.worker import WARMUP_PROMPT
+    from llmesh.engine.worker import WARMUP_PROMPT
 
     async for _ in engine.generate(
         TokensPrompt(prompt_token_ids=WARMUP_PROMPT), SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"

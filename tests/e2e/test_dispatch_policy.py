@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.launcher import SERVICES, Child, engine_cores, free_port, start_service, stop_all, wait_for_port
-from llmesh.messages import AbortRequest, PrefillRequest, SamplingOptions, Subjects, WorkerInfo
+from llmesh.deploy.launcher import SERVICES, Child, engine_cores, free_port, start_service, stop_all, wait_for_port
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import AbortRequest, PrefillRequest, SamplingOptions, Subjects, WorkerInfo
 
 from .conftest import BLOCK_SIZE, extra_workers
 from .test_mesh import MODEL, live_worker, token_prompt

@@ -19,11 +19,11 @@ import time
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.credentials import without_userinfo
-from llmesh.errors import MeshError
-from llmesh.launcher import free_port, start_service, wait_healthy
-from llmesh.messages import LengthPrediction, LengthPredictRequest, PlacementRequest, PlacementStatus, Subjects
+from llmesh.deploy.launcher import free_port, start_service, wait_healthy
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.messages import LengthPrediction, LengthPredictRequest, PlacementRequest, PlacementStatus, Subjects
+from llmesh.wire.secrets import without_userinfo
 
 from .conftest import launched
 from .test_live_migration import NEAR_TIE

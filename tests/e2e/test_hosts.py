@@ -22,11 +22,12 @@ import httpx
 import pytest
 from hosts import Hosts
 
-from llmesh.bus import Bus
-from llmesh.credentials import EVERYTHING, MeshSecrets, without_userinfo
-from llmesh.errors import MeshError
-from llmesh.launcher import Child, free_port, start_nats, start_redis, start_service, stop_all, wait_healthy
-from llmesh.messages import KvFlush, KvStats, KvStatsRequest, Subjects, WorkerInfo
+from llmesh.deploy.credentials import EVERYTHING, load_or_create, nats_authorization
+from llmesh.deploy.launcher import Child, free_port, start_nats, start_redis, start_service, stop_all, wait_healthy
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.messages import KvFlush, KvStats, KvStatsRequest, Subjects, WorkerInfo
+from llmesh.wire.secrets import MeshSecrets, without_userinfo
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from .test_faults import check_outputs, stream
@@ -54,7 +55,7 @@ def hosts_mesh(tmp_path_factory, model_dir, model_path):
     work = tmp_path_factory.mktemp("hosts")
     logs = work / "logs"
     logs.mkdir()
-    secrets = MeshSecrets.load_or_create(work / "secrets", extra_users={"harness": EVERYTHING})
+    secrets = load_or_create(work / "secrets", extra_users={"harness": EVERYTHING})
     children: list[Child] = []
     with Hosts(["a", "b", "c", "d"]) as hosts:
         try:
@@ -65,7 +66,7 @@ def hosts_mesh(tmp_path_factory, model_dir, model_path):
                 log_path=logs / "nats.log",
                 host=a,
                 prefix=hosts.prefix("a"),
-                authorization=secrets.nats_authorization(),
+                authorization=nats_authorization(secrets),
             )
             children.append(nats)
             redis, redis_url = start_redis(

@@ -13,17 +13,17 @@ import sys
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.config import EMBEDDED_MODEL
-from llmesh.messages import KvFlush, KvStats, KvStatsRequest, Subjects
-from llmesh.models import EMBEDDED, build_model
+from llmesh.engine.models import EMBEDDED, build_model
+from llmesh.wire.bus import Bus
+from llmesh.wire.config import EMBEDDED_MODEL
+from llmesh.wire.messages import KvFlush, KvStats, KvStatsRequest, Subjects
 
 from .conftest import reference_engine, running_mesh
 from .test_mesh import token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900)]
 SERVED = "tuned"
-LAUNCHER = [sys.executable, "-m", "llmesh.launcher"]
+LAUNCHER = [sys.executable, "-m", "llmesh.deploy.launcher"]
 
 
 async def kv_request(nats_url: str, request) -> KvStats:

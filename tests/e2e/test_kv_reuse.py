@@ -13,7 +13,7 @@ import asyncio
 import pytest
 from e2e.test_mesh import BLOCK_SIZE, NUM_LAYERS, disaggregated, kv_stats, live_worker, start_extra_worker, token_prompt
 
-from llmesh.kvkeys import block_hashes, chunk_key
+from llmesh.wire.kvkeys import block_hashes, chunk_key
 from llmesh_kvstore.ssd import SsdTier
 
 pytestmark = pytest.mark.e2e

@@ -20,10 +20,10 @@ from datetime import datetime
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.errors import MeshError
-from llmesh.launcher import start_service
-from llmesh.messages import (
+from llmesh.deploy.launcher import start_service
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.messages import (
     Ack,
     MigrateCommand,
     MigrateOutcome,

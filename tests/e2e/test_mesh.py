@@ -16,11 +16,11 @@ import httpx
 import openai
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.detokenizer import ContinuedText
-from llmesh.errors import KVFingerprintMismatch, MeshError
-from llmesh.launcher import start_service
-from llmesh.messages import (
+from llmesh.deploy.launcher import start_service
+from llmesh.engine.detokenizer import ContinuedText
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import KVFingerprintMismatch, MeshError
+from llmesh.wire.messages import (
     DecodeRequest,
     KvDiscover,
     KvFlush,

@@ -1,5 +1,5 @@
 """The mesh laid out as the multi-host compose files deploy it (a control plane and GPU hosts,
-`python -m llmesh.compose`), run for real in network namespaces (tests/hosts.py):
+`python -m llmesh.deploy.compose`), run for real in network namespaces (tests/hosts.py):
 
     host control: nats-server accepting leaf nodes, redis-server, the router, the length predictor
     host gpu-1:   nats-server, a leaf node of control's; a kv-store shard; the prefill worker
@@ -24,11 +24,10 @@ import httpx
 import pytest
 from hosts import Hosts
 
-from llmesh import compose
-from llmesh.bus import Bus
-from llmesh.credentials import EVERYTHING, MeshSecrets, without_userinfo
-from llmesh.credentials import main as credentials
-from llmesh.launcher import (
+from llmesh.deploy import compose
+from llmesh.deploy.credentials import EVERYTHING, load_or_create
+from llmesh.deploy.credentials import main as credentials
+from llmesh.deploy.launcher import (
     Child,
     free_port,
     nats_server_binary,
@@ -38,7 +37,9 @@ from llmesh.launcher import (
     wait_for_port,
     wait_healthy,
 )
-from llmesh.messages import KvStats, KvStatsRequest, Subjects
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import KvStats, KvStatsRequest, Subjects
+from llmesh.wire.secrets import without_userinfo
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from .test_mesh import MODEL, token_prompt
@@ -62,7 +63,7 @@ def multihost(tmp_path_factory, model_dir, model_path):
     with Hosts(["control", *GPU_HOSTS]) as hosts:
         try:
             control, nats_port = hosts.address("control"), 4222
-            secrets = MeshSecrets.load_or_create(work / "control", extra_users={"harness": EVERYTHING})
+            secrets = load_or_create(work / "control", extra_users={"harness": EVERYTHING})
             layouts = {"control": compose.control_plane(control, "0.0.0.0")} | {
                 host: compose.gpu_host(
                     control,

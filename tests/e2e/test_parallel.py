@@ -16,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from llmesh.messages import KvStatsRequest
+from llmesh.wire.messages import KvStatsRequest
 
 from .conftest import reference_engine, running_mesh
 from .test_kv_identity import kv_request
@@ -24,7 +24,7 @@ from .test_live_migration import NEAR_TIE
 from .test_mesh import token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_engines, pytest.mark.timeout(900)]
-LAUNCHER = [sys.executable, "-m", "llmesh.launcher"]
+LAUNCHER = [sys.executable, "-m", "llmesh.deploy.launcher"]
 LAYERS, KV_HEADS = 4, 4  # the embedded tiny model
 # MESH_TEST_TP_PROMPTS more prompts and MESH_TEST_TP_TOKENS tokens each, for a measurement (docs/benchmarks.md)
 PROMPTS = [token_prompt(600, seed=7070), token_prompt(130, seed=7171), token_prompt(37, seed=7272)] + [

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from llmesh.launcher import start_service
+from llmesh.deploy.launcher import start_service
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, extra_workers
 from .test_live_migration import NEAR_TIE, assert_exact, move, other_decode, resumed_after, resumes, stream

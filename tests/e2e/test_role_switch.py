@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.messages import PlacementDecision, Subjects
+from llmesh.wire.bus import Bus
+from llmesh.wire.messages import PlacementDecision, Subjects
 
 from .test_dispatch_policy import start_router, wait_for_decode_workers
 from .test_live_migration import NEAR_TIE, Streamed, migrate, other_decode, stream

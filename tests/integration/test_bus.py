@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.errors import Timeout
-from llmesh.messages import Ack, KvStatsRequest, LengthPredictRequest
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import Timeout
+from llmesh.wire.messages import Ack, KvStatsRequest, LengthPredictRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,7 +74,7 @@ def test_spans_are_exported_over_otlp_when_an_endpoint_is_configured():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         script = (
-            "from llmesh import telemetry; from opentelemetry import trace;"
+            "from llmesh.wire import telemetry; from opentelemetry import trace;"
             f"telemetry.setup_tracing('probe', otlp_endpoint='http://127.0.0.1:{server.server_port}',"
             " trace_dir=None);"
             "trace.get_tracer('t').start_span('exported-span').end();"
@@ -88,8 +88,8 @@ def test_spans_are_exported_over_otlp_when_an_endpoint_is_configured():
 
 
 async def test_connecting_to_a_dead_server_fails_within_its_timeout():
-    from llmesh.errors import ServiceUnavailable
-    from llmesh.launcher import free_port
+    from llmesh.deploy.launcher import free_port
+    from llmesh.wire.errors import ServiceUnavailable
 
     started = asyncio.get_running_loop().time()
     with pytest.raises(ServiceUnavailable, match="cannot reach NATS"):
@@ -98,8 +98,8 @@ async def test_connecting_to_a_dead_server_fails_within_its_timeout():
 
 
 async def test_streams_of_one_client_share_one_message_per_turn_and_each_gets_its_own_replies(nats_url):
-    from llmesh.errors import InvalidRequest, ServiceUnavailable
-    from llmesh.messages import TokenDelta
+    from llmesh.wire.errors import InvalidRequest, ServiceUnavailable
+    from llmesh.wire.messages import TokenDelta
 
     server, client = await Bus.connect(nats_url, "streamer"), await Bus.connect(nats_url, "reader")
     steps = asyncio.Event()
@@ -147,7 +147,7 @@ async def test_streams_of_one_client_share_one_message_per_turn_and_each_gets_it
 
 
 async def test_a_stream_ends_with_a_typed_timeout_at_its_deadline_after_the_replies_that_came(nats_url):
-    from llmesh.messages import TokenDelta
+    from llmesh.wire.messages import TokenDelta
 
     server, client = await Bus.connect(nats_url, "stalls"), await Bus.connect(nats_url, "waits")
 
@@ -173,7 +173,7 @@ async def test_streams_to_a_client_that_died_stop_at_once_and_others_go_on(nats_
     """A client's process dies (its connection closes) mid-stream: NATS finds nobody subscribed to its
     replies, and the server cancels the handlers producing them (a worker frees their engine slots),
     while another client's stream on the same server goes on."""
-    from llmesh.messages import TokenDelta
+    from llmesh.wire.messages import TokenDelta
 
     server = await Bus.connect(nats_url, "producer")
     doomed, survivor = await Bus.connect(nats_url, "doomed"), await Bus.connect(nats_url, "survivor")

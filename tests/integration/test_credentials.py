@@ -1,6 +1,6 @@
 """The mesh's doors with its generated credentials, on a real nats-server and redis-server: each tried
 without and with wrong credentials (refused, logged, nothing changed), and each service user only
-where its part of the protocol needs it (llmesh.credentials)."""
+where its part of the protocol needs it (llmesh.deploy.credentials)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import nats.errors
 import pytest
 import redis
 
-from llmesh.bus import Bus
-from llmesh.config import WorkerSettings
-from llmesh.credentials import EVERYTHING, MeshSecrets, inbox_prefix, operator_nats_url, redacted
-from llmesh.errors import ServiceUnavailable
-from llmesh.launcher import start_nats, start_redis
-from llmesh.messages import KvDiscover, Subjects
+from llmesh.deploy.credentials import EVERYTHING, load_or_create, nats_authorization
+from llmesh.deploy.launcher import start_nats, start_redis
+from llmesh.wire.bus import Bus
+from llmesh.wire.config import WorkerSettings
+from llmesh.wire.errors import ServiceUnavailable
+from llmesh.wire.messages import KvDiscover, Subjects
+from llmesh.wire.secrets import MeshSecrets, inbox_prefix, operator_nats_url, redacted
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_router.settings import RouterSettings
 
@@ -30,8 +31,8 @@ def secured(tmp_path_factory):
     """A nats-server and a redis-server with a generated set of credentials (and a harness user that
     sees everything, to observe what gets through)."""
     work = tmp_path_factory.mktemp("secured")
-    secrets = MeshSecrets.load_or_create(work / "secrets", extra_users=HARNESS)
-    nats_child, url = start_nats(work, authorization=secrets.nats_authorization(), log_path=work / "nats.log")
+    secrets = load_or_create(work / "secrets", extra_users=HARNESS)
+    nats_child, url = start_nats(work, authorization=nats_authorization(secrets), log_path=work / "nats.log")
     redis_child, redis_url = start_redis(password=secrets.redis_password, log_path=work / "redis.log")
     try:
         yield secrets, url, redis_url, work
@@ -183,7 +184,7 @@ async def test_a_user_reads_neither_other_users_replies_nor_subjects_outside_its
 
 async def test_request_and_reply_work_across_users_through_their_own_inboxes(secured):
     """The router asks a worker and gets the stream back; a worker asks a shard: each reply comes to
-    the asker's own `_INBOX.<user>` (llmesh.bus sets it from the URL's user)."""
+    the asker's own `_INBOX.<user>` (llmesh.wire.bus sets it from the URL's user)."""
     secrets, url, _, _ = secured
     router = await Bus.connect(secrets.nats_url(url, RouterSettings.NATS_USER), "router")
     worker = await Bus.connect(secrets.nats_url(url, WorkerSettings.NATS_USER), "decode-worker")
@@ -232,7 +233,7 @@ def test_secrets_are_kept_private_and_operators_get_the_admin_user(secured, tmp_
     assert directory.stat().st_mode & 0o777 == 0o700
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in directory.iterdir())
     assert secrets.api_key not in (directory / "api-keys").read_text()  # the router's file holds the digest
-    assert MeshSecrets.load_or_create(directory).api_key == secrets.api_key  # kept, not remade
+    assert load_or_create(directory).api_key == secrets.api_key  # kept, not remade
     assert "admin:" in operator_nats_url(url, directory) and operator_nats_url(url, tmp_path) == url
     assert secrets.nats_passwords["admin"] not in redacted(operator_nats_url(url, directory))
-    assert not any(p in secrets.nats_authorization() for p in secrets.nats_passwords.values())  # bcrypt hashes
+    assert not any(p in nats_authorization(secrets) for p in secrets.nats_passwords.values())  # bcrypt hashes

@@ -12,11 +12,11 @@ import time
 import msgpack
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.errors import KVStoreFull, ServiceUnavailable
-from llmesh.kvclient import DISCOVERY_WAIT_S, HostBuffers, KvClient, ShardDirectory, rendezvous_owner
-from llmesh.kvwire import HEADER, MAGIC, recv_header, send_frame
-from llmesh.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
+from llmesh.engine.kvclient import DISCOVERY_WAIT_S, HostBuffers, KvClient, ShardDirectory, rendezvous_owner
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import KVStoreFull, ServiceUnavailable
+from llmesh.wire.kvwire import HEADER, MAGIC, recv_header, send_frame
+from llmesh.wire.messages import KvShardInfo, KvStats, KvStatsRequest, Subjects
 from llmesh_kvstore.dataplane import DataPlaneServer, Tokens
 from llmesh_kvstore.service import KvStoreService
 from llmesh_kvstore.ssd import SsdTier
@@ -264,7 +264,7 @@ async def test_a_store_that_never_came_does_not_hold_each_call_for_the_transfer_
 async def test_prometheus_metrics_report_tiers_and_transfers(nats_url, tmp_path):
     import httpx
 
-    from llmesh.launcher import free_port
+    from llmesh.deploy.launcher import free_port
     from llmesh_kvstore.metrics import serve_metrics
 
     async with (

@@ -12,12 +12,12 @@ import time
 import pytest
 import redis
 
-from llmesh.bus import Bus
-from llmesh.errors import MeshError
-from llmesh.kvclient import ChunkLocator, KvClient, ShardDirectory, rendezvous_owner
-from llmesh.kvkeys import INDEX_KEY, decode_entry
-from llmesh.launcher import free_port, start_redis, start_service
-from llmesh.messages import KvFlush, KvStats, Subjects
+from llmesh.deploy.launcher import free_port, start_redis, start_service
+from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, rendezvous_owner
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.kvkeys import INDEX_KEY, decode_entry
+from llmesh.wire.messages import KvFlush, KvStats, Subjects
 from llmesh_kvstore.lmcache_protocol import HEALTH, REPLY, REQUEST, SUCCESS
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmesh.lengths import EDGES, NUM_BUCKETS, bucket_label, bucket_of
+from llmesh.wire.lengths import EDGES, NUM_BUCKETS, bucket_label, bucket_of
 from llmesh_lengthpred import data
 from llmesh_lengthpred.model import load_tokenizer
 from llmesh_lengthpred.predictor import Predictor

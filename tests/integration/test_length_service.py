@@ -16,10 +16,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from llmesh.bus import Bus
-from llmesh.errors import BadMessage, InvalidRequest
-from llmesh.lengths import bucket_of
-from llmesh.messages import (
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import BadMessage, InvalidRequest
+from llmesh.wire.lengths import bucket_of
+from llmesh.wire.messages import (
     Ack,
     DecodeRequest,
     LengthHead,
@@ -291,7 +291,7 @@ def spans():
 
 
 def heartbeat(worker_id: str, role: str):
-    from llmesh.messages import WorkerInfo
+    from llmesh.wire.messages import WorkerInfo
 
     return WorkerInfo(
         worker_id=worker_id,
@@ -445,7 +445,7 @@ async def test_otherwise_a_sample_is_predicted_beside_the_prefill_never_delaying
 
 
 async def test_router_serves_without_the_predictor_or_past_a_slow_one(tmp_path, spans):
-    from llmesh.launcher import start_nats
+    from llmesh.deploy.launcher import start_nats
 
     nats, url = start_nats(tmp_path)  # a mesh whose predictor is not running
     bus, http, metrics, seen = await router_with_fake_workers(url, "alone", length_timeout_s=0.05, before_dispatch=True)

@@ -1,5 +1,5 @@
 """Several hosts on NATS: a GPU host's nats-server as a leaf node of the control plane's
-(`llmesh.credentials --nats-leafnodes` / `--nats-leaf-of`), on real nats-servers. A worker on the
+(`llmesh.deploy.credentials --nats-leafnodes` / `--nats-leaf-of`), on real nats-servers. A worker on the
 leaf and the router on the hub exchange heartbeats and requests with their own users and
 permissions; a leaf with a wrong password is refused; with TLS on, the leaf link uses it too."""
 
@@ -12,14 +12,16 @@ from pathlib import Path
 import nats
 import pytest
 
-from llmesh.credentials import LEAF_USER, MeshSecrets, main, nats_tls, set_nats_tls
-from llmesh.launcher import Child, free_port, nats_server_binary, wait_for_port
+from llmesh.deploy.credentials import LEAF_USER, load_or_create, main, set_nats_tls
+from llmesh.deploy.launcher import Child, free_port, nats_server_binary, wait_for_port
+from llmesh.wire.secrets import MeshSecrets, nats_tls
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def start_from_credentials(directory: Path, *args: str) -> tuple[Child, str]:
-    """nats-server from the config `python -m llmesh.credentials DIR --nats-listen ...` writes (as compose runs it)."""
+    """nats-server from the config `python -m llmesh.deploy.credentials DIR --nats-listen ...` writes (as compose
+    runs it)."""
     port = free_port()
     assert main([str(directory), "--nats-listen", f"127.0.0.1:{port}", *args]) == 0
     child = Child(
@@ -75,7 +77,7 @@ async def crossing(hub_secrets: MeshSecrets, hub: str, leaf_secrets: MeshSecrets
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_gpu_hosts_services_reach_the_control_plane_through_its_leaf_node(tmp_path, tls):
     control = tmp_path / "control"
-    hub_secrets = MeshSecrets.load_or_create(control)
+    hub_secrets = load_or_create(control)
     set_nats_tls(control, tls)
     leaf_port = free_port()
     hub, hub_url = start_from_credentials(control, "--nats-leafnodes", f"127.0.0.1:{leaf_port}")
@@ -96,10 +98,10 @@ def test_a_gpu_hosts_services_reach_the_control_plane_through_its_leaf_node(tmp_
 
 def test_a_leaf_with_a_wrong_password_is_refused(tmp_path):
     control = tmp_path / "control"
-    MeshSecrets.load_or_create(control)
+    load_or_create(control)
     leaf_port = free_port()
     hub, hub_url = start_from_credentials(control, "--nats-leafnodes", f"127.0.0.1:{leaf_port}")
-    stranger = MeshSecrets.load_or_create(tmp_path / "stranger")  # its own users, and leaf password
+    stranger = load_or_create(tmp_path / "stranger")  # its own users, and leaf password
     try:
         leaf, leaf_url = start_from_credentials(tmp_path / "stranger", "--nats-leaf-of", f"127.0.0.1:{leaf_port}")
         try:

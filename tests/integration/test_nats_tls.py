@@ -1,4 +1,4 @@
-"""NATS over TLS (`llmesh.credentials --tls`, `MESH_NATS_TLS`) on a real nats-server: a service whose secrets
+"""NATS over TLS (`llmesh.deploy.credentials --tls`, `MESH_NATS_TLS`) on a real nats-server: a service whose secrets
 hold the mesh's CA connects and does its part; a plaintext client, a client that trusts another CA and a
 client without a valid password are refused; a TLS client never shows its password to a server that offers no
 TLS; services reconnect over TLS when nats-server restarts (as `make run` restarts it)."""
@@ -16,26 +16,20 @@ import nats
 import nats.errors
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.config import WorkerSettings
-from llmesh.credentials import (
-    MeshSecrets,
-    nats_tls,
-    nats_tls_block,
-    set_nats_tls,
-    trusting_nats_ca,
-    with_userinfo,
-)
-from llmesh.errors import ServiceUnavailable, Timeout
-from llmesh.launcher import free_port, start_nats
-from llmesh.messages import KvDiscover, Subjects
+from llmesh.deploy.credentials import load_or_create, nats_authorization, nats_tls_block, set_nats_tls
+from llmesh.deploy.launcher import free_port, start_nats
+from llmesh.wire.bus import Bus
+from llmesh.wire.config import WorkerSettings
+from llmesh.wire.errors import ServiceUnavailable, Timeout
+from llmesh.wire.messages import KvDiscover, Subjects
+from llmesh.wire.secrets import MeshSecrets, nats_tls, trusting_nats_ca, with_userinfo
 from llmesh_router.settings import RouterSettings
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def tls_secrets(directory: Path) -> MeshSecrets:
-    secrets = MeshSecrets.load_or_create(directory)
+    secrets = load_or_create(directory)
     assert set_nats_tls(directory, True)
     return secrets
 
@@ -44,7 +38,7 @@ def start_tls_nats(work: Path, directory: Path, port: int | None = None):
     return start_nats(
         work,
         port,
-        authorization=MeshSecrets.load(directory).nats_authorization(),
+        authorization=nats_authorization(MeshSecrets.load(directory)),
         tls=nats_tls_block(directory),
         log_path=work / f"nats-{port}.log",
     )

@@ -11,10 +11,11 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.errors import InvalidRequest
-from llmesh.launcher import start_redis, start_service
-from llmesh.messages import (
+from llmesh.deploy.launcher import start_redis, start_service
+from llmesh.policies.core import kv_blocks
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import InvalidRequest
+from llmesh.wire.messages import (
     Ack,
     DrainCommand,
     MigrateCommand,
@@ -28,7 +29,6 @@ from llmesh.messages import (
     Subjects,
     WorkerInfo,
 )
-from llmesh.policies.core import kv_blocks
 from llmesh_placement.cli import main as cli_main
 from llmesh_placement.service import PlacementService
 from llmesh_placement.settings import PlacementSettings

@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.errors import WorkerLost
-from llmesh.messages import WorkerInfo
 from llmesh.policies import RequestView
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import WorkerLost
+from llmesh.wire.messages import WorkerInfo
 from llmesh_router.auth import KeyRing
 from llmesh_router.dispatch import Dispatcher
 from llmesh_router.lengths import LengthTagger
@@ -196,7 +196,7 @@ async def test_prefill_worker_that_dies_mid_request_fails_it_at_once(nats_url):
 async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_worker(nats_url):
     """Prefill computes 100 tokens/s here, so a 100-token prompt queued behind another would wait
     2 s; the decode worker (which also runs whole requests) answers in 1 s: it gets the request."""
-    from llmesh.messages import PrefillRequest, PrefillResult, Subjects, TokenDelta
+    from llmesh.wire.messages import PrefillRequest, PrefillResult, Subjects, TokenDelta
 
     registry = WorkerRegistry()
     # A stale heartbeat still counts an earlier prompt: the first request must not go whole to decode for it.
@@ -270,7 +270,7 @@ async def test_a_backed_up_prefill_queue_sends_the_whole_request_to_a_decode_wor
 
 async def _one_slot_workers(nats_url, prefill_s):
     """A prefill worker that takes one request at a time, `prefill_s` each, and a decode worker."""
-    from llmesh.messages import PrefillResult, TokenDelta
+    from llmesh.wire.messages import PrefillResult, TokenDelta
 
     workers = await Bus.connect(nats_url, "fake-workers")
     order: list[str] = []
@@ -374,7 +374,7 @@ async def test_a_full_queue_or_a_long_wait_is_429_with_retry_after(nats_url, max
 async def _slow_decode_workers(nats_url, decode_s, decode_capacity=1):
     """A prefill worker with room to spare and a decode worker with `decode_capacity` slots whose
     decodes take `decode_s`; returns what each was sent, with when, in order."""
-    from llmesh.messages import PrefillResult, TokenDelta
+    from llmesh.wire.messages import PrefillResult, TokenDelta
 
     workers = await Bus.connect(nats_url, "fake-workers")
     sent: list[tuple[str, float]] = []
@@ -431,8 +431,8 @@ async def test_a_worker_fuller_than_the_router_knew_refuses_and_the_request_wait
     """The decode worker's last heartbeat shows room, but it is full (another router's requests): it
     refuses the decode. The router counts it full until it beats again, and the request, its first
     token already streamed, goes on there then instead of failing."""
-    from llmesh.errors import AtCapacity
-    from llmesh.messages import PrefillResult, TokenDelta
+    from llmesh.wire.errors import AtCapacity
+    from llmesh.wire.messages import PrefillResult, TokenDelta
 
     workers = await Bus.connect(nats_url, "fake-workers")
     decodes: list[float] = []
@@ -497,8 +497,8 @@ def test_a_refusal_counts_the_worker_full_until_a_request_ends_or_it_beats():
 async def test_priority_and_slo_targets_reach_the_policy_and_the_workers(nats_url):
     """vLLM's `priority` and the mesh's SLO fields, from the OpenAI request to what the dispatch
     policy reads and what the workers hold (and report on heartbeats)."""
-    from llmesh.messages import PrefillResult, TokenDelta
     from llmesh.policies import Policy
+    from llmesh.wire.messages import PrefillResult, TokenDelta
 
     seen_by_policy, seen_by_workers = [], []
 
@@ -549,8 +549,8 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
     """MESH_POLICY=cache_aware over three prefill workers: prompts that share a long prefix follow
     the first one's worker although it is the busiest (load within the balance thresholds); an
     unrelated prompt goes by load."""
-    from llmesh.messages import PrefillResult, TokenDelta
     from llmesh.policies import make_policy
+    from llmesh.wire.messages import PrefillResult, TokenDelta
 
     registry = WorkerRegistry()
     scheduler = Scheduler(registry, make_policy("cache_aware"))
@@ -597,7 +597,7 @@ async def test_cache_aware_sends_a_shared_prefix_back_where_it_went(nats_url):
 async def _resumable_workers(nats_url, first_decode):
     """A prefill worker (prompt [1, 2], first token 7, budget 6), the decode worker `first_decode`
     (serving its first decode) and `dec-b` (recording every DecodeRequest it gets, then finishing)."""
-    from llmesh.messages import DecodeRequest, KvHandle, PrefillResult, TokenDelta
+    from llmesh.wire.messages import DecodeRequest, KvHandle, PrefillResult, TokenDelta
 
     workers = await Bus.connect(nats_url, "fake-workers")
     seen: list[tuple[str, DecodeRequest]] = []
@@ -640,7 +640,7 @@ async def _resumable_workers(nats_url, first_decode):
 
 
 async def test_a_migrated_decode_goes_on_at_its_target_with_every_token_so_far(nats_url):
-    from llmesh.messages import KvHandle, Migrated, TokenDelta
+    from llmesh.wire.messages import KvHandle, Migrated, TokenDelta
 
     moved = KvHandle(fingerprint="f" * 32, block_size=16, block_hashes=["h0"], num_tokens=3, tail_hash="t0")
 
@@ -667,7 +667,7 @@ async def test_a_migrated_decode_goes_on_at_its_target_with_every_token_so_far(n
 
 
 async def test_a_decode_whose_worker_dies_resumes_elsewhere_without_losing_or_repeating_tokens(nats_url):
-    from llmesh.messages import TokenDelta
+    from llmesh.wire.messages import TokenDelta
 
     async def dies(req):
         yield TokenDelta(text="1", token_ids=[11], prompt_tokens=2, completion_tokens=2)
@@ -693,7 +693,7 @@ async def test_a_decode_whose_worker_dies_resumes_elsewhere_without_losing_or_re
 
 
 async def test_a_migration_target_gone_before_the_hand_over_sends_the_request_back_to_its_source(nats_url):
-    from llmesh.messages import KvHandle, Migrated, TokenDelta
+    from llmesh.wire.messages import KvHandle, Migrated, TokenDelta
 
     moved = KvHandle(fingerprint="f" * 32, block_size=16, block_hashes=["h0"], num_tokens=2)
     calls = []
@@ -733,8 +733,8 @@ async def test_a_nats_restart_mid_stream_resends_the_request_from_what_arrived_a
     are lost (NATS delivers at most once), so the router, once reconnected, sends the request again to
     the same worker with every token it got; the client's answer has each token once, without waiting
     for the deadline."""
-    from llmesh.launcher import free_port, start_nats
-    from llmesh.messages import TokenDelta
+    from llmesh.deploy.launcher import free_port, start_nats
+    from llmesh.wire.messages import TokenDelta
 
     port = free_port()
     nats, url = start_nats(tmp_path, port)

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmesh.bus import Bus
-from llmesh.errors import AtCapacity
-from llmesh.launcher import Child, free_port, start_nats, wait_healthy
-from llmesh.messages import PrefillResult, Subjects, TokenDelta, WorkerInfo
+from llmesh.deploy.launcher import Child, free_port, start_nats, wait_healthy
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import AtCapacity
+from llmesh.wire.messages import PrefillResult, Subjects, TokenDelta, WorkerInfo
 
 pytestmark = pytest.mark.timeout(120)
 FINGERPRINT = "f" * 32

@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from llmesh.errors import AtCapacity, Overloaded, ServiceUnavailable, Timeout
 from llmesh.policies import RequestView
+from llmesh.wire.errors import AtCapacity, Overloaded, ServiceUnavailable, Timeout
 from llmesh_router.admission import AdmissionQueue
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmesh.credentials import key_digest as digest
-from llmesh.errors import InvalidApiKey, MissingApiKey, Overloaded
+from llmesh.wire.errors import InvalidApiKey, MissingApiKey, Overloaded
+from llmesh.wire.secrets import key_digest as digest
 from llmesh_router.auth import KeyRing, main, parse_entries
 
 

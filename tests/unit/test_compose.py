@@ -1,7 +1,7 @@
 """docker-compose.yml agrees with the code: modules, environment variables, GPUs, NATS config, secrets.
 
 No Docker engine is needed: the file is parsed (YAML anchors and `<<` merges resolved by PyYAML)
-and compared with `llmesh.launcher.SERVICES` and the services' pydantic settings classes.
+and compared with `llmesh.deploy.launcher.SERVICES` and the services' pydantic settings classes.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import yaml
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
-from llmesh.config import WorkerSettings
-from llmesh.credentials import MeshSecrets
-from llmesh.launcher import SERVICES
+from llmesh.deploy.credentials import load_or_create
+from llmesh.deploy.launcher import SERVICES
+from llmesh.wire.config import WorkerSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings
@@ -120,7 +120,7 @@ def test_services_exist(services):
 
 
 def test_launcher_and_settings_map_agree():
-    assert set(SETTINGS) == set(SERVICES), "update SETTINGS in this test when llmesh.launcher.SERVICES changes"
+    assert set(SETTINGS) == set(SERVICES), "update SETTINGS in this test when llmesh.deploy.launcher.SERVICES changes"
 
 
 @pytest.mark.parametrize("name", LLMESH_SERVICES)
@@ -130,7 +130,7 @@ def test_command_is_the_services_module(services, name):
     module = cmd[0]
     by_module = {m: s for s, m in SERVICES.items()}
     assert module in by_module, (
-        f"service {name!r}: command module {module!r} is not in llmesh.launcher.SERVICES {sorted(by_module)}"
+        f"service {name!r}: command module {module!r} is not in llmesh.deploy.launcher.SERVICES {sorted(by_module)}"
     )
     assert by_module[module] == name, (
         f"service {name!r} runs {module!r}, which the launcher names {by_module[module]!r}"
@@ -177,7 +177,7 @@ def compose_settings(services: dict[str, dict], name: str, monkeypatch, tmp_path
         if value is not None:
             monkeypatch.setenv(key, interpolate(value))
     if "MESH_SECRETS_DIR" in environment(services[name]):  # what the `secrets` service makes there
-        MeshSecrets.load_or_create(tmp_path / "secrets")
+        load_or_create(tmp_path / "secrets")
         monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path / "secrets"))
     return settings(_env_file=None)
 
@@ -257,7 +257,7 @@ def test_every_service_reports_its_health(services, name, monkeypatch, tmp_path)
     test = services[name]["healthcheck"]["test"]
     if name in ("nats", "redis"):
         return  # their own tools (checked against the generated config below, and in compose's validation)
-    assert test[:4] == ["CMD", "python", "-m", "llmesh.healthcheck"], test
+    assert test[:4] == ["CMD", "python", "-m", "llmesh.deploy.healthcheck"], test
     port_field, host_field = METRICS_FIELDS[name]
     port = getattr(compose_settings(services, name, monkeypatch, tmp_path), port_field)
     path = "/health" if name == "router" else "/metrics"
@@ -315,7 +315,7 @@ def test_traces_go_to_jaeger(services):
 
 
 def test_nats_takes_its_users_and_max_payload_from_the_generated_config(services, tmp_path):
-    """nats-server reads the config `secrets` writes (llmesh.credentials --nats-listen) from the shared
+    """nats-server reads the config `secrets` writes (llmesh.deploy.credentials --nats-listen) from the shared
     volume, after it has run; that config has the users and a max_payload."""
     nats, made = services["nats"], services["secrets"]
     cmd = command(nats)
@@ -324,8 +324,8 @@ def test_nats_takes_its_users_and_max_payload_from_the_generated_config(services
     assert f"{volume}:ro" in nats["volumes"] and volume in made["volumes"], "nats does not share the secrets volume"
     assert nats["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
     made_cmd = command(made)
-    assert made_cmd[0] == "llmesh.credentials" and cmd[1] == f"{made_cmd[1]}/nats.conf", (cmd, made_cmd)
-    from llmesh.credentials import main
+    assert made_cmd[0] == "llmesh.deploy.credentials" and cmd[1] == f"{made_cmd[1]}/nats.conf", (cmd, made_cmd)
+    from llmesh.deploy.credentials import main
 
     assert main([str(tmp_path / "s"), *made_cmd[2:]]) == 0
     conf = (tmp_path / "s" / "nats.conf").read_text()
@@ -350,7 +350,7 @@ def test_published_ports_listen_on_the_hosts_loopback_unless_configured(services
             assert interpolate(str(entry)).startswith("127.0.0.1:"), f"service {name!r} publishes {entry} to all"
 
 
-# ---- the layouts `python -m llmesh.compose` writes from docker-compose.yml ----------------------------
+# ---- the layouts `python -m llmesh.deploy.compose` writes from docker-compose.yml ----------------------------
 
 LAYOUTS = {
     "single": ["single", "--prefill", "0,1", "--decode", "2", "--decode", "3", "--kv-heads-per-chunk", "4"],
@@ -376,7 +376,7 @@ def layouts(tmp_path_factory) -> dict[str, dict]:
     """Each layout as docker-compose 1.29.2 renders it (so it validates, or this fails)."""
     from tool_envs import docker_compose
 
-    from llmesh.compose import main
+    from llmesh.deploy.compose import main
 
     out = {}
     for name, argv in LAYOUTS.items():
@@ -420,7 +420,7 @@ def test_one_host_with_workers_of_several_gpus(layouts):
 
 
 def test_the_control_plane_accepts_leaf_nodes_and_runs_no_engines(layouts, tmp_path):
-    from llmesh.credentials import main
+    from llmesh.deploy.credentials import main
 
     services = layouts["control-plane"]
     assert not {"kv-store", "prefill-worker", "decode-worker"} & set(services)
@@ -433,11 +433,11 @@ def test_the_control_plane_accepts_leaf_nodes_and_runs_no_engines(layouts, tmp_p
 
 
 def test_the_control_planes_prometheus_is_written_from_the_one_hosts(layouts):
-    from llmesh.compose import CONTROL_PLANE, control_plane_prometheus
+    from llmesh.deploy.compose import CONTROL_PLANE, control_plane_prometheus
 
     committed = ROOT / "docker" / "prometheus" / "control-plane.yml"
     assert committed.read_text() == control_plane_prometheus(), (
-        f"{committed} is stale: python -m llmesh.compose prometheus-config -o {committed.relative_to(ROOT)}"
+        f"{committed} is stale: python -m llmesh.deploy.compose prometheus-config -o {committed.relative_to(ROOT)}"
     )
     mounts = {
         source.split("/docker/", 1)[1]: inside
@@ -464,7 +464,7 @@ def test_the_control_planes_prometheus_is_written_from_the_one_hosts(layouts):
 
 
 def test_a_gpu_hosts_metrics_are_published_and_listed_for_the_control_plane(layouts, tmp_path):
-    from llmesh.compose import JOB_LABEL, main
+    from llmesh.deploy.compose import JOB_LABEL, main
 
     path = tmp_path / "hosts" / "10.0.0.2.json"
     assert main([*LAYOUTS["gpu-host"], "--prometheus-targets", "-o", str(path)]) == 0
@@ -487,11 +487,11 @@ def test_a_gpu_hosts_metrics_are_published_and_listed_for_the_control_plane(layo
 
 
 def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
-    from llmesh.credentials import main
+    from llmesh.deploy.credentials import main
 
     services = layouts["gpu-host"]
     assert set(services) == {"secrets", "nats", "kv-store", "prefill-worker-10-0-0-2-0", "decode-worker-10-0-0-2-0"}
-    MeshSecrets.load_or_create(tmp_path / "s")  # the control plane's set, copied here
+    load_or_create(tmp_path / "s")  # the control plane's set, copied here
     made = command(services["secrets"])
     assert main([str(tmp_path / "s"), *made[2:]]) == 0
     assert "10.0.0.1:7422" in (tmp_path / "s" / "nats.conf").read_text()  # a leaf node of the control plane's
@@ -517,7 +517,7 @@ def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
     ],
 )
 def test_layouts_that_cannot_work_are_refused(argv, message, capsys):
-    from llmesh.compose import main
+    from llmesh.deploy.compose import main
 
     with pytest.raises(SystemExit):
         main(argv)

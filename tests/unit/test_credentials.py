@@ -1,4 +1,4 @@
-"""Settings take each service's own credentials from a secrets directory (llmesh.credentials), and its NATS CA
+"""Settings take each service's own credentials from a secrets directory (llmesh.deploy.credentials), and its NATS CA
 where NATS uses TLS."""
 
 from __future__ import annotations
@@ -9,22 +9,20 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from pydantic import ValidationError
 
-from llmesh.config import CommonSettings, WorkerSettings
-from llmesh.credentials import (
-    NATS_CA,
+from llmesh.deploy.credentials import (
     NATS_CERT,
     NATS_KEY,
     PERMISSIONS,
-    MeshSecrets,
     env_switch,
+    load_or_create,
     main,
-    nats_tls,
     nats_tls_block,
-    operator_nats_url,
-    redacted,
+    new_secrets,
     set_nats_tls,
-    with_userinfo,
+    write_secrets,
 )
+from llmesh.wire.config import CommonSettings, WorkerSettings
+from llmesh.wire.secrets import NATS_CA, MeshSecrets, nats_tls, operator_nats_url, redacted, with_userinfo
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings
@@ -34,7 +32,7 @@ from llmesh_router.settings import RouterSettings
 @pytest.fixture(scope="module")
 def secrets_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("secrets") / "s"
-    MeshSecrets.generate().write(directory)
+    write_secrets(new_secrets(), directory)
     return directory
 
 
@@ -79,7 +77,7 @@ def test_the_router_takes_the_api_keys_of_the_secrets_dir(secrets_dir, monkeypat
 
 def test_a_missing_secrets_dir_fails_at_start_saying_how_to_make_one(tmp_path, monkeypatch):
     monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path / "none"))
-    with pytest.raises(ValidationError, match="python -m llmesh.credentials"):
+    with pytest.raises(ValidationError, match="python -m llmesh.deploy.credentials"):
         RouterSettings()
 
 
@@ -104,7 +102,7 @@ def tls_files(directory) -> dict[str, bytes]:
 
 def test_nats_tls_is_off_until_switched_on_then_kept_until_switched_off(tmp_path):
     directory = tmp_path / "s"
-    MeshSecrets.generate().write(directory)
+    write_secrets(new_secrets(), directory)
     assert set_nats_tls(directory, None) is False and not tls_files(directory) and nats_tls_block(directory) == ""
     assert set_nats_tls(directory, True, ["mesh.example", "10.0.0.7"]) is True
     made = tls_files(directory)
@@ -123,7 +121,7 @@ def test_nats_tls_is_off_until_switched_on_then_kept_until_switched_off(tmp_path
 
 
 def test_urls_made_from_the_secrets_trust_the_ca_once_nats_uses_tls(tmp_path):
-    secrets = MeshSecrets.load_or_create(tmp_path)
+    secrets = load_or_create(tmp_path)
     assert urlsplit(secrets.nats_url("nats://a:4222", "router")).scheme == "nats"
     set_nats_tls(tmp_path, True)
     for made in (secrets, MeshSecrets.load(tmp_path)):  # however long the set has been held
@@ -135,7 +133,7 @@ def test_nats_server_certificate_is_signed_by_the_ca_whose_key_is_not_kept(tmp_p
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-    MeshSecrets.generate().write(tmp_path)
+    write_secrets(new_secrets(), tmp_path)
     set_nats_tls(tmp_path, True)
     ca = x509.load_pem_x509_certificate((tmp_path / NATS_CA).read_bytes())
     server = x509.load_pem_x509_certificate((tmp_path / NATS_CERT).read_bytes())
@@ -146,7 +144,7 @@ def test_nats_server_certificate_is_signed_by_the_ca_whose_key_is_not_kept(tmp_p
 
 
 def test_services_and_operators_reach_nats_over_tls_trusting_only_the_ca(tmp_path, monkeypatch):
-    MeshSecrets.generate().write(tmp_path)
+    write_secrets(new_secrets(), tmp_path)
     set_nats_tls(tmp_path, True)
     monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path))
     monkeypatch.setenv("MESH_NATS_URL", "nats://a:4222,nats://b:4222")
@@ -191,7 +189,7 @@ def test_a_tls_switch_that_is_neither_on_nor_off_is_an_error(monkeypatch):
 
 
 def test_a_url_that_names_its_user_still_trusts_the_ca_where_nats_uses_tls(tmp_path, monkeypatch):
-    MeshSecrets.generate().write(tmp_path)
+    write_secrets(new_secrets(), tmp_path)
     set_nats_tls(tmp_path, True)
     monkeypatch.setenv("MESH_SECRETS_DIR", str(tmp_path))
     monkeypatch.setenv("MESH_NATS_URL", "nats://me:pw@a:4222")

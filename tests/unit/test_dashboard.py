@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from llmesh.messages import KvStats
+from llmesh.wire.messages import KvStats
 from llmesh_kvstore.metrics import store_registry
 from llmesh_lengthpred.service import LengthPredictorService
 from llmesh_lengthpred.settings import LengthPredictorSettings

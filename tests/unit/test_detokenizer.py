@@ -6,8 +6,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from llmesh.detokenizer import ContinuedText
-from llmesh.models import build_tokenizer
+from llmesh.engine.detokenizer import ContinuedText
+from llmesh.engine.models import build_tokenizer
 
 
 @pytest.fixture(scope="module")

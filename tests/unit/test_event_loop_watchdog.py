@@ -4,7 +4,7 @@ import asyncio
 import logging
 import time
 
-from llmesh.lifecycle import watch_event_loop
+from llmesh.wire.lifecycle import watch_event_loop
 
 
 def test_a_blocked_loop_is_logged_with_its_stack_and_its_length(caplog):
@@ -17,7 +17,7 @@ def test_a_blocked_loop_is_logged_with_its_stack_and_its_length(caplog):
         blocking_call()
         await asyncio.sleep(0.5)  # turning again
 
-    with caplog.at_level(logging.WARNING, logger="llmesh.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="llmesh.wire.lifecycle"):
         asyncio.run(main())
     blocked, turned = [r.getMessage() for r in caplog.records]
     assert "event loop blocked for" in blocked and "blocking_call" in blocked and "time.sleep" in blocked

@@ -1,12 +1,12 @@
-"""`python -m llmesh.healthcheck URL` (the compose files' health checks) against a real HTTP server."""
+"""`python -m llmesh.deploy.healthcheck URL` (the compose files' health checks) against a real HTTP server."""
 
 from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from llmesh.healthcheck import main
-from llmesh.launcher import free_port
+from llmesh.deploy.healthcheck import main
+from llmesh.deploy.launcher import free_port
 
 
 class Handler(BaseHTTPRequestHandler):

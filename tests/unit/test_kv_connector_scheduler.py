@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from llmesh.errors import InvalidRequest, ServiceUnavailable
-from llmesh.kv_connector import ConnectorScheduler, MeshConnectorMetadata
-from llmesh.kvkeys import block_hashes, tail_hash
-from llmesh.messages import DurableTail
+from llmesh.engine.kv_connector import ConnectorScheduler, MeshConnectorMetadata
+from llmesh.wire.errors import InvalidRequest, ServiceUnavailable
+from llmesh.wire.kvkeys import block_hashes, tail_hash
+from llmesh.wire.messages import DurableTail
 
 from .test_kv_connector_worker import config
 

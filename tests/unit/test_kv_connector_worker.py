@@ -14,12 +14,12 @@ import torch
 from opentelemetry import trace
 from torch.overrides import TorchFunctionMode
 
-from llmesh import telemetry
-from llmesh.config import ConnectorConfig
-from llmesh.errors import ServiceUnavailable
-from llmesh.kv_connector import BlockTransfer, ConnectorWorker, MeshConnectorMetadata, rank_slices
-from llmesh.kv_mover import HostMemory, KvMover
-from llmesh.kvclient import Fetched, Staged
+from llmesh.engine.kv_connector import BlockTransfer, ConnectorWorker, MeshConnectorMetadata, rank_slices
+from llmesh.engine.kv_mover import HostMemory, KvMover
+from llmesh.engine.kvclient import Fetched, Staged
+from llmesh.wire import telemetry
+from llmesh.wire.config import ConnectorConfig
+from llmesh.wire.errors import ServiceUnavailable
 
 LAYERS, BLOCKS, HEADS, TOKENS, CONTENT = 3, 8, 4, 16, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -295,6 +295,6 @@ def caches_equal_source(store: MemoryStore, block: str, layer: int, like: torch.
 def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
     """Its hooks run around every attention layer of every step: a full graph would replay without them
     (vLLM 0.32 then turns FULL_AND_PIECEWISE into PIECEWISE, `VllmConfig.__post_init__`)."""
-    from llmesh.kv_connector import MeshKVConnector
+    from llmesh.engine.kv_connector import MeshKVConnector
 
     assert MeshKVConnector.requires_piecewise_for_cudagraph(SETTINGS)

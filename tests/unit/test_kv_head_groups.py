@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmesh.kv_connector.metadata import HeadSlice, layer_keys, rank_slices
-from llmesh.kv_mover import KvMover
-from llmesh.kvkeys import block_chunk_keys, chunk_key, heads_per_chunk
+from llmesh.engine.kv_connector.metadata import HeadSlice, layer_keys, rank_slices
+from llmesh.engine.kv_mover import KvMover
+from llmesh.wire.kvkeys import block_chunk_keys, chunk_key, heads_per_chunk
 
 HEADS, BLOCKS, TOKENS, KV = 4, 6, 16, 8  # vLLM's per-layer view: [blocks, KV heads, tokens, K|V]
 

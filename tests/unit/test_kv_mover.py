@@ -1,11 +1,11 @@
-"""llmesh.kv_mover on its own: runs in any order from several shards, and memory a device cannot copy at
+"""llmesh.engine.kv_mover on its own: runs in any order from several shards, and memory a device cannot copy at
 full speed going through pinned buffers (on the CPU, with a test double of the host memory that says so)."""
 
 from __future__ import annotations
 
 import torch
 
-from llmesh.kv_mover import HostMemory, KvMover
+from llmesh.engine.kv_mover import HostMemory, KvMover
 
 BLOCKS, HEADS, TOKENS, CONTENT, CHUNKS = 6, 4, 16, 8, 2
 BLOCK_BYTES = HEADS * TOKENS * CONTENT * 2

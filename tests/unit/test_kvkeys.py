@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from llmesh import kvkeys
-from llmesh.kvkeys import block_hashes, chain_seed, checkpoint_identity, directory_digest
+from llmesh.wire import kvkeys
+from llmesh.wire.kvkeys import block_hashes, chain_seed, checkpoint_identity, directory_digest
 
 FP = "0" * 32
 

@@ -147,8 +147,8 @@ def test_a_grant_takes_what_is_free_rather_than_evicting_for_a_whole_slab():
 def test_a_fill_guard_revoked_before_the_copy_stops_it_and_after_it_changes_nothing():
     import threading
 
-    from llmesh.errors import Timeout
-    from llmesh.kvclient import FillGuard
+    from llmesh.engine.kvclient import FillGuard
+    from llmesh.wire.errors import Timeout
 
     copied = []
     early = FillGuard()

@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 
-from llmesh.kvwire import IOV_MAX, recv_header, recv_into, send_frame
+from llmesh.wire.kvwire import IOV_MAX, recv_header, recv_into, send_frame
 
 
 def test_a_frame_sent_in_partial_scatter_gather_writes_arrives_whole():

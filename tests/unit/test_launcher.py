@@ -4,7 +4,7 @@ import os
 import sys
 import time
 
-from llmesh.launcher import Child, Supervised, stop_all
+from llmesh.deploy.launcher import Child, Supervised, stop_all
 
 
 def test_a_failed_child_restarts_at_once_then_with_growing_delays_and_one_done_stays_down(tmp_path):
@@ -43,7 +43,7 @@ def test_a_failed_child_restarts_at_once_then_with_growing_delays_and_one_done_s
 
 
 def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(monkeypatch):
-    from llmesh.launcher import engine_cores
+    from llmesh.deploy.launcher import engine_cores
 
     monkeypatch.delenv("MESH_CPU_CORES", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))

@@ -1,6 +1,6 @@
 """Random and truncated bytes never crash a message decoder: every bus message, whatever arrives,
 decodes or raises the typed BadMessage (a sent ErrorReply raises its own typed error), so a service's
-handler answers with an error and drops it (llmesh.bus) instead of dying or holding a request."""
+handler answers with an error and drops it (llmesh.wire.bus) instead of dying or holding a request."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmesh.errors import BadMessage, MeshError
-from llmesh.messages import _TYPES, SCHEMA_VERSION, ErrorReply, Message, decode, decode_any, encode, split_batch
+from llmesh.wire.errors import BadMessage, MeshError
+from llmesh.wire.messages import _TYPES, SCHEMA_VERSION, ErrorReply, Message, decode, decode_any, encode, split_batch
 
 MESSAGE_TYPES = sorted(_TYPES)
 # what msgpack can carry, nested
@@ -79,7 +79,7 @@ def test_a_message_cut_anywhere_in_its_header_is_a_bad_message(type_name, data):
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.text(max_size=5), max_size=4), st.lists(st.integers(-5, 50), max_size=4), st.binary(max_size=60))
 def test_a_stream_batch_that_lies_about_its_frames_is_a_bad_message(streams, sizes, blob):
-    from llmesh.messages import StreamBatch
+    from llmesh.wire.messages import StreamBatch
 
     try:
         parts = split_batch(encode(StreamBatch(streams=streams, sizes=sizes), blob))

@@ -1,7 +1,7 @@
 import pytest
 
-from llmesh.errors import BadMessage, ContextLengthExceeded
-from llmesh.messages import (
+from llmesh.wire.errors import BadMessage, ContextLengthExceeded
+from llmesh.wire.messages import (
     ErrorReply,
     KvShardInfo,
     LengthPredictRequest,

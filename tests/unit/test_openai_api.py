@@ -34,8 +34,8 @@ def test_integers_beyond_what_the_bus_carries_are_refused_at_the_door(field, val
 
 
 def test_a_message_with_an_integer_beyond_64_bits_is_a_bad_message():
-    from llmesh.errors import BadMessage
-    from llmesh.messages import SamplingOptions, encode
+    from llmesh.wire.errors import BadMessage
+    from llmesh.wire.messages import SamplingOptions, encode
 
     with pytest.raises(BadMessage, match="beyond 64 bits"):
         encode(SamplingOptions(max_tokens=1, seed=2**70))
@@ -56,8 +56,8 @@ class _Dispatcher:
         self.go.set()
 
     async def generate(self, gen, parent):
-        from llmesh.errors import ModelNotFound
-        from llmesh.messages import TokenDelta
+        from llmesh.wire.errors import ModelNotFound
+        from llmesh.wire.messages import TokenDelta
 
         if gen.model == self.queued_model:
             with self.metrics.queued(gen.model):
@@ -80,7 +80,7 @@ class _Dispatcher:
 def _router(outputs, queued_model=""):
     import httpx
 
-    from llmesh.messages import WorkerInfo
+    from llmesh.wire.messages import WorkerInfo
     from llmesh_router.metrics import RouterMetrics
     from llmesh_router.registry import WorkerRegistry
     from llmesh_router.service import create_app

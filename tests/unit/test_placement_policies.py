@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from llmesh.messages import RequestProgress, WorkerInfo
 from llmesh.policies import WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, pool_utilisation, switchable
 from llmesh.policies.llumnix import pick_migration, scaling_advice
-from llmesh.views import worker_view
+from llmesh.policies.views import worker_view
+from llmesh.wire.messages import RequestProgress, WorkerInfo
 
 
 def req(rid, tokens, generated=1, priority=0, migrating=False):

@@ -3,9 +3,9 @@ from dataclasses import replace
 
 import pytest
 
-from llmesh.messages import RequestProgress
 from llmesh.policies import POLICIES, DispatchContext, RequestView, WorkerView, make_policy
 from llmesh.policies.llumnix import freeness, migration_pairs
+from llmesh.wire.messages import RequestProgress
 
 REQUEST = RequestView("r", "m", prompt_tokens=100, arrival=0.0, deadline=60.0)
 

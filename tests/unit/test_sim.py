@@ -123,7 +123,7 @@ def test_the_command_runs_a_trace_slice_and_writes_its_table(tmp_path):
 
 
 def test_the_calibration_fit_recovers_a_known_profile():
-    from llmesh.config import WorkerSettings
+    from llmesh.wire.config import WorkerSettings
     from llmesh_sim.calibrate import fit
 
     true = EngineProfile(

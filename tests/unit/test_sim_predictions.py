@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from llmesh.lengths import EDGES, NUM_BUCKETS
+from llmesh.wire.lengths import EDGES, NUM_BUCKETS
 from llmesh_sim.engine import SimRequest
 from llmesh_sim.predictions import DEFAULT_PROFILE, MODES, HeldOutPredictions, with_predictions
 

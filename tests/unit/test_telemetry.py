@@ -2,7 +2,7 @@
 
 import random
 
-from llmesh.telemetry import _SystemRandomIds
+from llmesh.wire.telemetry import _SystemRandomIds
 
 
 def test_span_and_trace_ids_do_not_follow_the_random_modules_seed():

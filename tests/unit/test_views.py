@@ -3,10 +3,10 @@ simulator's records of a request give every field of the request's wire shape.""
 
 from dataclasses import fields
 
-from llmesh.messages import RequestProgress, WorkerInfo
+from llmesh.engine.worker import HeldRequest
 from llmesh.policies import WorkerView
-from llmesh.views import HEARTBEAT_ONLY, worker_view
-from llmesh.worker import HeldRequest
+from llmesh.policies.views import HEARTBEAT_ONLY, worker_view
+from llmesh.wire.messages import RequestProgress, WorkerInfo
 from llmesh_sim.engine import SimRequest
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmesh.vllm_plugin import engine_cores
+from llmesh.engine.vllm_plugin import engine_cores
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmesh.worker import PrefillMeter
+from llmesh.engine.worker import PrefillMeter
 
 
 def test_rate_counts_only_busy_time_and_overlapping_requests_once():

@@ -4,7 +4,7 @@ import urllib.request
 
 from prometheus_client import REGISTRY, Gauge
 
-from llmesh.worker import serve_metrics
+from llmesh.engine.worker import serve_metrics
 
 # what Prometheus 2.x sends: OpenMetrics first
 PROMETHEUS_ACCEPT = (

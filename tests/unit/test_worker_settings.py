@@ -4,7 +4,7 @@ engines: tests/e2e/test_dispatch_policy.py reads a capped worker's KV blocks fro
 import pydantic
 import pytest
 
-from llmesh.config import WorkerSettings
+from llmesh.wire.config import WorkerSettings
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), ("", None), ("24", 24)])

@@ -10,7 +10,7 @@ publish and subscribe only where its part of the protocol needs it:
 
 `admin` is the operators' user (the placement CLI, predictor refits, kv-store stats). Redis has a
 password, and the router's API keys are stored as digests (llmesh_router.auth); the operator's copy of
-the generated key lies beside them. `python -m llmesh.credentials DIR` writes a set into DIR (mode 0700,
+the generated key lies beside them. `python -m llmesh.deploy.credentials DIR` writes a set into DIR (mode 0700,
 files 0600) or keeps the one already there; the launcher (`make run`) and compose do this themselves.
 
 Several hosts: the control plane's nats-server accepts leaf nodes (`--nats-leafnodes`), and each GPU host
@@ -21,25 +21,33 @@ has TLS on.
 NATS over TLS is one switch of the set (`--tls`, `MESH_NATS_TLS`): a private CA and nats-server's certificate
 lie beside the passwords, and a service whose secrets hold that CA reaches NATS over TLS trusting it alone, so
 the passwords and everything on the bus cross the network encrypted, to the real server only.
+
+What services need of the set (reading it, their URLs, TLS trust, API-key digests) is `llmesh.wire.secrets`;
+this module makes it and nats-server's configuration from it.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ipaddress
 import json
 import os
 import secrets
-import ssl
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from urllib.parse import parse_qs, quote, urlencode, urlsplit, urlunsplit
 
-API_KEYS_FILE = "api-keys"  # in a secrets directory: the digests the router accepts
+from llmesh.wire.secrets import (
+    API_KEYS_FILE,
+    NATS_CA,
+    MeshSecrets,
+    inbox_prefix,
+    key_digest,
+    new_api_key,
+    with_userinfo,
+)
+
 REPLIES = "_INBOX.>"  # responders answer wherever a request's reply subject points
 WORKER_INBOXES = [
     "mesh.prefill.*",
@@ -90,26 +98,10 @@ EVERYTHING = ([">"], [">"])  # for a test harness that plays every part; never i
 
 LEAF_USER = "leaf"  # a GPU host's nats-server, connecting to the control plane's as a leaf node
 
-# NATS over TLS: the CA's certificate (present: TLS is on), nats-server's certificate and key
-NATS_CA, NATS_CERT, NATS_KEY = "nats-ca.pem", "nats-server.pem", "nats-server-key.pem"
+# NATS over TLS: nats-server's certificate and key, beside the CA's certificate (NATS_CA: present, TLS is on)
+NATS_CERT, NATS_KEY = "nats-server.pem", "nats-server-key.pem"
 NATS_TLS_HOSTS = ("127.0.0.1", "localhost", "nats")  # where `make run` and compose's services reach nats-server
 NATS_TLS_VALIDITY = timedelta(days=3650)  # no rotation to keep up with: `--no-tls` then `--tls` makes a new set
-
-API_KEY_PREFIX = "sk-mesh-"
-DIGEST_PREFIX = "sha256:"
-
-
-def new_api_key() -> str:
-    return API_KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def key_digest(key: str) -> str:
-    """How API keys are stored and compared (llmesh_router.auth)."""
-    return DIGEST_PREFIX + hashlib.sha256(key.encode()).hexdigest()
-
-
-def inbox_prefix(user: str) -> str:
-    return f"_INBOX.{user}"
 
 
 def _secret() -> str:
@@ -123,115 +115,82 @@ def write_private(path: Path, text: str | bytes) -> None:
     path.write_bytes(text.encode() if isinstance(text, str) else text)
 
 
-@dataclass
-class MeshSecrets:
-    nats_passwords: dict[str, str]
-    redis_password: str
-    api_key: str
-    permissions: dict[str, tuple[list[str], list[str]]] = field(default_factory=lambda: dict(PERMISSIONS))
-    directory: Path | None = None  # where the set lies (`load`, `write`), with NATS's CA if NATS uses TLS
+def new_secrets(extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
+    """A new set: a password for each NATS user (PERMISSIONS and `extra_users`) and the leaf, Redis's, an API key."""
+    permissions = PERMISSIONS | (extra_users or {})
+    return MeshSecrets({user: _secret() for user in [*permissions, LEAF_USER]}, _secret(), new_api_key(), permissions)
 
-    FILE = "secrets.json"
 
-    @classmethod
-    def generate(cls, extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
-        permissions = PERMISSIONS | (extra_users or {})
-        return cls({user: _secret() for user in [*permissions, LEAF_USER]}, _secret(), new_api_key(), permissions)
+def load_or_create(directory: Path, extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
+    """The set in `directory`, or a new one written there (with the files services read)."""
+    if (directory / MeshSecrets.FILE).exists():
+        return MeshSecrets.load(directory)
+    made = new_secrets(extra_users)
+    write_secrets(made, directory)
+    return made
 
-    @classmethod
-    def load(cls, directory: Path) -> MeshSecrets:
-        path = directory / cls.FILE
-        try:
-            raw = json.loads(path.read_text())
-        except OSError as exc:
-            raise ValueError(
-                f"no mesh secrets at {path} ({exc.strerror}): make them with `python -m llmesh.credentials {directory}`"
-            ) from None
-        return cls(
-            raw["nats_passwords"],
-            raw["redis_password"],
-            raw["api_key"],
-            {user: (pub, sub) for user, (pub, sub) in raw["permissions"].items()},
-            directory,
-        )
 
-    @classmethod
-    def load_or_create(
-        cls, directory: Path, extra_users: dict[str, tuple[list[str], list[str]]] | None = None
-    ) -> MeshSecrets:
-        """The set in `directory`, or a new one written there (with the files services read)."""
-        if (directory / cls.FILE).exists():
-            return cls.load(directory)
-        made = cls.generate(extra_users)
-        made.write(directory)
-        return made
+def write_secrets(mesh_secrets: MeshSecrets, directory: Path) -> None:
+    mesh_secrets.directory = directory
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)
+    files = {
+        MeshSecrets.FILE: json.dumps(
+            {
+                "nats_passwords": mesh_secrets.nats_passwords,
+                "redis_password": mesh_secrets.redis_password,
+                "api_key": mesh_secrets.api_key,
+                "permissions": mesh_secrets.permissions,
+            },
+            indent=1,
+        ),
+        API_KEYS_FILE: f"{key_digest(mesh_secrets.api_key)} operator\n",  # what the router reads: the digest only
+        "api-key": mesh_secrets.api_key + "\n",  # the operator's copy, for clients
+        "redis-password": mesh_secrets.redis_password,
+    }  # for a redis-server started apart (compose)
+    for name, text in files.items():
+        write_private(directory / name, text)
 
-    def write(self, directory: Path) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        directory.chmod(0o700)
-        files = {
-            self.FILE: json.dumps(
-                {
-                    "nats_passwords": self.nats_passwords,
-                    "redis_password": self.redis_password,
-                    "api_key": self.api_key,
-                    "permissions": self.permissions,
-                },
-                indent=1,
-            ),
-            API_KEYS_FILE: f"{key_digest(self.api_key)} operator\n",  # what the router reads: the digest only
-            "api-key": self.api_key + "\n",  # the operator's copy, for clients
-            "redis-password": self.redis_password,
-        }  # for a redis-server started apart (compose)
-        for name, text in files.items():
-            write_private(directory / name, text)
 
-    def nats_authorization(self) -> str:
-        """nats-server's `authorization` block: each user with its password's bcrypt hash and permissions."""
-        users = []
-        for user, (publish, subscribe) in self.permissions.items():
-            subscribe = subscribe + [f"{inbox_prefix(user)}.>"]
-            password = json.dumps(_bcrypt(self.nats_passwords[user]))
-            allowed = f"publish: {{allow: {json.dumps(publish)}}}, subscribe: {{allow: {json.dumps(subscribe)}}}"
-            users.append(f"    {{user: {json.dumps(user)}, password: {password}, permissions: {{{allowed}}}}}")
-        return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
+def nats_authorization(mesh_secrets: MeshSecrets) -> str:
+    """nats-server's `authorization` block: each user with its password's bcrypt hash and permissions."""
+    users = []
+    for user, (publish, subscribe) in mesh_secrets.permissions.items():
+        subscribe = subscribe + [f"{inbox_prefix(user)}.>"]
+        password = json.dumps(_bcrypt(mesh_secrets.nats_passwords[user]))
+        allowed = f"publish: {{allow: {json.dumps(publish)}}}, subscribe: {{allow: {json.dumps(subscribe)}}}"
+        users.append(f"    {{user: {json.dumps(user)}, password: {password}, permissions: {{{allowed}}}}}")
+    return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
 
-    def add_leaf_password(self) -> bool:
-        """Give a set made before leaf nodes existed its leaf password (and write it); False if it had one."""
-        if LEAF_USER in self.nats_passwords:
-            return False
-        self.nats_passwords[LEAF_USER] = _secret()
-        if self.directory:
-            self.write(self.directory)
-        return True
 
-    def nats_leafnodes(self, listen: str) -> str:
-        """The control plane's `leafnodes` block: GPU hosts' servers connect at `listen` with the leaf
-        password, over TLS when the set has it (the certificate must name the address they use: --tls-host)."""
-        tls = nats_tls_block(self.directory, handshake_first=False) if self.directory else ""
-        password = json.dumps(_bcrypt(self.nats_passwords[LEAF_USER]))
-        return (
-            f"leafnodes {{\n  listen: {json.dumps(listen)}\n"
-            f"  authorization {{user: {json.dumps(LEAF_USER)}, password: {password}}}\n{_indent(tls)}}}\n"
-        )
+def add_leaf_password(mesh_secrets: MeshSecrets) -> bool:
+    """Give a set made before leaf nodes existed its leaf password (and write it); False if it had one."""
+    if LEAF_USER in mesh_secrets.nats_passwords:
+        return False
+    mesh_secrets.nats_passwords[LEAF_USER] = _secret()
+    if mesh_secrets.directory:
+        write_secrets(mesh_secrets, mesh_secrets.directory)
+    return True
 
-    def nats_leaf_remote(self, hub: str) -> str:
-        """A GPU host's `leafnodes` block: a leaf node of the control plane's server at `hub` (HOST:PORT)."""
-        url = with_userinfo(f"nats://{hub}", LEAF_USER, self.nats_passwords[LEAF_USER])
-        tls = ""
-        if self.directory and (self.directory / NATS_CA).exists():
-            tls = f"tls {{ca_file: {json.dumps(str((self.directory / NATS_CA).resolve()))}, timeout: 5}}\n"
-        return f"leafnodes {{\n  remotes: [{{\n    url: {json.dumps(url)}\n{_indent(tls, 4)}  }}]\n}}\n"
 
-    def nats_url(self, url: str, user: str) -> str:
-        """`url` (one or several, comma-separated) with `user`'s credentials in each, over TLS trusting the
-        deployment's CA if NATS uses TLS (`set_nats_tls`)."""
-        url = ",".join(with_userinfo(u, user, self.nats_passwords[user]) for u in url.split(","))
-        return trusting_nats_ca(url, self.directory) if self.directory else url
+def nats_leafnodes(mesh_secrets: MeshSecrets, listen: str) -> str:
+    """The control plane's `leafnodes` block: GPU hosts' servers connect at `listen` with the leaf
+    password, over TLS when the set has it (the certificate must name the address they use: --tls-host)."""
+    tls = nats_tls_block(mesh_secrets.directory, handshake_first=False) if mesh_secrets.directory else ""
+    password = json.dumps(_bcrypt(mesh_secrets.nats_passwords[LEAF_USER]))
+    return (
+        f"leafnodes {{\n  listen: {json.dumps(listen)}\n"
+        f"  authorization {{user: {json.dumps(LEAF_USER)}, password: {password}}}\n{_indent(tls)}}}\n"
+    )
 
-    def redis_url(self, url: str) -> str:
-        return with_userinfo(url, "", self.redis_password)
+
+def nats_leaf_remote(mesh_secrets: MeshSecrets, hub: str) -> str:
+    """A GPU host's `leafnodes` block: a leaf node of the control plane's server at `hub` (HOST:PORT)."""
+    url = with_userinfo(f"nats://{hub}", LEAF_USER, mesh_secrets.nats_passwords[LEAF_USER])
+    tls = ""
+    if mesh_secrets.directory and (mesh_secrets.directory / NATS_CA).exists():
+        tls = f"tls {{ca_file: {json.dumps(str((mesh_secrets.directory / NATS_CA).resolve()))}, timeout: 5}}\n"
+    return f"leafnodes {{\n  remotes: [{{\n    url: {json.dumps(url)}\n{_indent(tls, 4)}  }}]\n}}\n"
 
 
 def _bcrypt(password: str) -> str:
@@ -244,45 +203,6 @@ def _bcrypt(password: str) -> str:
     import bcrypt
 
     return "$2a$" + bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode().removeprefix("$2b$")
-
-
-def with_userinfo(url: str, user: str, password: str) -> str:
-    parts = urlsplit(url)
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"))
-
-
-def without_userinfo(url: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-
-
-def redacted(url: str) -> str:
-    """`url` (or several, comma-separated) without passwords, for logs and errors."""
-    out = []
-    for one in url.split(","):
-        parts = urlsplit(one)
-        if parts.password is None:
-            out.append(one)
-            continue
-        userinfo, _, host = parts.netloc.rpartition("@")
-        out.append(urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{host}")))
-    return ",".join(out)
-
-
-def operator_nats_url(url: str, secrets_dir: Path | None = None) -> str:
-    """For operators' commands: `url` with the `admin` user's credentials from `secrets_dir` (default:
-    MESH_SECRETS_DIR, else `.mesh-secrets` where `make run` keeps them), unless `url` names a user or
-    there are no secrets there (an open mesh), and over TLS trusting the CA there, if NATS uses TLS."""
-    directory = secrets_dir or Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets")
-    if not (directory / MeshSecrets.FILE).exists():
-        return url
-    return trusting_nats_ca(url, directory) if url_user(url) else MeshSecrets.load(directory).nats_url(url, "admin")
-
-
-def url_user(url: str) -> str | None:
-    """The user named in the first of `url`'s servers, if any."""
-    return urlsplit(url.split(",")[0]).username
 
 
 def set_nats_tls(directory: Path, on: bool | None, hosts: Iterable[str] = ()) -> bool:
@@ -407,32 +327,6 @@ def nats_tls_block(directory: Path, handshake_first: bool = True) -> str:
     return f"tls {{\n  cert_file: {cert}\n  key_file: {key}\n{first}  timeout: 5\n}}\n"
 
 
-def trusting_nats_ca(url: str, directory: Path) -> str:
-    """`url` (one or several, comma-separated) over TLS, trusting only the CA in `directory` (`?ca=` on each
-    server, which `Bus.connect` reads), if NATS uses TLS there; else `url` itself."""
-    ca = directory / NATS_CA
-    if not ca.exists():
-        return url
-    query = urlencode({"ca": str(ca.resolve())}, safe="/")
-    return ",".join(urlunsplit(urlsplit(one)._replace(scheme="tls", query=query)) for one in url.split(","))
-
-
-def nats_tls(url: str) -> tuple[list[str], ssl.SSLContext | None]:
-    """`url`'s servers as nats-py takes them, and, if they name a CA (`trusting_nats_ca`), a TLS context that
-    trusts it alone (not the system's CAs) and checks the server's name against its certificate."""
-    servers, cas = [], set()
-    for one in url.split(","):
-        parts = urlsplit(one)
-        cas.update(parse_qs(parts.query).get("ca", []))
-        servers.append(urlunsplit(parts._replace(query="")))
-    if not cas:
-        return servers, None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    for ca in sorted(cas):
-        context.load_verify_locations(ca)
-    return servers, context
-
-
 def env_switch(name: str) -> bool | None:
     """An on/off environment variable (1/0, true/false, yes/no, on/off); None when unset or empty."""
     value = os.environ.get(name, "").strip().lower()
@@ -446,7 +340,7 @@ def env_switch(name: str) -> bool | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmesh.credentials", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmesh.deploy.credentials", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, help="where the secrets go (kept if already there)")
     parser.add_argument(
         "--nats-listen",
@@ -490,19 +384,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     existed = (args.directory / MeshSecrets.FILE).exists()
-    secrets = MeshSecrets.load_or_create(args.directory)
+    secrets = load_or_create(args.directory)
     tls = set_nats_tls(args.directory, args.tls, args.tls_host)
     if args.nats_leafnodes and args.nats_leaf_of:
         parser.error("a server either accepts leaf nodes (the control plane) or is one (a GPU host), not both")
     if args.nats_listen:
-        from llmesh.launcher import nats_server_config
+        from llmesh.deploy.launcher import nats_server_config
 
-        if (args.nats_leafnodes or args.nats_leaf_of) and secrets.add_leaf_password():
+        if (args.nats_leafnodes or args.nats_leaf_of) and add_leaf_password(secrets):
             print("added a leaf-node password to the set: copy it to the GPU hosts again", file=sys.stderr)
         leafnodes = (
-            secrets.nats_leafnodes(args.nats_leafnodes)
+            nats_leafnodes(secrets, args.nats_leafnodes)
             if args.nats_leafnodes
-            else secrets.nats_leaf_remote(args.nats_leaf_of)
+            else nats_leaf_remote(secrets, args.nats_leaf_of)
             if args.nats_leaf_of
             else ""
         )
@@ -510,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             args.directory / "nats.conf",
             nats_server_config(
                 args.nats_listen,
-                authorization=secrets.nats_authorization(),
+                authorization=nats_authorization(secrets),
                 tls=nats_tls_block(args.directory),
                 monitor=args.nats_monitor,
                 leafnodes=leafnodes,

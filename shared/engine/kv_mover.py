@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-log = logging.getLogger("llmesh.kv_mover")
+log = logging.getLogger("llmesh.engine.kv_mover")
 
 Run = tuple[Sequence[int], memoryview]  # chunk positions, in order, and the host bytes holding them
 POOL_MIN_BYTES = 1 << 20  # pinned buffers come in powers of two from here

@@ -24,14 +24,22 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from llmesh import telemetry
-from llmesh.bus import Bus
-from llmesh.config import ConnectorConfig, WorkerSettings
-from llmesh.errors import AtCapacity, ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable, Timeout
-from llmesh.kvkeys import fingerprint, kv_layout
-from llmesh.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
-from llmesh.lifecycle import run_service, setup_logging, watch_event_loop
-from llmesh.messages import (
+from llmesh.engine.models import resolve_model
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus
+from llmesh.wire.config import ConnectorConfig, WorkerSettings
+from llmesh.wire.errors import (
+    AtCapacity,
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    Timeout,
+)
+from llmesh.wire.kvkeys import fingerprint, kv_layout
+from llmesh.wire.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
+from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
+from llmesh.wire.messages import (
     AbortRequest,
     Ack,
     DrainCommand,
@@ -49,7 +57,6 @@ from llmesh.messages import (
     WorkerInfo,
     kv_blocks,
 )
-from llmesh.models import resolve_model
 
 log = logging.getLogger(__name__)
 REFINE_TIMEOUT_S = 2.0
@@ -117,7 +124,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
-            kv_connector_module_path="llmesh.kv_connector",
+            kv_connector_module_path="llmesh.engine.kv_connector",
             kv_role="kv_both" if settings.switchable else "kv_producer" if role == "prefill" else "kv_consumer",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=ConnectorConfig(
@@ -186,7 +193,7 @@ class HeldRequest:
     generated: int = 0  # output tokens so far; the handler keeps it current
     priority: int = 0
     # a decoding request's, for a live migration: its tokens (prompt and output so far), its
-    # engine admission and the id its exported blocks are named by (llmesh.kvkeys.tail_hash)
+    # engine admission and the id its exported blocks are named by (llmesh.wire.kvkeys.tail_hash)
     token_ids: list[int] = field(default_factory=list)
     engine_request_id: str = ""
     tail_id: str = ""
@@ -284,7 +291,7 @@ class EngineWorker:
 
             spin = CPU_ENGINE_SPIN_S if current_platform.is_cpu() else None
         if spin is not None:
-            os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.vllm_plugin in the engine's processes
+            os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.engine.vllm_plugin in the engine's processes
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         try:

@@ -1,4 +1,4 @@
-"""Start the whole mesh locally: `python -m llmesh.launcher` (what `make run` does).
+"""Start the whole mesh locally: `python -m llmesh.deploy.launcher` (what `make run` does).
 
 The same classes start components in the tests, so there is one way to run each part.
 Every child runs in its own process group and dies with its group: Ctrl-C or SIGTERM stop
@@ -22,15 +22,16 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from llmesh.credentials import (
-    MeshSecrets,
+from llmesh.deploy.credentials import (
     env_switch,
+    load_or_create,
+    nats_authorization,
     nats_tls_block,
     set_nats_tls,
-    with_userinfo,
     write_private,
 )
-from llmesh.kvkeys import check_sizes_can_share
+from llmesh.wire.kvkeys import check_sizes_can_share
+from llmesh.wire.secrets import with_userinfo
 
 PR_SET_PDEATHSIG = 1
 
@@ -129,7 +130,7 @@ class Child:
 
     def terminate(self) -> None:
         """Ask the service to stop (SIGTERM) without waiting; it shuts down its own subprocesses. Once:
-        a service takes a second signal as "stop now" (llmesh.lifecycle.run_service) and would cut its
+        a service takes a second signal as "stop now" (llmesh.wire.lifecycle.run_service) and would cut its
         own shutdown short."""
         if self.alive() and not self._terminated:
             self._terminated = True
@@ -189,7 +190,7 @@ def nats_server_config(
 ) -> str:
     """KV blocks travel as messages of up to `max_payload` (larger transfers are split to fit); with
     `monitor` (HOST:PORT), nats-server's monitoring endpoint (/healthz) listens there; `leafnodes` is a
-    block of `MeshSecrets.nats_leafnodes` or `nats_leaf_remote` (several hosts)."""
+    block of `llmesh.deploy.credentials.nats_leafnodes` or `nats_leaf_remote` (several hosts)."""
     http = f"http: {monitor}\n" if monitor else ""
     return f"listen: {listen}\nmax_payload: {max_payload}\nmax_pending: 256MB\n{http}" + authorization + tls + leafnodes
 
@@ -206,9 +207,9 @@ def start_nats(
     leafnodes: str = "",
 ) -> tuple[Child, str]:
     """nats-server on `host` with a config file (max_payload is not a command-line flag), readable by
-    its owner alone, with an `authorization` block (`MeshSecrets.nats_authorization`), a `tls` block
-    (`llmesh.credentials.nats_tls_block`) and a `leafnodes` block (`MeshSecrets.nats_leafnodes` or
-    `nats_leaf_remote`) if given."""
+    its owner alone, with an `authorization` block, a `tls` block and a `leafnodes` block
+    (llmesh.deploy.credentials: `nats_authorization`, `nats_tls_block`, `nats_leafnodes` or `nats_leaf_remote`)
+    if given."""
     port = port or free_port()
     conf = workdir / f"nats-{port}.conf"
     write_private(conf, nats_server_config(f"{host}:{port}", max_payload, authorization, tls, leafnodes=leafnodes))
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
         help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
-        "use and kept (llmesh.credentials)",
+        "use and kept (llmesh.deploy.credentials)",
     )
     parser.add_argument(
         "--nats-tls",
@@ -439,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     try:
         secrets_dir = args.secrets.resolve()
-        secrets = MeshSecrets.load_or_create(secrets_dir)
-        authorization = secrets.nats_authorization()
+        secrets = load_or_create(secrets_dir)
+        authorization = nats_authorization(secrets)
         tls = set_nats_tls(secrets_dir, args.nats_tls)  # the services see it in the secrets and trust its CA
         nats_url = f"nats://127.0.0.1:{args.nats_port}"
         redis_url = f"redis://127.0.0.1:{args.redis_port}/0"
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 "redis", lambda: start_redis(args.redis_port, log_path=log("redis"), password=secrets.redis_password)[0]
             )
         )
-        # Each service takes its own credentials from the secrets (llmesh.config.CommonSettings): no
+        # Each service takes its own credentials from the secrets (llmesh.wire.config.CommonSettings): no
         # password goes into an environment.
         env = {
             "MESH_NATS_URL": nats_url,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from llmesh.messages import WorkerInfo
 from llmesh.policies.core import WorkerView
+from llmesh.wire.messages import WorkerInfo
 
 # heartbeat fields no policy reads: the engine's context limit, the heartbeat period, preemption counts
 HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions"})

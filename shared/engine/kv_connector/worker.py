@@ -1,5 +1,5 @@
 """The connector's worker side (each of vLLM's model processes, one a rank): carries out the step's plan
-with `llmesh.kv_mover` (the tensors) and a kv-store client (the bytes), without making the forward
+with `llmesh.engine.kv_mover` (the tensors) and a kv-store client (the bytes), without making the forward
 wait for the GPU. Per layer, in the forward: `wait_for_layer_load` before its attention (the compute
 stream waits for the layer's load), `save_kv_layer` after it (the layer's blocks gathered on a side
 stream; a transfer thread copies them into the store's memory and puts them)."""
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
-from llmesh.config import ConnectorConfig
-from llmesh.kv_mover import Gathered, HostMemory, KvMover, Run, Scattered
-from llmesh.kvclient import FillGuard, Staged
+from llmesh.engine.kv_mover import Gathered, HostMemory, KvMover, Run, Scattered
+from llmesh.engine.kvclient import FillGuard, Staged
+from llmesh.wire.config import ConnectorConfig
 
 from .metadata import (
     PREFILL_SAMPLE_TOKENS,
@@ -30,11 +30,11 @@ from .metadata import (
     layer_keys,
 )
 
-log = logging.getLogger("llmesh.kv_connector")
+log = logging.getLogger("llmesh.engine.kv_connector")
 
 
 class Store(Protocol):
-    """The kv-store as the worker side uses it (`llmesh.kvclient.ThreadedKvClient`): transfers on its threads."""
+    """The kv-store as the worker side uses it (`llmesh.engine.kvclient.ThreadedKvClient`): transfers on its threads."""
 
     def get(
         self, keys: Sequence[str], consume: Callable[[Any], Any], *, trace_context=None

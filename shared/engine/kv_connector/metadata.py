@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from llmesh.kvkeys import chunk_key, rank_first_head, rank_heads
+from llmesh.wire.kvkeys import chunk_key, rank_first_head, rank_heads
 
 PREFILL_SAMPLE_TOKENS = 64  # steps computing fewer tokens (decode steps) say little about prefill throughput
 
@@ -74,7 +74,7 @@ def rank_slices(layout: dict[str, Any], tensor_parallel_size: int, rank: int) ->
 
 def layer_keys(hashes: list[str], layer: int, slices: list[HeadSlice]) -> list[str]:
     """A rank's chunks of `hashes` in one layer, block by block, head group by head group: the order
-    of a layer's bytes on the host (`llmesh.kv_mover`)."""
+    of a layer's bytes on the host (`llmesh.engine.kv_mover`)."""
     return [chunk_key(h, layer, s.group) for h in hashes for s in slices]
 
 

@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmesh.config import ConnectorConfig
-from llmesh.errors import InvalidRequest, MeshError
-from llmesh.kvkeys import block_hashes, chain_seed, directory_digest, tail_hash
-from llmesh.messages import Ack, DurableTail, Message
 from llmesh.policies.preemption import RateEstimate, swap_or_recompute
+from llmesh.wire.config import ConnectorConfig
+from llmesh.wire.errors import InvalidRequest, MeshError
+from llmesh.wire.kvkeys import block_hashes, chain_seed, directory_digest, tail_hash
+from llmesh.wire.messages import Ack, DurableTail, Message
 
 from .metadata import BlockTransfer, MeshConnectorMetadata, MeshWorkerMetadata, request_trace, tail_id
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("llmesh.kv_connector")
+log = logging.getLogger("llmesh.engine.kv_connector")
 
 
 class Lookup(Protocol):

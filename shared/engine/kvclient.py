@@ -5,7 +5,7 @@
   on its owner is looked up in the shards' chunk index in Redis (`ChunkLocator`), so chunks
   stored before the shards changed are still found where they are.
 - `KvClient` is synchronous and thread-safe: each shard has a pool of direct connections,
-  each with its own shared-memory segment when the shard is on this host (see llmesh.kvwire).
+  each with its own shared-memory segment when the shard is on this host (see llmesh.wire.kvwire).
 - `ThreadedKvClient` runs the directory on a private event-loop thread and the transfers on
   a thread pool, returning futures: for synchronous callers such as the vLLM connector.
 
@@ -13,7 +13,7 @@ A get's values may be views into a connection's shared-memory segment: they stay
 until `Fetched.release()` (or leaving its `with` block), which returns the connection.
 
 Transfer buffers come from a `HostBuffers`: plain memory by default; on a GPU host the connector's
-(`llmesh.kv_mover.HostMemory`): TCP buffers from a pinned pool, and every shared-memory mapping (the
+(`llmesh.engine.kv_mover.HostMemory`): TCP buffers from a pinned pool, and every shared-memory mapping (the
 shard's arena, a connection's segment) registered with CUDA once, so the device copies straight into
 and out of the store's memory at pinned speed. Puts and gets also say which contiguous host memory
 holds which of their values (`Staged.runs`, `Fetched.runs`), so a device copies a run at once.
@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
-from llmesh import telemetry
-from llmesh.bus import Bus, Handler
-from llmesh.credentials import redacted
-from llmesh.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
-from llmesh.kvkeys import INDEX_KEY, block_chunk_keys, decode_entry
-from llmesh.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
-from llmesh.messages import KvDiscover, KvShardInfo, Subjects, decode
+from llmesh.wire import telemetry
+from llmesh.wire.bus import Bus, Handler
+from llmesh.wire.errors import BadMessage, MeshError, ServiceUnavailable, Timeout, from_code
+from llmesh.wire.kvkeys import INDEX_KEY, block_chunk_keys, decode_entry
+from llmesh.wire.kvwire import ShmSegment, footprint, recv_header, recv_into, send_frame, skip
+from llmesh.wire.messages import KvDiscover, KvShardInfo, Subjects, decode
+from llmesh.wire.secrets import redacted
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ Run = tuple[list[int], memoryview]  # positions of values (in a put's or get's k
 
 
 class Buffers(Protocol):
-    """Where transfer buffers come from: `HostBuffers`, or on a GPU host `llmesh.kv_mover.HostMemory`."""
+    """Where transfer buffers come from: `HostBuffers`, or on a GPU host `llmesh.engine.kv_mover.HostMemory`."""
 
     def take(self, size: int) -> memoryview: ...
 
@@ -768,7 +768,7 @@ class ThreadedKvClient:
 
     @staticmethod
     def _traced(name: str, ctx, chunks: int, fn, *args, **kwargs):
-        with telemetry.tracer("llmesh.kvclient").start_as_current_span(name, context=ctx) as span:
+        with telemetry.tracer("llmesh.engine.kvclient").start_as_current_span(name, context=ctx) as span:
             span.set_attribute("kv.chunks", chunks)
             return fn(*args, **kwargs)
 

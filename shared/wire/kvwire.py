@@ -25,7 +25,7 @@ from typing import Any
 
 import msgpack
 
-from llmesh.errors import BadMessage
+from llmesh.wire.errors import BadMessage
 
 MAGIC = b"LMKD"
 VERSION = 1

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmesh.errors import BadMessage, MeshError, from_code
+from llmesh.wire.errors import BadMessage, MeshError, from_code
 
 SCHEMA_VERSION = 1
 _HEADER_LEN = 4
@@ -143,7 +143,7 @@ class WorkerInfo(Message):
 class LengthPredictRequest(Message):
     """Predict a request's output length from its prompt text (chat: the user's turns).
 
-    A sender may cut a long prompt (`llmesh.lengths.cut_prompt`) and give its full length in
+    A sender may cut a long prompt (`llmesh.wire.lengths.cut_prompt`) and give its full length in
     `prompt_chars`; the predictor cuts anything longer itself.
     """
 
@@ -153,7 +153,7 @@ class LengthPredictRequest(Message):
 
 
 class LengthPrediction(Message):
-    bucket: int  # index into llmesh.lengths buckets
+    bucket: int  # index into llmesh.wire.lengths buckets
     label: str  # e.g. "[64,128)"
     expected_tokens: float  # the median length estimate (its order across requests is the model's ranking)
     confidence: float  # probability of `bucket` (0 when not `informative`)
@@ -286,8 +286,8 @@ class TokenDelta(Message):
 class KvHandle(Message):
     """Where a request's KV lies in the kv-store: what another worker needs to load it.
 
-    `block_hashes` chain the stored blocks in order (`llmesh.kvkeys.block_hashes`); the last may be
-    partial. A `tail_hash` names an exported last block instead (`llmesh.kvkeys.tail_hash`): it holds at
+    `block_hashes` chain the stored blocks in order (`llmesh.wire.kvkeys.block_hashes`); the last may be
+    partial. A `tail_hash` names an exported last block instead (`llmesh.wire.kvkeys.tail_hash`): it holds at
     least the tokens past the full blocks, up to `num_tokens`, and is loaded without re-hashing.
     """
 
@@ -300,7 +300,7 @@ class KvHandle(Message):
     pinned_until: float = 0.0  # unix time until which the store keeps the blocks (0: not pinned)
 
     def params(self) -> dict[str, Any]:
-        """The handle as the engine's `kv_transfer_params` (what llmesh.kv_connector reads)."""
+        """The handle as the engine's `kv_transfer_params` (what llmesh.engine.kv_connector reads)."""
         return self.model_dump(exclude_none=True)
 
 

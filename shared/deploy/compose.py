@@ -1,9 +1,9 @@
 """Compose files for GPU layouts beyond docker-compose.yml's one prefill and one decode worker,
 written from that file (its services, settings and health checks are the one source):
 
-    python -m llmesh.compose single --prefill 0,1 --decode 2 --decode 3 -o docker-compose.gpus.yml
-    python -m llmesh.compose control-plane --address 10.0.0.1 -o docker-compose.control.yml
-    python -m llmesh.compose gpu-host --control-plane 10.0.0.1 --address 10.0.0.2 --prefill 0 --decode 1 \\
+    python -m llmesh.deploy.compose single --prefill 0,1 --decode 2 --decode 3 -o docker-compose.gpus.yml
+    python -m llmesh.deploy.compose control-plane --address 10.0.0.1 -o docker-compose.control.yml
+    python -m llmesh.deploy.compose gpu-host --control-plane 10.0.0.1 --address 10.0.0.2 --prefill 0 --decode 1 \\
         -o docker-compose.gpu-host.yml
 
 Each `--prefill`/`--decode` is one worker and the GPUs it gets (by id, so no two workers share one:
@@ -22,7 +22,7 @@ ranks. Workers of different sizes need `--kv-heads-per-chunk` (MESH_KV_HEADS_PER
   on the host (the shard's on :9100, the workers' on :9103, :9104, ...); with `--prometheus-targets`
   the same command writes, instead of the compose file, their list for the control plane's Prometheus:
 
-      python -m llmesh.compose gpu-host ... --prometheus-targets -o docker/prometheus/hosts/10.0.0.2.json
+      python -m llmesh.deploy.compose gpu-host ... --prometheus-targets -o docker/prometheus/hosts/10.0.0.2.json
 
   (on the control-plane host; Prometheus reads the folder's files as they come and go).
 - `prometheus-config`: the control plane's Prometheus configuration, written from
@@ -41,9 +41,9 @@ from typing import Any
 
 import yaml
 
-from llmesh.kvkeys import check_sizes_can_share
+from llmesh.wire.kvkeys import check_sizes_can_share
 
-BASE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
+BASE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 PROMETHEUS = BASE.parent / "docker" / "prometheus"
 HOST_TARGETS = "/etc/prometheus/hosts/*.json"  # in the control plane's Prometheus: GPU hosts' targets
 JOB_LABEL = "__llmesh_job"  # which job scrapes a target in those files (a `__` label: gone after relabelling)
@@ -66,7 +66,7 @@ def base() -> dict[str, Any]:
     """docker-compose.yml with its anchors and `<<` merges resolved (the `x-` blocks they came from
     dropped), each service its own copy to change."""
     if not BASE.exists():
-        raise SystemExit(f"{BASE} is not here: run `python -m llmesh.compose` in the repository")
+        raise SystemExit(f"{BASE} is not here: run `python -m llmesh.deploy.compose` in the repository")
     compose = yaml.safe_load(BASE.read_text())
     return {
         "services": {name: copy.deepcopy(service) for name, service in compose["services"].items()},
@@ -142,8 +142,8 @@ def control_plane_prometheus() -> str:
             job["file_sd_configs"] = [{"files": [HOST_TARGETS]}]
             job["relabel_configs"] = [{"source_labels": [JOB_LABEL], "regex": job["job_name"], "action": "keep"}]
     return (
-        "# The control plane's Prometheus (`python -m llmesh.compose control-plane`), written by\n"
-        "# `python -m llmesh.compose prometheus-config` from prometheus.yml: write it again rather than\n"
+        "# The control plane's Prometheus (`python -m llmesh.deploy.compose control-plane`), written by\n"
+        "# `python -m llmesh.deploy.compose prometheus-config` from prometheus.yml: write it again rather than\n"
         "# editing it. GPU hosts' targets: docker/prometheus/hosts/*.json (`gpu-host --prometheus-targets`).\n"
         + yaml.dump(config, Dumper=_NoAliases, sort_keys=False, width=120)
     )
@@ -208,7 +208,7 @@ def gpu_host(
 
     nats_config = services["secrets"]  # writes this host's nats.conf (a leaf node) into its copy of the set
     nats_config["command"] = [
-        "llmesh.credentials",
+        "llmesh.deploy.credentials",
         "/secrets",
         "--nats-listen",
         "0.0.0.0:4222",
@@ -240,7 +240,7 @@ def _gpu_lists(values: list[str] | None) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmesh.compose", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmesh.deploy.compose", description=__doc__.split("\n\n")[0])
     parser.add_argument("layout", choices=["single", "control-plane", "gpu-host", "prometheus-config"])
     parser.add_argument(
         "--prefill",
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prometheus_targets:
         return _write(json.dumps(prometheus_targets(args.address, compose), indent=1) + "\n", args.out)
     return _write(
-        f"# Written by `python -m llmesh.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"# Written by `python -m llmesh.deploy.compose {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"from docker-compose.yml; write it again rather than editing it.\n"
         + yaml.safe_dump(compose, sort_keys=False, width=120),
         args.out,

@@ -1,4 +1,4 @@
-"""`python -m llmesh.healthcheck URL`: exit 0 when URL answers 200 within 5 s, else 1 with the
+"""`python -m llmesh.deploy.healthcheck URL`: exit 0 when URL answers 200 within 5 s, else 1 with the
 reason on stderr (the compose files' health checks; the image has no curl)."""
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ class CommonSettings(BaseSettings):
     )
     secrets_dir: Path | None = Field(
         None,
-        description="The mesh's credentials (`python -m llmesh.credentials DIR`; `make run` keeps them in "
+        description="The mesh's credentials (`python -m llmesh.deploy.credentials DIR`; `make run` keeps them in "
         ".mesh-secrets): a NATS or Redis URL without a password gets this service's from there, and where NATS "
         "uses TLS (`MESH_NATS_TLS` when they were made) the service reaches it over TLS trusting only the CA there.",
     )
-    # the NATS user this service connects as (llmesh.credentials.PERMISSIONS)
+    # the NATS user this service connects as (llmesh.deploy.credentials.PERMISSIONS)
     NATS_USER: ClassVar[str] = "admin"
 
     @field_validator("*", mode="before")
@@ -51,7 +51,7 @@ class CommonSettings(BaseSettings):
     @model_validator(mode="after")
     def _credentials(self) -> CommonSettings:
         if self.secrets_dir is not None:
-            from llmesh.credentials import MeshSecrets, trusting_nats_ca, url_user
+            from llmesh.wire.secrets import MeshSecrets, trusting_nats_ca, url_user
 
             secrets = MeshSecrets.load(self.secrets_dir)
             if not url_user(self.nats_url):
@@ -64,7 +64,7 @@ class CommonSettings(BaseSettings):
 
 
 class ConnectorConfig(BaseModel):
-    """The mesh KV connector's settings, from the worker's (`llmesh.worker.engine_args`) into vLLM's
+    """The mesh KV connector's settings, from the worker's (`llmesh.engine.worker.engine_args`) into vLLM's
     `kv_connector_extra_config` (`as_extra`) and back in every engine process (`from_extra`), validated.
     The settings' meanings and defaults are `WorkerSettings`' `kv_*` fields."""
 
@@ -126,8 +126,8 @@ class WorkerSettings(CommonSettings):
     cpu_cores: str = Field(
         "",
         description="CPU cores for the engine's compute threads, e.g. '0-3' (VLLM_CPU_OMP_THREADS_BIND), and "
-        "for its scheduler process (llmesh.vllm_plugin); empty: vLLM decides. `make run` gives prefill and decode "
-        "separate halves of the machine.",
+        "for its scheduler process (llmesh.engine.vllm_plugin); empty: vLLM decides. `make run` gives prefill and "
+        "decode separate halves of the machine.",
     )
     cpu_reserved_cores: int = Field(
         1,
@@ -163,7 +163,7 @@ class WorkerSettings(CommonSettings):
         description="How long the engine's scheduler and model processes busy-wait for each other "
         "before sleeping (vLLM: 1 s, keeping two processes per active engine at 100% CPU). Empty: 0.02 on CPU, "
         "where the mesh's services need those cores (measured: a third less engine CPU at the same latency), "
-        "vLLM's own on GPU hosts. Applied by the llmesh vLLM plugin (llmesh.vllm_plugin).",
+        "vLLM's own on GPU hosts. Applied by the llmesh vLLM plugin (llmesh.engine.vllm_plugin).",
     )
     capacity: int = Field(
         256,

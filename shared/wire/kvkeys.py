@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmesh.config import ConnectorConfig
-from llmesh.errors import KVFingerprintMismatch
+from llmesh.wire.config import ConnectorConfig
+from llmesh.wire.errors import KVFingerprintMismatch
 
 log = logging.getLogger(__name__)
 

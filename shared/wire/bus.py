@@ -25,10 +25,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from llmesh import telemetry
-from llmesh.credentials import inbox_prefix, nats_tls, redacted, url_user
-from llmesh.errors import BadMessage, MeshError, NoResponders, ServiceUnavailable, Timeout
-from llmesh.messages import (
+from llmesh.wire import telemetry
+from llmesh.wire.errors import BadMessage, MeshError, NoResponders, ServiceUnavailable, Timeout
+from llmesh.wire.messages import (
     ErrorReply,
     Message,
     StreamBatch,
@@ -38,6 +37,7 @@ from llmesh.messages import (
     encode,
     split_batch,
 )
+from llmesh.wire.secrets import inbox_prefix, nats_tls, redacted, url_user
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -224,7 +224,7 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = 30.0) -> Bus:
         """Connect within `connect_timeout` (nats-py retries meanwhile); afterwards reconnect forever. A `url`
-        that names a CA (`llmesh.credentials.trusting_nats_ca`) goes over TLS from its first byte, trusting
+        that names a CA (`llmesh.wire.secrets.trusting_nats_ca`) goes over TLS from its first byte, trusting
         that CA alone."""
 
         nc = nats.NATS()
@@ -252,7 +252,7 @@ class Bus:
                     servers=servers,
                     tls=tls,
                     tls_handshake_first=tls
-                    is not None,  # never a byte in the clear (llmesh.credentials.nats_tls_block)
+                    is not None,  # never a byte in the clear (llmesh.deploy.credentials.nats_tls_block)
                     name=name,
                     inbox_prefix=inbox_prefix(user) if user else "_INBOX",  # where this user may read replies
                     connect_timeout=2,

@@ -1,10 +1,10 @@
 """The mesh's vLLM KV connector: moves whole KV blocks, layer by layer, through the kv-store.
 
-Loaded by vLLM with `kv_connector="MeshKVConnector"`, `kv_connector_module_path="llmesh.kv_connector"`.
+Loaded by vLLM with `kv_connector="MeshKVConnector"`, `kv_connector_module_path="llmesh.engine.kv_connector"`.
 As vLLM's own connectors, it is a facade over two objects with their own state: `ConnectorScheduler`
 (scheduler.py: matching, planning loads, saves and exports, preemption choices, the durable tail) in
-the scheduler's process, `ConnectorWorker` (worker.py: the transfers, with `llmesh.kv_mover` for the
-tensors) in each model process. Both read one validated `llmesh.config.ConnectorConfig`.
+the scheduler's process, `ConnectorWorker` (worker.py: the transfers, with `llmesh.engine.kv_mover` for the
+tensors) in each model process. Both read one validated `llmesh.wire.config.ConnectorConfig`.
 
 Producer (prefill): `save_kv_layer` gathers the request's finished blocks of that layer and
 puts them to the kv-store at once (the put overlaps the next layers' compute); the last,
@@ -52,7 +52,7 @@ what a prefill of another computed, with nothing reshuffled on either side. The 
 a block up whole (every layer, every head group), whatever ranks it has.
 
 Per-layer views are vLLM's `[blocks, KV heads, tokens, K|V]` on every backend, so the same
-gather/scatter serves CPU and GPU (`llmesh.kv_mover`: on a GPU one indexed copy a layer on a side
+gather/scatter serves CPU and GPU (`llmesh.engine.kv_mover`: on a GPU one indexed copy a layer on a side
 stream, ordered by events, into pinned or CUDA-registered host memory; nothing in the forward makes the
 host wait for the GPU). The hooks inside the forward (`wait_for_layer_load`, `save_kv_layer`) must run
 on every step, so the connector asks vLLM for piecewise CUDA graphs (`requires_piecewise_for_cudagraph`):
@@ -71,11 +71,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from llmesh import telemetry
-from llmesh.config import ConnectorConfig
-from llmesh.kv_mover import HostMemory
-from llmesh.kvclient import ThreadedKvClient
-from llmesh.kvkeys import fingerprint, kv_layout
+from llmesh.engine.kv_mover import HostMemory
+from llmesh.engine.kvclient import ThreadedKvClient
+from llmesh.wire import telemetry
+from llmesh.wire.config import ConnectorConfig
+from llmesh.wire.kvkeys import fingerprint, kv_layout
 
 from .metadata import BlockTransfer, HeadSlice, MeshConnectorMetadata, MeshWorkerMetadata, rank_slices
 from .scheduler import ConnectorScheduler
@@ -174,7 +174,7 @@ class MeshKVConnector(KVConnectorBase_V1):
                 block_bytes=block_bytes,
                 store=client,
                 memory=memory,
-                tracer=telemetry.tracer("llmesh.kv_connector"),
+                tracer=telemetry.tracer("llmesh.engine.kv_connector"),
                 trace_context=telemetry.extract,
             )
 
