@@ -1,7 +1,9 @@
 """Tensor-parallel engines in the mesh: prefill and decode with 2 ranks, and with different sizes
-(2 -> 1, 1 -> 2), give the same greedy tokens as monolithic engines, decode loading what prefill
-computed in KV head groups (`kvkeys`), nothing reshuffled: bit for bit where both have the same
-size, up to near-ties where they differ.
+(2 -> 1), give the same greedy tokens as monolithic engines, decode loading what prefill computed in
+KV head groups (`kvkeys`), nothing reshuffled: bit for bit where both have the same size, up to
+near-ties where they differ. (1 -> 2, one rank writing its layer in head groups that two ranks read
+apart, is checked on tensors in tests/unit/test_kv_head_groups.py; here it cost 2 of the suite's 30
+minutes, the readers' subsets being what 2 -> 2 loads too.)
 
 On CPU each rank takes a core ('0|1'), so both engines share this machine's two. Runs its own
 meshes, one for each pair of sizes.
@@ -61,7 +63,7 @@ def complete(mesh, ids: list[int]) -> list[int]:
     return resp.json()["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 2), (2, 1), (1, 2)])
+@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 2), (2, 1)])
 def test_tensor_parallel_prefill_and_decode_are_exact(
     prefill_ranks, decode_ranks, expected, tmp_path, model_dir, model_path
 ):
