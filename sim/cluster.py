@@ -26,15 +26,13 @@ from llmesh.wire.messages import RequestProgress, WorkerInfo
 
 from .engine import EngineProfile, PrefixCache, SimEngine, SimRequest
 
-MODEL = "sim"
-
 
 def _request_view(r: SimRequest) -> RequestView:
     """As the router builds it; once its first token is out, without a TTFT target (router.dispatch). The
     traces give no client budget (`max_tokens`): the true length is told only as a prediction."""
     return RequestView(
         r.request_id,
-        MODEL,
+        r.model,
         prompt_tokens=r.prompt_tokens,
         arrival=r.arrival,
         deadline=float("inf"),
@@ -61,7 +59,7 @@ def _build_view(e: SimEngine) -> WorkerView:
     info = WorkerInfo(
         worker_id=e.worker_id,
         role=e.role,
-        model=MODEL,
+        model=e.model,
         fingerprint="sim",
         max_model_len=p.kv_blocks * p.block_size,
         heartbeat_s=1.0,
@@ -112,14 +110,26 @@ def simulate(
     store_blocks: int = 1 << 20,
     max_wait_s: float = 30.0,
     heartbeat_s: float = 1.0,
+    models: Sequence[str] = ("sim",),
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
-    that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it."""
+    that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it.
+    `models`: the engines of each pool serve them in turn, a static partition (engine i serves
+    models[i % len(models)]); a request goes only to an engine of its own model."""
     monolithic = prefill_instances == 0
     ids = [f"e{i:03d}" for i in range(instances)] + [f"p{i:03d}" for i in range(prefill_instances)]
     caches = _prefix_caches(ids, prefix_cache, profile, prefix_block_tokens, store_blocks)
-    engines = [SimEngine(i, profile, role="prefill" if i.startswith("p") else "decode", cache=caches[i]) for i in ids]
+    engines = [
+        SimEngine(
+            i,
+            profile,
+            role="prefill" if i.startswith("p") else "decode",
+            cache=caches[i],
+            model=models[int(i[1:]) % len(models)],
+        )
+        for i in ids
+    ]
     by_id = {e.worker_id: e for e in engines}
     routed = PrefixIndex() if policy.needs_prefix else None  # what the router sent where (cache_aware)
     rng = random.Random(seed)
@@ -158,12 +168,12 @@ def simulate(
             return
         views = refuse_hopeless(now, with_views=True)
         waiting = {r.request_id: r for r in queue}
-        held_back: set[str] = set()  # roles where a request was held back (nothing placed since)
+        held_back: set[tuple[str, str]] = set()  # (role, model) where a request was held back (nothing placed since)
         workers = {e.worker_id: _worker_view(e) for e in engines}  # refreshed as requests are placed
         for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
             r = waiting[view.request_id]
             role = role_of(r)
-            if role in held_back:
+            if (role, r.model) in held_back:
                 continue
             ctx = DispatchContext(
                 now=now,
@@ -178,7 +188,8 @@ def simulate(
             chosen = policy.pick(ctx)
             if chosen is None:
                 if not policy.declines_by_request:
-                    held_back.add(role)  # the same workers would hold back every other request of this role
+                    # the same workers would hold back every other request of this role and model (the router's group)
+                    held_back.add((role, r.model))
                 continue
             held_back.clear()
             if role == "prefill" and local_prefill_margin_s is not None:

@@ -73,6 +73,7 @@ class SimRequest:
     priority: int = 0
     predicted_tokens: float | None = None
     prefix_hashes: tuple[int, ...] = ()  # its prompt's blocks (equal hashes: equal prefixes)
+    model: str = "sim"
     # filled in as it runs
     prefilled: int = 0
     cached_tokens: int = 0  # of its prompt, found in a prefix cache instead of computed
@@ -122,6 +123,7 @@ class SimEngine:
     profile: EngineProfile
     role: str = "decode"  # "prefill": requests leave after their first token
     cache: PrefixCache | None = None
+    model: str = "sim"  # the model it serves
     waiting: list[SimRequest] = field(default_factory=list)  # dispatched here, not yet in the batch
     running: list[SimRequest] = field(default_factory=list)  # in the batch (prefilling or decoding)
     busy_until: float | None = None  # end of the step in progress (None: idle)

@@ -298,3 +298,19 @@ def test_each_trace_reads_into_requests(trace, has_blocks):
     assert reqs[-1].arrival == pytest.approx(49 / 5.0)  # gaps rescaled to the rate
     assert any(r.prefix_hashes for r in reqs) is has_blocks
     assert all(len(r.prefix_hashes) <= -(-r.prompt_tokens // 512) for r in reqs)  # block ids of the prompt kept
+
+
+def test_a_static_partition_sends_each_model_only_to_its_own_engines():
+    """Two models on three engines in turn (e000, e002: a; e001: b): each request runs on an engine of its
+    model, and a model no engine serves waits out the router's queue and is refused."""
+    requests = [
+        SimRequest(f"r{i}", arrival=i * 0.01, prompt_tokens=64, output_tokens=8, model=model)
+        for i, model in enumerate(["a", "b", "a", "b", "a", "c"] * 4)
+    ]
+    done = simulate(
+        requests, PROFILE, 3, make_policy("least_loaded"), make_queue_policy("fcfs"), models=("a", "b"), max_wait_s=1.0
+    )
+    served = {(r.model, r.worker_id) for r in done if not r.refused}
+    assert served == {("a", "e000"), ("a", "e002"), ("b", "e001")}
+    assert all(r.finished_at is not None for r in done if r.model != "c")
+    assert all(r.refused for r in done if r.model == "c")
