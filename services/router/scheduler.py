@@ -113,8 +113,10 @@ class Scheduler:
 
     def _membership_changed(self, worker_id: str, info: WorkerInfo | None) -> None:
         self._load.pop(worker_id, None)
-        if info is None and self._prefixes is not None:
-            self._prefixes.forget(worker_id)
+        if info is None:  # it left (a request it held still releases its backlog as it ends)
+            self._token_gaps.pop(worker_id, None)
+            if self._prefixes is not None:
+                self._prefixes.forget(worker_id)
         self.admission.room_changed()
 
     # -- the workers as the policies see them --
