@@ -118,17 +118,15 @@ def simulate(
     `models`: the engines of each pool serve them in turn, a static partition (engine i serves
     models[i % len(models)]); a request goes only to an engine of its own model."""
     monolithic = prefill_instances == 0
-    ids = [f"e{i:03d}" for i in range(instances)] + [f"p{i:03d}" for i in range(prefill_instances)]
+    pools = [("e", "decode", instances), ("p", "prefill", prefill_instances)]
+    ids = [f"{prefix}{i:03d}" for prefix, _, n in pools for i in range(n)]
     caches = _prefix_caches(ids, prefix_cache, profile, prefix_block_tokens, store_blocks)
     engines = [
         SimEngine(
-            i,
-            profile,
-            role="prefill" if i.startswith("p") else "decode",
-            cache=caches[i],
-            model=models[int(i[1:]) % len(models)],
+            f"{prefix}{i:03d}", profile, role=role, cache=caches[f"{prefix}{i:03d}"], model=models[i % len(models)]
         )
-        for i in ids
+        for prefix, role, n in pools
+        for i in range(n)
     ]
     by_id = {e.worker_id: e for e in engines}
     routed = PrefixIndex() if policy.needs_prefix else None  # what the router sent where (cache_aware)

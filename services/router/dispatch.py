@@ -500,7 +500,6 @@ class Dispatcher:
         """A worker of `role` for the request by the dispatch policy, reserved; waiting in the router's
         queue while none has room. A prefill with a decode `claim` also waits for decode room and takes
         the claim; the decode then releases it. The choice is counted and put on the request's span."""
-
         started = time.monotonic()
         with self.metrics.queued(view.model):
             worker, queued = await self.scheduler.admit(role, view, fingerprint, claim)

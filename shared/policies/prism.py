@@ -15,7 +15,7 @@ Pure functions over snapshots, as every policy here: placement, the simulator an
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ class Device:
 class _Load:
     weight: float = 0.0  # sum of rate / SLO of the models on it
     free_bytes: int = 0  # memory left for KV
-    models: set[str] = field(default_factory=set)
 
 
 def kv_pressure(weight: float, free_bytes: int) -> float:
@@ -81,7 +80,6 @@ def place_models(
             load = loads[target]
             load.weight += model.weight
             load.free_bytes -= model.weights_bytes
-            load.models.add(model.name)
         if len(chosen) == model.parts:
             placed[model.name] = tuple(chosen)
         else:  # not every part fits: give back what was taken
@@ -89,7 +87,6 @@ def place_models(
                 load = loads[device_id]
                 load.weight -= model.weight
                 load.free_bytes += model.weights_bytes
-                load.models.discard(model.name)
     return placed
 
 
