@@ -5,8 +5,10 @@ The artifact's regressions give a score (log-length) per request; the `Head` map
 deployment's lengths (`a·score + b`, with its spread) and says whether it carries information:
 a refit on the deployment's own (prompt, actual length) pairs replaces it only if it lowers the
 held-out log loss, and marks it uninformative when its MAE there does not beat the constant's
-(the policies then fall back as if there were no prediction). The head is swapped as one
-reference, so a batch sees one version.
+(the policies then fall back as if there were no prediction). Served models differ in verbosity,
+so each may have a head of its own (`model_heads`); one without uses the shared head (`head`),
+and its first refit is gated against that. A head is swapped as one reference, so a batch sees
+one version of each.
 """
 
 from __future__ import annotations
@@ -72,25 +74,40 @@ class Predictor:
         self.meta = total.info
         self.tokenizer = load_tokenizer()  # the unit the models count in (WordPiece)
         self.replica, self.generator = replica, generator or data.UNKNOWN
-        self.head = Head(sigma=total.sigma)
+        self.head = Head(sigma=total.sigma)  # the shared head: the artifact's, or its refit on every model's lengths
+        self.model_heads: dict[str, Head] = {}  # served model -> its own head, once a refit of it was accepted
         self.base_version = hashlib.sha256((artifact / "total.npz").read_bytes()).hexdigest()[:12]
         self.predict(["warm-up"], [7])
 
+    def head_for(self, model: str) -> Head:
+        """The head that serves `model`: its own, else the shared one."""
+        return self.model_heads.get(model, self.head) if model else self.head
+
+    def version_for(self, model: str) -> str:
+        return f"{self.base_version}-{self.head_for(model).version}"
+
     @property
     def version(self) -> str:
-        return f"{self.base_version}-{self.head.version}"
+        """The shared head's version."""
+        return self.version_for("")
 
     def scores(self, prompts: list[str]) -> np.ndarray:
         """The artifact's log-length score of each prompt (what a refit calibrates)."""
         return self.total.predict(prompts, [self.generator] * len(prompts))
 
-    def predict(self, prompts: list[str], chars: list[int]) -> list[LengthPrediction]:
-        """Predictions for prompts cut by `cut_prompt`, whose full lengths are `chars`."""
-        head = self.head
-        mu = head.mu(self.scores(prompts))
-        probs = bucket_probs(mu, head.sigma)
+    def _calibrated(self, prompts: list[str], models: list[str] | None) -> tuple[list[Head], np.ndarray, np.ndarray]:
+        """Each prompt's head (its model's), log-length estimate and its spread."""
+        heads = [self.head_for(m) for m in models or [""] * len(prompts)]
+        a, b, sigma = (np.array([getattr(h, name) for h in heads]) for name in ("a", "b", "sigma"))
+        return heads, a * self.scores(prompts) + b, sigma
+
+    def predict(self, prompts: list[str], chars: list[int], models: list[str] | None = None) -> list[LengthPrediction]:
+        """Predictions for prompts cut by `cut_prompt`, whose full lengths are `chars`, by the heads of
+        the served `models` that will answer them (None: the shared head)."""
+        heads, mu, sigma = self._calibrated(prompts, models)
+        probs = bucket_probs(mu, sigma)
         out = []
-        for row, m, prompt, c in zip(probs, mu, prompts, chars):
+        for row, m, prompt, c, head in zip(probs, mu, prompts, chars, heads):
             bucket = int(row.argmax())
             out.append(
                 LengthPrediction(
@@ -100,14 +117,19 @@ class Predictor:
                     confidence=float(row[bucket]) if head.informative else 0.0,
                     informative=head.informative,
                     truncated=c > len(prompt),
-                    model_version=self.version,
+                    model_version=f"{self.base_version}-{head.version}",
                     replica=self.replica,
                 )
             )
         return out
 
     def predict_remaining(
-        self, prompts: list[str], generated: list[str], chars: list[int], tokens: list[int]
+        self,
+        prompts: list[str],
+        generated: list[str],
+        chars: list[int],
+        tokens: list[int],
+        models: list[str] | None = None,
     ) -> list[LengthRemaining]:
         """Tokens still to come after `generated` (the end of an output `chars` characters and `tokens`
         of the serving model's tokens long): estimated in the models' unit (counted on the text at hand,
@@ -116,28 +138,32 @@ class Predictor:
             round(len(ids) * c / len(text)) if text else 0
             for ids, text, c in zip(self.tokenizer(generated, add_special_tokens=False)["input_ids"], generated, chars)
         ]
-        mu = self.head.mu(self.scores(prompts))
+        heads, mu, _ = self._calibrated(prompts, models)
         remaining = np.expm1(self.remaining.predict(prompts, generated, counted, mu))
         out = []
-        for r, n, own in zip(remaining, tokens, counted):
+        for r, n, own, head in zip(remaining, tokens, counted, heads):
             scale = n / own if own else 1.0
             out.append(
                 LengthRemaining(
                     remaining_tokens=float(r * scale),
                     generated_tokens=n,
-                    informative=self.head.informative,
-                    model_version=self.version,
+                    informative=head.informative,
+                    model_version=f"{self.base_version}-{head.version}",
                     replica=self.replica,
                 )
             )
         return out
 
+    @staticmethod
     def refit_head(
-        self, fit_scores: np.ndarray, fit_lengths: list[int], held_scores: np.ndarray, held_lengths: list[int]
+        current: Head,
+        fit_scores: np.ndarray,
+        fit_lengths: list[int],
+        held_scores: np.ndarray,
+        held_lengths: list[int],
     ) -> tuple[Head | None, dict[str, float], dict[str, float]]:
-        """Fit a new head on (score, actual length) pairs and score it against the current head on
-        held-out ones: the new head if its log loss there is lower (else None), and both scores."""
-        current = self.head
+        """Fit a new head on (score, actual length) pairs and score it against `current` on held-out
+        ones: the new head if its log loss there is lower (else None), and both scores."""
         y = np.log1p(fit_lengths)
         a, b = np.polyfit(fit_scores, y, 1) if len(set(fit_scores.tolist())) > 1 else (0.0, float(y.mean()))
         sigma = max(float(np.std(y - (a * fit_scores + b))), MIN_SIGMA)

@@ -1,13 +1,15 @@
 """Refit the deployed length predictor on what it observed:
 
-    .venv/bin/python -m llmesh_lengthpred.refit [--min-samples 50] [--holdout 0.2]
+    .venv/bin/python -m llmesh_lengthpred.refit [--model NAME] [--min-samples 50] [--holdout 0.2]
 
 One replica fits a new head (the calibration of the model's score to lengths) on the recent
 (prompt, actual length) pairs the workers reported (requests that ended by themselves, not at
-max_tokens), split by prompt; it keeps the current head unless the new one has the lower log loss
-on the held-out prompts, and marks it uninformative if its MAE there does not beat the constant's
-(predictions then carry `informative: false` and the policies act as without them). Prints the
-outcome as JSON.
+max_tokens), split by prompt: with `--model`, that served model's own head on its pairs (the
+service also does this by itself every MESH_LENGTH_REFIT_EVERY pairs of a model); without, the
+shared head, which models without their own use, on every model's pairs. It keeps the current
+head unless the new one has the lower log loss on the held-out prompts, and marks it
+uninformative if its MAE there does not beat the constant's (predictions then carry
+`informative: false` and the policies act as without them). Prints the outcome as JSON.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def main() -> None:
     parser.add_argument("--nats-url", default=os.environ.get("MESH_NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--min-samples", type=int, default=LengthRefit().min_samples)
     parser.add_argument("--holdout", type=float, default=LengthRefit().holdout_fraction)
+    parser.add_argument("--model", default="", help="the served model whose head to refit; default: the shared head")
     args = parser.parse_args()
     try:
-        request = LengthRefit(min_samples=args.min_samples, holdout_fraction=args.holdout)
+        request = LengthRefit(min_samples=args.min_samples, holdout_fraction=args.holdout, model=args.model)
     except ValidationError as exc:
         parser.error("; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors()))
     try:

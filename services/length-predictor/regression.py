@@ -120,9 +120,9 @@ class Ridge:
         return cls(weights, arrays["dense"], meta.pop("bias"), meta.pop("sigma"), meta)
 
 
-def bucket_probs(mu: np.ndarray, sigma: float) -> np.ndarray:
-    """P(length in each bucket) if log1p(length) ~ Normal(mu, sigma)."""
-    cdf = ndtr((_LOG_EDGES[None, :] - mu[:, None]) / sigma)
+def bucket_probs(mu: np.ndarray, sigma: float | np.ndarray) -> np.ndarray:
+    """P(length in each bucket) if log1p(length) ~ Normal(mu, sigma) (one sigma, or one a row)."""
+    cdf = ndtr((_LOG_EDGES[None, :] - mu[:, None]) / np.reshape(sigma, (-1, 1)))
     return np.diff(np.concatenate([np.zeros((len(mu), 1)), cdf, np.ones((len(mu), 1))], axis=1), axis=1)
 
 

@@ -6,10 +6,16 @@
   request's tokens still to come, from its prompt and its output so far (decode workers ask).
 - `mesh.length.observed.<replica>`: workers' LengthObserved reports. Each is scored against its
   prediction (running accuracy and error per predicted bucket), and with the prompt this replica
-  kept it becomes a refit sample.
+  kept it becomes a refit sample of the served model that answered.
 - `mesh.length.stats.<replica>`: LengthStats.
-- `mesh.length.refit` (queue group): LengthRefit -> LengthRefitResult. An accepted head goes out
-  on `mesh.length.head` to every replica and into Redis for replicas that start later.
+- `mesh.length.refit` (queue group): LengthRefit -> LengthRefitResult, the shared head or one
+  model's. An accepted head goes out on `mesh.length.head` to every replica and into Redis for
+  replicas that start later.
+
+Heads per served model: a model's requests are predicted by its own head once a refit of it was
+accepted, by the shared head until then. Every `length_refit_every` samples of a model (counted
+across replicas in Redis, so one replica refits), that model's head is refitted in the background
+through the same gated refit as the operator's.
 
 Bad input: an empty prompt is an `invalid_request` error. A prompt longer than
 MAX_PROMPT_CHARS characters is cut (the model reads its start and its full length) and the
@@ -24,7 +30,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,8 +71,11 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 QUEUE = "length-predictor"
-SAMPLES_KEY = "llmesh:length:samples"
-HEAD_KEY = "llmesh:length:head:{base}"
+SAMPLES_KEY = "llmesh:length:samples"  # a list of [prompt, tokens]; a model's: SAMPLES_KEY:<model>
+MODELS_KEY = "llmesh:length:models"  # the set of models with samples
+OBSERVED_KEY = "llmesh:length:observed:{model}"  # samples of a model ever added: the refit trigger
+HEAD_KEY = "llmesh:length:head:{base}"  # the shared head
+MODEL_HEADS_KEY = "llmesh:length:heads:{base}"  # a hash: model -> its own head
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 REFIT_CHUNK = 256  # prompts per model-thread job while a refit scores them
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -199,52 +208,81 @@ class _CalibrationCollector:
 
 
 class SharedState:
-    """Recent (prompt, actual length) samples and the accepted head: in Redis, shared by the
-    replicas, when a URL is given; else in this process. A Redis outage keeps samples locally."""
+    """Recent (prompt, actual length) samples of each served model and the accepted heads: in Redis,
+    shared by the replicas and kept across restarts, when a URL is given; else in this process. A
+    Redis outage keeps samples locally."""
 
     def __init__(self, redis_url: str, limit: int):
-        self.limit = limit
-        self._local: deque[tuple[str, int]] = deque(maxlen=limit)
+        self.limit = limit  # samples kept per model
+        self._local: dict[str, deque[tuple[str, int]]] = defaultdict(lambda: deque(maxlen=limit))
+        self._local_added: defaultdict[str, int] = defaultdict(int)
         self._redis = (
             aioredis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) if redis_url else None
         )
 
-    async def add_sample(self, prompt: str, tokens: int) -> None:
+    @staticmethod
+    def _samples_key(model: str) -> str:
+        return f"{SAMPLES_KEY}:{model}" if model else SAMPLES_KEY
+
+    async def add_sample(self, model: str, prompt: str, tokens: int) -> int:
+        """Keep a sample of `model`; returns how many of its samples were added so far."""
         if self._redis is not None:
             try:
+                key = self._samples_key(model)
                 pipe = self._redis.pipeline()  # (its commands return it, but are typed as the client's)
-                pipe.lpush(SAMPLES_KEY, json.dumps([prompt, tokens]))
-                pipe.ltrim(SAMPLES_KEY, 0, self.limit - 1)
-                await pipe.execute()
-                return
+                pipe.lpush(key, json.dumps([prompt, tokens]))
+                pipe.ltrim(key, 0, self.limit - 1)
+                pipe.sadd(MODELS_KEY, model)
+                pipe.incr(OBSERVED_KEY.format(model=model))
+                return int((await pipe.execute())[-1])
             except REDIS_ERRORS as exc:
                 log.warning("Redis is unreachable (%s): keeping the sample in memory", exc)
-        self._local.append((prompt, tokens))
+        self._local[model].append((prompt, tokens))
+        self._local_added[model] += 1
+        return self._local_added[model]
 
-    async def samples(self) -> list[data.Example]:
-        pairs = list(self._local)
+    async def samples(self, model: str | None = None) -> list[data.Example]:
+        """`model`'s samples; None: every model's."""
+        models = set(self._local) if model is None else {model}
         if self._redis is not None:
             try:
-                pairs += [json.loads(item) for item in await self._redis.lrange(SAMPLES_KEY, 0, self.limit - 1)]
+                if model is None:
+                    models |= {m.decode() for m in await self._redis.smembers(MODELS_KEY)} | {""}
+                pairs = [
+                    (m, json.loads(item))
+                    for m in sorted(models)
+                    for item in await self._redis.lrange(self._samples_key(m), 0, self.limit - 1)
+                ]
             except REDIS_ERRORS as exc:
                 log.warning("Redis is unreachable (%s): refitting on this replica's samples only", exc)
-        return [data.Example(prompt, tokens, "deployment") for prompt, tokens in pairs]
+                pairs = []
+        else:
+            pairs = []
+        pairs += [(m, pair) for m in sorted(models) for pair in self._local.get(m, ())]
+        return [data.Example(prompt, tokens, "deployment", m or data.UNKNOWN) for m, (prompt, tokens) in pairs]
 
-    async def save_head(self, base_version: str, blob: bytes) -> None:
+    async def save_head(self, base_version: str, model: str, blob: bytes) -> None:
         if self._redis is not None:
             try:
-                await self._redis.set(HEAD_KEY.format(base=base_version), blob)
+                if model:
+                    await self._redis.hset(MODEL_HEADS_KEY.format(base=base_version), model, blob)
+                else:
+                    await self._redis.set(HEAD_KEY.format(base=base_version), blob)
             except REDIS_ERRORS as exc:
                 log.warning("Redis is unreachable (%s): replicas that start later will not load the refit", exc)
 
-    async def load_head(self, base_version: str) -> bytes | None:
+    async def load_heads(self, base_version: str) -> dict[str, bytes]:
+        """The saved heads, by model ("": the shared head)."""
         if self._redis is None:
-            return None
+            return {}
         try:
-            return cast(bytes | None, await self._redis.get(HEAD_KEY.format(base=base_version)))  # no decode_responses
+            shared = await self._redis.get(HEAD_KEY.format(base=base_version))  # bytes: no decode_responses
+            own = await self._redis.hgetall(MODEL_HEADS_KEY.format(base=base_version))
         except REDIS_ERRORS as exc:
             log.warning("Redis is unreachable (%s): serving the artifact's head", exc)
-            return None
+            return {}
+        heads = {model.decode(): cast(bytes, blob) for model, blob in own.items()}
+        return heads | ({"": cast(bytes, shared)} if shared is not None else {})
 
     async def close(self) -> None:
         if self._redis is not None:
@@ -267,14 +305,16 @@ class LengthPredictorService:
         self.model_thread = model_thread
         self.replica = predictor.replica
         self.calibration = Calibration()
-        self.batcher: Batcher[tuple[str, int], LengthPrediction] = Batcher(
+        self.batcher: Batcher[tuple[str, int, str], LengthPrediction] = Batcher(
             self._predict_batch, settings.length_max_batch, model_thread
         )
-        self.remaining_batcher: Batcher[tuple[str, str, int, int], LengthRemaining] = Batcher(
+        self.remaining_batcher: Batcher[tuple[str, str, int, int, str], LengthRemaining] = Batcher(
             self._remaining_batch, settings.length_max_batch, model_thread
         )
-        self._prompts: OrderedDict[str, str] = OrderedDict()  # request id -> prompt, until its report
+        # request id -> (model, prompt), until its report
+        self._prompts: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._refit_lock = asyncio.Lock()
+        self._auto_refits: dict[str, asyncio.Task] = {}  # model -> its background refit, while it runs
         self.answered = 0
         self.registry = CollectorRegistry()
         self.latency = Histogram(
@@ -289,7 +329,9 @@ class LengthPredictorService:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=self.registry,
         )
-        self.refits = Counter("llmesh_length_refits", "Refits by outcome", ["outcome"], registry=self.registry)
+        self.refits = Counter(
+            "llmesh_length_refits", "Refits by outcome and served model", ["outcome", "model"], registry=self.registry
+        )
         self.registry.register(_CalibrationCollector(self.calibration))
 
     @classmethod
@@ -310,9 +352,11 @@ class LengthPredictorService:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, partial(fn, *args))
 
     async def start(self) -> None:
-        saved = await self.shared.load_head(self.predictor.base_version)
-        if saved is not None:
-            self._install(Head.from_bytes(saved), "Redis")
+        for model, saved in (await self.shared.load_heads(self.predictor.base_version)).items():
+            try:
+                self._install(model, Head.from_bytes(saved), "Redis")
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring the saved head of %r: unreadable (%s)", model, exc)
         await self.bus.serve(Subjects.LENGTH_PREDICT, self.predict, queue=QUEUE, span="length-predictor predict")
         await self.bus.serve(Subjects.LENGTH_REMAINING, self.remaining, queue=QUEUE, traced=False)
         await self.bus.serve(Subjects.length_observed(self.replica), self.observe, traced=False)
@@ -328,16 +372,18 @@ class LengthPredictorService:
         )
 
     async def close(self) -> None:
+        for task in list(self._auto_refits.values()):
+            task.cancel()
         await self.batcher.close()
         await self.remaining_batcher.close()
         await self.shared.close()
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
-    def _predict_batch(self, items: list[tuple[str, int]]) -> list[LengthPrediction]:
+    def _predict_batch(self, items: list[tuple[str, int, str]]) -> list[LengthPrediction]:
         self.batch_size.observe(len(items))
-        return self.predictor.predict([text for text, _ in items], [chars for _, chars in items])
+        return self.predictor.predict(*map(list, zip(*items)))
 
-    def _remaining_batch(self, items: list[tuple[str, str, int, int]]) -> list[LengthRemaining]:
+    def _remaining_batch(self, items: list[tuple[str, str, int, int, str]]) -> list[LengthRemaining]:
         return self.predictor.predict_remaining(*map(list, zip(*items)))
 
     async def remaining(self, req: LengthRemainingRequest, blob: memoryview) -> LengthRemaining:
@@ -346,7 +392,7 @@ class LengthPredictorService:
         prompt, _ = cut_prompt(req.prompt)
         chars = max(req.generated_chars or 0, len(req.generated))
         return await self.remaining_batcher.submit(
-            (prompt, req.generated[-MAX_GENERATED_CHARS:], chars, req.generated_tokens)
+            (prompt, req.generated[-MAX_GENERATED_CHARS:], chars, req.generated_tokens, req.model)
         )
 
     async def predict(self, req: LengthPredictRequest, blob: memoryview) -> LengthPrediction:
@@ -356,11 +402,11 @@ class LengthPredictorService:
             raise InvalidRequest("the prompt is empty", param="prompt")
         started = time.monotonic()
         text, chars = cut_prompt(req.prompt)
-        prediction = await self.batcher.submit((text, max(chars, req.prompt_chars or 0)))
+        prediction = await self.batcher.submit((text, max(chars, req.prompt_chars or 0), req.model))
         self.latency.observe(time.monotonic() - started)
         self.answered += 1
         if req.request_id:
-            self._prompts[req.request_id] = text
+            self._prompts[req.request_id] = (req.model, text)
             while len(self._prompts) > self.settings.length_pending_predictions:
                 self._prompts.popitem(last=False)
         trace.get_current_span().set_attributes(
@@ -373,9 +419,29 @@ class LengthPredictorService:
         return prediction
 
     async def observe(self, report: LengthObserved, blob: memoryview) -> None:
-        prompt = self._prompts.pop(report.request_id, None)
-        if self.calibration.record(report.predicted, report.actual_tokens, report.finish_reason) and prompt:
-            await self.shared.add_sample(prompt, report.actual_tokens)
+        predicted_for, prompt = self._prompts.pop(report.request_id, ("", ""))
+        if not self.calibration.record(report.predicted, report.actual_tokens, report.finish_reason) or not prompt:
+            return
+        model = report.model or predicted_for
+        added = await self.shared.add_sample(model, prompt, report.actual_tokens)
+        every = self.settings.length_refit_every
+        if model and every and added % every == 0 and model not in self._auto_refits:
+            task = asyncio.create_task(self._auto_refit(model))
+            self._auto_refits[model] = task
+            task.add_done_callback(lambda _: self._auto_refits.pop(model, None))
+
+    async def _auto_refit(self, model: str) -> None:
+        """`model`'s head refitted in the background, as the operator's refit would (its result is logged)."""
+        try:
+            await self._refit(
+                LengthRefit(
+                    model=model,
+                    min_samples=self.settings.length_refit_min_samples,
+                    holdout_fraction=self.settings.length_refit_holdout,
+                )
+            )
+        except Exception:  # a failed refit keeps the current head; the next trigger tries again
+            log.exception("automatic refit of %r failed", model)
 
     async def stats(self, req: LengthStatsRequest, blob: memoryview) -> LengthStats:
         return LengthStats(
@@ -385,55 +451,65 @@ class LengthPredictorService:
             censored=self.calibration.censored,
             samples=len(await self.shared.samples()),
             buckets=self.calibration.buckets(),
+            heads={model: head.version for model, head in self.predictor.model_heads.items()},
         )
 
     async def refit(self, req: LengthRefit, blob: memoryview) -> LengthRefitResult:
         if not isinstance(req, LengthRefit):
             raise InvalidRequest(f"expected LengthRefit, got {type(req).__name__}")
+        return await self._refit(req)
+
+    async def _refit(self, req: LengthRefit) -> LengthRefitResult:
+        """Refit `req.model`'s head (""): the shared one, on every model's samples) and keep it only if its
+        held-out log loss is lower than the head serving that model now."""
+        model, name = req.model, head_name(req.model)
         async with self._refit_lock:
-            samples = await self.shared.samples()
-            current = self.predictor.version
-            result = dict(samples=len(samples), held_out=0, before={}, after={}, model_version=current)
+            samples = await self.shared.samples(model or None)
+            current = self.predictor.version_for(model)
+            result = dict(samples=len(samples), held_out=0, before={}, after={}, model_version=current, model=model)
             if len(samples) < req.min_samples:
-                self.refits.labels("skipped").inc()
-                return LengthRefitResult(
-                    accepted=False,
-                    reason=f"{len(samples)} samples; the refit asks for at least {req.min_samples}",
-                    **result,
-                )
+                self.refits.labels("skipped", model).inc()
+                reason = f"{len(samples)} samples; the refit asks for at least {req.min_samples}"
+                log.info("refit of %s skipped: %s", name, reason)
+                return LengthRefitResult(accepted=False, reason=reason, **result)
             try:
                 fit, held = refit_split(samples, req.holdout_fraction)
             except ValueError as exc:
-                self.refits.labels("skipped").inc()
+                self.refits.labels("skipped", model).inc()
                 return LengthRefitResult(accepted=False, reason=str(exc), **result)
             fit_scores = await self._scores([s.prompt for s in fit])
             held_scores = await self._scores([s.prompt for s in held])
             head, before, after = await self._in_model_thread(
-                self.predictor.refit_head,
+                Predictor.refit_head,
+                self.predictor.head_for(model),
                 fit_scores,
                 [s.output_tokens for s in fit],
                 held_scores,
                 [s.output_tokens for s in held],
             )
             result.update(held_out=len(held), before=before, after=after)
-            change = f"held-out log loss {before['log_loss']:.3f} -> {after['log_loss']:.3f}"
+            change = (
+                f"held-out log loss {before['log_loss']:.3f} -> {after['log_loss']:.3f}, "
+                f"MAE {before['mae_tokens']:.0f} -> {after['mae_tokens']:.0f} tokens "
+                f"(constant {after['constant_mae_tokens']:.0f}) on {len(held)} of {len(samples)} samples"
+            )
             if head is None:
-                self.refits.labels("rejected").inc()
-                log.info("refit rejected (%s): keeping %s", change, current)
+                self.refits.labels("rejected", model).inc()
+                log.info("refit of %s rejected (%s): keeping %s", name, change, current)
                 return LengthRefitResult(accepted=False, reason=f"{change}: not better, kept {current}", **result)
-            self._install(head, "refit")
+            self._install(model, head, "refit")
             blob_out = head.to_bytes()
-            await self.shared.save_head(self.predictor.base_version, blob_out)
+            await self.shared.save_head(self.predictor.base_version, model, blob_out)
             await self.bus.publish(
                 Subjects.LENGTH_HEAD,
-                LengthHead(base_version=self.predictor.base_version, version=head.version),
+                LengthHead(base_version=self.predictor.base_version, version=head.version, model=model),
                 blob_out,
             )
-            self.refits.labels("accepted").inc()
+            self.refits.labels("accepted", model).inc()
+            now = self.predictor.version_for(model)
+            log.info("refit of %s accepted (%s): now serving %s", name, change, now)
             return LengthRefitResult(
-                accepted=True,
-                reason=f"{change}: now serving {self.predictor.version}",
-                **(result | {"model_version": self.predictor.version}),
+                accepted=True, reason=f"{change}: now serving {now}", **(result | {"model_version": now})
             )
 
     async def _scores(self, prompts: list[str]) -> np.ndarray:
@@ -445,7 +521,7 @@ class LengthPredictorService:
         return np.concatenate(parts)
 
     async def on_head(self, msg: LengthHead, blob: memoryview) -> None:
-        if not isinstance(msg, LengthHead) or msg.version == self.predictor.head.version:
+        if not isinstance(msg, LengthHead) or msg.version == self.predictor.head_for(msg.model).version:
             return
         if msg.base_version != self.predictor.base_version:
             log.warning(
@@ -463,8 +539,17 @@ class LengthPredictorService:
         if head.version != msg.version:
             log.warning("ignoring head announced as %s: its content is %s", msg.version, head.version)
             return
-        self._install(head, "another replica's refit")
+        self._install(msg.model, head, "another replica's refit")
 
-    def _install(self, head: Head, source: str) -> None:
-        previous, self.predictor.head = self.predictor.version, head
-        log.info("serving head %s from %s (was %s)", head.version, source, previous)
+    def _install(self, model: str, head: Head, source: str) -> None:
+        """Serve `head` for `model`'s requests ("": the shared head, for models without one of their own)."""
+        previous = self.predictor.head_for(model).version
+        if model:
+            self.predictor.model_heads[model] = head
+        else:
+            self.predictor.head = head
+        log.info("serving head %s for %s from %s (was %s)", head.version, head_name(model), source, previous)
+
+
+def head_name(model: str) -> str:
+    return repr(model) if model else "the shared head"

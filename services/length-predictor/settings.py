@@ -4,6 +4,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from llmesh.wire.config import CommonSettings
+from llmesh.wire.messages import LengthRefit
 
 ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact"
 
@@ -43,8 +44,24 @@ class LengthPredictorSettings(CommonSettings):
     length_recent_samples: int = Field(
         5000,
         ge=1,
-        description="Most (prompt, actual length) pairs kept for a refit (in Redis when `redis_url` "
-        "is set, shared by the replicas; else in memory).",
+        description="Most (prompt, actual length) pairs kept for a refit, per served model (in Redis when "
+        "`redis_url` is set, shared by the replicas; else in memory).",
+    )
+    length_refit_every: int = Field(
+        200,
+        ge=0,
+        description="Refit a served model's own head in the background every this many of its (prompt, actual "
+        "length) samples (counted across replicas); kept only if it lowers the held-out log loss; 0: only "
+        "`python -m llmesh_lengthpred.refit`.",
+    )
+    length_refit_min_samples: int = Field(
+        LengthRefit().min_samples, ge=2, description="Fewest samples of a model an automatic refit fits on."
+    )
+    length_refit_holdout: float = Field(
+        LengthRefit().holdout_fraction,
+        gt=0.0,
+        lt=1.0,
+        description="Share of an automatic refit's prompts held out to score it against the current head.",
     )
     length_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     length_metrics_port: int = Field(

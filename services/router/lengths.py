@@ -38,6 +38,9 @@ class Tagged(Protocol):
     def deadline(self) -> float: ...  # wall-clock
 
     @property
+    def model(self) -> str: ...  # the served model: the predictor answers with its head
+
+    @property
     def length_prompt(self) -> str | None: ...
 
 
@@ -93,7 +96,9 @@ class LengthTagger:
             with self._tracer.start_as_current_span("router.length", context=parent):
                 prediction, _ = await self.bus.request(
                     Subjects.LENGTH_PREDICT,
-                    LengthPredictRequest(request_id=request.request_id, prompt=prompt, prompt_chars=chars),
+                    LengthPredictRequest(
+                        request_id=request.request_id, prompt=prompt, prompt_chars=chars, model=request.model
+                    ),
                     LengthPrediction,
                     timeout=min(self.timeout_s, request.deadline - time.time()),
                 )

@@ -432,7 +432,11 @@ class EngineWorker:
             await self.bus.publish(
                 Subjects.length_observed(predicted.replica),
                 LengthObserved(
-                    request_id=request_id, predicted=predicted, actual_tokens=actual_tokens, finish_reason=finish_reason
+                    request_id=request_id,
+                    predicted=predicted,
+                    actual_tokens=actual_tokens,
+                    finish_reason=finish_reason,
+                    model=self.settings.model_name,
                 ),
             )
         except Exception as exc:  # a lost report only costs the predictor one sample
@@ -469,6 +473,7 @@ class EngineWorker:
                     generated=text[-MAX_GENERATED_CHARS:],
                     generated_chars=len(text),
                     generated_tokens=generated,
+                    model=self.settings.model_name,
                 ),
                 LengthRemaining,
                 timeout=REFINE_TIMEOUT_S,

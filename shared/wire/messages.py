@@ -150,6 +150,7 @@ class LengthPredictRequest(Message):
     request_id: str = ""  # names the prediction in the decode worker's LengthObserved report
     prompt: str
     prompt_chars: int | None = Field(default=None, ge=0)
+    model: str = ""  # the served model that will answer (its own head, if it has one); "": the shared head
 
 
 class LengthPrediction(Message):
@@ -173,6 +174,7 @@ class LengthRemainingRequest(Message):
     generated: str  # the output so far (its last MAX_GENERATED_CHARS characters, when longer)
     generated_chars: int | None = Field(default=None, ge=0)  # the whole output's length, if `generated` is cut
     generated_tokens: int = Field(ge=0)  # the whole output's length in the serving model's tokens
+    model: str = ""  # the served model generating it, as LengthPredictRequest's
 
 
 class LengthRemaining(Message):
@@ -190,6 +192,7 @@ class LengthObserved(Message):
     predicted: LengthPrediction
     actual_tokens: int  # completion tokens, the first (from prefill) included
     finish_reason: str  # "length": the cap cut it, so the natural length is at least actual_tokens
+    model: str = ""  # the served model that answered: the sample refits its head ("": the prediction's model)
 
 
 class LengthStatsRequest(Message):
@@ -212,17 +215,20 @@ class LengthStats(Message):
     model_version: str
     predictions: int
     censored: int  # observations cut by max_tokens: not scored, not used to refit
-    samples: int  # (prompt, actual length) pairs available to a refit
+    samples: int  # (prompt, actual length) pairs available to a refit, every model's
     buckets: list[LengthBucketStats]
+    heads: dict[str, str] = {}  # served model -> the version of its own head (others use the shared one)
 
 
 class LengthRefit(Message):
-    """Refit the head (the calibration of the model's score to lengths) on recent (prompt, actual
+    """Refit a head (the calibration of the model's score to lengths) on recent (prompt, actual
     length) pairs; keep the current one unless the refit has a lower log loss on the held-out part
-    (split by prompt)."""
+    (split by prompt). `model` "": the shared head, on every model's pairs; else that served
+    model's own head, on its pairs."""
 
     min_samples: int = Field(default=50, ge=2)
     holdout_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    model: str = ""
 
 
 class LengthRefitResult(Message):
@@ -232,7 +238,8 @@ class LengthRefitResult(Message):
     held_out: int
     before: dict[str, float]  # held-out log_loss, exact, within_one, mae_tokens, constant_mae_tokens: current head
     after: dict[str, float]  # ... of the refit
-    model_version: str  # the version serving now
+    model_version: str  # the version serving `model` now
+    model: str = ""  # the head refitted ("": the shared one)
 
 
 class LengthHead(Message):
@@ -240,6 +247,7 @@ class LengthHead(Message):
 
     base_version: str  # the artifact it was fitted on (its encoder): others ignore it
     version: str
+    model: str = ""  # the served model whose head it is ("": the shared head)
 
 
 # ---- request path ---------------------------------------------------------------------

@@ -272,7 +272,7 @@ async def test_refit_that_is_worse_is_rejected_and_a_better_one_serves_everywher
     # a head that answers 3 for everything knows nothing a constant does not: it says so
     assert not after.informative and after.confidence == 0
     await heads.unsubscribe()
-    service._install(original, "test")  # the artifact's head again, for the tests that follow
+    service._install("", original, "test")  # the artifact's head again, for the tests that follow
 
 
 # ---- the router ---------------------------------------------------------------------------------
