@@ -22,6 +22,7 @@ monolithic engine, whole requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmesh.policies.core import kv_blocks
@@ -130,6 +131,10 @@ class SimEngine:
     _load_s: float = 0.0  # cached KV to bring in during the next step
     steps: int = 0  # finished so far
     view_cache: tuple | None = None  # the simulated heartbeat, and the state it shows (sim.cluster)
+    # the KV blocks it may hold when it shares a device's memory with other models' engines (sim.prism);
+    # None: its profile's own `kv_blocks`
+    kv_limit: Callable[[SimEngine], int] | None = None
+    _reserved: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (steps, batch size) -> reserved blocks
 
     @property
     def requests(self) -> list[SimRequest]:
@@ -138,13 +143,25 @@ class SimEngine:
     def blocks_used(self) -> int:
         return sum(kv_blocks(r.prefilled + r.generated, self.profile.block_size) for r in self.running)
 
+    def reserved_blocks(self) -> int:
+        """The blocks its batch holds: every admitted prompt's, and what they generated (the batch
+        changes only by admission, which grows it, and by a step, which counts itself)."""
+        state = (self.steps, len(self.running))
+        if self._reserved[0] != state:
+            self._reserved = (
+                state,
+                sum(kv_blocks(r.prompt_tokens + r.generated, self.profile.block_size) for r in self.running),
+            )
+        return self._reserved[1]
+
     def _admit(self) -> None:
         """Move waiting requests into the batch while sequences and KV blocks allow (in order)."""
         p = self.profile
-        reserved = sum(kv_blocks(r.prompt_tokens + r.generated, p.block_size) for r in self.running)
+        reserved = self.reserved_blocks()
+        limit = self.kv_limit(self) if self.kv_limit is not None else p.kv_blocks
         while self.waiting and len(self.running) < p.max_seqs:
             need = kv_blocks(self.waiting[0].prompt_tokens + 1, p.block_size)
-            if reserved + need > p.kv_blocks:
+            if reserved + need > limit:
                 break
             reserved += need
             r = self.waiting.pop(0)
