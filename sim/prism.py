@@ -80,8 +80,8 @@ class Settings:
     ttft_slo_s: float = 2.0
     activation_s: float = 0.7  # Prism's fast activation of a <= 8B model on an H100
     idle_after_s: float = 10.0  # Prism evicts a model idle this long, where memory is short
-    placement_interval_s: float = 30.0  # Algorithm 1 re-run on the rates measured over this interval
-    move_threshold: float = 0.0  # Prism's tau, in KV pressure ((1/s) / s of SLO per byte)
+    placement_interval_s: float = 60.0  # Algorithm 1 re-run on the rates measured over this interval
+    move_threshold: float = 0.25  # Prism's tau, as a fraction of the devices' mean KV pressure at the time
     max_wait_s: float = 30.0
     tick_s: float = 0.5  # how often waiting requests are checked for refusal and stalled activations retried
 
@@ -114,8 +114,11 @@ class Device:
 
     def committed_blocks(self) -> int:
         """Held by the batches, and promised to the requests handed to engines not yet admitted."""
-        bs = self.memory.block_bytes // KV_BYTES_PER_TOKEN
-        waiting = sum(kv_blocks(r.prompt_tokens + 1, bs) for i in self.instances.values() for r in i.engine.waiting)
+        waiting = sum(
+            kv_blocks(r.prompt_tokens + 1, i.engine.profile.block_size)
+            for i in self.instances.values()
+            for r in i.engine.waiting
+        )
         return self.reserved_blocks() + waiting
 
     def free_bytes(self) -> int:
@@ -140,11 +143,13 @@ def simulate_models(
     timings; those never served are marked refused."""
     if system not in SYSTEMS:
         raise ValueError(f"system {system!r}: one of {', '.join(SYSTEMS)}")
-    sim = _Sim(profile, memory or Memory.llama2_7b(profile), devices, system == "prism", rates, settings)
+    sim = MultiModelCluster(profile, memory or Memory.llama2_7b(profile), devices, system == "prism", rates, settings)
     return sim.run(requests)
 
 
-class _Sim:
+class MultiModelCluster:
+    """The devices, their models and the requests' events (`run`); counts activations, evictions, moves."""
+
     def __init__(
         self, profile: EngineProfile, memory: Memory, devices: int, prism: bool, rates: dict[str, float], s: Settings
     ) -> None:
@@ -245,7 +250,8 @@ class _Sim:
         self.rates = {m: self.arrived[m] / interval for m in self.rates}
         self.arrived.clear()
         current = {m: (where[0].device_id,) for m in self.rates if (where := self._serving(m))}
-        target = place_models(self._demands(), self._placement_devices(), current, self.s.move_threshold)
+        tau = self.s.move_threshold * sum(map(self._pressure, self.devices)) / len(self.devices)
+        target = place_models(self._demands(), self._placement_devices(), current, tau)
         for model, (device_id,) in target.items():
             to, now_at = self.by_id[device_id], self._serving(model)
             if now_at is None or now_at[0] is to or self.rates[model] == 0:
@@ -275,6 +281,7 @@ class _Sim:
             if where is None:
                 r.refused = True  # the static partition has no room for this model
             else:
+                r.dispatched_at, r.worker_id = self.now, where[1].engine.worker_id
                 where[1].engine.waiting.append(r)
                 self._step(where[0])
             return
@@ -442,13 +449,18 @@ class Run:
     moves: int
 
 
-def highest_load(run: Callable[[float], Run], target: float, start: float, precision: float = 0.03) -> list[Run]:
+def highest_load(
+    run: Callable[[float], Run], target: float, start: float, precision: float = 0.03, doublings: int = 8
+) -> list[Run]:
     """Every run of a search for the highest total rate at which attainment reaches `target`: up by
-    doubling from `start` until it fails, then bisection until the bracket is within `precision`."""
+    doubling from `start` until it fails (at most `doublings` times), then bisection until the
+    bracket is within `precision`."""
     runs: list[Run] = []
     lo, hi = 0.0, start
     while (r := run(hi)).attainment >= target:
         runs.append(r)
+        if len(runs) > doublings:
+            return runs
         lo, hi = hi, hi * 2
     runs.append(r)
     while hi - lo > precision * hi:
@@ -501,7 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                 reqs, rates = requests_at(
                     arrivals, models, args.duration_s, rate, args.max_model_len, settings, tpot_slo_s
                 )
-                sim = _Sim(profile, Memory.llama2_7b(profile), args.devices, system == "prism", rates, settings)
+                sim = MultiModelCluster(
+                    profile, Memory.llama2_7b(profile), args.devices, system == "prism", rates, settings
+                )
                 sim.run(reqs)
                 s = summarize(reqs, settings.ttft_slo_s, tpot_slo_s)
                 r = Run(rate, s.slo_attainment, s.refused, sim.activations, sim.evictions, sim.moves)
