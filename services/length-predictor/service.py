@@ -476,6 +476,7 @@ class LengthPredictorService:
                 fit, held = refit_split(samples, req.holdout_fraction)
             except ValueError as exc:
                 self.refits.labels("skipped", model).inc()
+                log.info("refit of %s skipped: %s", name, exc)
                 return LengthRefitResult(accepted=False, reason=str(exc), **result)
             fit_scores = await self._scores([s.prompt for s in fit])
             held_scores = await self._scores([s.prompt for s in held])

@@ -83,10 +83,10 @@ async def client(nats_url):
         await bus.close()
 
 
-async def predict(bus: Bus, prompt: str, request_id: str = "") -> LengthPrediction:
+async def predict(bus: Bus, prompt: str, request_id: str = "", model: str = "") -> LengthPrediction:
     reply, _ = await bus.request(
         Subjects.LENGTH_PREDICT,
-        LengthPredictRequest(request_id=request_id, prompt=prompt),
+        LengthPredictRequest(request_id=request_id, prompt=prompt, model=model),
         LengthPrediction,
         timeout=10,
     )
@@ -167,12 +167,14 @@ async def test_remaining_length_answers_change_with_the_text_so_far(service, cli
         decode_any(raw.data)
 
 
-async def observe(service, client, prompt: str, actual: int, finish: str = "stop") -> LengthPrediction:
+async def observe(service, client, prompt: str, actual: int, finish: str = "stop", model: str = "") -> LengthPrediction:
     request_id = f"req-{time.monotonic_ns()}"
-    prediction = await predict(client, prompt, request_id)
+    prediction = await predict(client, prompt, request_id, model)
     await client.publish(
         Subjects.length_observed(prediction.replica),
-        LengthObserved(request_id=request_id, predicted=prediction, actual_tokens=actual, finish_reason=finish),
+        LengthObserved(
+            request_id=request_id, predicted=prediction, actual_tokens=actual, finish_reason=finish, model=model
+        ),
     )
     return prediction
 
@@ -216,10 +218,10 @@ def _split(prompts: list[str], holdout: float) -> set[str]:
     return {e.prompt for e in held}
 
 
-async def _feed(service, client, lengths: dict[str, int]) -> None:
+async def _feed(service, client, lengths: dict[str, int], model: str = "") -> None:
     before = (await stats(client, service.replica)).samples
     for prompt, actual in lengths.items():
-        await observe(service, client, prompt, actual)
+        await observe(service, client, prompt, actual, model=model)
     await wait_for(lambda: _samples_at_least(client, service.replica, before + len(lengths)))
 
 
@@ -273,6 +275,44 @@ async def test_refit_that_is_worse_is_rejected_and_a_better_one_serves_everywher
     assert not after.informative and after.confidence == 0
     await heads.unsubscribe()
     service._install("", original, "test")  # the artifact's head again, for the tests that follow
+
+
+async def test_a_models_head_is_refitted_by_itself_serves_only_that_model_and_outlives_a_restart(
+    service, client, nats_url, redis_url
+):
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = service.settings
+    service.settings = settings.model_copy(
+        update={"length_refit_every": 40, "length_refit_min_samples": 20, "length_refit_holdout": 0.25}
+    )
+    try:
+        prompts = [f"{PROMPTS[i % 4]} Item {i}." for i in range(40)]
+        await _feed(service, client, {p: 3 for p in prompts[:39]}, model="terse")
+        assert not service.predictor.model_heads and (await stats(client, service.replica)).heads == {}
+        await _feed(service, client, {prompts[39]: 3}, model="terse")  # the 40th sample of the model, via Redis
+        head = (await wait_for(lambda: _heads(client, service.replica)))["terse"]
+        terse, other = (
+            await predict(client, "Tell me about the ocean.", model="terse"),
+            await predict(client, "Tell me about the ocean.", model="chatty"),
+        )
+        assert terse.bucket == bucket_of(3) and terse.model_version == f"{service.predictor.base_version}-{head}"
+        assert other.model_version == service.predictor.version != terse.model_version
+        # a replica started later serves it too, from Redis
+        bus = await Bus.connect(nats_url, "length-predictor-later")
+        later = await LengthPredictorService.create(bus, settings, "length-later")
+        try:
+            await later.start()
+            assert later.predictor.model_heads == service.predictor.model_heads
+        finally:
+            await bus.close()
+            await later.close()
+    finally:
+        service.settings = settings
+        service.predictor.model_heads.clear()
+
+
+async def _heads(client, replica) -> dict[str, str]:
+    return (await stats(client, replica)).heads
 
 
 # ---- the router ---------------------------------------------------------------------------------
