@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from llmesh.wire.config import CommonSettings, WorkerSettings
+from llmesh.wire.config import CommonSettings, ModelSettings, WorkerSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings
@@ -11,6 +11,7 @@ from llmesh_router.settings import RouterSettings
 TARGET = Path(__file__).with_name("configuration.md")
 SECTIONS = [
     ("Every service", CommonSettings),
+    ("The models: router, workers and the launcher (`make run`)", ModelSettings),
     ("prefill-worker and decode-worker", WorkerSettings),
     ("router", RouterSettings),
     ("kv-store", KvStoreSettings),
@@ -31,7 +32,7 @@ def render() -> str:
     for title, cls in SECTIONS:
         lines += [f"## {title}", "", "| variable | default | meaning |", "|---|---|---|"]
         for name, field in cls.model_fields.items():
-            if cls is not CommonSettings and name in CommonSettings.model_fields:
+            if any(cls is not shared and name in shared.model_fields for shared in (CommonSettings, ModelSettings)):
                 continue
             alias = field.validation_alias
             env = " / ".join(alias.choices) if alias is not None else f"MESH_{name.upper()}"

@@ -37,7 +37,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     bus = await Bus.connect(settings.nats_url, "router")
     policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
-    registry = WorkerRegistry(settings.missed_heartbeats)
+    registry = WorkerRegistry(settings.missed_heartbeats, settings.catalogue())
     scheduler = Scheduler(
         registry,
         policy,
@@ -47,6 +47,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         max_backlog_s=settings.prefill_max_queue_s,
         local_prefill_margin_s=settings.local_prefill_margin_s,
         tpot_slo_s=settings.slo_tpot_ms / 1000,
+        model_wait_s=settings.model_wait_s,
         seed=settings.seed,
     )
 

@@ -11,6 +11,10 @@ yet does not block the others (they may need other workers).
 A request past its prompt (its decode, or a decode resumed elsewhere) is committed: its client has
 its first token, so it is placed before every other waiter and never refused for waiting; only its
 deadline bounds its wait.
+
+A request for a model that no worker serves now (not placed yet, evicted, its workers restarting) is
+parked: it waits for one up to its own limit and its deadline, is not refused by the queue's estimates
+(they are about requests that have workers), and does not count ahead of anyone; committed or not.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Generic, TypeVar
 
 from llmesh.policies import QueuePolicy, RequestView
 from llmesh.policies.queueing import ServiceTime, fcfs
-from llmesh.wire.errors import AtCapacity, MeshError, Overloaded, Timeout
+from llmesh.wire.errors import AtCapacity, MeshError, Overloaded, ServiceUnavailable, Timeout
 
 T = TypeVar("T")
 DRAIN_WINDOW = 64  # departures the queue's drain rate is averaged over (workers free slots in bursts)
@@ -37,6 +41,7 @@ class _Waiter(Generic[T]):
     request: RequestView
     group: Hashable | None  # waiters whose `place` finds room in the same workers (None: its own)
     committed: bool  # past its prompt: placed first, never refused for waiting
+    parked: bool  # its model has no worker now: waits for one, apart from the queue's estimates
     placed: asyncio.Future[T] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -70,7 +75,8 @@ class AdmissionQueue:
         return (position + 1) * self.interval_s
 
     def _uncommitted(self) -> list[_Waiter]:
-        return [w for w in self._waiting if not w.committed]
+        """The waiters the queue's estimates and its policy are about."""
+        return [w for w in self._waiting if not w.committed and not w.parked]
 
     def _overloaded(self, why: str, excess_s: float) -> Overloaded:
         """A refusal, with when to come back: once `excess_s` of the queue has drained, and at most
@@ -79,21 +85,33 @@ class AdmissionQueue:
         return Overloaded(why, retry_after_s=retry_after)
 
     async def admit(
-        self, place: Callable[[], T], request: RequestView, group: Hashable | None = None, *, committed: bool = False
+        self,
+        place: Callable[[], T],
+        request: RequestView,
+        group: Hashable | None = None,
+        *,
+        committed: bool = False,
+        parked_s: float | None = None,
     ) -> tuple[T, bool]:
         """`place()`'s result, and whether it waited in line for it (it does not if nobody waits and
         `place` finds room). Raises Overloaded when the request cannot be served in time, and any
         other error of `place`. Waiters of one `group` look for room in the same workers: once one
         finds none, the others behind it in the policy's order are not tried until room changes again.
         A `committed` request tries `place` ahead of everyone and waits until its deadline (then
-        Timeout), never refused."""
-        if committed or not self._waiting:
+        Timeout), never refused. With `parked_s`, the request's model has no worker now: it waits for
+        one up to `parked_s` and its deadline (then ServiceUnavailable)."""
+        parked = parked_s is not None
+        if committed or all(w.parked for w in self._waiting):  # parked ones hold back no one
             try:
                 return place(), False
             except AtCapacity:
                 pass
         now = self._clock()
-        if committed:
+        if parked:
+            if len(self._waiting) >= self.max_waiting and not committed:
+                raise self._overloaded(f"the router's queue is full ({self.max_waiting} requests waiting)", 1.0)
+            limit = max(min(request.deadline - now, parked_s or 0.0), 0.0)
+        elif committed:
             limit = max(request.deadline - now, 0.0)
         else:
             ahead = len(self._uncommitted())
@@ -115,15 +133,17 @@ class AdmissionQueue:
                     wait - allowed,
                 )
             limit = max(allowed, 0.0)
-        waiter = _Waiter(place, request, group, committed)
+        waiter = _Waiter(place, request, group, committed, parked)
         self._waiting.append(waiter)
-        if self._left_at is None and not committed:
+        if self._left_at is None and not committed and not parked:
             self._left_at = now
         self._refuse_hopeless(now)
         try:
             async with asyncio.timeout(limit):
                 return await waiter.placed, True
         except TimeoutError:
+            if parked:
+                raise ServiceUnavailable(f"no worker served {request.model!r} within {limit:.1f}s") from None
             if committed:
                 raise Timeout(f"no worker had room for it before its deadline ({limit:.1f}s)") from None
             raise self._overloaded(
@@ -161,7 +181,7 @@ class AdmissionQueue:
                 waiter.placed.set_exception(exc)
                 continue
             self._waiting.remove(waiter)
-            if not waiter.committed:
+            if not waiter.committed and not waiter.parked:
                 self._note_departure()
 
     def _refuse_hopeless(self, now: float) -> None:

@@ -1,15 +1,17 @@
-"""Live workers, learned from heartbeats; dead ones are dropped and whoever watches them is told."""
+"""Live workers, learned from heartbeats; dead ones are dropped and whoever watches them is told. And
+the models the mesh has: its catalogue (MESH_MODELS) and whatever a live worker serves."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from llmesh.wire.errors import ModelNotFound, ServiceUnavailable, StreamInterrupted, WorkerLost
+from llmesh.wire.config import ServedModel
+from llmesh.wire.errors import ModelNotFound, StreamInterrupted, WorkerLost
 from llmesh.wire.messages import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,13 @@ class WorkerRegistry:
     of each heartbeat and of each worker dropped; what is believed about load is theirs
     (llmesh_router.scheduler)."""
 
-    def __init__(self, missed_heartbeats: int = 3, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        missed_heartbeats: int = 3,
+        catalogue: Sequence[ServedModel] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.catalogue = {m.name: m for m in catalogue}
         self._workers: dict[str, _Member] = {}
         self._missed = missed_heartbeats
         self._clock = clock
@@ -47,6 +55,8 @@ class WorkerRegistry:
         member = self._workers.get(info.worker_id)
         if member is None:
             log.info("worker %s (%s, %s) joined", info.worker_id, info.role, info.model)
+            if self.catalogue and info.model not in self.catalogue:
+                log.warning("worker %s serves %r, which is not in MESH_MODELS", info.worker_id, info.model)
             self._warn_on_layout_mismatch(info)
             self._workers[info.worker_id] = _Member(info, self._clock())
         else:
@@ -107,16 +117,15 @@ class WorkerRegistry:
         return None if member is None else member.info
 
     def models(self) -> list[str]:
-        return sorted({m.info.model for m in self._workers.values()})
+        """The models the mesh has: the catalogue's, and any a live worker serves."""
+        return sorted(self.catalogue.keys() | {m.info.model for m in self._workers.values()})
 
     def live(self, role: str | None = None) -> list[WorkerInfo]:
         return [m.info for m in self._workers.values() if role is None or m.info.role == role]
 
-    def check_served(self, model: str) -> None:
-        """Raise unless a live worker serves `model`."""
-        if not self._workers:
-            raise ServiceUnavailable("no live workers: the mesh is starting or its workers are down")
-        if model not in self.models():
+    def check_known(self, model: str) -> None:
+        """Raise ModelNotFound unless the mesh has `model` (whether or not a worker serves it now)."""
+        if model not in self.catalogue and not any(m.info.model == model for m in self._workers.values()):
             raise ModelNotFound(
                 f"The model {model!r} does not exist. Available: {', '.join(self.models()) or 'none'}", param="model"
             )

@@ -25,7 +25,7 @@ from llmesh.policies.baseline import least_loaded
 from llmesh.policies.core import Role, fits_request
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 from llmesh.policies.views import worker_view
-from llmesh.wire.errors import AtCapacity, MeshError, ServiceUnavailable
+from llmesh.wire.errors import AtCapacity, MeshError, ModelNotPlaced, ServiceUnavailable
 from llmesh.wire.messages import WorkerInfo
 
 from .admission import AdmissionQueue
@@ -87,6 +87,7 @@ class Scheduler:
         max_backlog_s: float | None = None,
         local_prefill_margin_s: float | None = 0.25,
         tpot_slo_s: float = 0.05,
+        model_wait_s: float = 60.0,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -96,6 +97,7 @@ class Scheduler:
         self.max_backlog_s = max_backlog_s  # llmesh.policies.core.has_room
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
         self.tpot_slo_s = tpot_slo_s
+        self.model_wait_s = model_wait_s  # how long a request waits for a worker of a model none serves
         self._rng = random.Random(seed)
         self._clock = clock
         self._load: dict[str, _Load] = defaultdict(_Load)  # worker id -> its load since its last heartbeat
@@ -155,7 +157,7 @@ class Scheduler:
         """Choose a live worker for `request` by the dispatch policy (with KV layout `fingerprint`,
         among those that run whole requests if `generates`) and count the request against it unless
         not `reserve`d; raise a typed error when none fits."""
-        self.registry.check_served(request.model)
+        self.registry.check_known(request.model)
         live = {info.worker_id: info for info in self.registry.live()}
         cached = self._prefixes.matches(list(live), request.prefix_hashes) if self._prefixes else {}
         ctx = DispatchContext(
@@ -174,6 +176,8 @@ class Scheduler:
         if chosen is None:
             detail = f" with KV fingerprint {fingerprint}" if fingerprint else ""
             if not any(fits_request(ctx, w) for w in ctx.workers):
+                if not self.serves(role, request.model):
+                    raise ModelNotPlaced(f"no active {role} worker serves {request.model!r} now")
                 raise ServiceUnavailable(f"no live {role} worker for {request.model!r}{detail}")
             raise AtCapacity(
                 f"no {role} worker for {request.model!r}{detail} can take the request now "
@@ -249,10 +253,10 @@ class Scheduler:
         return sum(max(v.capacity - v.running - v.assigned, 0) for v in views) if views else None
 
     def take_claim(self, claim: DecodeClaim) -> None:
-        self.registry.check_served(claim.model)
+        self.registry.check_known(claim.model)
         room = self.decode_room(claim.model)
         if room is None:
-            raise ServiceUnavailable(f"no live decode worker for {claim.model!r}")
+            raise ModelNotPlaced(f"no active decode worker serves {claim.model!r} now")
         if room <= self._claims[claim.model]:
             raise AtCapacity(
                 f"the decode workers of {claim.model!r} have room for {room} more requests, all "
@@ -295,7 +299,19 @@ class Scheduler:
         group: Hashable | None = (
             None if self.policy.declines_by_request else (role, request.model, fingerprint, claim is None)
         )
-        return await self.admission.admit(place, request, group, committed=role == "decode")
+        self.registry.check_known(request.model)
+        unserved = not self.serves(role, request.model) or (
+            claim is not None and not self.serves("decode", claim.model)
+        )
+        return await self.admission.admit(
+            place, request, group, committed=role == "decode", parked_s=self.model_wait_s if unserved else None
+        )
+
+    def serves(self, role: Role, model: str) -> bool:
+        """Whether an active worker of `role` serves `model` now."""
+        return any(
+            v.role == role and v.model == model and v.state == "active" for v in map(self.view, self.registry.live())
+        )
 
     def prefill_seconds(self, request: RequestView) -> float:
         """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""

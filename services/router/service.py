@@ -38,6 +38,11 @@ from .registry import WorkerRegistry
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2
+SSE_KEEPALIVE_S = 15.0  # a stream silent this long gets an SSE comment (proxies cut idle streams at 60 s)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return ms / 1000 if ms else None
 
 
 def create_app(
@@ -126,6 +131,7 @@ def create_app(
             },
         )
         parent = trace.set_span_in_context(span)
+        served = registry.catalogue.get(body.model)  # its targets, where the request sets none
         gen = Generation(
             request_id=request_id,
             model=body.model,
@@ -136,8 +142,8 @@ def create_app(
             deadline=time.time() + request_timeout_s,
             cache_salt=body.cache_salt,
             priority=body.priority,
-            ttft_slo_s=body.ttft_slo_ms / 1000 if body.ttft_slo_ms else None,
-            tpot_slo_s=body.tpot_slo_ms / 1000 if body.tpot_slo_ms else None,
+            ttft_slo_s=_seconds(body.ttft_slo_ms or (served and served.ttft_slo_ms)),
+            tpot_slo_s=_seconds(body.tpot_slo_ms or (served and served.tpot_slo_ms)),
         )
         shape = ResponseShape(chat, request_id, body.model)
         deltas = dispatcher.generate(gen, parent)
@@ -196,7 +202,10 @@ def create_app(
             try:
                 ids = body.return_token_ids
                 yield shape.chunk_event(first.text, first.finish_reason, True, first.token_ids if ids else None)
-                async for delta in deltas:
+                async for delta in with_keepalive(deltas, SSE_KEEPALIVE_S):
+                    if delta is None:  # a silence (e.g. waiting for a worker): proxies and clients keep the stream
+                        yield b": keep-alive\n\n"
+                        continue
                     last = times.seen(delta)
                     yield shape.chunk_event(delta.text, delta.finish_reason, token_ids=delta.token_ids if ids else None)
                 if body.include_usage:
@@ -226,6 +235,28 @@ def create_app(
 
 async def _collect(deltas: AsyncIterator[TokenDelta], times: RequestTimes) -> list[TokenDelta]:
     return [times.seen(d) async for d in deltas]
+
+
+async def with_keepalive(items: AsyncIterator[T], every_s: float) -> AsyncIterator[T | None]:
+    """`items`, and None after each `every_s` without one."""
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(items))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            await cancel_and_wait(pending)
 
 
 class _ClientGone(Exception):

@@ -4,13 +4,13 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from llmesh.policies import POLICIES, QUEUE_POLICIES, Policy, QueuePolicy, make_policy, make_queue_policy
-from llmesh.wire.config import CommonSettings
+from llmesh.wire.config import CommonSettings, ModelSettings
 from llmesh.wire.secrets import API_KEYS_FILE
 
 from .auth import KeyRing
 
 
-class RouterSettings(CommonSettings):
+class RouterSettings(ModelSettings, CommonSettings):
     NATS_USER: ClassVar[str] = "router"
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, description="HTTP port.")
@@ -27,6 +27,12 @@ class RouterSettings(CommonSettings):
         "--file F` makes a key and adds its line). Default: MESH_SECRETS_DIR's, if set.",
     )
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
+    model_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a request for a model of MESH_MODELS that no active worker serves (not placed yet, "
+        "evicted, its workers restarting) waits for one, within its deadline; then 503.",
+    )
     missed_heartbeats: int = Field(3, description="A worker silent this many heartbeat periods is dead.")
     policy: str = Field("least_loaded", description="Dispatch policy (llmesh.policies): " + ", ".join(POLICIES) + ".")
     policy_params: dict[str, float] = Field(

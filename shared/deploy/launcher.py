@@ -30,6 +30,7 @@ from llmesh.deploy.credentials import (
     set_nats_tls,
     write_private,
 )
+from llmesh.wire.config import ModelSettings, ServedModel
 from llmesh.wire.kvkeys import check_sizes_can_share
 from llmesh.wire.secrets import with_userinfo
 
@@ -346,13 +347,26 @@ def engine_cores(ranks: dict[str, int] | None = None) -> dict[str, dict[str, str
     return out
 
 
-def worker_envs(service: str, count: int) -> list[tuple[str, dict[str, str]]]:
-    """(name, environment) of each of `count` workers of `service`: one keeps its default id
-    (<role>-<host>-<pid>); several are <role>-0, <role>-1, ..."""
+def worker_envs(service: str, count: int, model: str | None = None) -> list[tuple[str, dict[str, str]]]:
+    """(name, environment) of each of `count` workers of `service` serving `model` (a catalogue name;
+    None: the mesh's only model): one keeps its default id (<role>-<host>-<pid>); several are <role>-0,
+    <role>-1, ...; a model's name goes into both (<role>-<model>-0)."""
+    served = {} if model is None else {"MESH_SERVED_MODEL_NAME": model}
+    tag = "" if model is None else "-" + "".join(c if c.isalnum() else "-" for c in model).strip("-")
     if count == 1:
-        return [(service, {})]
+        return [(f"{service}{tag}", served)]
     role = service.removesuffix("-worker")
-    return [(f"{service}-{i}", {"MESH_WORKER_ID": f"{role}-{i}"}) for i in range(count)]
+    return [(f"{service}{tag}-{i}", {"MESH_WORKER_ID": f"{role}{tag}-{i}"} | served) for i in range(count)]
+
+
+def started_models(catalogue: Sequence[ServedModel], names: Sequence[str] | None) -> list[ServedModel]:
+    """The catalogue's models named (all: None), in its order; an unknown name is an error."""
+    if names is None:
+        return list(catalogue)
+    unknown = set(names) - {m.name for m in catalogue}
+    if unknown:
+        raise ValueError(f"not in the catalogue (MESH_MODELS): {', '.join(sorted(unknown))}")
+    return [m for m in catalogue if m.name in names]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
         help="decode workers to run (sharing the decode half of the cores)",
     )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=[n for n in os.environ.get("MESH_STARTED_MODELS", "").split(",") if n] or None,
+        help="the models of the catalogue (MESH_MODELS) to start workers for (default: every one); a request for "
+        "another waits until a worker serving it joins",
+    )
     for role in ("prefill", "decode"):
         parser.add_argument(
             f"--{role}-tensor-parallel-size",
@@ -386,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
             default=int(
                 os.environ.get(f"MESH_{role.upper()}_TENSOR_PARALLEL_SIZE")
                 or os.environ.get("MESH_TENSOR_PARALLEL_SIZE")
-                or 1
-            ),
-            help=f"tensor-parallel ranks of each {role} engine (on CPU, a core each)",
+                or 0
+            )
+            or None,
+            help=f"tensor-parallel ranks of each {role} engine (on CPU, a core each); default: each model's in "
+            "MESH_MODELS, else 1",
         )
     parser.add_argument(
         "--secrets",
@@ -414,13 +437,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.prefill_workers, args.decode_workers) < 1:
         parser.error("--prefill-workers and --decode-workers must be at least 1")
-    ranks = {"prefill-worker": args.prefill_tensor_parallel_size, "decode-worker": args.decode_tensor_parallel_size}
-    if min(ranks.values()) < 1:
+    try:
+        catalogue = ModelSettings().catalogue()
+        models = started_models(catalogue, args.models)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        parser.error(str(exc))
+    flags = {"prefill-worker": args.prefill_tensor_parallel_size, "decode-worker": args.decode_tensor_parallel_size}
+    # tensor-parallel ranks: service -> model -> ranks of each of its engines
+    parallel = {service: {m.name: flag or m.tensor_parallel_size for m in models} for service, flag in flags.items()}
+    if any(n < 1 for sizes in parallel.values() for n in sizes.values()):
         parser.error("tensor-parallel sizes must be at least 1")
     try:
-        check_sizes_can_share(ranks.values(), int(os.environ.get("MESH_KV_HEADS_PER_CHUNK") or 0))
+        for model in models:
+            check_sizes_can_share(
+                [parallel[s][model.name] for s in parallel], int(os.environ.get("MESH_KV_HEADS_PER_CHUNK") or 0)
+            )
     except ValueError as exc:
         parser.error(str(exc))
+    ranks = {service: max(sizes.values(), default=1) for service, sizes in parallel.items()}
 
     workdir = Path(tempfile.mkdtemp(prefix="llmesh-"))
     log = (lambda name: args.logs / f"{name}.log") if args.logs else (lambda name: None)
@@ -476,12 +510,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         services.append(("length-predictor", "length-predictor", {}))
         cores = engine_cores(ranks)
-        for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
-            parallel = {"MESH_TENSOR_PARALLEL_SIZE": str(ranks[service])}
-            services += [
-                (service, name, cores.get(service, {}) | parallel | worker_env)
-                for name, worker_env in worker_envs(service, count)
-            ]
+        for model in models:
+            for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
+                size = {"MESH_TENSOR_PARALLEL_SIZE": str(parallel[service][model.name])}
+                services += [
+                    (service, name, cores.get(service, {}) | size | worker_env)
+                    for name, worker_env in worker_envs(service, count, model.name if len(catalogue) > 1 else None)
+                ]
         services += [("router", "router", {}), ("placement", "placement", {})]
         for service, name, own_env in services:
             supervised.append(

@@ -17,9 +17,11 @@ EMBEDDED = {
     # name: (hidden, layers, heads, kv_heads, intermediate)
     "llmesh/tiny-llama": (256, 4, 8, 4, 512),
     "llmesh/small-llama": (1024, 8, 16, 8, 2816),
+    "llmesh/tiny-llama-b": (256, 4, 8, 4, 512),  # tiny-llama's shapes and tokenizer, other weights
 }
 VOCAB_SIZE = 2000
 SEED = 1234
+SEEDS = {"llmesh/tiny-llama-b": 4321}  # the weights' seed, where not SEED
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -39,7 +41,7 @@ def resolve_model(name: str, model_dir: Path) -> str:
         if not (target / "config.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
             try:
-                build_model(tmp, *EMBEDDED[name])
+                build_model(tmp, *EMBEDDED[name], seed=SEEDS.get(name, SEED))
                 tmp.chmod(0o755)
                 tmp.rename(target)
             finally:

@@ -97,17 +97,88 @@ class ConnectorConfig(BaseModel):
         return cls.model_validate(extra or {})
 
 
-class WorkerSettings(CommonSettings):
+class ServedModel(BaseModel):
+    """One model of the mesh's catalogue (`MESH_MODELS`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="What clients send in `model`.")
+    model: str = Field(EMBEDDED_MODEL, min_length=1, description="HF model path or name, or an embedded model.")
+    ttft_slo_ms: float | None = Field(None, gt=0, description="Its requests' time-to-first-token target.")
+    tpot_slo_ms: float | None = Field(None, gt=0, description="Its requests' time-per-output-token target.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks each of its engines splits its layers' heads across.")
+
+
+class ModelSettings(BaseSettings):
+    """The models the mesh serves: the catalogue every service reads the same way (`catalogue`)."""
+
+    model_config = SettingsConfigDict(env_prefix="MESH_", extra="ignore")
+
+    models: list[ServedModel] | None = Field(
+        None,
+        description="The models the mesh serves, as a JSON list of {name, model, ttft_slo_ms, tpot_slo_ms, "
+        'tensor_parallel_size}, e.g. [{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct"}]; a worker '
+        "serves the one MESH_SERVED_MODEL_NAME names (default: the first). The router lists them all and a request "
+        "for one that no worker serves waits for one (MESH_MODEL_WAIT_S); other names get 404. `make run` starts "
+        "workers for each, or for those MESH_STARTED_MODELS lists (comma-separated). Empty: the one model "
+        "MESH_MODEL and MESH_SERVED_MODEL_NAME say.",
+    )
+    model: str = Field(
+        EMBEDDED_MODEL,
+        description=f"HF model path or name; {EMBEDDED_MODEL!r} builds the embedded tiny random model. With "
+        "MESH_MODELS: taken from there.",
+    )
+    served_model_name: str = Field("", description="Name clients use in `model`; default: the model.")
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ServedModel] | None) -> list[ServedModel] | None:
+        names = [m.name for m in models or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique: {names}")
+        return models
+
+    @model_validator(mode="after")
+    def _from_catalogue(self) -> ModelSettings:
+        """With a catalogue, `model` and `served_model_name` are its entry's (the first unless named)."""
+        if not self.models:
+            return self
+        entry = self.served_model() if self.served_model_name else self.models[0]
+        if "model" in self.model_fields_set and self.model != entry.model:
+            raise ValueError(f"MESH_MODEL={self.model!r} differs from MESH_MODELS' {entry.name!r} ({entry.model!r})")
+        self.model, self.served_model_name = entry.model, entry.name
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def catalogue(self) -> list[ServedModel]:
+        """Every model the mesh serves."""
+        return self.models or [ServedModel(name=self.model_name, model=self.model)]
+
+    def served_model(self) -> ServedModel:
+        """This service's model (a worker's): the catalogue's entry for MESH_SERVED_MODEL_NAME."""
+        found = [m for m in self.catalogue() if m.name == self.model_name]
+        if not found:
+            raise ValueError(
+                f"MESH_SERVED_MODEL_NAME={self.model_name!r} is not in MESH_MODELS "
+                f"({', '.join(m.name for m in self.catalogue())})"
+            )
+        return found[0]
+
+
+class WorkerSettings(ModelSettings, CommonSettings):
     """Shared by prefill and decode workers: the engine must be configured identically on both."""
 
     NATS_USER: ClassVar[str] = "worker"
 
     worker_id: str = Field("", description="Unique worker name; default: <role>-<host>-<pid>.")
-    model: str = Field(
-        EMBEDDED_MODEL,
-        description=f"HF model path or name; {EMBEDDED_MODEL!r} builds the embedded tiny random model.",
-    )
-    served_model_name: str = Field("", description="Name clients use in `model`; default: the model.")
     model_dir: Path = Field(Path.home() / ".cache" / "llmesh", description="Where the embedded model is built.")
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(  # vLLM's ModelDType
         "bfloat16", description="Weights and KV dtype."
@@ -230,6 +301,8 @@ class WorkerSettings(CommonSettings):
         "'async': load all layers before the request is scheduled.",
     )
 
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
+    @model_validator(mode="after")
+    def _parallel_from_catalogue(self) -> WorkerSettings:
+        if self.models and "tensor_parallel_size" not in self.model_fields_set:
+            self.tensor_parallel_size = self.served_model().tensor_parallel_size
+        return self

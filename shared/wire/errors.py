@@ -85,6 +85,13 @@ class AtCapacity(ServiceUnavailable):
     code = "at_capacity"
 
 
+class ModelNotPlaced(AtCapacity):
+    """The mesh has the model, but no active worker serves it now (not placed yet, evicted, restarting):
+    the request waits for one."""
+
+    code = "model_not_placed"
+
+
 class Overloaded(MeshError):
     """The router's queue is full, or cannot serve the request before its deadline: retry later.
     OpenAI's rate-limit shape, so clients back off by `Retry-After`."""

@@ -10,6 +10,7 @@ import pytest
 
 from llmesh.policies import RequestView
 from llmesh.wire.bus import Bus
+from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import WorkerLost
 from llmesh.wire.messages import WorkerInfo
 from llmesh_router.auth import KeyRing
@@ -50,20 +51,37 @@ async def _client(nats_url, scheduler, keys=None):
     return bus, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
-async def test_no_live_worker_is_503_within_a_second(nats_url):
-    bus, client = await _client(nats_url, Scheduler(WorkerRegistry()))
+async def test_a_model_no_worker_serves_waits_for_one_and_an_unknown_model_is_404_at_once(nats_url):
+    registry = WorkerRegistry(catalogue=[ServedModel(name="m"), ServedModel(name="n")])
+    bus, client = await _client(nats_url, Scheduler(registry, model_wait_s=0.5))
     try:
+        assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == ["m", "n"]
         for path, body in [
             ("/v1/completions", {"model": "m", "prompt": "hi"}),
             ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
         ]:
             started = time.monotonic()
             resp = await client.post(path, json=body)
-            assert time.monotonic() - started < 1
-            assert resp.status_code == 503 and resp.json()["error"]["code"] == "service_unavailable"
+            assert 0.5 <= time.monotonic() - started < 1.5
+            assert resp.status_code == 503 and "no worker served 'm' within 0.5s" in resp.json()["error"]["message"]
+        started = time.monotonic()
+        resp = await client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+        assert time.monotonic() - started < 0.5
         health = await client.get("/health")
         assert health.status_code == 503
         assert "llmesh_request_errors_total" in (await client.get("/metrics")).text
+
+        # workers of `n` join while a request for it waits: it goes to them (ghosts: NATS finds no one there,
+        # so it waits again, for a worker that answers)
+        waiting = asyncio.create_task(client.post("/v1/completions", json={"model": "n", "prompt": "hi"}))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        registry.on_heartbeat(info("p-n", model="n"))
+        registry.on_heartbeat(info("d-n", role="decode", model="n"))
+        resp = await waiting
+        assert resp.status_code == 503 and "no worker served 'n'" in resp.json()["error"]["message"], resp.text
+        assert "llmesh_redispatches_total 1.0" in (await client.get("/metrics")).text
     finally:
         await client.aclose()
         await bus.close()
@@ -103,11 +121,12 @@ async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_reque
 
 
 async def test_worker_that_vanished_without_deregistering_is_503_fast(nats_url):
-    """Heartbeats say a worker lives, but nothing serves its subject: NATS answers no-responders."""
+    """Heartbeats say a worker lives, but nothing serves its subject: NATS answers no-responders, and with
+    no other worker for the model and no wait for one configured, the request ends at once."""
     registry = WorkerRegistry()
     registry.on_heartbeat(info("ghost-prefill"))
     registry.on_heartbeat(info("ghost-decode", role="decode"))
-    bus, client = await _client(nats_url, Scheduler(registry))
+    bus, client = await _client(nats_url, Scheduler(registry, model_wait_s=0))
     try:
         started = time.monotonic()
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})

@@ -4,6 +4,8 @@ import os
 import sys
 import time
 
+import pytest
+
 from llmesh.deploy.launcher import Child, Supervised, stop_all
 
 
@@ -104,3 +106,22 @@ def test_stopping_children_signals_each_once_so_its_shutdown_runs_to_the_end(tmp
         time.sleep(0.05)
     stop_all([child], timeout=10)
     assert child.log_tail().splitlines() == ["up", "term"]
+
+
+def test_each_started_model_gets_its_workers_named_after_it_and_an_unknown_one_is_refused():
+    from llmesh.deploy.launcher import started_models, worker_envs
+    from llmesh.wire.config import ServedModel
+
+    assert worker_envs("prefill-worker", 1) == [("prefill-worker", {})]
+    assert worker_envs("decode-worker", 2, "llmesh/tiny-llama") == [
+        ("decode-worker-llmesh-tiny-llama-0", {"MESH_WORKER_ID": "decode-llmesh-tiny-llama-0"} | SERVED),
+        ("decode-worker-llmesh-tiny-llama-1", {"MESH_WORKER_ID": "decode-llmesh-tiny-llama-1"} | SERVED),
+    ]
+    catalogue = [ServedModel(name="a"), ServedModel(name="b"), ServedModel(name="c")]
+    assert [m.name for m in started_models(catalogue, None)] == ["a", "b", "c"]
+    assert [m.name for m in started_models(catalogue, ["c", "a"])] == ["a", "c"]
+    with pytest.raises(ValueError, match="not in the catalogue.*: x"):
+        started_models(catalogue, ["a", "x"])
+
+
+SERVED = {"MESH_SERVED_MODEL_NAME": "llmesh/tiny-llama"}

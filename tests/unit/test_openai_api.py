@@ -175,3 +175,17 @@ async def test_running_and_waiting_requests_per_served_model():
     assert not any("made-up" in key for key in [*during, *after])
     assert [after[name % model] for name in (waiting, running) for model in "mn"] == [0, 0, 0, 0]
     assert after["vllm:request_success_total{finished_reason=length,model_name=n}"] == 1
+
+
+async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
+    import asyncio
+
+    from llmesh_router.service import with_keepalive
+
+    async def items():
+        yield 1
+        await asyncio.sleep(0.25)  # two periods of silence
+        yield 2
+
+    got = [item async for item in with_keepalive(items(), 0.1)]
+    assert got[0] == 1 and got[-1] == 2 and got[1:-1] == [None, None]

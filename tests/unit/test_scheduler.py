@@ -1,7 +1,13 @@
 """The router's scheduler follows the registry: a heartbeat replaces what it assumed since the last one,
 a worker that left is forgotten (llmesh_router.scheduler)."""
 
+import asyncio
+
+import pytest
+
 from llmesh.policies import RequestView, make_policy
+from llmesh.wire.config import ServedModel
+from llmesh.wire.errors import ModelNotFound, ServiceUnavailable
 from llmesh.wire.messages import WorkerInfo
 from llmesh_router.registry import WorkerRegistry
 from llmesh_router.scheduler import Scheduler
@@ -44,3 +50,32 @@ def test_reservations_last_until_the_next_heartbeat_and_a_worker_that_left_is_fo
     registry.on_heartbeat(info("a"))
     # the prefix index forgot where r1's blocks went: b is as good as a
     assert not scheduler._prefixes.matches(["a", "b"], (1, 2)).get("a")
+
+
+async def test_a_request_for_a_model_no_worker_serves_waits_for_one_apart_from_the_queue():
+    """Parked: the queue's estimates (about requests that have workers) neither refuse it nor count it
+    ahead of others; a worker of its model joining places it; an unknown model is refused at once."""
+    now = [0.0]
+    registry = WorkerRegistry(catalogue=[ServedModel(name="m"), ServedModel(name="n")], clock=lambda: now[0])
+    scheduler = Scheduler(registry, max_wait_s=1.0, model_wait_s=30.0, clock=lambda: now[0])
+    queue = scheduler.admission
+    queue._gaps.extend([5.0] * 8)  # the queue drains a request every 5 s: past max_wait_s for anyone behind one
+    parked = asyncio.create_task(scheduler.admit("prefill", RequestView("r-n", "n", 100, arrival=0.0, deadline=1e12)))
+    await asyncio.sleep(0)
+    assert len(queue) == 1 and not parked.done() and queue._waiting[0].parked
+    registry.on_heartbeat(info("a"))  # a worker of m has room: m's request is placed at once, n's waits on
+    worker, waited = await scheduler.admit("prefill", request("r-m"))
+    assert (worker.worker_id, waited) == ("a", False)
+    with pytest.raises(ModelNotFound):
+        await scheduler.admit("prefill", RequestView("r-x", "x", 100, arrival=0.0, deadline=1e12))
+    registry.on_heartbeat(info("b").model_copy(update={"model": "n"}))
+    worker, waited = await asyncio.wait_for(parked, 1)
+    assert (worker.worker_id, waited) == ("b", True)
+
+
+async def test_a_parked_request_ends_with_a_503_after_the_models_wait():
+    registry = WorkerRegistry(catalogue=[ServedModel(name="m")])
+    scheduler = Scheduler(registry, model_wait_s=0.05, clock=lambda: 0.0)
+    with pytest.raises(ServiceUnavailable, match="no worker served 'm' within 0.1s"):
+        await scheduler.admit("prefill", request("r1"))
+    assert len(scheduler.admission) == 0
