@@ -247,7 +247,7 @@ class SharedState:
         if self._redis is not None:
             try:
                 if model is None:
-                    models |= {m.decode() for m in await self._redis.smembers(MODELS_KEY)} | {""}
+                    models |= {cast(bytes, m).decode() for m in await self._redis.smembers(MODELS_KEY)} | {""}
                 pairs = [
                     (m, json.loads(item))
                     for m in sorted(models)
@@ -281,7 +281,7 @@ class SharedState:
         except REDIS_ERRORS as exc:
             log.warning("Redis is unreachable (%s): serving the artifact's head", exc)
             return {}
-        heads = {model.decode(): cast(bytes, blob) for model, blob in own.items()}
+        heads = {cast(bytes, model).decode(): cast(bytes, blob) for model, blob in own.items()}
         return heads | ({"": cast(bytes, shared)} if shared is not None else {})
 
     async def close(self) -> None:
