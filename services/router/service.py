@@ -142,8 +142,8 @@ def create_app(
             deadline=time.time() + request_timeout_s,
             cache_salt=body.cache_salt,
             priority=body.priority,
-            ttft_slo_s=_seconds(body.ttft_slo_ms or (served and served.ttft_slo_ms)),
-            tpot_slo_s=_seconds(body.tpot_slo_ms or (served and served.tpot_slo_ms)),
+            ttft_slo_s=_seconds(body.ttft_slo_ms or (served.ttft_slo_ms if served else None)),
+            tpot_slo_s=_seconds(body.tpot_slo_ms or (served.tpot_slo_ms if served else None)),
         )
         shape = ResponseShape(chat, request_id, body.model)
         deltas = dispatcher.generate(gen, parent)

@@ -87,6 +87,28 @@ async def test_a_model_no_worker_serves_waits_for_one_and_an_unknown_model_is_40
         await bus.close()
 
 
+async def test_a_models_targets_in_the_catalogue_are_its_requests_defaults(nats_url):
+    registry = WorkerRegistry(catalogue=[ServedModel(name="m", ttft_slo_ms=250, tpot_slo_ms=20)])
+    scheduler = Scheduler(registry, model_wait_s=0)
+    seen: list[RequestView] = []
+    admit = scheduler.admit
+
+    async def spy(role, view, *args, **kwargs):
+        seen.append(view)
+        return await admit(role, view, *args, **kwargs)
+
+    scheduler.admit = spy  # type: ignore[method-assign]
+    bus, client = await _client(nats_url, scheduler)
+    try:
+        for extra in ({}, {"ttft_slo_ms": 900}):
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"} | extra)
+            assert resp.status_code == 503  # no worker: only the request's view matters here
+        assert [(v.ttft_slo_s, v.tpot_slo_s) for v in seen] == [(0.25, 0.02), (0.9, 0.02)]
+    finally:
+        await client.aclose()
+        await bus.close()
+
+
 async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_request_reaches_no_worker(nats_url):
     registry = WorkerRegistry()
     registry.on_heartbeat(info("p1"))  # a worker that never answers: a request past the door would wait on it
