@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ from .gpu_profile import DTYPE_BYTES, KV_BYTES_PER_TOKEN, PARAMS
 from .multimodel import Arrival, model_name, multimodel_workload
 
 SYSTEMS = ("prism", "static")
+LOWEST = 32  # the load search goes no lower than its start over this
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ class MultiModelCluster:
         self.pending: dict[str, list[SimRequest]] = {}  # requests of models resident nowhere
         self.arrived: Counter[str] = Counter()  # since the last placement
         self.moves = self.evictions = self.activations = 0
+        self.open = 0  # requests neither finished nor refused
         self.views: dict[str, RequestView] = {}
         for model, (device_id,) in place_models(self._demands(), self._placement_devices()).items():
             self._add_instance(model, self.by_id[device_id], ready_at=0.0)
@@ -280,7 +283,7 @@ class MultiModelCluster:
         where = self._serving(r.model)
         if not self.prism:
             if where is None:
-                r.refused = True  # the static partition has no room for this model
+                self._refuse(r)  # the static partition has no room for this model
             else:
                 r.dispatched_at, r.worker_id = self.now, where[1].engine.worker_id
                 where[1].engine.waiting.append(r)
@@ -344,9 +347,13 @@ class MultiModelCluster:
                 self._push(end, "step", (d, inst.engine))
                 return
 
+    def _refuse(self, r: SimRequest) -> None:
+        r.refused = True
+        self.open -= 1
+
     def _finish_step(self, d: Device, engine: SimEngine) -> None:
         d.busy_until = None
-        engine.finish_step(self.now)
+        self.open -= sum(r.finished_at is not None for r in engine.finish_step(self.now))
         inst = d.instances[engine.model]
         if not engine.requests:
             inst.idle_since = self.now
@@ -361,15 +368,15 @@ class MultiModelCluster:
         for d in self.devices:
             for r in [r for r in d.queue if r.arrival < late]:
                 d.queue.remove(r)
-                r.refused = True
+                self._refuse(r)
             for inst in d.instances.values():
                 for r in [r for r in inst.engine.waiting if r.arrival < late and r.prefilled == 0]:
                     inst.engine.waiting.remove(r)
-                    r.refused = True
+                    self._refuse(r)
         for model, waiting in list(self.pending.items()):
             for r in [r for r in waiting if r.arrival < late]:
                 waiting.remove(r)
-                r.refused = True
+                self._refuse(r)
             if not waiting:
                 del self.pending[model]
         if not self.prism:
@@ -388,13 +395,20 @@ class MultiModelCluster:
     def _push(self, at: float, kind: str, item: object) -> None:
         heapq.heappush(self.events, (at, next(self.order), kind, item))
 
+    def _waiting(self) -> bool:
+        """Whether a request waits for a model's activation, a device's queue, or an engine's admission."""
+        return bool(self.pending) or any(
+            d.queue or any(i.engine.waiting for i in d.instances.values()) for d in self.devices
+        )
+
     def run(self, requests: Sequence[SimRequest]) -> list[SimRequest]:
         for r in requests:
             self._push(r.arrival, "arrive", r)
-        self._push(self.s.tick_s, "tick", None)
         if self.prism:
             self._push(self.s.placement_interval_s, "place", None)
-        while self.events:
+        self.open = len(requests)
+        ticking = False  # ticks (on a grid of `tick_s`) only while someone waits
+        while self.events and self.open:
             self.now, _, kind, item = heapq.heappop(self.events)
             if kind == "arrive":
                 self._arrive(item)  # type: ignore[arg-type]
@@ -407,11 +421,12 @@ class MultiModelCluster:
                 for device in self.devices:
                     self._dispatch(device)
                 self._push(self.now + self.s.placement_interval_s, "place", None)
-            elif any(r.finished_at is None and not r.refused for r in requests):  # a tick, with work left
-                self._tick()
-                self._push(self.now + self.s.tick_s, "tick", None)
             else:
-                break
+                ticking = False
+                self._tick()
+            if not ticking and self._waiting():
+                self._push((math.floor(self.now / self.s.tick_s) + 1) * self.s.tick_s, "tick", None)
+                ticking = True
         return list(requests)
 
 
@@ -455,7 +470,7 @@ def highest_load(
 ) -> list[Run]:
     """Every run of a search for the highest total rate at which attainment reaches `target`: up by
     doubling from `start` until it fails (at most `doublings` times), then bisection until the
-    bracket is within `precision` (or, when even the lowest fails, down to `start / 2**doublings`)."""
+    bracket is within `precision` (or, when even the lowest fails, down to `start / LOWEST`)."""
     runs: list[Run] = []
     lo, hi = 0.0, start
     while (r := run(hi)).attainment >= target:
@@ -464,7 +479,7 @@ def highest_load(
             return runs
         lo, hi = hi, hi * 2
     runs.append(r)
-    while hi - lo > precision * hi and hi > start / 2**doublings:
+    while hi - lo > precision * hi and hi > start / LOWEST:
         runs.append(r := run((lo + hi) / 2))
         lo, hi = (r.rate, hi) if r.attainment >= target else (lo, r.rate)
     return runs
@@ -547,7 +562,7 @@ def report(
         f"SLO: TTFT <= {args.ttft_slo_ms:g} ms{slo_tpot}; Prism's activation {args.activation_s:g} s, idle "
         f"eviction after {args.idle_after_s:g} s, Algorithm 1 every {args.placement_interval_s:g} s. Highest total "
         f"load (req/s) with >= {target:.0%} of requests meeting the SLO (searched to within 3%; none: not even "
-        f"{args.start_rate / 2**8:.2g} req/s):",
+        f"{args.start_rate / LOWEST:.2g} req/s):",
         "",
         "| models | static partitioning | Prism | Prism / static | static: models without room "
         "| Prism there: activations, evictions, moves |",
