@@ -2,7 +2,7 @@
 model's own head after the service's automatic refits, against the constant.
 
     .venv/bin/python bench/length_per_model.py [--source alpaca-eval] [--model-a Meta-Llama-3]
-        [--model-b claude] [--refit-every 200] [--test-fraction 0.3] [--artifact DIR]
+        [--model-b claude] [--refit-every 200] [--test-fraction 0.3] [--test-seed 1] [--artifact DIR]
 
 Two served models, each the answers of one generator family in `--source` (generators whose name
 matches the pattern): by default the Llama 3 and 3.1 instruct models, 8B and 70B (verbose), and
@@ -42,11 +42,12 @@ from llmesh.wire.messages import (
 )
 from llmesh_lengthpred import data, train
 from llmesh_lengthpred.model import load_tokenizer
+from llmesh_lengthpred.predictor import REFIT_SEED
 from llmesh_lengthpred.service import LengthPredictorService
 from llmesh_lengthpred.settings import LengthPredictorSettings
 
 SEED = 0  # the artifact's training, and the replay's order
-TEST_SEED = 1  # the test split's: the refit splits by prompt with seed 0 (REFIT_SEED), and would find no held-out part
+TEST_SEED = 1  # the test split's default; not REFIT_SEED (the refit's split: it would find no held-out part)
 CONCURRENCY = 32
 
 
@@ -130,7 +131,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
         await service.start()
         for name, answers in models.items():
             model = f"model-{name}"
-            observed, test = data.split_by_prompt(answers, args.test_fraction, TEST_SEED)
+            observed, test = data.split_by_prompt(answers, args.test_fraction, args.test_seed)
             order = np.random.default_rng(SEED).permutation(len(observed))
             observed = [observed[i] for i in order]  # arrivals in no particular order
             shared = [await predict(bus, "", e.prompt) for e in test]
@@ -207,12 +208,17 @@ def main() -> None:
     parser.add_argument("--recent-samples", type=int, default=defaults["length_recent_samples"].default)
     parser.add_argument("--test-fraction", type=float, default=0.3)
     parser.add_argument(
+        "--test-seed", type=int, default=TEST_SEED, help="the test split's seed (another seed: another split by prompt)"
+    )
+    parser.add_argument(
         "--artifact",
         type=Path,
         default=Path(tempfile.gettempdir()) / "llmesh-length-artifact-without-{source}",
         help="where the artifact trained without --source is kept ({source} is replaced)",
     )
     args = parser.parse_args()
+    if args.test_seed == REFIT_SEED:
+        parser.error(f"--test-seed {REFIT_SEED} is the refit's own split: its replayed part would hold nothing out")
     args.artifact = Path(str(args.artifact).format(source=args.source))
     started = time.monotonic()
     rows = asyncio.run(run(args))

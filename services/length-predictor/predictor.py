@@ -2,13 +2,16 @@
 calibration on what a deployment observed.
 
 The artifact's regressions give a score (log-length) per request; the `Head` maps it to the
-deployment's lengths (`a·score + b`, with its spread) and says whether it carries information:
-a refit on the deployment's own (prompt, actual length) pairs replaces it only if it lowers the
-held-out log loss, and marks it uninformative when its MAE there does not beat the constant's
-(the policies then fall back as if there were no prediction). Served models differ in verbosity,
-so each may have a head of its own (`model_heads`); one without uses the shared head (`head`),
-and its first refit is gated against that. A head is swapped as one reference, so a batch sees
-one version of each.
+deployment's lengths (`a·score + b`, the mean log-length, moved by `shift` to the median, with its
+spread) and says whether it carries information: a refit on the deployment's own (prompt, actual
+length) pairs replaces it only if it lowers the held-out log loss, and marks it uninformative when
+its MAE there does not beat the constant's (the policies then fall back as if there were no
+prediction). A refit is fitted for MAE, the measure its predictions are judged by: the median of
+its residuals is 0 on the samples it was fitted on, and its slope is the least-squares one shrunk
+toward 0 as far as their MAE says (0: the samples' median, so on them it is never worse than the
+constant). Served models differ in verbosity, so each may have a head of its own (`model_heads`);
+one without uses the shared head (`head`), and its first refit is gated against that. A head is
+swapped as one reference, so a batch sees one version of each.
 """
 
 from __future__ import annotations
@@ -33,35 +36,80 @@ from .train import score
 
 REFIT_SEED = 0
 MIN_SIGMA = 0.05
+SLOPE_SHRINK = tuple(float(f) for f in np.linspace(0.0, 1.0, 21))  # fractions of the least-squares slope a refit tries
 
 
 @dataclass(frozen=True)
 class Head:
-    """log1p(length) ~ Normal(a·score + b, sigma); `informative`: its MAE beat the constant's where it
-    was last checked."""
+    """log1p(length) ~ Normal(a·score + b + shift, sigma): `a·score + b` is the mean log-length (the
+    scale the remaining-length model reads its prompt-only estimate in), `shift` moves it to the
+    median (the point estimate, which MAE rewards, and the buckets' centre; 0 in the artifact's
+    head); `informative`: its MAE beat the constant's where it was last checked."""
 
     a: float = 1.0
     b: float = 0.0
     sigma: float = 1.0
     informative: bool = True
+    shift: float = 0.0
+
+    def _fields(self) -> dict:
+        fields = asdict(self)
+        if not fields["shift"]:
+            del fields["shift"]  # a head without one keeps the version and bytes it had before `shift`
+        return fields
 
     @cached_property
     def version(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(self._fields(), sort_keys=True).encode()).hexdigest()[:12]
 
-    def mu(self, score: np.ndarray) -> np.ndarray:
+    def mean_log(self, score: np.ndarray) -> np.ndarray:
+        """The mean of log1p(length): the remaining-length model's prompt-only input."""
         return self.a * score + self.b
 
+    def mu(self, score: np.ndarray) -> np.ndarray:
+        """The median of log1p(length): the point estimate and the buckets' centre."""
+        return self.a * score + self.b + self.shift
+
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        return json.dumps(self._fields(), sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Head:
         fields = json.loads(blob)
-        head = cls(float(fields["a"]), float(fields["b"]), float(fields["sigma"]), bool(fields["informative"]))
-        if not all(map(math.isfinite, (head.a, head.b, head.sigma))) or head.sigma <= 0:
-            raise ValueError(f"a head needs finite a, b and a positive sigma: {fields}")
+        head = cls(
+            float(fields["a"]),
+            float(fields["b"]),
+            float(fields["sigma"]),
+            bool(fields["informative"]),
+            float(fields.get("shift", 0.0)),
+        )
+        if not all(map(math.isfinite, (head.a, head.b, head.sigma, head.shift))) or head.sigma <= 0:
+            raise ValueError(f"a head needs finite a, b, shift and a positive sigma: {fields}")
         return head
+
+    @classmethod
+    def fit(cls, scores: np.ndarray, lengths: list[int]) -> Head:
+        """The head fitted for MAE on (score, actual length) pairs: the least-squares slope on log-length,
+        shrunk toward 0 to the fraction (of SLOPE_SHRINK) with the lowest MAE in tokens on these pairs
+        (the smallest of equals: 0 is the pairs' median, the constant); `b` centres it on the mean of
+        log1p(length), `shift` moves that to the median of its residuals, and sigma is their spread
+        around the median."""
+        actual = np.asarray(lengths, dtype=float)
+        y = np.log1p(actual)
+        slope = float(np.polyfit(scores, y, 1)[0]) if len(set(scores.tolist())) > 1 else 0.0
+        best: tuple[float, float] | None = None  # (MAE, a)
+        for fraction in SLOPE_SHRINK:
+            a = fraction * slope
+            mae = float(np.abs(np.expm1(a * scores + np.median(y - a * scores)) - actual).mean())
+            if best is None or mae < best[0] - 1e-9 * max(best[0], 1.0):
+                best = (mae, a)
+        assert best is not None
+        a = float(best[1])
+        residuals = y - a * scores
+        b = float(residuals.mean())
+        shift = float(np.median(residuals)) - b
+        sigma = max(float(np.sqrt(np.mean((residuals - b - shift) ** 2))), MIN_SIGMA)
+        return cls(a, b, sigma, shift=shift)
 
 
 class Predictor:
@@ -95,16 +143,19 @@ class Predictor:
         """The artifact's log-length score of each prompt (what a refit calibrates)."""
         return self.total.predict(prompts, [self.generator] * len(prompts))
 
-    def _calibrated(self, prompts: list[str], models: list[str] | None) -> tuple[list[Head], np.ndarray, np.ndarray]:
-        """Each prompt's head (its model's), log-length estimate and its spread."""
+    def _calibrated(
+        self, prompts: list[str], models: list[str] | None
+    ) -> tuple[list[Head], np.ndarray, np.ndarray, np.ndarray]:
+        """Each prompt's head (its model's), median and mean log-length estimates, and their spread."""
         heads = [self.head_for(m) for m in models or [""] * len(prompts)]
-        a, b, sigma = (np.array([getattr(h, name) for h in heads]) for name in ("a", "b", "sigma"))
-        return heads, a * self.scores(prompts) + b, sigma
+        a, b, shift, sigma = (np.array([getattr(h, name) for h in heads]) for name in ("a", "b", "shift", "sigma"))
+        mean = a * self.scores(prompts) + b
+        return heads, mean + shift, mean, sigma
 
     def predict(self, prompts: list[str], chars: list[int], models: list[str] | None = None) -> list[LengthPrediction]:
         """Predictions for prompts cut by `cut_prompt`, whose full lengths are `chars`, by the heads of
         the served `models` that will answer them (None: the shared head)."""
-        heads, mu, sigma = self._calibrated(prompts, models)
+        heads, mu, _, sigma = self._calibrated(prompts, models)
         probs = bucket_probs(mu, sigma)
         out = []
         for row, m, prompt, c, head in zip(probs, mu, prompts, chars, heads):
@@ -138,8 +189,9 @@ class Predictor:
             round(len(ids) * c / len(text)) if text else 0
             for ids, text, c in zip(self.tokenizer(generated, add_special_tokens=False)["input_ids"], generated, chars)
         ]
-        heads, mu, _ = self._calibrated(prompts, models)
-        remaining = np.expm1(self.remaining.predict(prompts, generated, counted, mu))
+        # the remaining-length model was trained on the artifact's mean log-length: it reads the mean
+        heads, _, mean, _ = self._calibrated(prompts, models)
+        remaining = np.expm1(self.remaining.predict(prompts, generated, counted, mean))
         out = []
         for r, n, own, head in zip(remaining, tokens, counted, heads):
             scale = n / own if own else 1.0
@@ -162,14 +214,11 @@ class Predictor:
         held_scores: np.ndarray,
         held_lengths: list[int],
     ) -> tuple[Head | None, dict[str, float], dict[str, float]]:
-        """Fit a new head on (score, actual length) pairs and score it against `current` on held-out
-        ones: the new head if its log loss there is lower (else None), and both scores."""
-        y = np.log1p(fit_lengths)
-        a, b = np.polyfit(fit_scores, y, 1) if len(set(fit_scores.tolist())) > 1 else (0.0, float(y.mean()))
-        sigma = max(float(np.std(y - (a * fit_scores + b))), MIN_SIGMA)
+        """Fit a new head on (score, actual length) pairs (`Head.fit`) and score it against `current` on
+        held-out ones: the new head if its log loss there is lower (else None), and both scores."""
         median = float(np.median(fit_lengths))
         constant_mae = float(np.abs(median - np.array(held_lengths)).mean())
-        candidate = Head(float(a), float(b), sigma)
+        candidate = Head.fit(fit_scores, fit_lengths)
         after = _scores(candidate, held_scores, held_lengths)
         candidate = replace(candidate, informative=after["mae_tokens"] < constant_mae)
         before = _scores(current, held_scores, held_lengths)

@@ -1,6 +1,8 @@
 """The length predictor's heads per served model: which head answers, the automatic refit every
 `length_refit_every` samples of a model, and its gate (a refit that does not lower the held-out log
-loss is rejected). The heads, batching and refit are the service's own; only the artifact's score is
+loss is rejected); what a refit fits (median-unbiased on its samples, its slope shrunk toward the
+constant where the score does not order them) and what reads which centre (the remaining-length
+model the mean). The heads, batching and refit are the service's own; only the artifact's score is
 a stand-in (the log of a prompt's word count), and the bus a recorder."""
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from llmesh.wire.lengths import bucket_of
 from llmesh.wire.messages import LengthHead, LengthObserved, LengthPredictRequest, LengthRefit
 from llmesh_lengthpred import data
 from llmesh_lengthpred.predictor import REFIT_SEED, Head, Predictor
+from llmesh_lengthpred.regression import bucket_probs
 from llmesh_lengthpred.service import LengthPredictorService, SharedState
 from llmesh_lengthpred.settings import LengthPredictorSettings
 
@@ -142,3 +146,97 @@ async def test_too_few_samples_skip_the_refit_and_the_shared_head_pools_every_mo
     pooled = await service.refit(LengthRefit(min_samples=20, holdout_fraction=0.25), NO_BLOB)
     assert pooled.samples == 20 and pooled.model == "" and pooled.accepted, pooled
     assert service.predictor.head_for("a") is service.predictor.head != Head(sigma=0.5)
+
+
+def skewed(seed: int, n: int = 2000, slope: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Scores and lengths whose log-lengths are skewed low around `slope`·score + 5 (as a verbose
+    model's are: a few very short answers pull the mean of log-length under its median)."""
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(0.0, 0.5, n)
+    noise = -rng.exponential(0.6, n) + rng.normal(0.0, 0.1, n)
+    return scores, np.maximum(np.round(np.expm1(slope * scores + 5.0 + noise)), 1.0)
+
+
+def above(head: Head, scores: np.ndarray, lengths: np.ndarray) -> float:
+    """The share of `lengths` above `head`'s point estimate."""
+    return float(np.mean(lengths > np.expm1(head.mu(scores))))
+
+
+def test_a_refit_on_skewed_log_lengths_is_median_unbiased_and_beats_the_least_squares_centre():
+    fit_scores, fit_lengths = skewed(0)
+    held_scores, held_lengths = skewed(1, 500)
+    head, _, after = Predictor.refit_head(
+        Head(sigma=0.5), fit_scores, fit_lengths.tolist(), held_scores, held_lengths.tolist()
+    )
+    assert head is not None and head.informative
+    # half of the samples it was fitted on lie above its estimate, half below (the median of the
+    # residuals is 0), and so do held-out ones, within sampling error
+    assert above(head, fit_scores, fit_lengths) == pytest.approx(0.5, abs=0.002)
+    assert above(head, held_scores, held_lengths) == pytest.approx(0.5, abs=0.05)
+    # the least-squares centre (the mean of log-length) predicts too short on such samples
+    mean_centred = Head(head.a, head.b, head.sigma)
+    assert above(mean_centred, fit_scores, fit_lengths) > 0.6
+    assert head.shift > 0.15 and head.b == pytest.approx(np.mean(np.log1p(fit_lengths) - head.a * fit_scores))
+    least_squares_mae = np.abs(np.expm1(mean_centred.mu(held_scores)) - held_lengths).mean()
+    assert after["mae_tokens"] < 0.95 * least_squares_mae
+    # the score orders these samples: the slope is kept (near the least-squares one), and beats the constant
+    assert head.a > 0.7 and after["mae_tokens"] < 0.8 * after["constant_mae_tokens"]
+
+
+def test_a_score_that_does_not_order_the_samples_gives_the_constant():
+    _, lengths = skewed(2)
+    noise = np.random.default_rng(3).normal(0.0, 0.5, len(lengths))  # a score unrelated to the lengths
+    head = Head.fit(noise, lengths.tolist())
+    assert head.a == 0.0 and np.expm1(head.mu(noise[:3])) == pytest.approx([np.median(lengths)] * 3)
+
+
+def test_a_slope_that_costs_mae_on_the_fitted_samples_is_shrunk_toward_the_constant():
+    # the score tells the 10% of one-line answers apart and nothing about the rest: the least-squares
+    # slope, set by the short ones, spreads the others' estimates and loses to their median in tokens
+    rng = np.random.default_rng(5)
+    short = rng.random(1000) < 0.1
+    scores = np.where(short, rng.normal(-2.0, 0.3, 1000), rng.normal(0.0, 1.0, 1000))
+    lengths = np.where(short, rng.integers(2, 8, 1000), np.round(np.exp(rng.normal(6.0, 0.5, 1000))))
+    y = np.log1p(lengths)
+    slope = np.polyfit(scores, y, 1)[0]
+    least_squares = np.expm1(slope * scores + np.median(y - slope * scores))
+    constant_mae = np.abs(np.median(lengths) - lengths).mean()
+    assert np.abs(least_squares - lengths).mean() > 1.2 * constant_mae
+    head = Head.fit(scores, lengths.tolist())
+    assert 0.0 <= head.a < 0.5 * slope
+    assert np.abs(np.expm1(head.mu(scores)) - lengths).mean() <= constant_mae
+    assert above(head, scores, lengths) == pytest.approx(0.5, abs=0.002)
+
+
+def test_the_point_estimate_and_buckets_read_the_median_and_the_remaining_length_model_the_mean():
+    predictor = WordCountScores()
+    head = Head(a=1.0, b=2.0, sigma=0.4, shift=0.3)
+    predictor.model_heads["m"] = head
+    prompt = PROMPTS[11]
+    score = np.log1p([len(prompt.split())])
+    (prediction,) = predictor.predict([prompt], [len(prompt)], ["m"])
+    median = float(np.expm1(1.0 * score[0] + 2.3))
+    assert prediction.expected_tokens == pytest.approx(median)
+    assert prediction.bucket == int(bucket_probs(head.mu(score), head.sigma).argmax()) == bucket_of(round(median))
+    assert prediction.confidence == pytest.approx(bucket_probs(head.mu(score), head.sigma).max())
+
+    class Remaining:
+        def predict(self, prompts, generated, tokens, mu):
+            self.mu = mu
+            return np.zeros(len(prompts))
+
+    predictor.remaining = Remaining()  # type: ignore[assignment]
+    predictor.tokenizer = lambda texts, **_: {"input_ids": [t.split() for t in texts]}  # type: ignore[assignment]
+    predictor.predict_remaining([prompt], ["so far"], [6], [2], ["m"])
+    assert predictor.remaining.mu == pytest.approx(1.0 * score + 2.0)  # the mean, as it was trained on
+
+
+def test_a_head_without_a_shift_keeps_its_bytes_and_version():
+    old = b'{"a": 0.9, "b": 1.5, "informative": true, "sigma": 0.7}'  # a head saved before `shift`
+    head = Head.from_bytes(old)
+    assert head == Head(0.9, 1.5, 0.7, True, 0.0) and head.to_bytes() == old
+    assert head.version == Head(0.9, 1.5, 0.7).version
+    shifted = Head(0.9, 1.5, 0.7, True, 0.25)
+    assert Head.from_bytes(shifted.to_bytes()) == shifted and shifted.version != head.version
+    with pytest.raises(ValueError):
+        Head.from_bytes(b'{"a": 0.9, "b": 1.5, "informative": true, "sigma": 0.7, "shift": NaN}')
