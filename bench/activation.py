@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import re
@@ -42,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmesh.engine.vllm_plugin import engine_cores
+from llmesh.engine import standby
 
 MODELS = {"tiny": "llmesh/tiny-llama", "small": "llmesh/small-llama"}
 SIBLINGS = {"tiny": "llmesh/tiny-llama-b", "small": "bench-activation/small-llama-b"}  # same shapes, other weights
@@ -138,39 +137,16 @@ async def _build(path: str, fork: bool, marks: dict[str, float]) -> Any:
     return engine
 
 
-def omp_env(cores: str) -> dict[str, str]:
-    """What vLLM sets for a CPU Worker's OpenMP runtime before it spawns it (`configure_omp_envs` in
-    vllm/utils/ompmultiprocessing.py, its branch without an LD_PRELOADed OpenMP). The runtime reads them
-    once, when torch loads it, so a forked Worker must inherit them from the process that imported torch."""
-    ids = sorted(engine_cores(cores))
-    places = "{" + ",".join(map(str, ids)) + "}"
-    return {"OMP_NUM_THREADS": str(len(ids)), "OMP_PLACES": places, "OMP_PROC_BIND": "true"}
-
-
 def _import_all(mode: str) -> None:
-    if mode == "pool-fork":
-        os.environ.update(omp_env(os.environ["VLLM_CPU_OMP_THREADS_BIND"]))
+    if mode == "pool-fork":  # what a pre-started mesh worker does (llmesh.engine.standby)
+        standby.prepare(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+        return
     import torch  # noqa: F401
     import transformers  # noqa: F401
     import vllm  # noqa: F401
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
 
     import llmesh.engine.worker  # noqa: F401  (a mesh worker imports it)
-
-    if mode == "pool-fork":  # what the forked EngineCore and Worker would import themselves
-        import vllm.model_executor.model_loader  # noqa: F401
-        import vllm.model_executor.models.llama  # noqa: F401
-        import vllm.v1.attention.backends.cpu_attn  # noqa: F401
-        import vllm.v1.engine.core  # noqa: F401
-        import vllm.v1.executor.multiproc_executor  # noqa: F401
-        import vllm.v1.worker.cpu_model_runner  # noqa: F401
-        import vllm.v1.worker.cpu_worker  # noqa: F401
-
-        # The forked processes inherit this heap: frozen, their collections skip it (vLLM's EngineCore
-        # collects all generations in `freeze_gc_heap`, 0.6-1.0 s here unfrozen; the Worker's model
-        # construction collects too, 0.5-0.8 s)
-        gc.collect()
-        gc.freeze()
 
 
 async def _child(mode: str, model: str, max_tokens: int) -> None:

@@ -24,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from llmesh.engine import standby
 from llmesh.engine.models import resolve_model
 from llmesh.wire import telemetry
 from llmesh.wire.bus import Bus
@@ -279,8 +280,6 @@ class EngineWorker:
 
     @classmethod
     async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
         if settings.cpu_cores:
@@ -292,12 +291,12 @@ class EngineWorker:
             spin = CPU_ENGINE_SPIN_S if current_platform.is_cpu() else None
         if spin is not None:
             os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.engine.vllm_plugin in the engine's processes
+        engine = _start_engine(engine_args(settings, role), _stat_loggers(settings))  # before any thread of ours
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
-        bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         try:
-            engine = AsyncLLM.from_engine_args(engine_args(settings, role), stat_loggers=_stat_loggers(settings))
+            bus = await Bus.connect(settings.nats_url, f"{role}-worker")
         except BaseException:
-            await bus.close()
+            engine.shutdown()
             raise
         worker = cls(settings, role, bus, engine)
         await worker._warm_up()
@@ -619,6 +618,26 @@ class EngineWorker:
         finally:
             if self._held.get(request_id) is held:
                 del self._held[request_id]
+
+
+def _start_engine(args: Any, stat_loggers: Any) -> Any:
+    """vLLM's AsyncLLM for `args` (as `AsyncLLM.from_engine_args` builds it). In a pre-started process
+    (llmesh.engine.standby) its engine-core and model processes are forked, inheriting its imports,
+    where vLLM's CPU platform chose to spawn fresh interpreters (while it made the config)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor.abstract import Executor
+
+    config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    if standby.prepared():
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    return AsyncLLM(
+        vllm_config=config,
+        executor_class=Executor.get_class(config),
+        log_requests=args.enable_log_requests,
+        log_stats=not args.disable_log_stats,
+        stat_loggers=stat_loggers,
+    )
 
 
 def run_worker(role: Role, make_handlers: Any) -> None:

@@ -1,20 +1,24 @@
 """Several models in one mesh (issue 33): the session's mesh has two in its catalogue (MESH_MODELS) and
-workers for the first only. A request for the second waits until workers serving it join (as placement's
-activation will start them), and then each model answers exactly as its own monolithic engine, its
-requests mixed with the other's."""
+workers for the first only. A request for the second waits until workers serving it join: pre-started
+processes (llmesh.engine.standby) activated as its workers, as placement's activation will; then each
+model answers exactly as its own monolithic engine, its requests mixed with the other's."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from llmesh.deploy.launcher import start_service
+from llmesh.deploy.launcher import engine_cores
 from llmesh.engine.models import resolve_model
 
 from .conftest import BLOCK_SIZE, CATALOGUE, MAX_MODEL_LEN, MODEL_B, extra_workers, reference_engine
@@ -35,26 +39,56 @@ def complete(mesh, model: str, ids: list[int], max_tokens: int = 16) -> list[int
 
 
 @contextmanager
-def workers_of(mesh, model_dir, model: str) -> Iterator[None]:
-    """A prefill and a decode worker serving `model` of the catalogue, started as the launcher starts its own."""
-    env = {
+def standby_workers(mesh, model_dir) -> Iterator[Callable[[str], float]]:
+    """A pre-started prefill and decode process (llmesh.engine.standby), each on the cores the launcher
+    gives its role; `activate(model)` makes them that model's workers and says when (monotonic)."""
+    base = {
         "MESH_NATS_URL": mesh.nats_url,
         "MESH_MODEL_DIR": str(model_dir),
         "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_MODELS": json.dumps(CATALOGUE),
-        "MESH_SERVED_MODEL_NAME": model,
     }
+    cores = engine_cores()
+    procs = {
+        role: subprocess.Popen(
+            [sys.executable, "-m", "llmesh.engine.standby"],
+            env=os.environ | base | cores.get(f"{role}-worker", {}),
+            stdin=subprocess.PIPE,
+            stdout=open(mesh.logs / f"{role}-standby.log", "wb"),  # noqa: SIM115 (the child's)
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for role in ("prefill", "decode")
+    }
+
+    def activate(model: str) -> float:
+        for role, proc in procs.items():
+            command = {
+                "module": f"llmesh_{role}",
+                "env": {"MESH_SERVED_MODEL_NAME": model, "MESH_WORKER_ID": f"{role}-b"},
+            }
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(command).encode() + b"\n")
+            proc.stdin.close()
+        return time.monotonic()
+
     with extra_workers(mesh, timeout=60):
-        children = [
-            start_service(f"{role}-worker", env | {"MESH_WORKER_ID": f"{role}-b"}, mesh.logs / f"{role}-b.log")
-            for role in ("prefill", "decode")
-        ]
         try:
-            yield
+            yield activate
         finally:
-            for child in children:
-                child.stop()
+            for proc in procs.values():
+                os.killpg(proc.pid, signal.SIGTERM)
+            for proc in procs.values():
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def ready(path) -> bool:
+    return path.exists() and b"ready" in path.read_bytes().splitlines()
 
 
 def test_a_model_no_worker_serves_waits_for_its_workers_then_each_model_answers_as_its_own_engine(
@@ -65,20 +99,24 @@ def test_a_model_no_worker_serves_waits_for_its_workers_then_each_model_answers_
     prompts = [token_prompt(n, seed=3300 + n) for n in (40, 300, 700)]
     with (
         reference_engine(resolve_model("llmesh/tiny-llama-b", model_dir), tmp_path) as reference_b,
+        standby_workers(mesh, model_dir) as activate,
         ThreadPoolExecutor(6) as pool,
     ):
+        give_up = time.monotonic() + 180
+        while not all(ready(mesh.logs / f"{role}-standby.log") for role in ("prefill", "decode")):
+            assert time.monotonic() < give_up, "the standby processes did not get ready"
+            time.sleep(0.5)
         waiting = [pool.submit(complete, mesh, MODEL_B, ids) for ids in prompts]
         time.sleep(3)
         assert not any(f.done() for f in waiting), [f.result() for f in waiting if f.done()]  # nothing serves B
-        started = time.monotonic()
-        with workers_of(mesh, model_dir, MODEL_B):
-            first = [f.result(timeout=130) for f in waiting]
-            served_after = time.monotonic() - started
-            mixed = [pool.submit(complete, mesh, model, ids) for ids in prompts for model in (MODEL, MODEL_B)]
-            mixed_out = [f.result(timeout=130) for f in mixed]
+        activated = activate(MODEL_B)
+        first = [f.result(timeout=130) for f in waiting]
+        served_after = time.monotonic() - activated
+        mixed = [pool.submit(complete, mesh, model, ids) for ids in prompts for model in (MODEL, MODEL_B)]
+        mixed_out = [f.result(timeout=130) for f in mixed]
         expected_b = [reference_b.generate(16, prompt_token_ids=ids)["token_ids"] for ids in prompts]
     expected_a = [reference.generate(16, prompt_token_ids=ids)["token_ids"] for ids in prompts]
-    print(f"the waiting requests for {MODEL_B} were answered {served_after:.1f} s after its workers were started")
+    print(f"the requests waiting for {MODEL_B} were answered {served_after:.1f} s after its standbys were activated")
     assert expected_a != expected_b  # otherwise this test could not tell the models apart
     assert first == expected_b
     assert mixed_out == [out for pair in zip(expected_a, expected_b) for out in pair]

@@ -57,7 +57,3 @@ def test_the_summary_gives_ratios_to_the_cold_median_and_checks_every_output():
     assert summary["reload"]["exact"] is False  # another output than the cold engine's
     assert "NO" in activation.table({"m": summary})
     assert activation.summarize([run("reload", 0.1)])["m"]["reload"]["exact"] is None  # nothing to compare with
-
-
-def test_the_forked_workers_openmp_settings_are_vllms_for_the_slots_cores():
-    assert activation.omp_env("2-3") == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{2,3}", "OMP_PROC_BIND": "true"}

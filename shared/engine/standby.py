@@ -1,0 +1,92 @@
+"""A pre-started worker process: `python -m llmesh.engine.standby`, with the cores its engine will have
+(`MESH_CPU_CORES`, empty: vLLM decides) in its environment.
+
+It does, before any model is chosen, what takes a cold worker most of its start (docs/activation-notes.md:
+three interpreters importing torch and vLLM, ~95% of it on CPU): sets the OpenMP environment of its
+cores, imports torch, transformers, vLLM's engine, executor, CPU worker and model code and the mesh's
+worker, and freezes its heap (the forked processes' collections then skip it). Then it writes `ready`
+and waits for one command line on stdin, JSON `{"module": "llmesh_decode", "env": {...}}`: it takes the
+environment and runs the module as `python -m` would, so it becomes that worker; its engine's
+processes are forked from it (`prepared`), inheriting the imports, instead of spawned afresh. End of
+input without a command: it exits.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import sys
+
+_prepared = False
+
+
+def prepared() -> bool:
+    """Whether this process was pre-started: its engine's processes are to be forked from it."""
+    return _prepared
+
+
+def omp_env(cores: str) -> dict[str, str]:
+    """What vLLM sets for a CPU Worker's OpenMP runtime before it starts one (`configure_omp_envs` in
+    vllm/utils/ompmultiprocessing.py, its branch without an LD_PRELOADed OpenMP). The runtime reads it
+    once, when torch loads it, so a forked Worker must inherit it from the process that imported torch."""
+    from llmesh.engine.vllm_plugin import engine_cores
+
+    ids = sorted(engine_cores(cores))
+    return {
+        "OMP_NUM_THREADS": str(len(ids)),
+        "OMP_PLACES": "{" + ",".join(map(str, ids)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+
+
+def prepare(cores: str) -> None:
+    """Everything a worker does before its model matters. No threads: the engine's processes are forked."""
+    global _prepared
+    if cores:
+        os.environ.update(omp_env(cores))
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import vllm.model_executor.model_loader  # noqa: F401
+    import vllm.model_executor.models.llama  # noqa: F401
+    import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.executor.multiproc_executor  # noqa: F401
+    import vllm.v1.worker.cpu_model_runner  # noqa: F401
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+
+    import llmesh.engine.worker  # noqa: F401
+
+    gc.collect()
+    gc.freeze()  # vLLM's EngineCore collects every generation as it starts: 0.6-1.0 s unfrozen (measured)
+    _prepared = True
+
+
+def become(command: dict) -> None:
+    """Run the command's worker module in this process, with its environment."""
+    module, env = command["module"], command["env"]
+    if not isinstance(module, str) or not module.startswith("llmesh_") or not isinstance(env, dict):
+        raise ValueError(f"not a worker command: {command!r}")
+    cores = os.environ.get("MESH_CPU_CORES", "")
+    if env.get("MESH_CPU_CORES", cores) != cores:
+        raise ValueError(f"this process was prepared for cores {cores!r}, not {env['MESH_CPU_CORES']!r}")
+    os.environ.update({name: str(value) for name, value in env.items()})
+    sys.argv = [module]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def main() -> None:
+    # run as `python -m`, this module is __main__: the worker's `import llmesh.engine.standby` must find it
+    sys.modules.setdefault("llmesh.engine.standby", sys.modules[__name__])
+    prepare(os.environ.get("MESH_CPU_CORES", ""))
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    become(json.loads(line))
+
+
+if __name__ == "__main__":
+    main()

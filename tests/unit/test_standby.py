@@ -1,0 +1,25 @@
+"""The pre-started worker process's command (llmesh.engine.standby); its activation on real engines is
+tests/e2e/test_models.py."""
+
+import pytest
+
+from llmesh.engine import standby
+
+
+@pytest.mark.parametrize(
+    "command, error",
+    [
+        ({"module": "os", "env": {}}, "not a worker command"),
+        ({"module": "llmesh_decode", "env": []}, "not a worker command"),
+        ({"module": "llmesh_decode", "env": {"MESH_CPU_CORES": "5"}}, "prepared for cores '1', not '5'"),
+    ],
+)
+def test_a_command_it_cannot_carry_out_is_refused_before_it_runs_anything(monkeypatch, command, error):
+    monkeypatch.setenv("MESH_CPU_CORES", "1")
+    with pytest.raises(ValueError, match=error):
+        standby.become(command)
+
+
+def test_the_openmp_settings_are_those_vllm_gives_a_worker_of_the_cores():
+    assert standby.omp_env("0-1") == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
+    assert not standby.prepared()  # nothing here was pre-started: engines are spawned as vLLM chooses
