@@ -1,7 +1,10 @@
 """Many models on few GPUs (issue 33, part 9): Prism's placement, activation and eviction against
 static partitioning, in the simulator.
 
-    .venv/bin/python -m llmesh_sim.prism --models 2 4 8 --devices 2 --out docs/sim/prism-h100.md
+    .venv/bin/python -m llmesh_sim.prism --models 2 4 8 12 16 --devices 2 --out docs/sim/prism-h100.md
+
+For each number of models, the highest total load at which 99% of requests meet their SLO, for each
+system (doubling, then bisection); the tables and what they show: docs/benchmarks.md (issue 33).
 
 A device is one GPU that holds several models. How it is modelled (both systems alike):
 - Memory: `Memory.usable_bytes` (what vLLM may use, less its non-KV overhead: for the H100 Llama-2-7B
@@ -189,12 +192,12 @@ class MultiModelCluster:
         if self.prism:
             engine.kv_limit = lambda e, d=device: d.kv_total_blocks() - d.reserved_blocks(but=e)  # type: ignore[misc]
         inst = device.instances[model] = Instance(engine, ready_at, idle_since=ready_at)
-        if ready_at > self.now:
+        if ready_at > 0:  # placed during the run: its queue is served once it is ready
             self._push(ready_at, "ready", device)
         return inst
 
     def _serving(self, model: str) -> tuple[Device, Instance] | None:
-        """Where new requests of `model` go (None: resident nowhere but draining)."""
+        """Where new requests of `model` go (None: resident nowhere, or only draining)."""
         for d in self.devices:
             inst = d.instances.get(model)
             if inst is not None and not inst.draining:
@@ -494,7 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     from .__main__ import ROOT, load_profile, read_trace
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", type=Path, default=ROOT / "sim" / "profiles" / "h100-llama2-7b.json")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=ROOT / "sim" / "profiles" / "h100-llama2-7b.json",
+        help="an H100 Llama-2-7B-shaped profile: device memory is derived from its KV blocks and that model's weights",
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--models", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))

@@ -75,6 +75,19 @@ def test_a_device_time_slices_its_models_one_step_at_a_time():
     assert second == pytest.approx(2 * PROFILE.prefill_s(1000))  # after the other's step, not beside it
 
 
+@pytest.mark.parametrize("tight_slo, tight_first", [(2.0, True), (1.0, False)])
+def test_the_shared_queue_goes_in_deadline_order_and_a_late_request_goes_last_not_out(tight_slo, tight_first):
+    c = cluster("prism", {"a": 1.0})
+    big = req(0, "a", 0.0, prompt=3000, output=50)  # 188 of the 200 blocks until ~0.85 s
+    loose, tight = req(1, "a", 0.01, prompt=2000, slo=10.0), req(2, "a", 0.02, prompt=2000, slo=tight_slo)
+    c.run([big, loose, tight])
+    # room for one of the two at ~0.85 s: the later, tighter one, unless it cannot make its deadline
+    # anyway (1.02 s, its prompt taking 0.21 s): then Moore-Hodgson puts it last in the round
+    assert big.finished_at < min(tight.first_token_at, loose.first_token_at)
+    assert (tight.first_token_at < loose.first_token_at) == tight_first
+    assert all(r.finished_at is not None for r in (big, loose, tight))
+
+
 def rates_then_traffic(system):
     """Initial rates put x and z together on gpu0; the traffic then makes them both busy."""
     c = cluster(system, {"x": 1.0, "y": 1.0, "z": 1.0}, devices=2, kv_blocks=2000, placement_interval_s=5.0)
