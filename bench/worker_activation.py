@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from llmesh.deploy.launcher import engine_cores, start_nats, start_service
+from llmesh.deploy.launcher import activate, engine_cores, standby_ready, start_nats, start_service, start_standby
 from llmesh.wire.bus import Bus
 from llmesh.wire.messages import Subjects, WorkerInfo
 
@@ -60,35 +56,16 @@ def one(mode: str, model: str, env: dict[str, str], logs: Path, n: int) -> float
             return asyncio.run(first_heartbeat(env["MESH_NATS_URL"], worker_id, started))
         finally:
             child.stop(30)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmesh.engine.standby"],
-        env=os.environ | {k: v for k, v in env.items() if k == "MESH_CPU_CORES"},
-        stdin=subprocess.PIPE,
-        stdout=open(log, "wb"),  # noqa: SIM115 (the child's)
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    standby = start_standby({k: v for k, v in env.items() if k == "MESH_CPU_CORES"}, log, worker_id)
     try:
-        while b"ready" not in log.read_bytes().splitlines():
-            assert proc.poll() is None, f"the standby process died (see {log})"
+        while not standby_ready(standby):
+            assert standby.alive(), f"the standby process died (see {log})"
             time.sleep(0.2)
-        assert proc.stdin is not None
         started = time.monotonic()
-        proc.stdin.write(json.dumps({"module": "llmesh_decode", "env": env}).encode() + b"\n")
-        proc.stdin.close()
+        activate(standby, "decode-worker", env)
         return asyncio.run(first_heartbeat(env["MESH_NATS_URL"], worker_id, started))
     finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to its group (the worker and its engine's processes), SIGKILL after 30 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        standby.stop(30)
 
 
 def main() -> None:

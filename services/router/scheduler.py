@@ -309,9 +309,7 @@ class Scheduler:
 
     def serves(self, role: Role, model: str) -> bool:
         """Whether an active worker of `role` serves `model` now."""
-        return any(
-            v.role == role and v.model == model and v.state == "active" for v in map(self.view, self.registry.live())
-        )
+        return any(self.view(info).state == "active" for info in self.registry.live(role) if info.model == model)
 
     def prefill_seconds(self, request: RequestView) -> float:
         """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""

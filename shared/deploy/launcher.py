@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import json
 import os
 import signal
 import socket
@@ -84,12 +85,15 @@ class Child:
         log_path: Path | None = None,
         stdin: str | None = None,
         prefix: Sequence[str] = (),
+        keep_stdin: bool = False,
     ):
         """`prefix` runs the command through another (one that ends by exec'ing it, so the child is still
-        the process started here: e.g. into a network namespace, as tests/hosts.py does)."""
+        the process started here: e.g. into a network namespace, as tests/hosts.py does). `stdin` is
+        written to it at once; with `keep_stdin`, its input stays open for `send`."""
         self.name = name
         self.log_path = log_path
         self._command, self._env, self._stdin = [*prefix, *args], {**os.environ, **(env or {})}, stdin
+        self._keep_stdin = keep_stdin
         self._log = open(log_path, "ab") if log_path else None
         self._spawn()
 
@@ -98,7 +102,8 @@ class Child:
         self.proc = subprocess.Popen(
             self._command,
             env=self._env,
-            stdin=subprocess.PIPE if self._stdin is not None else subprocess.DEVNULL,  # (a background group)
+            # (DEVNULL: a background group reading the terminal would stop)
+            stdin=subprocess.PIPE if self._stdin is not None or self._keep_stdin else subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT if self._log else None,
             preexec_fn=_die_with_parent,
@@ -106,7 +111,14 @@ class Child:
         if self._stdin is not None:
             assert self.proc.stdin is not None
             self.proc.stdin.write(self._stdin.encode())
-            self.proc.stdin.close()
+            if not self._keep_stdin:
+                self.proc.stdin.close()
+
+    def send(self, text: str) -> None:
+        """Write `text` to its input (kept open: `keep_stdin`) and close it."""
+        assert self.proc.stdin is not None, "started without keep_stdin"
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.close()
 
     def restart(self) -> None:
         """Stop what is left of it, then start the same command again (appending to the same log)."""
@@ -250,6 +262,22 @@ SERVICES = {
     "router": "llmesh_router",
     "placement": "llmesh_placement",
 }
+
+
+def start_standby(env: dict[str, str], log_path: Path, name: str = "standby") -> Child:
+    """A pre-started worker process (llmesh.engine.standby) for the cores `env`'s MESH_CPU_CORES names
+    (empty: vLLM's choice); `activate` makes it a worker. It writes `ready` to its log once prepared
+    (`standby_ready`); a command sent before waits in its input."""
+    return Child(name, [sys.executable, "-m", "llmesh.engine.standby"], env=env, log_path=log_path, keep_stdin=True)
+
+
+def standby_ready(standby: Child) -> bool:
+    return standby.log_path is not None and b"ready" in standby.log_path.read_bytes().splitlines()
+
+
+def activate(standby: Child, service: str, env: dict[str, str]) -> None:
+    """Make `standby` the `service` worker (prefill-worker, decode-worker) that `env` configures."""
+    standby.send(json.dumps({"module": SERVICES[service], "env": env}) + "\n")
 
 
 class Supervised:

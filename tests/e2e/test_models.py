@@ -6,19 +6,15 @@ model answers exactly as its own monolithic engine, its requests mixed with the 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from llmesh.deploy.launcher import engine_cores
+from llmesh.deploy.launcher import Child, activate, engine_cores, standby_ready, start_standby, stop_all
 from llmesh.engine.models import resolve_model
 
 from .conftest import BLOCK_SIZE, CATALOGUE, MAX_MODEL_LEN, MODEL_B, extra_workers, reference_engine
@@ -39,9 +35,9 @@ def complete(mesh, model: str, ids: list[int], max_tokens: int = 16) -> list[int
 
 
 @contextmanager
-def standby_workers(mesh, model_dir) -> Iterator[Callable[[str], float]]:
+def standby_workers(mesh, model_dir) -> Iterator[dict[str, Child]]:
     """A pre-started prefill and decode process (llmesh.engine.standby), each on the cores the launcher
-    gives its role; `activate(model)` makes them that model's workers and says when (monotonic)."""
+    gives its role."""
     base = {
         "MESH_NATS_URL": mesh.nats_url,
         "MESH_MODEL_DIR": str(model_dir),
@@ -50,45 +46,15 @@ def standby_workers(mesh, model_dir) -> Iterator[Callable[[str], float]]:
         "MESH_MODELS": json.dumps(CATALOGUE),
     }
     cores = engine_cores()
-    procs = {
-        role: subprocess.Popen(
-            [sys.executable, "-m", "llmesh.engine.standby"],
-            env=os.environ | base | cores.get(f"{role}-worker", {}),
-            stdin=subprocess.PIPE,
-            stdout=open(mesh.logs / f"{role}-standby.log", "wb"),  # noqa: SIM115 (the child's)
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for role in ("prefill", "decode")
-    }
-
-    def activate(model: str) -> float:
-        for role, proc in procs.items():
-            command = {
-                "module": f"llmesh_{role}",
-                "env": {"MESH_SERVED_MODEL_NAME": model, "MESH_WORKER_ID": f"{role}-b"},
-            }
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(command).encode() + b"\n")
-            proc.stdin.close()
-        return time.monotonic()
-
     with extra_workers(mesh, timeout=60):
+        standbys = {
+            role: start_standby(base | cores.get(f"{role}-worker", {}), mesh.logs / f"{role}-standby.log")
+            for role in ("prefill", "decode")
+        }
         try:
-            yield activate
+            yield standbys
         finally:
-            for proc in procs.values():
-                os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs.values():
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
-def ready(path) -> bool:
-    return path.exists() and b"ready" in path.read_bytes().splitlines()
+            stop_all(list(standbys.values()), timeout=30)
 
 
 def test_a_model_no_worker_serves_waits_for_its_workers_then_each_model_answers_as_its_own_engine(
@@ -99,17 +65,19 @@ def test_a_model_no_worker_serves_waits_for_its_workers_then_each_model_answers_
     prompts = [token_prompt(n, seed=3300 + n) for n in (40, 300, 700)]
     with (
         reference_engine(resolve_model("llmesh/tiny-llama-b", model_dir), tmp_path) as reference_b,
-        standby_workers(mesh, model_dir) as activate,
+        standby_workers(mesh, model_dir) as standbys,
         ThreadPoolExecutor(6) as pool,
     ):
         give_up = time.monotonic() + 180
-        while not all(ready(mesh.logs / f"{role}-standby.log") for role in ("prefill", "decode")):
+        while not all(map(standby_ready, standbys.values())):
             assert time.monotonic() < give_up, "the standby processes did not get ready"
             time.sleep(0.5)
         waiting = [pool.submit(complete, mesh, MODEL_B, ids) for ids in prompts]
         time.sleep(3)
         assert not any(f.done() for f in waiting), [f.result() for f in waiting if f.done()]  # nothing serves B
-        activated = activate(MODEL_B)
+        activated = time.monotonic()
+        for role, standby in standbys.items():
+            activate(standby, f"{role}-worker", {"MESH_SERVED_MODEL_NAME": MODEL_B, "MESH_WORKER_ID": f"{role}-b"})
         first = [f.result(timeout=130) for f in waiting]
         served_after = time.monotonic() - activated
         mixed = [pool.submit(complete, mesh, model, ids) for ids in prompts for model in (MODEL, MODEL_B)]

@@ -125,3 +125,16 @@ def test_each_started_model_gets_its_workers_named_after_it_and_an_unknown_one_i
 
 
 SERVED = {"MESH_SERVED_MODEL_NAME": "llmesh/tiny-llama"}
+
+
+def test_a_child_with_its_input_kept_open_reads_what_is_sent_later(tmp_path):
+    log = tmp_path / "echo.log"
+    child = Child(
+        "echo", [sys.executable, "-c", "import sys; print('got', sys.stdin.read())"], log_path=log, keep_stdin=True
+    )
+    time.sleep(0.2)
+    assert child.alive()  # waiting for its input
+    child.send("hello\n")
+    child.proc.wait(10)
+    child.stop()
+    assert log.read_text().strip() == "got hello"
