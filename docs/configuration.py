@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from llmesh.wire.config import CommonSettings, ModelSettings, WorkerSettings
+from llmesh.wire.config import CommonSettings, HostSettings, ModelSettings, WorkerSettings
+from llmesh_hostagent.settings import HostAgentSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings
@@ -12,11 +13,13 @@ TARGET = Path(__file__).with_name("configuration.md")
 SECTIONS = [
     ("Every service", CommonSettings),
     ("The models: router, workers and the launcher (`make run`)", ModelSettings),
+    ("The host: workers and host agents", HostSettings),
     ("prefill-worker and decode-worker", WorkerSettings),
     ("router", RouterSettings),
     ("kv-store", KvStoreSettings),
     ("length-predictor", LengthPredictorSettings),
     ("placement", PlacementSettings),
+    ("host-agent", HostAgentSettings),
 ]
 MACHINE_DEPENDENT = {"model_dir": "~/.cache/llmesh", "length_artifact_dir": "services/length-predictor/artifact"}
 
@@ -32,7 +35,10 @@ def render() -> str:
     for title, cls in SECTIONS:
         lines += [f"## {title}", "", "| variable | default | meaning |", "|---|---|---|"]
         for name, field in cls.model_fields.items():
-            if any(cls is not shared and name in shared.model_fields for shared in (CommonSettings, ModelSettings)):
+            if any(
+                cls is not shared and name in shared.model_fields
+                for shared in (CommonSettings, ModelSettings, HostSettings)
+            ):
                 continue
             alias = field.validation_alias
             env = " / ".join(alias.choices) if alias is not None else f"MESH_{name.upper()}"

@@ -21,7 +21,7 @@ from llmesh.policies.views import worker_view
 from llmesh.wire.bus import Bus
 from llmesh.wire.config import CommonSettings
 from llmesh.wire.errors import MeshError, ServiceUnavailable, Timeout
-from llmesh.wire.messages import PlacementRequest, PlacementStatus, Subjects
+from llmesh.wire.messages import PlacementDecision, PlacementRequest, PlacementStatus, Subjects
 from llmesh.wire.secrets import operator_nats_url
 
 SCALING = {1: "add a decode instance (+1)", -1: "a decode instance can go (-1)", 0: "hold (0)"}
@@ -82,6 +82,45 @@ def requests_table(status: PlacementStatus) -> str:
     return table(("REQUEST", "WORKER", "PROMPT", "GENERATED", "MAX", "PRIORITY", "MIGRATING"), rows)
 
 
+def event_line(event: PlacementDecision) -> str:
+    """One activation, eviction or drain, with the numbers it was decided on."""
+    d = event.detail
+    model, role, host, worker = d.get("model"), d.get("role"), d.get("host"), d.get("worker_id")
+    if event.kind == "activate":
+        parked = f", {d['parked']} parked" if d.get("parked") else ""
+        what = f"activate {model} {role} on {host} as {worker} ({event.reason}{parked})"
+    else:
+        idle = f", idle {d['idle_s']} s, for {d.get('for')}" if "idle_s" in d else ""
+        what = f"{event.kind} {worker} ({model} {role} on {host}, {event.reason}{idle})"
+    if "kvpr_before" in d:
+        what += f": KVPR {d['kvpr_before']:.3g} -> {d['kvpr_after']:.3g}"
+    if "decode_workers" in d:
+        what += f": mean freeness {d.get('mean_freeness')} over {d['decode_workers']} decode workers"
+    return f"{what}: {d.get('outcome')} {d.get('how') or d.get('refusal') or ''}".rstrip()
+
+
+def models_table(status: PlacementStatus) -> str:
+    """The hosts, the catalogue's models, and placement's latest decisions about them with their inputs."""
+    gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+    hosts = [
+        (h.host_id, gib(h.memory_bytes), " ".join(f"{r}={n}" for r, n in sorted(h.standbys.items())), len(h.workers))
+        for h in status.hosts
+    ]
+    models = [
+        (m.name, f"{m.rate:.2f}", m.parked, "-" if m.idle_s == float("inf") else f"{m.idle_s:.0f}", ",".join(m.hosts))
+        for m in status.models
+    ]
+    lines = [
+        table(("HOST", "GIB FOR MODELS", "STANDBYS READY", "WORKERS STARTED"), hosts)
+        if hosts
+        else "no host agent reports: placement activates nothing",
+        "",
+        table(("MODEL", "REQ/S", "PARKED", "IDLE S", "ON HOSTS"), models) if models else "no models",
+    ]
+    lines += [event_line(e) for e in status.events]
+    return "\n".join(lines)
+
+
 async def ask(nats_url: str, request: PlacementRequest, timeout: float) -> PlacementStatus:
     bus = await Bus.connect(nats_url, "placement-cli", connect_timeout=timeout)
     try:
@@ -108,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("workers", help="live workers, their load and freeness, and the scaling advice")
     commands.add_parser("requests", help="requests the workers hold")
+    commands.add_parser("models", help="hosts, models (rate, parked requests, where they run) and the latest decisions")
     drain = commands.add_parser("drain", help="drain a worker: its requests move away, then it exits")
     drain.add_argument("worker")
     migrate = commands.add_parser("migrate", help="move a request to another decode worker now")
@@ -122,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     request = {
         "workers": PlacementRequest(op="status"),
         "requests": PlacementRequest(op="status"),
+        "models": PlacementRequest(op="status"),
         "drain": PlacementRequest(op="drain", worker_id=getattr(args, "worker", None)),
         "migrate": PlacementRequest(
             op="migrate", request_id=getattr(args, "request", None), target=getattr(args, "target", None)
@@ -152,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(workers_table(status))
     elif args.command == "requests":
         print(requests_table(status))
+    elif args.command == "models":
+        print(models_table(status))
     else:
         print(status.message)
     return 0

@@ -39,7 +39,14 @@ from prometheus_client import Counter as PromCounter
 from llmesh.policies import WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, switchable
 from llmesh.policies.core import Role
-from llmesh.policies.llumnix import freeness, migration_pairs, pick_migration, scaling_advice
+from llmesh.policies.llumnix import (
+    ScaleHold,
+    freeness,
+    migration_pairs,
+    pick_migration,
+    scale_decision,
+    scaling_advice,
+)
 from llmesh.policies.views import worker_view
 from llmesh.wire import telemetry
 from llmesh.wire.bus import Bus
@@ -47,9 +54,11 @@ from llmesh.wire.errors import InvalidRequest, MeshError, ServiceUnavailable
 from llmesh.wire.messages import (
     Ack,
     DrainCommand,
+    HostInfo,
     Message,
     MigrateCommand,
     MigrateOutcome,
+    ModelTraffic,
     PlacementDecision,
     PlacementRequest,
     PlacementStatus,
@@ -61,6 +70,7 @@ from llmesh.wire.messages import (
 )
 
 from .lease import LeaderLease
+from .models import ModelPlacer
 from .settings import PlacementSettings
 
 log = logging.getLogger(__name__)
@@ -142,8 +152,18 @@ class PlacementService:
         )
         self._role_balance: dict[tuple[str, str], RoleBalance] = {}  # by model and KV layout
         self._switching: set[str] = set()  # workers with a role command in flight
+        self._scale_holds: dict[str, ScaleHold] = {}  # by model: autoscaling's advice over time
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()  # run a period now
+        self.models = ModelPlacer(
+            bus,
+            settings,
+            clock,
+            self._announce,
+            self._count,
+            self._spawn,
+            lambda info, kind, reason, detail: self._drain_worker(info, kind, reason, detail),
+        )
 
     @classmethod
     async def create(
@@ -151,6 +171,8 @@ class PlacementService:
     ) -> PlacementService:
         service = cls(bus, settings, placement_id, clock)
         await bus.serve(Subjects.HEARTBEAT, service._on_heartbeat, traced=False)
+        await bus.serve(Subjects.HOST_HEARTBEAT, service._on_host, traced=False)
+        await bus.serve(Subjects.TRAFFIC, service._on_traffic, traced=False)
         await bus.serve(Subjects.PLACEMENT, service._on_command, span="placement command")
         return service
 
@@ -194,6 +216,14 @@ class PlacementService:
                 log.info("worker %s (%s) joined", info.worker_id, info.role)
             self._workers[info.worker_id] = _Worker(info, self._clock())
 
+    async def _on_host(self, info: Message, blob: memoryview) -> None:
+        if isinstance(info, HostInfo):
+            self.models.on_host(info)
+
+    async def _on_traffic(self, traffic: Message, blob: memoryview) -> None:
+        if isinstance(traffic, ModelTraffic):
+            self.models.on_traffic(traffic)
+
     def step(self) -> None:
         """One period: forget silent workers and old moves; as leader, move the decodes off draining
         and switched workers, balance the others, advise on scaling and switch a worker's role if the
@@ -209,8 +239,13 @@ class PlacementService:
         self._advise(decode)
         if self.settings.placement_roles:
             self._switch_roles(views)
+        if self.settings.placement_models:
+            self.models.step(self._infos())
+        if self.settings.placement_autoscale:
+            self._autoscale(decode)
 
     def _expire(self) -> None:
+        self.models.expire(MISSED_HEARTBEATS)
         now = self._clock()
         for worker_id, worker in list(self._workers.items()):
             if now - worker.seen_at > MISSED_HEARTBEATS * worker.info.heartbeat_s:
@@ -328,6 +363,43 @@ class PlacementService:
                 )
             )
         )
+
+    def _autoscale(self, views: dict[str, WorkerView]) -> None:
+        """Llumnix's autoscaling per model: start a decode worker through a host agent, or drain the one with
+        the fewest requests, once the freeness band's advice has held (`scale_decision`)."""
+        if not self.models.hosts():
+            return  # no host agent to start workers: advice only
+        s, now = self.settings, self._clock()
+        for model in sorted({v.model for v in views.values()}):
+            group = [v for v in views.values() if v.model == model and v.state == "active"]
+            advice = scaling_advice(
+                group, s.placement_scale_low, s.placement_scale_high, s.placement_priority_headroom_blocks
+            )
+            starting = self.models.activating(model, "decode")
+            action, self._scale_holds[model] = scale_decision(
+                0 if starting else advice,
+                len(group) + starting,
+                now,
+                self._scale_holds.get(model, ScaleHold()),
+                s.placement_scale_window_s,
+                s.placement_min_decode_workers,
+                s.placement_max_decode_workers,
+            )
+            reckoning = {
+                "decode_workers": len(group),
+                "mean_freeness": round(
+                    sum(freeness(v, s.placement_priority_headroom_blocks) for v in group) / len(group), 1
+                )
+                if group
+                else None,
+            }
+            if action > 0:
+                host = self.models.host_for(model, "decode", self._infos())
+                if host is not None:
+                    self.models.activate(model, "decode", host, "scale-up", reckoning)
+            elif action < 0:
+                victim = min(group, key=lambda v: (len(v.requests), v.worker_id))
+                self._spawn(self._drain_worker(self._workers[victim.worker_id].info, "drain", "scale-down", reckoning))
 
     def _switch_roles(self, views: dict[str, WorkerView]) -> None:
         """BanaServe's role switching per model and KV layout, while no role command is in flight."""
@@ -525,45 +597,33 @@ class PlacementService:
             await asyncio.sleep(0.05)
         return True
 
-    def status(self, message: str = "") -> PlacementStatus:
-        workers = [
-            w.info.model_copy(update={"state": "draining"}) if worker_id in self._draining else w.info
+    def _infos(self) -> dict[str, WorkerInfo]:
+        """The live workers' heartbeats, those drained by command shown draining."""
+        return {
+            worker_id: w.info.model_copy(update={"state": "draining"}) if worker_id in self._draining else w.info
             for worker_id, w in sorted(self._workers.items())
-        ]
+        }
+
+    def status(self, message: str = "") -> PlacementStatus:
+        infos = self._infos()
         return PlacementStatus(
             leader=self.placement_id,
-            workers=workers,
+            workers=list(infos.values()),
             decisions=dict(self.decisions),
             scaling=self.scaling,
             message=message,
+            hosts=self.models.hosts(),
+            models=self.models.models(infos),
+            events=list(self.models.events),
         )
 
     async def drain(self, worker_id: str | None) -> str:
         """Tell `worker_id` to take nothing new and exit once empty; the loop then moves a decode
         worker's requests away (a prefill worker finishes its own)."""
         info = self._live(worker_id).info
-        with self._tracer.start_as_current_span(
-            "placement.drain", kind=trace.SpanKind.CLIENT, attributes={"worker.id": info.worker_id}
-        ) as span:
-            try:
-                await self._bus.request(
-                    Subjects.drain(info.worker_id), DrainCommand(exit=True), Ack, timeout=DRAIN_TIMEOUT_S
-                )
-            except MeshError as exc:
-                self._count("drain", "error")
-                span.set_status(trace.StatusCode.ERROR, exc.message)
-                raise type(exc)(f"{info.worker_id} did not take the drain: {exc.message}") from exc
-        self._draining.add(info.worker_id)
-        self._count("drain", "ok")
-        log.info("draining %s (%s, %d requests)", info.worker_id, info.role, len(info.requests))
-        await self._announce(
-            PlacementDecision(
-                kind="drain",
-                reason="manual",
-                detail={"worker_id": info.worker_id, "role": info.role, "requests": len(info.requests)},
-            )
-        )
-        self._wake.set()
+        error = await self._drain_worker(info, "drain", "manual")
+        if error is not None:
+            raise type(error)(f"{info.worker_id} did not take the drain: {error.message}")
         if info.role == "prefill":
             return f"{info.worker_id} drains: it finishes its {len(info.requests)} requests, then exits"
         if self._destination(self._decode_views(), worker_view(info)) is None:
@@ -572,6 +632,47 @@ class PlacementService:
                 f"{len(info.requests)} requests stay until one has"
             )
         return f"{info.worker_id} drains: its {len(info.requests)} requests move to other decode workers, then it exits"
+
+    async def _drain_worker(
+        self, info: WorkerInfo, kind: str, reason: str, detail: dict[str, Any] | None = None
+    ) -> MeshError | None:
+        """Drain `info` (it exits once empty) and record the decision (`kind`: drain or evict); the error if it
+        did not take the drain."""
+        error = None
+        with self._tracer.start_as_current_span(
+            "placement.drain",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"worker.id": info.worker_id, "drain.reason": reason},
+        ) as span:
+            try:
+                await self._bus.request(
+                    Subjects.drain(info.worker_id), DrainCommand(exit=True), Ack, timeout=DRAIN_TIMEOUT_S
+                )
+            except MeshError as exc:
+                error = exc
+                span.set_status(trace.StatusCode.ERROR, exc.message)
+        if error is None:
+            self._draining.add(info.worker_id)
+            self._wake.set()
+        log.info(
+            "%s %s (%s, %s, %d requests): %s",
+            *(kind, info.worker_id, info.role, reason, len(info.requests), error.message if error else "draining"),
+        )
+        await self.models.decide(
+            kind,
+            reason,
+            {
+                "worker_id": info.worker_id,
+                "role": info.role,
+                "model": info.model,
+                "host": info.host,
+                "requests": len(info.requests),
+                **(detail or {}),
+                "outcome": "ok" if error is None else "error",
+                "refusal": error.message if error else "",
+            },
+        )
+        return error
 
     def _live(self, worker_id: str | None) -> _Worker:
         worker = self._workers.get(worker_id or "")

@@ -2,10 +2,10 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from llmesh.wire.config import CommonSettings
+from llmesh.wire.config import CommonSettings, ModelSettings
 
 
-class PlacementSettings(CommonSettings):
+class PlacementSettings(ModelSettings, CommonSettings):
     """Named `placement_*`: `make run` gives every service the same environment (the kv-store
     reads MESH_METRICS_PORT, for one). Freeness is Llumnix's: free KV blocks per request in the
     batch (llmesh.policies.llumnix.freeness)."""
@@ -97,6 +97,43 @@ class PlacementSettings(CommonSettings):
     placement_role_timeout_s: float = Field(
         10.0, gt=0, description="How long a worker may take to answer a role switch before it counts as failed."
     )
+    placement_models: bool = Field(
+        True,
+        description="Place the catalogue's models on the hosts whose host agents report (Prism): activate a model "
+        "that requests wait for where KV pressure is lowest, evict idle ones to make room (llmesh_placement.models). "
+        "Without a host agent it does nothing.",
+    )
+    placement_slo_ms: float = Field(
+        1000.0,
+        gt=0,
+        description="The time-to-first-token target of a model whose catalogue entry sets none, in its weight "
+        "(request rate over target) for placement.",
+    )
+    placement_idle_s: float = Field(
+        120.0,
+        ge=0,
+        description="A model without requests for this long may be evicted when its host is short of memory.",
+    )
+    placement_move_threshold: float = Field(
+        0.0,
+        ge=0,
+        description="Algorithm 1 keeps a placed model where it is unless another host's KV pressure is lower by more "
+        "than this (Prism's τ, in requests/s per SLO second per byte).",
+    )
+    placement_activate_timeout_s: float = Field(
+        180.0, gt=0, description="An activated worker that sends no heartbeat within this is asked for again."
+    )
+    placement_autoscale: bool = Field(
+        False,
+        description="Act on the scaling advice, per model, through the host agents (Llumnix's autoscaling): when it "
+        "has asked for one more decode worker for `MESH_PLACEMENT_SCALE_WINDOW_S`, activate one; when it has said one "
+        "can go, drain the decode worker with the fewest requests (they migrate; it exits). Off: advice only.",
+    )
+    placement_scale_window_s: float = Field(
+        10.0, ge=0, description="How long the advice must hold, since it changed and since the last action, to act."
+    )
+    placement_min_decode_workers: int = Field(1, ge=1, description="Autoscaling keeps at least this many per model ...")
+    placement_max_decode_workers: int = Field(4, ge=1, description="... and starts no more than this many.")
     placement_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     placement_metrics_port: int = Field(
         0,
@@ -111,4 +148,6 @@ class PlacementSettings(CommonSettings):
             raise ValueError("placement_source_below must not exceed placement_destination_above")
         if self.placement_scale_low > self.placement_scale_high:
             raise ValueError("placement_scale_low must not exceed placement_scale_high")
+        if self.placement_min_decode_workers > self.placement_max_decode_workers:
+            raise ValueError("placement_min_decode_workers must not exceed placement_max_decode_workers")
         return self

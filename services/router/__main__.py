@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -31,6 +33,16 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+async def publish_traffic(bus: Bus, scheduler: Scheduler, router_id: str, every_s: float = 1.0) -> None:
+    """Requests by model, for placement (which activates a model that requests wait for)."""
+    while True:
+        try:
+            await bus.publish(Subjects.TRAFFIC, scheduler.traffic(router_id))
+        except Exception as exc:  # NATS away for a moment: the next one tells
+            log.warning("could not publish the traffic: %s", exc)
+        await asyncio.sleep(every_s)
 
 
 async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
@@ -85,6 +97,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         )
     )
     serving = asyncio.create_task(server.serve())
+    traffic = asyncio.create_task(publish_traffic(bus, scheduler, f"router-{socket.gethostname()}-{os.getpid()}"))
     watch_event_loop()
     try:
         await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
@@ -92,6 +105,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         server.should_exit = True
         await serving
         expiry.cancel()
+        traffic.cancel()
         await bus.close()
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -64,6 +64,10 @@ class AdmissionQueue:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def parked(self) -> Counter[str]:
+        """Requests waiting for a worker of their model, by model."""
+        return Counter(w.request.model for w in self._waiting if w.parked)
 
     @property
     def interval_s(self) -> float:

@@ -232,6 +232,7 @@ class Dispatcher:
         Spans are never kept current across a `yield`: the consumer may resume this generator
         from another task, where detaching a context attached here would fail.
         """
+        self.scheduler.arrived(gen.model)
         redispatches = refusals = 0
         while True:
             started = False

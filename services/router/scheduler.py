@@ -26,7 +26,7 @@ from llmesh.policies.core import Role, fits_request
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 from llmesh.policies.views import worker_view
 from llmesh.wire.errors import AtCapacity, MeshError, ModelNotPlaced, ServiceUnavailable
-from llmesh.wire.messages import WorkerInfo
+from llmesh.wire.messages import ModelTraffic, WorkerInfo
 
 from .admission import AdmissionQueue
 from .registry import WorkerRegistry
@@ -94,6 +94,7 @@ class Scheduler:
         self.registry = registry
         self.policy = policy or least_loaded()
         self.admission = AdmissionQueue(max_waiting, max_wait_s, queue_policy, self.prefill_seconds, clock)
+        self.arrivals: Counter[str] = Counter()  # requests by model since start (`arrived`)
         self.max_backlog_s = max_backlog_s  # llmesh.policies.core.has_room
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
         self.tpot_slo_s = tpot_slo_s
@@ -306,6 +307,15 @@ class Scheduler:
         return await self.admission.admit(
             place, request, group, committed=role == "decode", parked_s=self.model_wait_s if unserved else None
         )
+
+    def arrived(self, model: str) -> None:
+        """Count a request of `model` (one the mesh has) in `traffic`."""
+        if model in self.registry.catalogue or any(w.model == model for w in self.registry.live()):
+            self.arrivals[model] += 1
+
+    def traffic(self, router_id: str) -> ModelTraffic:
+        """Requests by model since this router started, and those parked now (for placement)."""
+        return ModelTraffic(router_id=router_id, arrivals=dict(self.arrivals), parked=dict(self.admission.parked()))
 
     def serves(self, role: Role, model: str) -> bool:
         """Whether an active worker of `role` serves `model` now."""

@@ -4,7 +4,7 @@ Every service connects to NATS as its own user (user and password in its `MESH_N
 publish and subscribe only where its part of the protocol needs it:
 
 - only the router publishes work to workers (prefill, decode, generate, abort);
-- only the placement service commands migrations, drains and role changes;
+- only the placement service commands migrations, drains, role changes and host agents' activations;
 - only workers (and the kv-store itself) reach `mesh.kv.>`, where data-plane tokens are handed out;
 - each user reads replies only under its own inbox prefix (`_INBOX.<user>`, `Bus.connect` sets it).
 
@@ -64,7 +64,7 @@ WORKER_INBOXES = [
 # user -> (may publish to, may subscribe to), besides its own inbox (subscribe) for every user
 PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
     "router": (
-        ["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.length.predict"],
+        ["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.length.predict", "mesh.traffic"],
         ["mesh.heartbeat"],
     ),
     "worker": (
@@ -83,9 +83,10 @@ PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
     "kv-store": (["mesh.kv.shards", REPLIES], ["mesh.kv.>"]),
     "length-predictor": (["mesh.length.head", REPLIES], ["mesh.length.>"]),
     "placement": (
-        ["mesh.migrate.*", "mesh.role.*", "mesh.drain.*", "mesh.placement.events", REPLIES],
-        ["mesh.heartbeat", "mesh.placement"],
+        ["mesh.migrate.*", "mesh.role.*", "mesh.drain.*", "mesh.host.activate.*", "mesh.placement.events", REPLIES],
+        ["mesh.heartbeat", "mesh.placement", "mesh.traffic", "mesh.host.heartbeat"],
     ),
+    "host-agent": (["mesh.host.heartbeat", REPLIES], ["mesh.host.activate.*"]),
     "admin": (
         ["mesh.placement", "mesh.length.refit", "mesh.length.stats.*", "mesh.kv.*.stats"],
         ["mesh.placement.events", "mesh.heartbeat"],
@@ -122,9 +123,12 @@ def new_secrets(extra_users: dict[str, tuple[list[str], list[str]]] | None = Non
 
 
 def load_or_create(directory: Path, extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
-    """The set in `directory`, or a new one written there (with the files services read)."""
+    """The set in `directory` (brought up to date: `upgrade`), or a new one written there (with the files
+    services read)."""
     if (directory / MeshSecrets.FILE).exists():
-        return MeshSecrets.load(directory)
+        stored = MeshSecrets.load(directory)
+        upgrade(stored)
+        return stored
     made = new_secrets(extra_users)
     write_secrets(made, directory)
     return made
@@ -161,6 +165,22 @@ def nats_authorization(mesh_secrets: MeshSecrets) -> str:
         allowed = f"publish: {{allow: {json.dumps(publish)}}}, subscribe: {{allow: {json.dumps(subscribe)}}}"
         users.append(f"    {{user: {json.dumps(user)}, password: {password}, permissions: {{{allowed}}}}}")
     return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
+
+
+def upgrade(mesh_secrets: MeshSecrets) -> bool:
+    """Give a set made by an older version this version's users and their permissions (passwords of users
+    it has are kept; users of its own, a test harness's, too), and write it; False if it had them."""
+    changed = False
+    for user, allowed in PERMISSIONS.items():
+        if user not in mesh_secrets.nats_passwords:
+            mesh_secrets.nats_passwords[user] = _secret()
+            changed = True
+        if tuple(mesh_secrets.permissions.get(user, ())) != allowed:
+            mesh_secrets.permissions[user] = allowed
+            changed = True
+    if changed and mesh_secrets.directory:
+        write_secrets(mesh_secrets, mesh_secrets.directory)
+    return changed
 
 
 def add_leaf_password(mesh_secrets: MeshSecrets) -> bool:

@@ -261,6 +261,7 @@ SERVICES = {
     "decode-worker": "llmesh_decode",
     "router": "llmesh_router",
     "placement": "llmesh_placement",
+    "host-agent": "llmesh_hostagent",
 }
 
 
@@ -428,6 +429,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the models of the catalogue (MESH_MODELS) to start workers for (default: every one); a request for "
         "another waits until a worker serving it joins",
     )
+    parser.add_argument(
+        "--host-agent",
+        action=argparse.BooleanOptionalAction,
+        default=env_switch("MESH_HOST_AGENT"),
+        help="run a host agent (llmesh_hostagent: pre-started worker processes that placement activates as the "
+        "workers of a model requests wait for, or of one that needs more: MESH_PLACEMENT_AUTOSCALE); default: "
+        "MESH_HOST_AGENT, else when --models leaves some of the catalogue without workers or autoscaling is on",
+    )
     for role in ("prefill", "decode"):
         parser.add_argument(
             f"--{role}-tensor-parallel-size",
@@ -546,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
                     for name, worker_env in worker_envs(service, count, model.name if len(catalogue) > 1 else None)
                 ]
         services += [("router", "router", {}), ("placement", "placement", {})]
+        wanted = len(models) < len(catalogue) or env_switch("MESH_PLACEMENT_AUTOSCALE")
+        if args.host_agent or (args.host_agent is None and wanted):
+            services.append(("host-agent", "host-agent", {"MESH_LOG_DIR": str(args.logs)} if args.logs else {}))
         for service, name, own_env in services:
             supervised.append(
                 Supervised(name, functools.partial(start_service, service, env | own_env, log(name), name))

@@ -37,7 +37,7 @@ from llmesh.wire.errors import (
     ServiceUnavailable,
     Timeout,
 )
-from llmesh.wire.kvkeys import fingerprint, kv_layout
+from llmesh.wire.kvkeys import fingerprint, kv_bytes_per_token, kv_layout, weights_bytes
 from llmesh.wire.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
 from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.wire.messages import (
@@ -100,6 +100,16 @@ def tokens_prompt(token_ids: list[int], cache_salt: str | None) -> Any:
 def worker_id(settings: WorkerSettings, role: Role) -> str:
     """This process's worker id: the configured one, else made from the role, host and pid."""
     return settings.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def engine_memory_bytes(vllm_config: Any, layout: dict[str, Any]) -> int:
+    """What an engine holds, over its ranks: its weights' files and its KV blocks."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    import torch
+
+    dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, str(cache.cache_dtype), model.dtype)
+    kv = (cache.num_gpu_blocks or 0) * cache.block_size * kv_bytes_per_token(layout, dtype.itemsize)
+    return weights_bytes(model.model, model.revision) + kv
 
 
 def engine_args(settings: WorkerSettings, role: Role) -> Any:
@@ -264,6 +274,7 @@ class EngineWorker:
         self.subject = Subjects.worker(role, self.worker_id)
         self.layout = kv_layout(engine.vllm_config)
         self.fingerprint = fingerprint(self.layout)
+        self.memory_bytes = engine_memory_bytes(engine.vllm_config, self.layout)
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self._held: dict[str, HeldRequest] = {}
@@ -411,6 +422,8 @@ class EngineWorker:
             requests=[h.progress() for h in held],
             preemptions=dict(self.preemptions),
             roles=list(self.roles) if len(self.roles) > 1 else [],
+            host=self.settings.host(),
+            memory_bytes=self.memory_bytes,
         )
 
     def count_preemptions(self, kv_transfer_params: dict[str, Any] | None) -> None:

@@ -13,6 +13,7 @@ freeness as scaling advice (`scaling_advice`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from llmesh.policies.core import DispatchContext, Policy, WorkerView, lowest_cost_below
 from llmesh.wire.messages import RequestProgress
@@ -92,3 +93,29 @@ def scaling_advice(workers: Sequence[WorkerView], low: float, high: float, prior
     if average < low:
         return 1
     return -1 if average > high and len(active) > 1 else 0
+
+
+@dataclass(frozen=True)
+class ScaleHold:
+    """How long the scaling advice has pointed one way, and when the last scaling action was."""
+
+    advice: int = 0
+    since: float = 0.0
+    acted_at: float = float("-inf")
+
+
+def scale_decision(
+    advice: int, instances: int, now: float, hold: ScaleHold, window_s: float, minimum: int, maximum: int
+) -> tuple[int, ScaleHold]:
+    """Llumnix's autoscaling: +1 (start an instance) or -1 (drain one) once `advice` (`scaling_advice`) has
+    pointed that way for `window_s`, counted from the later of its last change and the last action, while
+    `instances` stays within [`minimum`, `maximum`]; below `minimum`, +1 at once. Returns the action (0:
+    none) and the hold to pass next time."""
+    if advice != hold.advice:
+        hold = ScaleHold(advice, now, hold.acted_at)
+    if instances < minimum:
+        return 1, ScaleHold(advice, now, now)
+    held = now - max(hold.since, hold.acted_at) >= window_s
+    if held and ((advice > 0 and instances < maximum) or (advice < 0 and instances > minimum)):
+        return advice, ScaleHold(advice, now, now)
+    return 0, hold

@@ -13,8 +13,9 @@ from dataclasses import fields
 from llmesh.policies.core import WorkerView
 from llmesh.wire.messages import WorkerInfo
 
-# heartbeat fields no policy reads: the engine's context limit, the heartbeat period, preemption counts
-HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions"})
+# heartbeat fields no worker-level policy reads: the engine's context limit, the heartbeat period, preemption
+# counts, and where it runs and what it holds (placement's model placement reads those: llmesh_placement.models)
+HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions", "host", "memory_bytes"})
 VIEWED = tuple(f.name for f in fields(WorkerView) if f.name in WorkerInfo.model_fields)
 
 

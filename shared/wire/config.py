@@ -5,6 +5,7 @@ Every setting has a documented default; `MESH_` is the prefix (e.g. `MESH_NATS_U
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
@@ -173,7 +174,20 @@ class ModelSettings(BaseSettings):
         return found[0]
 
 
-class WorkerSettings(ModelSettings, CommonSettings):
+class HostSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESH_", extra="ignore")
+
+    host_id: str = Field(
+        "",
+        description="The host this process runs on, as placement knows it (its host agent's id); default: the "
+        "host name.",
+    )
+
+    def host(self) -> str:
+        return self.host_id or socket.gethostname()
+
+
+class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
     """Shared by prefill and decode workers: the engine must be configured identically on both."""
 
     NATS_USER: ClassVar[str] = "worker"

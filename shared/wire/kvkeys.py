@@ -109,6 +109,18 @@ def checkpoint_identity(
     return ":".join(parts)
 
 
+def kv_bytes_per_token(layout: dict[str, Any], itemsize: int) -> int:
+    """Bytes one token's K and V take over every layer and head (of `layout`, `kv_layout`'s)."""
+    return 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_size"] * itemsize
+
+
+def weights_bytes(model: str, revision: str | None = None) -> int:
+    """Bytes of a checkpoint's weight files (safetensors, else .bin): what an engine holds for its weights."""
+    folder = local_folder(model, revision)
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
+
+
 def rank_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
     """KV heads one tensor-parallel rank holds (vLLM gives each rank a copy of one when there are
     fewer heads than ranks)."""

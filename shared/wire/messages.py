@@ -135,6 +135,8 @@ class WorkerInfo(Message):
     requests: list[RequestProgress] = Field(default_factory=list)
     preemptions: dict[str, int] = Field(default_factory=dict)  # KV of preempted requests: times swapped in / recomputed
     roles: list[Literal["prefill", "decode"]] = Field(default_factory=list)  # it can serve (both: `role` is switchable)
+    host: str = ""  # the host it runs on (a host agent's id: MESH_HOST_ID)
+    memory_bytes: int = 0  # what its engine holds: weights and KV space (0: not reported)
 
 
 # ---- output-length prediction ----------------------------------------------------------
@@ -353,6 +355,65 @@ class AbortRequest(Message):
     request_id: str
 
 
+# ---- hosts and the models they serve --------------------------------------------------
+
+
+class ModelTraffic(Message):
+    """A router's requests by model, published every second on `Subjects.TRAFFIC`: `arrivals` counts
+    every request since the router started (placement takes rates from the differences), `parked` those
+    waiting now because no active worker serves their model."""
+
+    router_id: str
+    arrivals: dict[str, int] = Field(default_factory=dict)
+    parked: dict[str, int] = Field(default_factory=dict)
+
+
+class HostedWorker(Message):
+    worker_id: str
+    model: str
+    role: Literal["prefill", "decode"]
+
+
+class HostInfo(Message):
+    """A host agent's heartbeat (`Subjects.HOST_HEARTBEAT`): the pre-started processes it holds ready by
+    role, the workers it started (running or starting), and the memory the models on it may use."""
+
+    host_id: str
+    heartbeat_s: float
+    standbys: dict[str, int] = Field(default_factory=dict)  # role -> ready
+    workers: list[HostedWorker] = Field(default_factory=list)
+    memory_bytes: int = 0
+
+
+class ActivateCommand(Message):
+    """To a host agent (`Subjects.activate`): make a ready standby of `role` the worker `worker_id` serving
+    the catalogue's `model` (llmesh.engine.standby)."""
+
+    command_id: str
+    model: str
+    role: Literal["prefill", "decode"]
+    worker_id: str
+    reason: str = ""
+
+
+class ModelPlacement(Message):
+    """A model as placement sees it (in `PlacementStatus`)."""
+
+    name: str
+    rate: float  # requests/s over the routers, smoothed
+    parked: int  # requests waiting for a worker of it
+    idle_s: float  # since its last request (inf: none yet)
+    hosts: list[str] = Field(default_factory=list)  # where its active workers run
+
+
+class ActivateOutcome(Message):
+    command_id: str
+    host_id: str
+    worker_id: str
+    accepted: bool
+    reason: str = ""
+
+
 # ---- live migration, drain ------------------------------------------------------------------
 
 
@@ -431,6 +492,9 @@ class PlacementStatus(Message):
     decisions: dict[str, int] = Field(default_factory=dict)  # commands issued since it started, by kind/outcome
     scaling: int = 0  # Llumnix's freeness band: +1 add a decode instance, -1 one can go, 0 hold
     message: str = ""
+    hosts: list[HostInfo] = Field(default_factory=list)
+    models: list[ModelPlacement] = Field(default_factory=list)
+    events: list[PlacementDecision] = Field(default_factory=list)  # its latest model decisions, oldest first
 
 
 class DrainCommand(Message):
@@ -460,7 +524,7 @@ class RoleOutcome(Message):
 class PlacementDecision(Message):
     """Published on `Subjects.PLACEMENT_EVENTS` for every command the placement service issues."""
 
-    kind: Literal["migrate", "drain", "role", "scale"]
+    kind: Literal["migrate", "drain", "role", "scale", "activate", "evict"]
     reason: str
     detail: dict[str, Any] = Field(default_factory=dict)
 
@@ -591,6 +655,8 @@ class Subjects:
     LENGTH_HEAD: ClassVar[str] = "mesh.length.head"  # an accepted refit, to every replica
     PLACEMENT: ClassVar[str] = "mesh.placement"  # operator commands to the active placement service
     PLACEMENT_EVENTS: ClassVar[str] = "mesh.placement.events"  # its decisions and scaling advice
+    TRAFFIC: ClassVar[str] = "mesh.traffic"  # routers' requests by model (`ModelTraffic`)
+    HOST_HEARTBEAT: ClassVar[str] = "mesh.host.heartbeat"  # host agents' `HostInfo`
 
     @staticmethod
     def length_observed(replica: str) -> str:
@@ -627,6 +693,11 @@ class Subjects:
     def kv_control(worker_id: str) -> str:
         """A worker to its own engine's KV connector (the scheduler's side, in the engine's process)."""
         return f"mesh.kvctl.{worker_id}"
+
+    @staticmethod
+    def activate(host_id: str) -> str:
+        """Commands to a host agent: start a worker of a model from a pre-started process."""
+        return f"mesh.host.activate.{host_id}"
 
     @staticmethod
     def drain(worker_id: str) -> str:

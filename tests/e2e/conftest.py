@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 8192  # a long context makes long requests: the tiny model decodes 2k tokens in about a second
 BLOCK_SIZE = 128
 STARTUP_S = 420
-MODEL_B = "tiny-b"  # in the catalogue of the session's mesh, served by no worker it starts (test_models)
+MODEL_B = "tiny-b"  # in the catalogue of the session's mesh, served by no worker it starts (placement activates it)
 CATALOGUE = [{"name": EMBEDDED_MODEL}, {"name": MODEL_B, "model": "llmesh/tiny-llama-b"}]
 
 
@@ -147,7 +147,7 @@ def mesh(tmp_path_factory, model_dir, model_path, otlp):
         model_dir,
         ["make", "--no-print-directory", "-C", str(ROOT), "run"],
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint,
-        # two models; the launcher starts workers for the first only (test_models starts the other's)
+        # two models; the launcher starts workers for the first only, and a host agent (test_models)
         MESH_MODELS=json.dumps(CATALOGUE),
         MESH_STARTED_MODELS=EMBEDDED_MODEL,
         MESH_MODEL_WAIT_S="110",  # an engine starts within it, on this machine (within MESH_REQUEST_TIMEOUT_S)

@@ -10,6 +10,7 @@ import asyncio
 import os
 import random
 import signal
+import socket
 import time
 
 import httpx
@@ -385,6 +386,7 @@ def test_garbage_on_every_subject_crashes_nothing_leaks_no_request_and_the_mesh_
         Subjects.LENGTH_REFIT,
         Subjects.length_stats(replica),
         Subjects.PLACEMENT,
+        Subjects.activate(socket.gethostname()),
         Subjects.kv("0", "stats"),
         Subjects.kv("0", "flush"),
     ]
@@ -397,6 +399,8 @@ def test_garbage_on_every_subject_crashes_nothing_leaks_no_request_and_the_mesh_
         Subjects.KV_DISCOVER,
         Subjects.KV_SHARDS,
         Subjects.PLACEMENT_EVENTS,
+        Subjects.TRAFFIC,
+        Subjects.HOST_HEARTBEAT,
     ]
     rng = random.Random(7)
 

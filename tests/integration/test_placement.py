@@ -17,9 +17,13 @@ from llmesh.wire.bus import Bus
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import (
     Ack,
+    ActivateCommand,
+    ActivateOutcome,
     DrainCommand,
+    HostInfo,
     MigrateCommand,
     MigrateOutcome,
+    ModelTraffic,
     PlacementDecision,
     PlacementRequest,
     PlacementStatus,
@@ -43,10 +47,19 @@ class FakeWorker:
     built with both `roles`, role switches (accepting: it serves the new role at once)."""
 
     def __init__(
-        self, bus: Bus, worker_id: str, requests: list[RequestProgress], role: str, accept: bool, roles: list[str]
+        self,
+        bus: Bus,
+        worker_id: str,
+        requests: list[RequestProgress],
+        role: str,
+        accept: bool,
+        roles: list[str],
+        model: str = "m",
+        host: str = "",
+        memory_bytes: int = 0,
     ):
         self.bus, self.worker_id, self.requests, self.role, self.accept = bus, worker_id, requests, role, accept
-        self.roles = roles
+        self.roles, self.model, self.host, self.memory_bytes = roles, model, host, memory_bytes
         self.state = "active"
         self.migrations: list[tuple[float, MigrateCommand]] = []
         self.drains: list[DrainCommand] = []
@@ -55,7 +68,7 @@ class FakeWorker:
 
     @classmethod
     async def start(
-        cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True, roles=()
+        cls, nats_url: str, worker_id: str, requests=(), role="decode", accept=True, roles=(), **where
     ) -> FakeWorker:
         """`requests`: (id, prompt tokens, generated, priority) of each."""
         bus = await Bus.connect(nats_url, worker_id)
@@ -69,6 +82,7 @@ class FakeWorker:
             role,
             accept,
             list(roles),
+            **where,
         )
         await bus.serve(Subjects.migrate(worker_id), worker._on_migrate)
         await bus.serve(Subjects.drain(worker_id), worker._on_drain)
@@ -83,7 +97,7 @@ class FakeWorker:
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,
-            model="m",
+            model=self.model,
             fingerprint="f" * 32,
             max_model_len=4096,
             running=len(self.requests),
@@ -96,6 +110,8 @@ class FakeWorker:
             block_size=BLOCK,
             requests=self.requests,
             roles=self.roles,
+            host=self.host,
+            memory_bytes=self.memory_bytes,
         )
 
     async def _beat(self) -> None:
@@ -503,3 +519,188 @@ async def test_cli_prints_workers_and_requests(nats_url, capsys):
     assert rc_r == 0 and [line.split()[:2] for line in requests.splitlines()[1:]] == [["q1", "cli-a"], ["q2", "cli-a"]]
     assert rc_unknown == 1 and "no decode worker reports request 'nope'" in unknown
     assert rc_gone == 1 and "no placement service is running" in gone
+
+
+# ---- (e) models on hosts (Prism) ---------------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+class FakeHost:
+    """A host agent: heartbeats `HostInfo`, and answers activations by starting a FakeWorker of the model
+    on itself (what the real agent's standby becomes)."""
+
+    def __init__(self, bus: Bus, nats_url: str, host_id: str, memory_bytes: int, worker_bytes: int):
+        self.bus, self.nats_url, self.host_id = bus, nats_url, host_id
+        self.memory_bytes, self.worker_bytes = memory_bytes, worker_bytes
+        self.commands: list[ActivateCommand] = []
+        self.workers: list[FakeWorker] = []
+        self._beating: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, nats_url, host_id, memory_bytes, worker_bytes=GIB) -> FakeHost:
+        bus = await Bus.connect(nats_url, host_id)
+        host = cls(bus, nats_url, host_id, memory_bytes, worker_bytes)
+        await bus.serve(Subjects.activate(host_id), host._on_activate)
+        host._beating = asyncio.create_task(host._beat())
+        return host
+
+    async def _beat(self) -> None:
+        while True:
+            info = HostInfo(
+                host_id=self.host_id,
+                heartbeat_s=0.2,
+                standbys={"prefill": 1, "decode": 1},
+                memory_bytes=self.memory_bytes,
+            )
+            await self.bus.publish(Subjects.HOST_HEARTBEAT, info)
+            await asyncio.sleep(0.2)
+
+    async def _on_activate(self, cmd: ActivateCommand, blob) -> ActivateOutcome:
+        self.commands.append(cmd)
+        self.workers.append(
+            await FakeWorker.start(
+                self.nats_url,
+                cmd.worker_id,
+                role=cmd.role,
+                model=cmd.model,
+                host=self.host_id,
+                memory_bytes=self.worker_bytes,
+            )
+        )
+        return ActivateOutcome(
+            command_id=cmd.command_id, host_id=self.host_id, worker_id=cmd.worker_id, accepted=True, reason="test"
+        )
+
+    async def close(self) -> None:
+        self._beating.cancel()
+        for worker in self.workers:
+            await worker.close()
+        await self.bus.close()
+
+
+async def publish_traffic(bus: Bus, traffic: dict, step: dict[str, int] | None = None) -> None:
+    """A router's `ModelTraffic` every 0.2 s from what `traffic` holds then (arrivals, parked), `step` more
+    arrivals of each model each time."""
+    arrivals = traffic["arrivals"]
+    while True:
+        await bus.publish(Subjects.TRAFFIC, ModelTraffic(router_id="r", **traffic))
+        for model, n in (step or {}).items():
+            arrivals[model] = arrivals.get(model, 0) + n
+        await asyncio.sleep(0.2)
+
+
+CATALOGUE = [{"name": "a"}, {"name": "b", "ttft_slo_ms": 500}]
+
+
+async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(nats_url, capsys):
+    host = await FakeHost.start(nats_url, "h1", memory_bytes=10 * GIB)
+    client = await Bus.connect(nats_url, "models-client")
+    traffic = {"arrivals": {"a": 5, "b": 2}, "parked": {}}
+    sending = asyncio.create_task(publish_traffic(client, traffic, step={"a": 2, "b": 1}))
+    try:
+        async with (
+            fakes(
+                nats_url,
+                (("a-p",), {"role": "prefill", "model": "a", "host": "h1", "memory_bytes": GIB}),
+                (("a-d",), {"model": "a", "host": "h1", "memory_bytes": GIB}),
+            ),
+            placement(nats_url, "models-1", models=CATALOGUE, placement_period_s=0.1) as replica,
+        ):
+            events = await recorded_events(client)
+            await until(lambda: replica.service.models.models({})[0].rate > 0, 5)  # a's rate is measured
+            traffic["parked"] = {"b": 2}  # then b's requests wait
+            await until(lambda: len(host.workers) == 2, 5)
+            traffic["parked"] = {}  # the router placed them on the new workers
+            await asyncio.sleep(1.0)  # more periods: no second activation
+            assert sorted((c.model, c.role) for c in host.commands) == [("b", "decode"), ("b", "prefill")]
+            status = await ask(client, op="status")
+            rc = await asyncio.to_thread(cli_main, ["--nats", nats_url, "models"])
+    finally:
+        sending.cancel()
+        await host.close()
+        await client.close()
+    assert replica.service.decisions["activate/accepted"] == 2
+    activations = [e for e in events if e.kind == "activate"]
+    assert len(activations) == 2 and all(e.detail["host"] == "h1" and e.detail["parked"] == 2 for e in activations)
+    # b joins a's host: its weight (rate / SLO) is added to a's over the memory both leave for KV
+    assert all(0 < e.detail["kvpr_before"] < e.detail["kvpr_after"] for e in activations)
+    assert [m.name for m in status.models] == ["a", "b"] and status.models[1].hosts == ["h1"]
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0 and "activate b decode on h1" in out and "KVPR" in out
+
+
+async def test_a_model_that_fits_nowhere_evicts_the_idle_one_then_is_activated(nats_url):
+    """h1 holds a (two workers of 1 GiB) in 2.5 GiB; b, as large as a, fits only once a, idle, is drained."""
+    host = await FakeHost.start(nats_url, "h1", memory_bytes=5 * GIB // 2)
+    client = await Bus.connect(nats_url, "evict-client")
+    traffic = {"arrivals": {"a": 3}, "parked": {"b": 1}}
+    sending = asyncio.create_task(publish_traffic(client, traffic))
+    try:
+        async with (
+            fakes(
+                nats_url,
+                (("ev-a-p",), {"role": "prefill", "model": "a", "host": "h1", "memory_bytes": GIB}),
+                (("ev-a-d",), {"model": "a", "host": "h1", "memory_bytes": GIB}),
+            ) as a_workers,
+            placement(nats_url, "models-2", models=CATALOGUE, placement_period_s=0.1, placement_idle_s=0) as replica,
+        ):
+            events = await recorded_events(client)
+            await until(lambda: all(w.drains for w in a_workers), 5)
+            assert not host.commands  # b waits until a is gone
+            for worker in a_workers:  # drained and empty: they exit
+                await worker.close()
+            await until(lambda: len(host.workers) == 2, 5)
+            status = await ask(client, op="status")
+    finally:
+        sending.cancel()
+        await host.close()
+        await client.close()
+    evictions = [e for e in events if e.kind == "evict"]
+    assert sorted(e.detail["worker_id"] for e in evictions) == ["ev-a-d", "ev-a-p"]
+    assert all(e.detail["for"] == "b" and e.detail["kvpr_after"] == 0 for e in evictions)
+    assert replica.service.decisions["evict/ok"] == 2 and replica.service.decisions["activate/accepted"] == 2
+    assert [e.kind for e in status.events] == ["evict", "evict", "activate", "activate"]
+
+
+async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_drains_the_idlest(nats_url):
+    """Llumnix's autoscaling: a's decode worker is nearly out of KV (freeness 3 < 10) for the window, so a
+    second one is activated on its host; later, both empty (freeness 100 > 60) for the window, the one with
+    the fewest requests is drained, down to the minimum of one."""
+    host = await FakeHost.start(nats_url, "h1", memory_bytes=10 * GIB)
+    client = await Bus.connect(nats_url, "scale-client")
+    full = [(f"s{i}", 470, 10, 0) for i in range(3)]  # 30 blocks of 100 each
+    try:
+        async with (
+            fakes(
+                nats_url,
+                (("sc-p",), {"role": "prefill", "model": "a", "host": "h1"}),
+                (("sc-d",), {"requests": full, "model": "a", "host": "h1"}),
+            ) as (_, busy),
+            placement(
+                nats_url,
+                "scaler",
+                models=CATALOGUE,
+                placement_period_s=0.1,
+                placement_autoscale=True,
+                placement_scale_window_s=0.5,
+                placement_balance=False,
+            ) as replica,
+        ):
+            events = await recorded_events(client)
+            await until(lambda: len(host.workers) == 1, 5)
+            started = host.workers[0]
+            assert (started.model, started.role, host.commands[0].reason) == ("a", "decode", "scale-up")
+            busy.requests = busy.requests[:1]  # load falls: both nearly empty
+            await until(lambda: started.drains or busy.drains, 5)
+            await asyncio.sleep(1.0)  # more windows: at the minimum, nothing more
+            assert len(started.drains) + len(busy.drains) == 1 and started.drains  # the one with fewer requests
+            assert len(host.commands) == 1
+    finally:
+        await host.close()
+        await client.close()
+    scaled = [e for e in events if e.kind in ("activate", "drain")]
+    assert [(e.kind, e.reason) for e in scaled] == [("activate", "scale-up"), ("drain", "scale-down")]
+    assert scaled[0].detail["mean_freeness"] < 10 < 60 < scaled[1].detail["mean_freeness"]
+    assert replica.service.decisions["drain/ok"] == 1

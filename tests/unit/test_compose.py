@@ -41,6 +41,11 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "router": RouterSettings,
     "placement": PlacementSettings,
 }
+# launcher services compose does not run yet, and why
+NOT_IN_COMPOSE = {
+    "host-agent": "it starts worker processes in its own container; compose runs each worker as a container, "
+    "so on GPU hosts placement activates nothing yet (docs/operations.md)"
+}
 LLMESH_SERVICES = sorted(SETTINGS)
 EXPECTED_SERVICES = {"secrets", "nats", "redis", "jaeger", "prometheus", "grafana", *LLMESH_SERVICES}
 # where each service serves Prometheus's /metrics: its settings' (port, bind address) fields
@@ -120,7 +125,9 @@ def test_services_exist(services):
 
 
 def test_launcher_and_settings_map_agree():
-    assert set(SETTINGS) == set(SERVICES), "update SETTINGS in this test when llmesh.deploy.launcher.SERVICES changes"
+    assert set(SETTINGS) | set(NOT_IN_COMPOSE) == set(SERVICES), (
+        "update SETTINGS in this test when llmesh.deploy.launcher.SERVICES changes"
+    )
 
 
 @pytest.mark.parametrize("name", LLMESH_SERVICES)

@@ -23,6 +23,7 @@ from llmesh.deploy.credentials import (
 )
 from llmesh.wire.config import CommonSettings, WorkerSettings
 from llmesh.wire.secrets import NATS_CA, MeshSecrets, nats_tls, operator_nats_url, redacted, with_userinfo
+from llmesh_hostagent.settings import HostAgentSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings
@@ -44,6 +45,7 @@ def secrets_dir(tmp_path_factory):
         (KvStoreSettings, "kv-store"),
         (LengthPredictorSettings, "length-predictor"),
         (PlacementSettings, "placement"),
+        (HostAgentSettings, "host-agent"),
         (CommonSettings, "admin"),
     ],
 )
@@ -58,6 +60,19 @@ def test_each_service_connects_as_its_own_user(secrets_dir, settings, user, monk
         assert (parts.username, parts.password) == (user, secrets.nats_passwords[user])
     assert urlsplit(loaded.redis_url).password == secrets.redis_password
     assert user in PERMISSIONS
+
+
+def test_a_set_made_by_an_older_version_gets_the_new_users_and_permissions_and_keeps_its_passwords(tmp_path):
+    old = new_secrets(extra_users={"harness": ([">"], [">"])})
+    del old.nats_passwords["host-agent"], old.permissions["host-agent"]
+    old.permissions["router"] = (["mesh.prefill.*"], ["mesh.heartbeat"])
+    write_secrets(old, tmp_path)
+    passwords = dict(old.nats_passwords)
+    loaded = load_or_create(tmp_path)
+    assert {u: loaded.permissions[u] for u in PERMISSIONS} == PERMISSIONS
+    assert loaded.permissions["harness"] == ([">"], [">"])  # its own users stay
+    assert {u: loaded.nats_passwords[u] for u in passwords} == passwords and loaded.nats_passwords["host-agent"]
+    assert MeshSecrets.load(tmp_path).permissions == loaded.permissions  # written
 
 
 def test_a_url_that_names_its_user_is_kept_and_without_a_secrets_dir_nothing_changes(secrets_dir, monkeypatch):

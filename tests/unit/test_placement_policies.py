@@ -6,7 +6,7 @@ import pytest
 
 from llmesh.policies import WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, pool_utilisation, switchable
-from llmesh.policies.llumnix import pick_migration, scaling_advice
+from llmesh.policies.llumnix import ScaleHold, pick_migration, scale_decision, scaling_advice
 from llmesh.policies.views import worker_view
 from llmesh.wire.messages import RequestProgress, WorkerInfo
 
@@ -251,3 +251,30 @@ def test_worker_view_carries_the_roles_over():
     )
     assert worker_view(info).roles == BOTH and switchable(worker_view(info))
     assert not switchable(worker_view(info.model_copy(update={"roles": []})))
+
+
+def run_scaling(advices: list[tuple[float, int, int]], window_s: float = 10, minimum: int = 1, maximum: int = 3):
+    """(time, advice, instances) in order -> the actions taken, with their times."""
+    hold, acted = ScaleHold(), []
+    for now, advice, instances in advices:
+        action, hold = scale_decision(advice, instances, now, hold, window_s, minimum, maximum)
+        if action:
+            acted.append((now, action))
+    return acted
+
+
+def test_scaling_acts_once_the_advice_has_held_for_the_window_then_waits_a_window_again():
+    ups = [(t, 1, 1) for t in range(0, 25)]
+    assert run_scaling(ups) == [(10, 1), (20, 1)]
+
+
+def test_scaling_does_not_act_on_advice_that_flips_within_the_window():
+    flipping = [(t, 1 if (t // 5) % 2 == 0 else -1, 2) for t in range(0, 40)]
+    assert run_scaling(flipping) == []
+
+
+def test_scaling_stays_within_its_bounds_and_restores_the_minimum_at_once():
+    assert run_scaling([(t, 1, 3) for t in range(0, 30)]) == []  # at the maximum
+    assert run_scaling([(t, -1, 1) for t in range(0, 30)]) == []  # at the minimum
+    assert run_scaling([(0, 0, 0)], minimum=1) == [(0, 1)]
+    assert run_scaling([(t, -1, 3) for t in range(0, 25)]) == [(10, -1), (20, -1)]

@@ -1,0 +1,1 @@
+"""The host agent: pre-started worker processes on one host, activated as workers on placement's command."""

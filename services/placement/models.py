@@ -1,0 +1,311 @@
+"""Which models run on which hosts (Prism): activation of models that requests wait for, and idle eviction.
+
+Inputs, all from the bus: the host agents' heartbeats (`HostInfo`: ready standbys, memory budget), the
+routers' traffic (`ModelTraffic`: arrivals and parked requests by model) and the workers' heartbeats
+(`WorkerInfo`: model, host, the memory their engines hold). Each period the leader runs Prism's
+Algorithm 1 (`llmesh.policies.prism.place_models`) over the hosts, with each model's measured rate
+over its TTFT target; then, for every model with parked requests and no active worker of a role, it
+asks the host that Algorithm 1 picks to activate one (`ActivateCommand`; the agent turns a pre-started
+process into the worker). A model that fits on no host makes room by Prism's idle eviction
+(`idle_evictions`): the idle models on hosts short of memory, larger SLOs first, are drained (their
+workers finish what they hold, live migration moves decodes away, then they exit). Every decision is a
+`PlacementDecision` with its inputs, KV pressure before and after included, also kept for the CLI.
+
+A model's footprint is what its workers' engines hold (weights and KV space, from their heartbeats): on
+CPU an engine's KV space is fixed when it starts, so the memory Prism gives a model's KV is taken
+whole; a model not seen yet is counted at the mean footprint of the models that were. Not yet: moving a
+running model to a host with lower pressure (Algorithm 1's moves are computed, not carried out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, place_models
+from llmesh.wire.bus import Bus
+from llmesh.wire.errors import MeshError
+from llmesh.wire.messages import (
+    ActivateCommand,
+    ActivateOutcome,
+    HostInfo,
+    ModelPlacement,
+    ModelTraffic,
+    PlacementDecision,
+    Subjects,
+    WorkerInfo,
+)
+
+from .settings import PlacementSettings
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+RATE_HALF_LIFE_S = 30.0  # of the smoothed request rates
+EVENTS_KEPT = 50
+ACTIVATE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Seen:
+    info: Any
+    at: float
+
+
+@dataclass
+class _Activation:
+    host: str
+    worker_id: str
+    issued_at: float
+    refused: bool = False
+
+
+def worker_name(role: str, model: str) -> str:
+    tag = "".join(c if c.isalnum() else "-" for c in model).strip("-")
+    return f"{role}-{tag}-{uuid.uuid4().hex[:6]}"
+
+
+class ModelPlacer:
+    def __init__(
+        self,
+        bus: Bus,
+        settings: PlacementSettings,
+        clock: Callable[[], float],
+        announce: Callable[[PlacementDecision], Coroutine[Any, Any, None]],
+        count: Callable[[str, str], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
+        drain: Callable[[WorkerInfo, str, str, dict[str, Any]], Coroutine[Any, Any, Any]],
+    ):
+        """`drain(worker, kind, reason, detail)`: the service's drain, which records the decision."""
+        self._bus, self.settings, self._clock = bus, settings, clock
+        self._announce, self._count, self._spawn, self._drain = announce, count, spawn, drain
+        self.catalogue = {m.name: m for m in settings.catalogue()}
+        self._hosts: dict[str, _Seen] = {}
+        self._traffic: dict[str, _Seen] = {}  # by router
+        self._rates: dict[str, float] = defaultdict(float)  # model -> requests/s, smoothed, over the routers
+        self._last_arrival: dict[str, float] = {}
+        self._activations: dict[tuple[str, str], _Activation] = {}  # (model, role) -> the last one asked for
+        self._evicting: dict[str, float] = {}  # model -> when its drain was asked for
+        self._footprints: dict[str, int] = {}  # model -> bytes its workers held when last seen
+        self.events: deque[PlacementDecision] = deque(maxlen=EVENTS_KEPT)
+
+    # ---- inputs ---------------------------------------------------------------------------------------------
+
+    def on_host(self, info: HostInfo) -> None:
+        if info.host_id not in self._hosts:
+            log.info("host %s joined (%.1f GiB for models)", info.host_id, info.memory_bytes / 2**30)
+        self._hosts[info.host_id] = _Seen(info, self._clock())
+
+    def on_traffic(self, traffic: ModelTraffic) -> None:
+        now = self._clock()
+        before = self._traffic.get(traffic.router_id)
+        self._traffic[traffic.router_id] = _Seen(traffic, now)
+        if before is None:
+            return
+        dt = max(now - before.at, 1e-3)
+        keep = 0.5 ** (dt / RATE_HALF_LIFE_S)
+        for model in self.catalogue.keys() | traffic.arrivals.keys():
+            new = traffic.arrivals.get(model, 0) - before.info.arrivals.get(model, 0)
+            if new > 0:
+                self._last_arrival[model] = now
+            self._rates[model] = keep * self._rates[model] + (1 - keep) * max(new, 0) / dt
+
+    def expire(self, missed: int) -> None:
+        now = self._clock()
+        for seen in (self._hosts, self._traffic):
+            for key, entry in list(seen.items()):
+                period = entry.info.heartbeat_s if isinstance(entry.info, HostInfo) else 1.0
+                if now - entry.at > missed * period:
+                    del seen[key]
+
+    def parked(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for entry in self._traffic.values():
+            for model, n in entry.info.parked.items():
+                out[model] += n
+        return out
+
+    def idle_s(self, model: str) -> float:
+        last = self._last_arrival.get(model)
+        return math.inf if last is None else self._clock() - last
+
+    # ---- the period ---------------------------------------------------------------------------------------
+
+    def step(self, workers: dict[str, WorkerInfo]) -> None:
+        """Activate what parked requests need where Algorithm 1 places it; evict idle models to make room."""
+        if not self._hosts:
+            return  # no host agent: the deployment's workers are all there is
+        now = self._clock()
+        active = [w for w in workers.values() if w.state == "active"]
+        self._settle(workers, now)
+        parked_now = self.parked()
+        demands, devices, current = self._inputs(active)
+        wanted = [d for d in demands if d.name in current or parked_now.get(d.name, 0) > 0]  # not the others
+        placed = place_models(wanted, devices, current, self.settings.placement_move_threshold)
+        by_name = {d.name: d for d in demands}
+        for model, parked in sorted(parked_now.items()):
+            if parked <= 0 or model not in self.catalogue:
+                continue
+            for role in ROLES:
+                if any(w.model == model and w.role == role for w in active) or (model, role) in self._activations:
+                    continue
+                target = placed.get(model, (None,))[0]
+                if target is None:
+                    self._make_room(by_name[model], demands, devices, current, workers)
+                    break
+                detail = {
+                    "parked": parked,
+                    "rate": round(self._rates[model], 3),
+                    "kvpr_before": self.pressure(target, demands, current),
+                    "kvpr_after": self.pressure(target, demands, {**current, model: (target,)}),
+                }
+                self.activate(model, role, target, "parked", detail)
+
+    def _settle(self, workers: dict[str, WorkerInfo], now: float) -> None:
+        """Forget activations whose worker is heartbeating, failed or took too long; evictions done."""
+        timeout = self.settings.placement_activate_timeout_s
+        for key, act in list(self._activations.items()):
+            if act.worker_id in workers or act.refused or now - act.issued_at > timeout:
+                if act.worker_id not in workers and not act.refused:
+                    log.warning("worker %s (%s) did not join within %.0f s", act.worker_id, key[0], timeout)
+                del self._activations[key]
+        for model, since in list(self._evicting.items()):
+            if not any(w.model == model for w in workers.values()) or now - since > timeout:
+                del self._evicting[model]
+        for model in self.catalogue:
+            held = sum(w.memory_bytes for w in workers.values() if w.model == model)
+            hosts = {w.host for w in workers.values() if w.model == model}
+            if held:
+                self._footprints[model] = held // len(hosts)
+
+    def _inputs(self, active: list[WorkerInfo]) -> tuple[list[ModelDemand], list[Device], dict[str, tuple[str, ...]]]:
+        """Algorithm 1's inputs: each model's rate, SLO and footprint; the hosts; where models run."""
+        known = list(self._footprints.values())
+        fallback = int(statistics.mean(known)) if known else 0
+        demands = [
+            ModelDemand(
+                name=name,
+                rate=self._rates[name],
+                slo_s=(entry.ttft_slo_ms or self.settings.placement_slo_ms) / 1000,
+                weights_bytes=self._footprints.get(name, fallback),
+            )
+            for name, entry in self.catalogue.items()
+        ]
+        devices = [Device(h, seen.info.memory_bytes) for h, seen in sorted(self._hosts.items())]
+        current: dict[str, tuple[str, ...]] = {}
+        for w in sorted(active, key=lambda w: w.worker_id):
+            if w.host in self._hosts and w.host not in current.get(w.model, ()):
+                current[w.model] = (*current.get(w.model, ()), w.host)
+        for (model, _), act in self._activations.items():
+            current.setdefault(model, (act.host,))
+        return demands, devices, {m: hosts[:1] for m, hosts in current.items()}
+
+    def pressure(self, host: str, demands: list[ModelDemand], current: dict[str, tuple[str, ...]]) -> float:
+        """A host's KV pressure with the models `current` places on it, per GiB (requests/s per SLO second per
+        GiB left for KV: `kv_pressure` is per byte)."""
+        on = [d for d in demands if host in current.get(d.name, ())]
+        memory = self._hosts[host].info.memory_bytes if host in self._hosts else 0
+        return kv_pressure(sum(d.weight for d in on), memory - sum(d.weights_bytes for d in on)) * 2**30
+
+    # ---- commands -----------------------------------------------------------------------------------------
+
+    def activate(self, model: str, role: str, host: str, reason: str, detail: dict[str, Any]) -> None:
+        """Ask `host`'s agent for a worker of `model` in `role` (in its own task); `detail`: the inputs."""
+        worker_id = worker_name(role, model)
+        self._activations[(model, role)] = _Activation(host, worker_id, self._clock())
+        cmd = ActivateCommand(command_id=uuid.uuid4().hex, model=model, role=role, worker_id=worker_id, reason=reason)
+        self._spawn(
+            self._send_activate(cmd, {"model": model, "role": role, "host": host, "worker_id": worker_id, **detail})
+        )
+
+    def activating(self, model: str, role: str) -> bool:
+        return (model, role) in self._activations
+
+    def host_for(self, model: str, role: str, workers: dict[str, WorkerInfo]) -> str | None:
+        """Where another worker of `model` in `role` goes: a host its workers run on with a ready standby of
+        the role, else any host with one, else any host (it starts cold there)."""
+        hosts = [seen.info for _, seen in sorted(self._hosts.items())]
+        own = {w.host for w in workers.values() if w.model == model}
+        ready = [h for h in hosts if h.standbys.get(role, 0) > 0]
+        choice = next((h for h in ready if h.host_id in own), None) or next(iter(ready), None)
+        return choice.host_id if choice else (hosts[0].host_id if hosts else None)
+
+    async def _send_activate(self, cmd: ActivateCommand, detail: dict[str, Any]) -> None:
+        try:
+            outcome, _ = await self._bus.request(
+                Subjects.activate(detail["host"]), cmd, ActivateOutcome, timeout=ACTIVATE_TIMEOUT_S
+            )
+            result, reason = ("accepted" if outcome.accepted else "refused"), outcome.reason
+        except MeshError as exc:
+            result, reason = "error", exc.message
+        if result != "accepted":
+            act = self._activations.get((cmd.model, cmd.role))
+            if act is not None and act.worker_id == cmd.worker_id:
+                act.refused = True  # asked again next period
+        log.info(
+            "activate %s (%s) on %s as %s (%s): %s: %s",
+            *(cmd.model, cmd.role, detail["host"], cmd.worker_id, cmd.reason, result, reason),
+        )
+        await self.decide("activate", cmd.reason, {**detail, "outcome": result, "how": reason})
+
+    def _make_room(
+        self,
+        model: ModelDemand,
+        demands: list[ModelDemand],
+        devices: list[Device],
+        current: dict[str, tuple[str, ...]],
+        workers: dict[str, WorkerInfo],
+    ) -> None:
+        """Prism's idle eviction: drain the idle models that free the memory `model` lacks."""
+        used: dict[str, int] = defaultdict(int)
+        for d in demands:
+            for host in current.get(d.name, ()):
+                used[host] += d.weights_bytes
+        short = {dev.device_id: model.weights_bytes - (dev.memory_bytes - used[dev.device_id]) + 1 for dev in devices}
+        idle = {d.name: self.idle_s(d.name) for d in demands}
+        placed_now = {m: h for m, h in current.items() if m != model.name and m not in self._evicting}
+        for victim in idle_evictions(demands, placed_now, idle, short, self.settings.placement_idle_s):
+            self._evicting[victim] = self._clock()
+            for w in workers.values():
+                if w.model == victim and w.state == "active":
+                    after = {m: h for m, h in current.items() if m != victim}
+                    detail = {
+                        "model": victim,
+                        "for": model.name,
+                        "idle_s": round(idle[victim], 1),
+                        "kvpr_before": self.pressure(w.host, demands, current),
+                        "kvpr_after": self.pressure(w.host, demands, after),
+                    }
+                    self._spawn(self._drain(w, "evict", "idle", detail))
+
+    async def decide(self, kind: str, reason: str, detail: dict[str, Any]) -> None:
+        """Keep, count and publish a decision (`detail["outcome"]`: how it went)."""
+        decision = PlacementDecision(kind=kind, reason=reason, detail=detail)  # type: ignore[arg-type]
+        self.events.append(decision)
+        self._count(kind, detail["outcome"])
+        await self._announce(decision)
+
+    # ---- what the CLI shows -------------------------------------------------------------------------------
+
+    def hosts(self) -> list[HostInfo]:
+        return [seen.info for _, seen in sorted(self._hosts.items())]
+
+    def models(self, workers: dict[str, WorkerInfo]) -> list[ModelPlacement]:
+        parked = self.parked()
+        return [
+            ModelPlacement(
+                name=name,
+                rate=round(self._rates[name], 3),
+                parked=parked.get(name, 0),
+                idle_s=self.idle_s(name),
+                hosts=sorted({w.host for w in workers.values() if w.model == name and w.state == "active"}),
+            )
+            for name in self.catalogue
+        ]
