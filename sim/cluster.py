@@ -168,7 +168,7 @@ def simulate(
         waiting = {r.request_id: r for r in queue}
         held_back: set[tuple[str, str]] = set()  # (role, model) where a request was held back (nothing placed since)
         workers = {e.worker_id: _worker_view(e) for e in engines}  # refreshed as requests are placed
-        for view in queue_policy.order(now, [views[r.request_id] for r in queue]):
+        for view in queue_policy.order(now, [views[r.request_id] for r in queue], service_s):
             r = waiting[view.request_id]
             role = role_of(r)
             if (role, r.model) in held_back:

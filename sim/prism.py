@@ -307,8 +307,7 @@ class MultiModelCluster:
         if placeable:  # Algorithm 2's order over the whole queue, then what fits in it
             views = [self._view(r) for r in d.queue]
             policy = prism_queue()
-            late = policy.refused(self.now, views, lambda v: self.profile.prefill_s(v.prompt_tokens))
-            ordered = sorted(policy.order(self.now, views), key=lambda v: v.request_id in late)
+            ordered = policy.order(self.now, views, lambda v: self.profile.prefill_s(v.prompt_tokens))
             by_id = {r.request_id: r for r in placeable}
             for r in (by_id[v.request_id] for v in ordered if v.request_id in by_id):
                 if self._need(r) > free:

@@ -171,7 +171,7 @@ class AdmissionQueue:
         committed = sorted((w for w in open_ if w.committed), key=lambda w: w.request.arrival)
         full: set[Hashable] = set()  # groups a waiter found no room for
         for waiter in committed + [
-            by_id[r.request_id] for r in self.policy.order(now, list(w.request for w in by_id.values()))
+            by_id[r.request_id] for r in self.policy.order(now, list(w.request for w in by_id.values()), self.service_s)
         ]:
             if waiter.group is not None and waiter.group in full:
                 continue

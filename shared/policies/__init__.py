@@ -18,7 +18,16 @@ from llmesh.policies.baseline import least_loaded, power_of_two, random_choice, 
 from llmesh.policies.core import DispatchContext, Policy, RequestView, WorkerView
 from llmesh.policies.llumnix import llumnix
 from llmesh.policies.prefix import PrefixIndex, cache_aware
-from llmesh.policies.queueing import QueuePolicy, edf, fairness, fcfs, priority_fcfs, prism, slo_odbs
+from llmesh.policies.queueing import (
+    QueuePolicy,
+    edf,
+    fairness,
+    fcfs,
+    priority_fcfs,
+    prism,
+    prism_refuse,
+    slo_odbs,
+)
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": round_robin,
@@ -37,6 +46,7 @@ QUEUE_POLICIES: dict[str, Callable[..., QueuePolicy]] = {
     "priority": priority_fcfs,
     "edf": edf,
     "prism": prism,
+    "prism-refuse": prism_refuse,
     "slo_odbs": slo_odbs,
     "fairness": fairness,
 }

@@ -1,8 +1,9 @@
 """Who goes first among the requests waiting for a worker with room, and who cannot make it.
 
 A queue policy orders the waiting requests (the router places them in that order as room
-appears; one that does not fit yet does not block the others: out-of-order admission) and
-may name requests that cannot meet their time-to-first-token target however they are ordered,
+appears; one that does not fit yet does not block the others: out-of-order admission), may put
+some after the others for this round (deferred: they stay, and are ordered afresh the next time),
+and may name requests that cannot meet their time-to-first-token target however they are ordered,
 to be refused at once (HTTP 429) rather than time out. `service_s` is the caller's estimate of
 a request's time on a worker once placed (its prompt at the measured prefill speed). Pure
 functions, as every policy here.
@@ -24,11 +25,15 @@ class QueuePolicy:
     name: str
     key: Callable[[float, RequestView], tuple]  # (now, request) -> sort key, smallest first
     drop: Callable[[float, Sequence[RequestView], ServiceTime], set[str]] | None = None  # request ids to refuse
+    defer: Callable[[float, Sequence[RequestView], ServiceTime], set[str]] | None = None  # ids put last this round
     needs_prediction: bool = False
     params: dict[str, float] = field(default_factory=dict)
 
-    def order(self, now: float, waiting: Sequence[RequestView]) -> list[RequestView]:
-        return sorted(waiting, key=lambda r: (*self.key(now, r), r.arrival, r.request_id))
+    def order(
+        self, now: float, waiting: Sequence[RequestView], service_s: ServiceTime = lambda r: 0.0
+    ) -> list[RequestView]:
+        later = self.defer(now, waiting, service_s) if self.defer else set()
+        return sorted(waiting, key=lambda r: (r.request_id in later, *self.key(now, r), r.arrival, r.request_id))
 
     def refused(self, now: float, waiting: Sequence[RequestView], service_s: ServiceTime) -> set[str]:
         return self.drop(now, waiting, service_s) if self.drop else set()
@@ -81,9 +86,17 @@ def moore_hodgson(now: float, waiting: Sequence[RequestView], service_s: Service
 
 
 def prism() -> QueuePolicy:
-    """Prism's admission on the shared queue (Algorithm 2: Moore-Hodgson over TTFT deadlines):
-    serve in deadline order, refuse the requests whose removal lets the most others meet theirs."""
-    return QueuePolicy("prism", key=lambda now, r: (r.ttft_deadline,), drop=moore_hodgson)
+    """Prism's Algorithm 2 as written, on the shared queue: deadline order (arrival + TTFT target), adding
+    each request's expected run time; the requests Moore-Hodgson drops so that the most others meet their
+    deadlines are deferred to the end of this round, not refused (the queue's own limits and a request's
+    deadline still refuse it)."""
+    return QueuePolicy("prism", key=lambda now, r: (r.ttft_deadline,), defer=moore_hodgson)
+
+
+def prism_refuse() -> QueuePolicy:
+    """Prism's order with Moore-Hodgson's dropped requests refused at once (429) instead of deferred: this
+    codebase's first reading of Algorithm 2, kept for comparison."""
+    return QueuePolicy("prism-refuse", key=lambda now, r: (r.ttft_deadline,), drop=moore_hodgson)
 
 
 def slo_odbs(slo_bucket_s: float = 0.05) -> QueuePolicy:

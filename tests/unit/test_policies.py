@@ -370,7 +370,15 @@ def test_moore_hodgson_keeps_the_most_requests_on_time():
     due = {"j1": 8, "j2": 9, "j3": 10, "j4": 11, "j5": 13}
     waiting = [q(j, arrival=0.0, ttft=due[j]) for j in service]
     assert moore_hodgson(0.0, waiting, lambda r: service[r.request_id]) == {"j4", "j5"}
-    assert make_queue_policy("prism").refused(0.0, waiting, lambda r: service[r.request_id]) == {"j4", "j5"}
+    assert make_queue_policy("prism-refuse").refused(0.0, waiting, lambda r: service[r.request_id]) == {"j4", "j5"}
+    as_written = make_queue_policy("prism")  # Algorithm 2: deferred to the end of the round, not refused
+    assert as_written.refused(0.0, waiting, lambda r: service[r.request_id]) == set()
+    # a, the earliest due, cannot make it and would make b late: it goes after b and c this round
+    late = {"a": 10, "b": 1, "c": 1}
+    waiting = [q("a", arrival=0.0, ttft=5), q("b", arrival=0.0, ttft=6), q("c", arrival=0.0, ttft=20)]
+    ordered = as_written.order(0.0, waiting, lambda r: late[r.request_id])
+    assert [r.request_id for r in ordered] == ["b", "c", "a"]
+    assert [r.request_id for r in as_written.order(0.0, waiting)] == ["a", "b", "c"]  # no run times: deadline order
     assert moore_hodgson(0.0, waiting, lambda r: 1.0) == set()  # all fit
 
 
