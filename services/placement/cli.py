@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from llmesh.deploy.compose import scale_plan
 from llmesh.policies.banaserve import switchable
 from llmesh.policies.llumnix import freeness
 from llmesh.policies.views import worker_view
@@ -147,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("workers", help="live workers, their load and freeness, and the scaling advice")
     commands.add_parser("requests", help="requests the workers hold")
+    scale = commands.add_parser(
+        "compose-scale",
+        help="the commands that carry out the scaling advice on a one-host compose deployment (its decode "
+        "workers decode-worker-0, -1, ... on one GPU each): print them for an operator's controller to run",
+    )
+    scale.add_argument("--prefill", required=True, metavar="GPUS", help="the prefill worker's GPU ids, e.g. 0")
+    scale.add_argument(
+        "--decode-gpus", nargs="+", required=True, metavar="GPU", help="the GPUs decode workers may have, in order"
+    )
+    scale.add_argument("-o", "--out", default="docker-compose.scaled.yml", help="the compose file to write")
     commands.add_parser("models", help="hosts, models (rate, parked requests, where they run) and the latest decisions")
     drain = commands.add_parser("drain", help="drain a worker: its requests move away, then it exits")
     drain.add_argument("worker")
@@ -163,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": PlacementRequest(op="status"),
         "requests": PlacementRequest(op="status"),
         "models": PlacementRequest(op="status"),
+        "compose-scale": PlacementRequest(op="status"),
         "drain": PlacementRequest(op="drain", worker_id=getattr(args, "worker", None)),
         "migrate": PlacementRequest(
             op="migrate", request_id=getattr(args, "request", None), target=getattr(args, "target", None)
@@ -195,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         print(requests_table(status))
     elif args.command == "models":
         print(models_table(status))
+    elif args.command == "compose-scale":
+        running = sum(w.role == "decode" and w.state == "active" for w in status.workers)
+        plan = scale_plan(status.scaling, running, args.prefill, args.decode_gpus, args.out)
+        print("\n".join(plan) or f"# hold: advice {SCALING.get(status.scaling)}, {running} decode workers")
     else:
         print(status.message)
     return 0

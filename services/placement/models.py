@@ -13,8 +13,9 @@ workers finish what they hold, live migration moves decodes away, then they exit
 
 A model's footprint is what its workers' engines hold (weights and KV space, from their heartbeats): on
 CPU an engine's KV space is fixed when it starts, so the memory Prism gives a model's KV is taken
-whole; a model not seen yet is counted at the mean footprint of the models that were. Not yet: moving a
-running model to a host with lower pressure (Algorithm 1's moves are computed, not carried out).
+whole; a model not seen yet is counted at the mean footprint of the models that were. A running model that
+Algorithm 1 moves to another host (its pressure there lower by more than τ) is activated there first;
+then its workers on the old host are drained.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class ModelPlacer:
         self._activations: dict[tuple[str, str], _Activation] = {}  # (model, role) -> the last one asked for
         self._evicting: dict[str, float] = {}  # model -> when its drain was asked for
         self._footprints: dict[str, int] = {}  # model -> bytes its workers held when last seen
+        self._moves: dict[str, tuple[str, str, float]] = {}  # model -> (from host, to host, since)
+        self._moved_at: dict[str, float] = {}
         self.events: deque[PlacementDecision] = deque(maxlen=EVENTS_KEPT)
 
     # ---- inputs ---------------------------------------------------------------------------------------------
@@ -148,7 +151,7 @@ class ModelPlacer:
         parked_now = self.parked()
         demands, devices, current = self._inputs(active)
         wanted = [d for d in demands if d.name in current or parked_now.get(d.name, 0) > 0]  # not the others
-        placed = place_models(wanted, devices, current, self.settings.placement_move_threshold)
+        placed = place_models(wanted, devices, current, self.settings.placement_move_threshold / 2**30)
         by_name = {d.name: d for d in demands}
         for model, parked in sorted(parked_now.items()):
             if parked <= 0 or model not in self.catalogue:
@@ -167,6 +170,47 @@ class ModelPlacer:
                     "kvpr_after": self.pressure(target, demands, {**current, model: (target,)}),
                 }
                 self.activate(model, role, target, "parked", detail)
+        self._move(placed, current, active, demands, now)
+
+    def _move(
+        self,
+        placed: dict[str, tuple[str, ...]],
+        current: dict[str, tuple[str, ...]],
+        active: list[WorkerInfo],
+        demands: list[ModelDemand],
+        now: float,
+    ) -> None:
+        """Algorithm 1's moves: a running model that it puts on another host (by more than τ) is activated
+        there; once its workers there are active, those on the old host are drained (live migration moves
+        their decodes). One move per model at a time, none within the cooldown of the last."""
+        for model, (source, target, since) in list(self._moves.items()):
+            if set(ROLES) <= {w.role for w in active if w.model == model and w.host == target}:
+                for w in active:
+                    if w.model == model and w.host == source:
+                        self._spawn(self._drain(w, "drain", "move", {"to": target}))
+                del self._moves[model]
+            elif now - since > self.settings.placement_activate_timeout_s:
+                log.warning("moving %s from %s to %s took too long: stays on %s", model, source, target, source)
+                del self._moves[model]
+        for model, hosts in sorted(placed.items()):
+            here = current.get(model)
+            busy = model in self._moves or model in self._evicting or any(self.activating(model, r) for r in ROLES)
+            cooled = now - self._moved_at.get(model, -math.inf) >= self.settings.placement_move_cooldown_s
+            if not here or hosts[0] == here[0] or busy or not cooled:
+                continue
+            source, target = here[0], hosts[0]
+            self._moves[model], self._moved_at[model] = (source, target, now), now
+            after = {**current, model: (target,)}
+            detail = {
+                "from": source,
+                "rate": round(self._rates[model], 3),
+                "kvpr_before": self.pressure(target, demands, current),
+                "kvpr_after": self.pressure(target, demands, after),
+                "source_kvpr_before": self.pressure(source, demands, current),
+                "source_kvpr_after": self.pressure(source, demands, after),
+            }
+            for role in ROLES:
+                self.activate(model, role, target, "move", detail)
 
     def _settle(self, workers: dict[str, WorkerInfo], now: float) -> None:
         """Forget activations whose worker is heartbeating, failed or took too long; evictions done."""

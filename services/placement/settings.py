@@ -115,10 +115,14 @@ class PlacementSettings(ModelSettings, CommonSettings):
         description="A model without requests for this long may be evicted when its host is short of memory.",
     )
     placement_move_threshold: float = Field(
-        0.0,
+        0.1,
         ge=0,
-        description="Algorithm 1 keeps a placed model where it is unless another host's KV pressure is lower by more "
-        "than this (Prism's τ, in requests/s per SLO second per byte).",
+        description="Algorithm 1 moves a running model to another host only when that lowers its KV pressure by more "
+        "than this (Prism's τ; requests/s per SLO second per GiB left for KV): it is activated there, then its "
+        "workers on the old host are drained.",
+    )
+    placement_move_cooldown_s: float = Field(
+        60.0, ge=0, description="A model moved is not moved again for this long (no back and forth on noisy rates)."
     )
     placement_activate_timeout_s: float = Field(
         180.0, gt=0, description="An activated worker that sends no heartbeat within this is asked for again."

@@ -36,6 +36,7 @@ import argparse
 import copy
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,33 @@ def gpu_host(
     compose["services"] = kept
     compose["volumes"] = {"models": compose["volumes"]["models"], "kv-data": compose["volumes"]["kv-data"]}
     return compose
+
+
+def scale_plan(advice: int, running: int, prefill: str, decode_gpus: Sequence[str], out: str) -> list[str]:
+    """The commands that carry out placement's scaling advice (+1, -1, 0) on a one-host compose deployment
+    (the `single` layout) running `running` decode workers, one GPU of `decode_gpus` each in order, and a
+    prefill worker on `prefill`: none when the advice is to hold or a bound (1, len(decode_gpus)) is reached.
+    Up: the layout with one more worker, brought up beside the running ones. Down: the last worker drained
+    first (its requests migrate away; it exits with status 0, which `restart: on-failure` leaves down), then
+    the layout without it, which removes its container."""
+    target = min(max(running + advice, 1), len(decode_gpus))
+    if target == running:
+        return []
+    layout = (
+        f"python -m llmesh.deploy.compose single --prefill {prefill} "
+        + " ".join(f"--decode {g}" for g in decode_gpus[:target])
+        + f" -o {out}"
+    )
+    up = f"docker compose -f {out} up -d --no-recreate --remove-orphans"
+    if target > running:
+        return [layout, up]
+    last = f"decode-worker-{running - 1}"
+    return [
+        f"python -m llmesh_placement.cli drain {last}",
+        f"until ! python -m llmesh_placement.cli workers | grep -q '^{last} '; do sleep 2; done",
+        layout,
+        up,
+    ]
 
 
 def _gpu_lists(values: list[str] | None) -> list[list[str]]:

@@ -704,3 +704,43 @@ async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_dra
     assert [(e.kind, e.reason) for e in scaled] == [("activate", "scale-up"), ("drain", "scale-down")]
     assert scaled[0].detail["mean_freeness"] < 10 < 60 < scaled[1].detail["mean_freeness"]
     assert replica.service.decisions["drain/ok"] == 1
+
+
+async def test_algorithm_1_moves_a_model_to_the_host_of_lower_pressure_activating_it_there_first(nats_url):
+    """a and b both run on h1, h2 is empty: Algorithm 1 keeps b (the heavier: rate over a tighter SLO) on h1
+    and moves a to h2. a is activated on h2; once its workers there beat, its workers on h1 are drained."""
+    hosts = [await FakeHost.start(nats_url, h, memory_bytes=10 * GIB) for h in ("h1", "h2")]
+    client = await Bus.connect(nats_url, "move-client")
+    traffic = {"arrivals": {"a": 0, "b": 0}, "parked": {}}
+    sending = asyncio.create_task(publish_traffic(client, traffic, step={"a": 1, "b": 1}))
+    on_h1 = {"host": "h1", "memory_bytes": GIB}
+    try:
+        async with (
+            fakes(
+                nats_url,
+                *(
+                    ((f"mv-{m}-{r}",), {"role": r, "model": m, **on_h1})
+                    for m in ("a", "b")
+                    for r in ("prefill", "decode")
+                ),
+            ) as old,
+            placement(nats_url, "mover", models=CATALOGUE, placement_period_s=0.1) as replica,
+        ):
+            events = await recorded_events(client)
+            await until(lambda: any(w.drains for w in old), 10)
+            await asyncio.sleep(0.5)
+    finally:
+        sending.cancel()
+        for host in hosts:
+            await host.close()
+        await client.close()
+    assert not hosts[0].commands and sorted((c.model, c.role, c.reason) for c in hosts[1].commands) == [
+        ("a", "decode", "move"),
+        ("a", "prefill", "move"),
+    ]
+    assert sorted(w.worker_id for w in old if w.drains) == ["mv-a-decode", "mv-a-prefill"]
+    moves = [e for e in events if e.reason == "move"]
+    assert [e.kind for e in moves] == ["activate", "activate", "drain", "drain"]
+    first = moves[0].detail
+    assert first["from"] == "h1" and first["kvpr_after"] < first["source_kvpr_before"]
+    assert replica.service.decisions["drain/ok"] == 2

@@ -20,6 +20,7 @@ import yaml
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
+from llmesh.deploy.compose import scale_plan
 from llmesh.deploy.credentials import load_or_create
 from llmesh.deploy.launcher import SERVICES
 from llmesh.wire.config import WorkerSettings
@@ -529,3 +530,38 @@ def test_layouts_that_cannot_work_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "advice, running, expected",
+    [
+        (0, 2, []),
+        (1, 3, []),  # every GPU has a worker
+        (-1, 1, []),  # the last one stays
+        (1, 1, ["--decode 1 --decode 2", "up"]),
+        (-1, 3, ["drain decode-worker-2", "until", "--decode 1 --decode 2 -o", "up"]),
+    ],
+)
+def test_the_scaling_advice_as_compose_commands(advice, running, expected):
+    plan = scale_plan(advice, running, "0", ["1", "2", "3"], "scaled.yml")
+    assert len(plan) == len(expected) and all(part in line for part, line in zip(expected, plan)), plan
+
+
+def test_the_scaled_layout_validates_and_names_the_workers_the_plan_drains(tmp_path):
+    """The plan's layout command, run as written, gives a file docker-compose accepts, whose decode workers
+    are the ones the plan counts and drains."""
+    from tool_envs import docker_compose
+
+    from llmesh.deploy.compose import main
+
+    out = tmp_path / "scaled.yml"
+    layout, _ = scale_plan(1, 2, "0", ["1", "2", "3", "4"], str(out))
+    assert main(shlex.split(layout)[3:]) == 0  # after `python -m llmesh.deploy.compose`
+    done = subprocess.run(
+        [*docker_compose(), "-f", str(out), "config"], capture_output=True, text=True, env={"PATH": os.environ["PATH"]}
+    )
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    decode = {name: gpu_ids(s) for name, s in services.items() if name.startswith("decode-worker")}
+    assert decode == {"decode-worker-0": ["1"], "decode-worker-1": ["2"], "decode-worker-2": ["3"]}
+    assert services["decode-worker-2"]["restart"] == "on-failure"  # a drained worker's exit 0 leaves it down
