@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -211,8 +212,10 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
     return Deployment(name, "", [child for child, _ in servers], [url for _, url in servers])  # router: per workload
 
 
-def start_router(deployment: Deployment, backends: list[str], policy: str, logs: Path) -> None:
-    """(Re)start vllm-router over `backends` with `policy`."""
+def start_router(
+    deployment: Deployment, backends: list[str], policy: str, logs: Path, extra: Sequence[str] = ()
+) -> None:
+    """(Re)start vllm-router over `backends` with `policy` (and `extra` arguments)."""
     for child in [c for c in deployment.children if c.name == "vllm-router"]:
         child.stop()
         deployment.children.remove(child)
@@ -233,6 +236,7 @@ def start_router(deployment: Deployment, backends: list[str], policy: str, logs:
                 *backends,
                 "--log-level",
                 "warning",
+                *extra,
             ],
             log_path=logs / f"vllm-router-{policy}.log",
         )

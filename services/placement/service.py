@@ -366,34 +366,33 @@ class PlacementService:
 
     def _autoscale(self, views: dict[str, WorkerView]) -> None:
         """Llumnix's autoscaling per model: start a decode worker through a host agent, or drain the one with
-        the fewest requests, once the freeness band's advice has held (`scale_decision`)."""
+        the fewest requests, on the mean freeness of its active decode workers over a window (`scale_decision`)."""
         if not self.models.hosts():
             return  # no host agent to start workers: advice only
         s, now = self.settings, self._clock()
         for model in sorted({v.model for v in views.values()}):
-            group = [v for v in views.values() if v.model == model and v.state == "active"]
-            advice = scaling_advice(
-                group, s.placement_scale_low, s.placement_scale_high, s.placement_priority_headroom_blocks
+            group = [v for v in views.values() if v.model == model and v.state == "active" and v.kv_blocks_total]
+            settling = self.models.activating(model, "decode") or any(
+                v.model == model and v.state == "draining" for v in views.values()
             )
-            starting = self.models.activating(model, "decode")
-            action, self._scale_holds[model] = scale_decision(
-                0 if starting else advice,
-                len(group) + starting,
+            mean = sum(freeness(v, s.placement_priority_headroom_blocks) for v in group) / len(group) if group else None
+            action, self._scale_holds[model], window_mean = scale_decision(
+                None if settling else mean,
+                len(group),
                 now,
                 self._scale_holds.get(model, ScaleHold()),
                 s.placement_scale_window_s,
+                s.placement_scale_low,
+                s.placement_scale_high,
                 s.placement_min_decode_workers,
                 s.placement_max_decode_workers,
             )
             reckoning = {
                 "decode_workers": len(group),
-                "mean_freeness": round(
-                    sum(freeness(v, s.placement_priority_headroom_blocks) for v in group) / len(group), 1
-                )
-                if group
-                else None,
+                "mean_freeness": None if mean is None else round(mean, 1),
+                "window_mean_freeness": None if window_mean is None else round(window_mean, 1),
             }
-            if action > 0:
+            if action > 0 and not self.models.activating(model, "decode"):
                 host = self.models.host_for(model, "decode", self._infos())
                 if host is not None:
                     self.models.activate(model, "decode", host, "scale-up", reckoning)

@@ -18,10 +18,11 @@ EMBEDDED = {
     "llmesh/tiny-llama": (256, 4, 8, 4, 512),
     "llmesh/small-llama": (1024, 8, 16, 8, 2816),
     "llmesh/tiny-llama-b": (256, 4, 8, 4, 512),  # tiny-llama's shapes and tokenizer, other weights
+    "llmesh/tiny-llama-c": (256, 4, 8, 4, 512),  # and a third set
 }
 VOCAB_SIZE = 2000
 SEED = 1234
-SEEDS = {"llmesh/tiny-llama-b": 4321}  # the weights' seed, where not SEED
+SEEDS = {"llmesh/tiny-llama-b": 4321, "llmesh/tiny-llama-c": 9876}  # the weights' seed, where not SEED
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

@@ -1,0 +1,255 @@
+"""Several models on real engines: the mesh (placement activating models through a host agent) against what
+users run instead, one plain vLLM server per model, statically partitioned over the same cores, behind
+vllm-router in its multi-model mode (`--enable-igw`) (issue 33, parts 6 and the first goal).
+
+    .venv/bin/python bench/models.py [--scales 0.02 0.04] [--duration 120] [--out DIR]
+
+The workload (`llmesh_sim.multimodel`): three models; model 0 is the Azure 2023 conversation service and
+model 1 its code service, each with its own arrivals and lengths, model 2 a later window of the
+conversation service thinned to Zipf popularity (rank 3: a third of it kept); each point keeps a `--scale`
+share of every arrival (the same ones for both deployments), prompts capped at `--max-prompt` tokens
+(random ids), outputs at `--max-output` (ignore_eos, greedy). The three models are the embedded
+tiny-llama, tiny-llama-b and tiny-llama-c (same shapes, other weights).
+
+- static: one vLLM server per model, each with its own KV space (1 GiB), the conversation model pinned to
+  core 0, the other two to core 1 (Algorithm 1 on the mean rates, as Prism's static baseline is placed);
+  vllm-router over them routes by model.
+- mesh: `make run`'s launcher with the three models in its catalogue and workers started for model 0
+  only; the host agent's standbys become the others' workers when their first requests wait (placement's
+  activation), on the same halves of the cores as every prefill and decode engine.
+Per point: each model's SLO attainment (TTFT within `--ttft-slo-ms` and mean TPOT within `--tpot-slo-ms`),
+the whole's, requests lost (no answer or an error), TTFT P50/P99; after the points, greedy outputs of a
+few prompts of each model, mesh against its vLLM server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from serve import BLOCK_SIZE, MAX_MODEL_LEN, Deployment, prompt_ids, start_router, vllm_server, wait_ready
+
+from llmesh.deploy.credentials import load_or_create
+from llmesh.deploy.launcher import Child, free_port, stop_all, wait_healthy
+from llmesh.engine.models import resolve_model
+from llmesh_sim.__main__ import read_trace
+from llmesh_sim.multimodel import multimodel_workload
+
+MODELS = {"tiny-a": "llmesh/tiny-llama", "tiny-b": "llmesh/tiny-llama-b", "tiny-c": "llmesh/tiny-llama-c"}
+CORES = {"tiny-a": "0", "tiny-b": "1", "tiny-c": "1"}  # static partitioning
+
+
+def workload(duration_s: float, scale: float, max_prompt: int, max_output: int, seed: int):
+    """(send at, model, prompt tokens, output tokens), in order: `scale` of the three models' arrivals."""
+    services = [read_trace("azure-conv"), read_trace("azure-code")]
+    rng, names = random.Random(seed), list(MODELS)
+    return [
+        (
+            a.at_s,
+            names[int(a.model.rsplit("-", 1)[1])],
+            min(a.prompt_tokens, max_prompt),
+            max(1, min(a.output_tokens, max_output)),
+        )
+        for a in multimodel_workload(services, len(MODELS), duration_s, popularity=1.0, seed=seed)
+        if rng.random() < scale
+    ]
+
+
+async def one(http: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
+    sent, first, tokens, error = time.monotonic(), None, 0, ""
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"].get("code") or "error"
+                        break
+                    if chunk["choices"][0].get("text") or chunk["choices"][0].get("finish_reason"):
+                        first = first or time.monotonic()
+                        tokens += 1
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
+    end = time.monotonic()
+    ttft = (first - sent) if first else None
+    tpot = (end - first) / max(tokens - 1, 1) if first else None
+    return {"model": model, "ttft": ttft, "tpot": tpot, "error": error or ("" if first else "no tokens")}
+
+
+async def replay(url: str, headers: dict, requests: list) -> list[dict]:
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=300, headers=headers, limits=httpx.Limits(max_connections=None)) as http:
+
+        async def at(i: int, send_at: float, model: str, prompt: int, output: int) -> dict:
+            await asyncio.sleep(max(send_at - (time.monotonic() - start), 0))
+            return await one(http, url, model, prompt_ids(prompt, seed=i), output)
+
+        return await asyncio.gather(*(at(i, *r) for i, r in enumerate(requests)))
+
+
+def summary(results: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
+    ok = lambda r: not r["error"] and r["ttft"] <= ttft_slo and r["tpot"] <= tpot_slo  # noqa: E731
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None) or [float("nan")]
+    out = {
+        "requests": len(results),
+        "lost": sum(bool(r["error"]) for r in results),
+        "errors": sorted({r["error"] for r in results if r["error"]}),
+        "attainment": sum(map(ok, results)) / max(len(results), 1),
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * ttfts[min(int(0.99 * len(ttfts)), len(ttfts) - 1)],
+    }
+    for model in MODELS:
+        mine = [r for r in results if r["model"] == model]
+        out[f"attainment_{model}"] = sum(map(ok, mine)) / len(mine) if mine else None
+    return out
+
+
+def greedy_texts(url: str, headers: dict) -> dict[str, list[str]]:
+    out = {}
+    with httpx.Client(timeout=120, headers=headers) as http:
+        for model in MODELS:
+            out[model] = []
+            for n in (40, 300):
+                body = {"model": model, "prompt": prompt_ids(n, seed=777 + n), "max_tokens": 16, "temperature": 0}
+                resp = http.post(f"{url}/v1/completions", json=body)
+                out[model].append(
+                    resp.json()["choices"][0]["text"] if resp.status_code == 200 else f"HTTP {resp.status_code}"
+                )
+    return out
+
+
+def static(work: Path, model_dir: Path) -> Deployment:
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = [
+        vllm_server(f"vllm-{name}", resolve_model(path, model_dir), name, logs, VLLM_CPU_OMP_THREADS_BIND=CORES[name])
+        for name, path in MODELS.items()
+    ]
+    deployment = Deployment("static", "", [c for c, _ in servers], [u for _, u in servers])
+    for (child, url), name in zip(servers, MODELS):
+        wait_ready(Deployment(name, url, [child]), 600, model=name)
+    start_router(deployment, deployment.backends, "round_robin", logs, extra=["--enable-igw"])
+    return deployment
+
+
+def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float) -> tuple[Child, str, dict]:
+    port = free_port()
+    catalogue = [
+        {"name": n, "model": p, "ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms} for n, p in MODELS.items()
+    ]
+    env = {
+        "MESH_PORT": str(port),
+        "MESH_NATS_PORT": str(free_port()),
+        "MESH_REDIS_PORT": str(free_port()),
+        "MESH_MODELS": json.dumps(catalogue),
+        "MESH_STARTED_MODELS": next(iter(MODELS)),
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_LOG_DIR": str(work / "logs"),
+        "MESH_DATA_DIR": str(work / "kv"),
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        "MESH_SECRETS_DIR": str(work / "secrets"),
+        "MESH_REQUEST_TIMEOUT_S": "300",
+    }
+    key = load_or_create(work / "secrets").api_key
+    launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "mesh.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 600, [launcher])
+    return launcher, url, {"Authorization": f"Bearer {key}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scales", type=float, nargs="+", default=[0.02, 0.04])
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--max-prompt", type=int, default=1024)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="llmesh-models-"))
+    model_dir = work / "models"
+    points = {
+        scale: workload(args.duration, scale, args.max_prompt, args.max_output, args.seed) for scale in args.scales
+    }
+    for scale, requests in points.items():
+        by_model = {m: sum(r[1] == m for r in requests) for m in MODELS}
+        print(
+            f"scale {scale}: {len(requests)} requests over {args.duration:g} s {by_model}; work in {work}", flush=True
+        )
+    slo = (args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+    results: dict[str, dict] = {}
+    texts: dict[str, dict] = {}
+    deployment = static(work / "static", model_dir)
+    try:
+        for scale, requests in points.items():
+            results[f"static@{scale}"] = summary(asyncio.run(replay(deployment.url, {}, requests)), *slo)
+            print(f"static@{scale}: {json.dumps(results[f'static@{scale}'])}", flush=True)
+        texts["static"] = greedy_texts(deployment.url, {})
+    finally:
+        stop_all(deployment.children)
+    launcher, url, headers = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms)
+    try:
+        time.sleep(20)  # the host agent's standbys get ready
+        for scale, requests in points.items():
+            results[f"mesh@{scale}"] = summary(asyncio.run(replay(url, headers, requests)), *slo)
+            print(f"mesh@{scale}: {json.dumps(results[f'mesh@{scale}'])}", flush=True)
+        texts["mesh"] = greedy_texts(url, headers)
+    finally:
+        launcher.stop(30)
+    lines = [
+        f"SLO: TTFT ≤ {args.ttft_slo_ms:g} ms and mean TPOT ≤ {args.tpot_slo_ms:g} ms",
+        "",
+        "| scale | deployment | requests | attainment | "
+        + " | ".join(MODELS)
+        + " | lost | TTFT P50 ms | TTFT P99 ms |",
+        "|---|---|---|---|" + "---|" * len(MODELS) + "---|---|---|",
+    ]
+    for scale in args.scales:
+        for name in ("static", "mesh"):
+            r = results[f"{name}@{scale}"]
+            per = " | ".join(
+                "-" if r[f"attainment_{m}"] is None else f"{100 * r[f'attainment_{m}']:.1f}%" for m in MODELS
+            )
+            lines.append(
+                f"| {scale:g} | {name} | {r['requests']} | {100 * r['attainment']:.1f}% | {per} | {r['lost']} | "
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |"
+            )
+        s, m = results[f"static@{scale}"], results[f"mesh@{scale}"]
+        lines.append(
+            f"| {scale:g} | mesh / static | | {m['attainment'] / max(s['attainment'], 1e-9):.2f} | | | | | | |"
+        )
+    equal = {model: texts["mesh"][model] == texts["static"][model] for model in MODELS}
+    lines += ["", f"greedy outputs, mesh = its vLLM server: {equal}"]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "models.json").write_text(json.dumps({"results": results, "texts": texts}, indent=1))
+        (args.out / "models.md").write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
