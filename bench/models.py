@@ -15,11 +15,12 @@ tiny-llama, tiny-llama-b and tiny-llama-c (same shapes, other weights).
   core 0, the other two to core 1 (Algorithm 1 on the mean rates, as Prism's static baseline is placed);
   vllm-router over them routes by model.
 - mesh: `make run`'s launcher with the three models in its catalogue and workers started for model 0
-  only; the host agent's standbys become the others' workers when their first requests wait (placement's
-  activation), on the same halves of the cores as every prefill and decode engine.
+  only; the host agent's standbys (`--standbys` per role) become the others' workers when their first
+  requests wait (placement's activation), on the same halves of the cores as every prefill and decode
+  engine. The first point pays for those activations; static's servers were all started beforehand.
 Per point: each model's SLO attainment (TTFT within `--ttft-slo-ms` and mean TPOT within `--tpot-slo-ms`),
-the whole's, requests lost (no answer or an error), TTFT P50/P99; after the points, greedy outputs of a
-few prompts of each model, mesh against its vLLM server.
+the whole's, requests refused at the door (429) and lost (any other error, or no answer), TTFT P50/P99;
+after the points, greedy outputs of a few prompts of each model, mesh against its vLLM server.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import BLOCK_SIZE, MAX_MODEL_LEN, Deployment, prompt_ids, start_router, vllm_server, wait_ready
+from serve import BLOCK_SIZE, MAX_MODEL_LEN, Deployment, prompt_ids, vllm_server, wait_ready
 
 from llmesh.deploy.credentials import load_or_create
 from llmesh.deploy.launcher import Child, free_port, stop_all, wait_healthy
@@ -48,17 +49,18 @@ CORES = {"tiny-a": "0", "tiny-b": "1", "tiny-c": "1"}  # static partitioning
 
 
 def workload(duration_s: float, scale: float, max_prompt: int, max_output: int, seed: int):
-    """(send at, model, prompt tokens, output tokens), in order: `scale` of the three models' arrivals."""
+    """(send at, model, prompt tokens, output tokens), in order: `scale` of the three models' arrivals (past 1:
+    all of `duration_s * scale` seconds of them, that much faster)."""
     services = [read_trace("azure-conv"), read_trace("azure-code")]
-    rng, names = random.Random(seed), list(MODELS)
+    rng, names, faster = random.Random(seed), list(MODELS), max(scale, 1.0)
     return [
         (
-            a.at_s,
+            a.at_s / faster,
             names[int(a.model.rsplit("-", 1)[1])],
             min(a.prompt_tokens, max_prompt),
             max(1, min(a.output_tokens, max_output)),
         )
-        for a in multimodel_workload(services, len(MODELS), duration_s, popularity=1.0, seed=seed)
+        for a in multimodel_workload(services, len(MODELS), duration_s * faster, popularity=1.0, seed=seed)
         if rng.random() < scale
     ]
 
@@ -112,7 +114,8 @@ def summary(results: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None) or [float("nan")]
     out = {
         "requests": len(results),
-        "lost": sum(bool(r["error"]) for r in results),
+        "refused": sum(r["error"] == "HTTP 429" for r in results),  # at the door, before any byte
+        "lost": sum(bool(r["error"]) and r["error"] != "HTTP 429" for r in results),
         "errors": sorted({r["error"] for r in results if r["error"]}),
         "attainment": sum(map(ok, results)) / max(len(results), 1),
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
@@ -139,20 +142,44 @@ def greedy_texts(url: str, headers: dict) -> dict[str, list[str]]:
 
 
 def static(work: Path, model_dir: Path) -> Deployment:
+    """One vLLM server per model on its cores, and vllm-router in its multi-model mode over them: there it
+    takes its workers from its API (`POST /workers`, which reads each one's model), not `--worker-urls`."""
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     servers = [
         vllm_server(f"vllm-{name}", resolve_model(path, model_dir), name, logs, VLLM_CPU_OMP_THREADS_BIND=CORES[name])
         for name, path in MODELS.items()
     ]
-    deployment = Deployment("static", "", [c for c, _ in servers], [u for _, u in servers])
+    port = free_port()
+    router = Child(
+        "vllm-router",
+        [
+            str(Path(sys.executable).parent / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--enable-igw",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ],
+        log_path=logs / "vllm-router.log",
+    )
+    deployment = Deployment("static", f"http://127.0.0.1:{port}", [*(c for c, _ in servers), router])
     for (child, url), name in zip(servers, MODELS):
         wait_ready(Deployment(name, url, [child]), 600, model=name)
-    start_router(deployment, deployment.backends, "round_robin", logs, extra=["--enable-igw"])
+        added = httpx.post(f"{deployment.url}/workers", json={"url": url}, timeout=30)
+        assert added.status_code == 200 and added.json()["worker"]["model_id"] == name, added.text
+    for name in MODELS:
+        wait_ready(deployment, 60, model=name)
     return deployment
 
 
-def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float) -> tuple[Child, str, dict]:
+def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float, standbys: int) -> tuple[Child, str, dict]:
     port = free_port()
     catalogue = [
         {"name": n, "model": p, "ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms} for n, p in MODELS.items()
@@ -170,6 +197,7 @@ def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float) ->
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_SECRETS_DIR": str(work / "secrets"),
         "MESH_REQUEST_TIMEOUT_S": "300",
+        "MESH_HOST_STANDBYS": str(standbys),
     }
     key = load_or_create(work / "secrets").api_key
     launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "mesh.log")
@@ -187,6 +215,9 @@ def main() -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--standbys", type=int, default=2, help="the host agent's standbys per role: the models it can activate at once"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-models-"))
@@ -210,9 +241,9 @@ def main() -> None:
         texts["static"] = greedy_texts(deployment.url, {})
     finally:
         stop_all(deployment.children)
-    launcher, url, headers = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms)
+    launcher, url, headers = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms, args.standbys)
     try:
-        time.sleep(20)  # the host agent's standbys get ready
+        time.sleep(30)  # the host agent's standbys get ready
         for scale, requests in points.items():
             results[f"mesh@{scale}"] = summary(asyncio.run(replay(url, headers, requests)), *slo)
             print(f"mesh@{scale}: {json.dumps(results[f'mesh@{scale}'])}", flush=True)
@@ -224,8 +255,8 @@ def main() -> None:
         "",
         "| scale | deployment | requests | attainment | "
         + " | ".join(MODELS)
-        + " | lost | TTFT P50 ms | TTFT P99 ms |",
-        "|---|---|---|---|" + "---|" * len(MODELS) + "---|---|---|",
+        + " | refused (429) | lost | TTFT P50 ms | TTFT P99 ms |",
+        "|---|---|---|---|" + "---|" * len(MODELS) + "---|---|---|---|",
     ]
     for scale in args.scales:
         for name in ("static", "mesh"):
@@ -234,7 +265,8 @@ def main() -> None:
                 "-" if r[f"attainment_{m}"] is None else f"{100 * r[f'attainment_{m}']:.1f}%" for m in MODELS
             )
             lines.append(
-                f"| {scale:g} | {name} | {r['requests']} | {100 * r['attainment']:.1f}% | {per} | {r['lost']} | "
+                f"| {scale:g} | {name} | {r['requests']} | {100 * r['attainment']:.1f}% | {per} | "
+                f"{r['refused']} | {r['lost']} | "
                 f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |"
             )
         s, m = results[f"static@{scale}"], results[f"mesh@{scale}"]

@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -212,10 +211,8 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
     return Deployment(name, "", [child for child, _ in servers], [url for _, url in servers])  # router: per workload
 
 
-def start_router(
-    deployment: Deployment, backends: list[str], policy: str, logs: Path, extra: Sequence[str] = ()
-) -> None:
-    """(Re)start vllm-router over `backends` with `policy` (and `extra` arguments)."""
+def start_router(deployment: Deployment, backends: list[str], policy: str, logs: Path) -> None:
+    """(Re)start vllm-router over `backends` with `policy`."""
     for child in [c for c in deployment.children if c.name == "vllm-router"]:
         child.stop()
         deployment.children.remove(child)
@@ -236,7 +233,6 @@ def start_router(
                 *backends,
                 "--log-level",
                 "warning",
-                *extra,
             ],
             log_path=logs / f"vllm-router-{policy}.log",
         )

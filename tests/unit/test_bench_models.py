@@ -23,3 +23,8 @@ def test_the_workload_is_the_three_models_sampled_alike_each_time_and_capped():
     tenth = models.workload(60, 0.1, 512, 32, seed=0)
     assert tenth == models.workload(60, 0.1, 512, 32, seed=0) and set(tenth) <= set(full)
     assert 0.05 * len(full) < len(tenth) < 0.15 * len(full)
+
+
+def test_a_scale_past_one_replays_a_longer_window_that_much_faster():
+    once, twice = models.workload(60, 1.0, 512, 32, seed=0), models.workload(60, 2.0, 512, 32, seed=0)
+    assert twice[-1][0] < 60 and 1.6 * len(once) < len(twice) < 2.4 * len(once)
