@@ -52,6 +52,7 @@ ROLES = ("prefill", "decode")
 RATE_HALF_LIFE_S = 30.0  # of the smoothed request rates
 EVENTS_KEPT = 50
 ACTIVATE_TIMEOUT_S = 10.0
+REFUSED_RETRY_S = 5.0  # an activation refused (or failed) is asked for again after this
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Activation:
     worker_id: str
     issued_at: float
     refused: bool = False
+    accepted_at: float | None = None  # when its host agent took the command
 
 
 def worker_name(role: str, model: str) -> str:
@@ -216,7 +218,13 @@ class ModelPlacer:
         """Forget activations whose worker is heartbeating, failed or took too long; evictions done."""
         timeout = self.settings.placement_activate_timeout_s
         for key, act in list(self._activations.items()):
-            if act.worker_id in workers or act.refused or now - act.issued_at > timeout:
+            retry = act.refused and now - act.issued_at > REFUSED_RETRY_S
+            if self._lost(act):
+                log.warning(
+                    "worker %s (%s) exited before it joined: %s will start another", act.worker_id, key[0], act.host
+                )
+                retry = True
+            if act.worker_id in workers or retry or now - act.issued_at > timeout:
                 if act.worker_id not in workers and not act.refused:
                     log.warning("worker %s (%s) did not join within %.0f s", act.worker_id, key[0], timeout)
                 del self._activations[key]
@@ -228,6 +236,16 @@ class ModelPlacer:
             hosts = {w.host for w in workers.values() if w.model == model}
             if held:
                 self._footprints[model] = held // len(hosts)
+
+    def _lost(self, act: _Activation) -> bool:
+        """Its host agent took the command, and a heartbeat of the agent's since no longer lists the worker."""
+        host = self._hosts.get(act.host)
+        return (
+            act.accepted_at is not None
+            and host is not None
+            and host.at > act.accepted_at + host.info.heartbeat_s
+            and all(w.worker_id != act.worker_id for w in host.info.workers)
+        )
 
     def _inputs(self, active: list[WorkerInfo]) -> tuple[list[ModelDemand], list[Device], dict[str, tuple[str, ...]]]:
         """Algorithm 1's inputs: each model's rate, SLO and footprint; the hosts; where models run."""
@@ -289,10 +307,12 @@ class ModelPlacer:
             result, reason = ("accepted" if outcome.accepted else "refused"), outcome.reason
         except MeshError as exc:
             result, reason = "error", exc.message
-        if result != "accepted":
-            act = self._activations.get((cmd.model, cmd.role))
-            if act is not None and act.worker_id == cmd.worker_id:
-                act.refused = True  # asked again next period
+        act = self._activations.get((cmd.model, cmd.role))
+        if act is not None and act.worker_id == cmd.worker_id:
+            if result == "accepted":
+                act.accepted_at = self._clock()
+            else:
+                act.refused = True  # asked again after REFUSED_RETRY_S
         log.info(
             "activate %s (%s) on %s as %s (%s): %s: %s",
             *(cmd.model, cmd.role, detail["host"], cmd.worker_id, cmd.reason, result, reason),

@@ -20,6 +20,7 @@ from llmesh.wire.messages import (
     ActivateCommand,
     ActivateOutcome,
     DrainCommand,
+    HostedWorker,
     HostInfo,
     MigrateCommand,
     MigrateOutcome,
@@ -535,6 +536,7 @@ class FakeHost:
         self.memory_bytes, self.worker_bytes = memory_bytes, worker_bytes
         self.commands: list[ActivateCommand] = []
         self.workers: list[FakeWorker] = []
+        self.crash_first = False
         self._beating: asyncio.Task | None = None
 
     @classmethod
@@ -552,12 +554,17 @@ class FakeHost:
                 heartbeat_s=0.2,
                 standbys={"prefill": 1, "decode": 1},
                 memory_bytes=self.memory_bytes,
+                workers=[HostedWorker(worker_id=w.worker_id, model=w.model, role=w.role) for w in self.workers],
             )
             await self.bus.publish(Subjects.HOST_HEARTBEAT, info)
             await asyncio.sleep(0.2)
 
     async def _on_activate(self, cmd: ActivateCommand, blob) -> ActivateOutcome:
         self.commands.append(cmd)
+        if self.crash_first and len(self.commands) == 1:  # took it, and the worker died starting
+            return ActivateOutcome(
+                command_id=cmd.command_id, host_id=self.host_id, worker_id=cmd.worker_id, accepted=True, reason="test"
+            )
         self.workers.append(
             await FakeWorker.start(
                 self.nats_url,
@@ -744,3 +751,20 @@ async def test_algorithm_1_moves_a_model_to_the_host_of_lower_pressure_activatin
     first = moves[0].detail
     assert first["from"] == "h1" and first["kvpr_after"] < first["source_kvpr_before"]
     assert replica.service.decisions["drain/ok"] == 2
+
+
+async def test_an_activated_worker_that_dies_before_joining_is_asked_for_again(nats_url):
+    host = await FakeHost.start(nats_url, "h1", memory_bytes=10 * GIB)
+    host.crash_first = True
+    client = await Bus.connect(nats_url, "lost-client")
+    sending = asyncio.create_task(publish_traffic(client, {"arrivals": {"b": 1}, "parked": {"b": 1}}))
+    try:
+        async with placement(nats_url, "lost", models=CATALOGUE, placement_period_s=0.1):
+            await until(lambda: len(host.workers) == 2, 5)
+    finally:
+        sending.cancel()
+        await host.close()
+        await client.close()
+    first, *again = host.commands
+    assert len(again) == 2 and (first.model, first.role) in {(c.model, c.role) for c in again}
+    assert first.worker_id not in {c.worker_id for c in again}
