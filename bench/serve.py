@@ -233,6 +233,8 @@ def start_router(deployment: Deployment, backends: list[str], policy: str, logs:
                 *backends,
                 "--log-level",
                 "warning",
+                "--prometheus-port",  # its default, 29000, may be taken (another router): it then panics
+                str(free_port()),
             ],
             log_path=logs / f"vllm-router-{policy}.log",
         )
