@@ -31,10 +31,8 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids  # bench/serve.py (this folder is on sys.path)
+from serve import launch_mesh, prompt_ids, timed_completion  # bench/serve.py (this folder is on sys.path)
 
-from llmesh.deploy.credentials import load_or_create
-from llmesh.deploy.launcher import Child, free_port, wait_healthy
 from llmesh.engine.models import resolve_model
 from llmesh.wire.bus import Bus
 from llmesh.wire.config import EMBEDDED_MODEL
@@ -55,38 +53,6 @@ def workload(path: Path, minutes: float, sample: float, max_output: int, seed: i
                 at = row["timestamp"] / 1000 * minutes * 60 / span
                 out.append((at, min(req["Prompt Length"], 2048), max(1, min(req["Output Length"], max_output))))
     return out
-
-
-async def one(http: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> tuple[float | None, str]:
-    """TTFT of a streaming completion (None if it failed) and its error, if any."""
-    sent = time.monotonic()
-    ttft, tokens = None, 0
-    try:
-        async with http.stream(
-            "POST",
-            f"{url}/v1/completions",
-            json={
-                "model": EMBEDDED_MODEL,
-                "prompt": ids,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        ) as resp:
-            if resp.status_code != 200:
-                return None, f"HTTP {resp.status_code}"
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        return None, chunk["error"].get("code") or "error"
-                    if ttft is None:
-                        ttft = time.monotonic() - sent
-                    tokens += 1
-    except httpx.HTTPError as exc:
-        return None, type(exc).__name__
-    return (ttft, "") if ttft is not None else (None, "no tokens")
 
 
 async def run(url: str, nats_url: str, headers: dict, requests: list[tuple[float, int, int]]) -> dict:
@@ -113,7 +79,15 @@ async def run(url: str, nats_url: str, headers: dict, requests: list[tuple[float
 
         async def at(send_at: float, i: int, prompt: int, output: int):
             await asyncio.sleep(max(send_at - (time.monotonic() - start), 0))
-            return await one(http, url, prompt_ids(prompt, seed=i), output)
+            body = {
+                "model": EMBEDDED_MODEL,
+                "prompt": prompt_ids(prompt, seed=i),
+                "max_tokens": output,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            ttft, _, error = await timed_completion(http, url, body)
+            return ttft, error
 
         results = await asyncio.gather(*(at(t, i, p, o) for i, (t, p, o) in enumerate(requests)))
     elapsed = time.monotonic() - start
@@ -138,19 +112,7 @@ async def run(url: str, nats_url: str, headers: dict, requests: list[tuple[float
 
 
 def configuration(name: str, args: argparse.Namespace, work: Path, model_dir: Path, requests) -> dict:
-    port, nats_port = free_port(), free_port()
-    secrets_dir = work / "secrets"
-    secrets = load_or_create(secrets_dir)
     env = {
-        "MESH_SECRETS_DIR": str(secrets_dir),
-        "MESH_PORT": str(port),
-        "MESH_NATS_PORT": str(nats_port),
-        "MESH_REDIS_PORT": str(free_port()),
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_LOG_DIR": str(work / name / "logs"),
-        "MESH_DATA_DIR": str(work / name / "kv"),
-        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_KV_BLOCKS": str(args.kv_blocks),
         "MESH_REQUEST_TIMEOUT_S": "600",
         "MESH_PLACEMENT_BALANCE": "0",
@@ -166,19 +128,12 @@ def configuration(name: str, args: argparse.Namespace, work: Path, model_dir: Pa
             "MESH_PLACEMENT_SCALE_WINDOW_S": str(args.window),
             "MESH_PLACEMENT_MAX_DECODE_WORKERS": str(args.peak),
         }
-    (work / name).mkdir(parents=True, exist_ok=True)
-    launcher = Child(
-        name, [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / name / "launcher.log"
-    )
-    url = f"http://127.0.0.1:{port}"
+    mesh = launch_mesh(work / name, model_dir, **env)
     try:
-        wait_healthy(url, 900, [launcher])
         time.sleep(args.settle)  # the host agent's standbys get ready
-        headers = {"Authorization": f"Bearer {secrets.api_key}"}
-        nats_url = secrets.nats_url(f"nats://127.0.0.1:{nats_port}", "admin")
-        result = asyncio.run(run(url, nats_url, headers, requests))
+        result = asyncio.run(run(mesh.url, mesh.nats_url, mesh.headers, requests))
     finally:
-        launcher.stop(30)
+        mesh.launcher.stop(30)
     print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'decisions'})}", flush=True)
     return result
 

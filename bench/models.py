@@ -36,10 +36,9 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import BLOCK_SIZE, MAX_MODEL_LEN, Deployment, prompt_ids, vllm_server, wait_ready
+from serve import Deployment, LaunchedMesh, launch_mesh, prompt_ids, timed_completion, vllm_server, wait_ready
 
-from llmesh.deploy.credentials import load_or_create
-from llmesh.deploy.launcher import Child, free_port, stop_all, wait_healthy
+from llmesh.deploy.launcher import Child, free_port, stop_all
 from llmesh.engine.models import resolve_model
 from llmesh_sim.__main__ import read_trace
 from llmesh_sim.multimodel import multimodel_workload
@@ -66,36 +65,9 @@ def workload(duration_s: float, scale: float, max_prompt: int, max_output: int, 
 
 
 async def one(http: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
-    sent, first, tokens, error = time.monotonic(), None, 0, ""
-    body = {
-        "model": model,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    try:
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                error = f"HTTP {resp.status_code}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = chunk["error"].get("code") or "error"
-                        break
-                    if chunk["choices"][0].get("text") or chunk["choices"][0].get("finish_reason"):
-                        first = first or time.monotonic()
-                        tokens += 1
-    except httpx.HTTPError as exc:
-        error = type(exc).__name__
-    end = time.monotonic()
-    ttft = (first - sent) if first else None
-    tpot = (end - first) / max(tokens - 1, 1) if first else None
-    return {"model": model, "ttft": ttft, "tpot": tpot, "error": error or ("" if first else "no tokens")}
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    ttft, tpot, error = await timed_completion(http, url, body)
+    return {"model": model, "ttft": ttft, "tpot": tpot, "error": error}
 
 
 async def replay(url: str, headers: dict, requests: list) -> list[dict]:
@@ -179,31 +151,19 @@ def static(work: Path, model_dir: Path) -> Deployment:
     return deployment
 
 
-def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float, standbys: int) -> tuple[Child, str, dict]:
-    port = free_port()
+def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float, standbys: int) -> LaunchedMesh:
     catalogue = [
         {"name": n, "model": p, "ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms} for n, p in MODELS.items()
     ]
-    env = {
-        "MESH_PORT": str(port),
-        "MESH_NATS_PORT": str(free_port()),
-        "MESH_REDIS_PORT": str(free_port()),
-        "MESH_MODELS": json.dumps(catalogue),
-        "MESH_STARTED_MODELS": next(iter(MODELS)),
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_LOG_DIR": str(work / "logs"),
-        "MESH_DATA_DIR": str(work / "kv"),
-        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-        "MESH_SECRETS_DIR": str(work / "secrets"),
-        "MESH_REQUEST_TIMEOUT_S": "300",
-        "MESH_HOST_STANDBYS": str(standbys),
-    }
-    key = load_or_create(work / "secrets").api_key
-    launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "mesh.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 600, [launcher])
-    return launcher, url, {"Authorization": f"Bearer {key}"}
+    return launch_mesh(
+        work,
+        model_dir,
+        600,
+        MESH_MODELS=json.dumps(catalogue),
+        MESH_STARTED_MODELS=next(iter(MODELS)),
+        MESH_REQUEST_TIMEOUT_S="300",
+        MESH_HOST_STANDBYS=str(standbys),
+    )
 
 
 def main() -> None:
@@ -241,7 +201,8 @@ def main() -> None:
         texts["static"] = greedy_texts(deployment.url, {})
     finally:
         stop_all(deployment.children)
-    launcher, url, headers = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms, args.standbys)
+    launched = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms, args.standbys)
+    url, headers = launched.url, launched.headers
     try:
         time.sleep(30)  # the host agent's standbys get ready
         for scale, requests in points.items():
@@ -249,7 +210,7 @@ def main() -> None:
             print(f"mesh@{scale}: {json.dumps(results[f'mesh@{scale}'])}", flush=True)
         texts["mesh"] = greedy_texts(url, headers)
     finally:
-        launcher.stop(30)
+        launched.launcher.stop(30)
     lines = [
         f"SLO: TTFT ≤ {args.ttft_slo_ms:g} ms and mean TPOT ≤ {args.tpot_slo_ms:g} ms",
         "",

@@ -42,7 +42,7 @@ from typing import TextIO
 import httpx
 
 from llmesh.deploy.credentials import load_or_create
-from llmesh.deploy.launcher import Child, free_port
+from llmesh.deploy.launcher import Child, free_port, wait_healthy
 from llmesh.engine.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +71,67 @@ SUMMARY = (
     "median_itl_ms",
     "p99_itl_ms",
 )
+
+
+@dataclass
+class LaunchedMesh:
+    launcher: Child
+    url: str
+    nats_url: str  # as the operators' user (placement's status)
+    headers: dict[str, str]  # the API key
+
+
+def launch_mesh(work: Path, model_dir: Path, timeout: float = 900, **env: str) -> LaunchedMesh:
+    """`make run`'s launcher, its state (secrets, logs, KV, its own log) under `work`, the rest as `env` says;
+    returned once healthy. Stop it with `.launcher.stop()`."""
+    port, nats_port = free_port(), free_port()
+    secrets = load_or_create(work / "secrets")
+    env = {
+        "MESH_SECRETS_DIR": str(work / "secrets"),
+        "MESH_PORT": str(port),
+        "MESH_NATS_PORT": str(nats_port),
+        "MESH_REDIS_PORT": str(free_port()),
+        "MESH_MODEL_DIR": str(model_dir),
+        "MESH_LOG_DIR": str(work / "logs"),
+        "MESH_DATA_DIR": str(work / "kv"),
+        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+    } | env
+    launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "launcher.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout, [launcher])
+    except BaseException:
+        launcher.stop(30)
+        raise
+    admin = secrets.nats_url(f"nats://127.0.0.1:{nats_port}", "admin")
+    return LaunchedMesh(launcher, url, admin, {"Authorization": f"Bearer {secrets.api_key}"})
+
+
+async def timed_completion(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, float | None, str]:
+    """A streaming completion (`body` without `stream`): its TTFT and mean TPOT in seconds (None: no token came)
+    and its error ("" if none: an HTTP status, the stream's error code, the client's exception)."""
+    sent, first, tokens, error = time.monotonic(), None, 0, ""
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"].get("code") or "error"
+                        break
+                    if chunk["choices"][0].get("text") or chunk["choices"][0].get("finish_reason"):
+                        first = first or time.monotonic()
+                        tokens += 1
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
+    if first is None:
+        return None, None, error or "no tokens"
+    return first - sent, (time.monotonic() - first) / max(tokens - 1, 1), error
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, place_models
 from llmesh.wire.bus import Bus
+from llmesh.wire.config import name_tag
 from llmesh.wire.errors import MeshError
 from llmesh.wire.messages import (
     ActivateCommand,
@@ -71,8 +72,7 @@ class _Activation:
 
 
 def worker_name(role: str, model: str) -> str:
-    tag = "".join(c if c.isalnum() else "-" for c in model).strip("-")
-    return f"{role}-{tag}-{uuid.uuid4().hex[:6]}"
+    return f"{role}-{name_tag(model)}-{uuid.uuid4().hex[:6]}"
 
 
 class ModelPlacer:

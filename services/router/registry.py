@@ -123,9 +123,13 @@ class WorkerRegistry:
     def live(self, role: str | None = None) -> list[WorkerInfo]:
         return [m.info for m in self._workers.values() if role is None or m.info.role == role]
 
+    def knows(self, model: str) -> bool:
+        """Whether the mesh has `model` (whether or not a worker serves it now)."""
+        return model in self.catalogue or any(m.info.model == model for m in self._workers.values())
+
     def check_known(self, model: str) -> None:
-        """Raise ModelNotFound unless the mesh has `model` (whether or not a worker serves it now)."""
-        if model not in self.catalogue and not any(m.info.model == model for m in self._workers.values()):
+        """Raise ModelNotFound unless the mesh has `model` (`knows`)."""
+        if not self.knows(model):
             raise ModelNotFound(
                 f"The model {model!r} does not exist. Available: {', '.join(self.models()) or 'none'}", param="model"
             )

@@ -310,7 +310,7 @@ class Scheduler:
 
     def arrived(self, model: str) -> None:
         """Count a request of `model` (one the mesh has) in `traffic`."""
-        if model in self.registry.catalogue or any(w.model == model for w in self.registry.live()):
+        if self.registry.knows(model):
             self.arrivals[model] += 1
 
     def traffic(self, router_id: str) -> ModelTraffic:

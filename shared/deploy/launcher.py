@@ -31,7 +31,7 @@ from llmesh.deploy.credentials import (
     set_nats_tls,
     write_private,
 )
-from llmesh.wire.config import ModelSettings, ServedModel
+from llmesh.wire.config import ModelSettings, ServedModel, name_tag
 from llmesh.wire.kvkeys import check_sizes_can_share
 from llmesh.wire.secrets import with_userinfo
 
@@ -381,7 +381,7 @@ def worker_envs(service: str, count: int, model: str | None = None) -> list[tupl
     None: the mesh's only model): one keeps its default id (<role>-<host>-<pid>); several are <role>-0,
     <role>-1, ...; a model's name goes into both (<role>-<model>-0)."""
     served = {} if model is None else {"MESH_SERVED_MODEL_NAME": model}
-    tag = "" if model is None else "-" + "".join(c if c.isalnum() else "-" for c in model).strip("-")
+    tag = "" if model is None else "-" + name_tag(model)
     if count == 1:
         return [(f"{service}{tag}", served)]
     role = service.removesuffix("-worker")

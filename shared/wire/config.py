@@ -98,6 +98,11 @@ class ConnectorConfig(BaseModel):
         return cls.model_validate(extra or {})
 
 
+def name_tag(model: str) -> str:
+    """`model`'s name as a part of a process's or worker's name: its letters and digits, the rest dashes."""
+    return "".join(c if c.isalnum() else "-" for c in model).strip("-")
+
+
 class ServedModel(BaseModel):
     """One model of the mesh's catalogue (`MESH_MODELS`)."""
 
