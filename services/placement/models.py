@@ -91,6 +91,7 @@ class ModelPlacer:
         self._announce, self._count, self._spawn, self._drain = announce, count, spawn, drain
         self.catalogue = {m.name: m for m in settings.catalogue()}
         self._hosts: dict[str, _Seen] = {}
+        self._room: dict[str, int] = {}  # host -> memory for models this period (see _inputs)
         self._traffic: dict[str, _Seen] = {}  # by router
         self._rates: dict[str, float] = defaultdict(float)  # model -> requests/s, smoothed, over the routers
         self._last_arrival: dict[str, float] = {}
@@ -151,7 +152,7 @@ class ModelPlacer:
         active = [w for w in workers.values() if w.state == "active"]
         self._settle(workers, now)
         parked_now = self.parked()
-        demands, devices, current = self._inputs(active)
+        demands, devices, current = self._inputs(active, workers)
         wanted = [d for d in demands if d.name in current or parked_now.get(d.name, 0) > 0]  # not the others
         placed = place_models(wanted, devices, current, self.settings.placement_move_threshold / 2**30)
         by_name = {d.name: d for d in demands}
@@ -247,8 +248,11 @@ class ModelPlacer:
             and all(w.worker_id != act.worker_id for w in host.info.workers)
         )
 
-    def _inputs(self, active: list[WorkerInfo]) -> tuple[list[ModelDemand], list[Device], dict[str, tuple[str, ...]]]:
-        """Algorithm 1's inputs: each model's rate, SLO and footprint; the hosts; where models run."""
+    def _inputs(
+        self, active: list[WorkerInfo], workers: dict[str, WorkerInfo]
+    ) -> tuple[list[ModelDemand], list[Device], dict[str, tuple[str, ...]]]:
+        """Algorithm 1's inputs: each model's rate, SLO and footprint; the hosts, each with its budget less
+        what its leaving (draining, evicted) workers hold until they exit; where models run."""
         known = list(self._footprints.values())
         fallback = int(statistics.mean(known)) if known else 0
         demands = [
@@ -260,7 +264,12 @@ class ModelPlacer:
             )
             for name, entry in self.catalogue.items()
         ]
-        devices = [Device(h, seen.info.memory_bytes) for h, seen in sorted(self._hosts.items())]
+        leaving: dict[str, int] = defaultdict(int)
+        for w in workers.values():
+            if w.state != "active":
+                leaving[w.host] += w.memory_bytes
+        self._room = {h: max(0, seen.info.memory_bytes - leaving[h]) for h, seen in self._hosts.items()}
+        devices = [Device(h, room) for h, room in sorted(self._room.items())]
         current: dict[str, tuple[str, ...]] = {}
         for w in sorted(active, key=lambda w: w.worker_id):
             if w.host in self._hosts and w.host not in current.get(w.model, ()):
@@ -273,7 +282,7 @@ class ModelPlacer:
         """A host's KV pressure with the models `current` places on it, per GiB (requests/s per SLO second per
         GiB left for KV: `kv_pressure` is per byte)."""
         on = [d for d in demands if host in current.get(d.name, ())]
-        memory = self._hosts[host].info.memory_bytes if host in self._hosts else 0
+        memory = self._room.get(host, 0)
         return kv_pressure(sum(d.weight for d in on), memory - sum(d.weights_bytes for d in on)) * 2**30
 
     # ---- commands -----------------------------------------------------------------------------------------
