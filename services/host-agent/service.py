@@ -4,7 +4,9 @@ It keeps `host_standbys` standbys (llmesh.engine.standby: imports done, no model
 the cores the launcher gives that role's engines, and answers `ActivateCommand`s (`Subjects.activate`)
 from placement: a ready standby of the role becomes the worker of the model named (1.7 s to its first
 heartbeat for the tiny model, against 37 s cold: docs/benchmarks.md), and a new standby is started in
-its place. With none ready, the worker starts cold: slower, but the command is not refused for it.
+its place once the new worker beats (or after `host_refill_wait_s`): a standby's imports on the same
+cores would slow the worker's start (an activation took 25-30 s beside them under load, 2 s without).
+With none ready, the worker starts cold: slower, but the command is not refused for it.
 Every `host_heartbeat_s` it publishes `HostInfo`: its ready standbys, its workers and its memory
 budget, which placement weighs models against.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,15 @@ from pathlib import Path
 from llmesh.deploy.launcher import Child, activate, engine_cores, standby_ready, start_service, start_standby, stop_all
 from llmesh.wire.bus import Bus
 from llmesh.wire.errors import InvalidRequest
-from llmesh.wire.messages import ActivateCommand, ActivateOutcome, HostedWorker, HostInfo, Message, Subjects
+from llmesh.wire.messages import (
+    ActivateCommand,
+    ActivateOutcome,
+    HostedWorker,
+    HostInfo,
+    Message,
+    Subjects,
+    WorkerInfo,
+)
 
 from .settings import HostAgentSettings
 
@@ -40,6 +51,8 @@ StartCold = Callable[[str, dict[str, str], Path, str], Child]  # (service, env, 
 class _Worker:
     child: Child
     info: HostedWorker
+    started_at: float
+    joined: bool = False  # its first heartbeat was heard
 
 
 class HostAgent:
@@ -68,6 +81,7 @@ class HostAgent:
     async def start(self) -> None:
         self._refill()
         await self.bus.serve(Subjects.activate(self.host_id), self._on_activate, span="host activate")
+        await self.bus.serve(Subjects.HEARTBEAT, self._on_worker_heartbeat, traced=False)
         log.info(
             "host agent %s: %d standby(s) per role, %.1f GiB for models, logs in %s",
             self.host_id,
@@ -118,7 +132,27 @@ class HostAgent:
                 del self.workers[worker_id]
         self._refill()
 
+    async def _on_worker_heartbeat(self, info: Message, blob: memoryview) -> None:
+        if isinstance(info, WorkerInfo):
+            self.joined(info.worker_id)
+
+    def joined(self, worker_id: str) -> None:
+        """`worker_id` beats: if it is one of ours, its start no longer holds back the refill."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and not worker.joined:
+            worker.joined = True
+            self._refill()
+
+    def _starting(self) -> bool:
+        """A worker started here has not beaten yet, within `host_refill_wait_s`."""
+        now = time.monotonic()
+        return any(
+            not w.joined and now - w.started_at < self.settings.host_refill_wait_s for w in self.workers.values()
+        )
+
     def _refill(self) -> None:
+        if self._starting():
+            return  # after it: a standby's imports would slow its start on the same cores
         for role, pool in self.standbys.items():
             while len(pool) < self.settings.host_standbys:
                 pool.append(self._start(role, self._log_path(f"standby-{role}")))
@@ -143,6 +177,8 @@ class HostAgent:
             )
         service = f"{cmd.role}-worker"
         env = {"MESH_SERVED_MODEL_NAME": cmd.model, "MESH_WORKER_ID": cmd.worker_id, "MESH_HOST_ID": self.host_id}
+        if cmd.kv_cache_bytes:
+            env["MESH_KV_CACHE_BYTES"] = str(cmd.kv_cache_bytes)
         pool = self.standbys[cmd.role]
         standby = next((c for c in pool if c.alive() and standby_ready(c)), None)
         if standby is not None:
@@ -154,7 +190,9 @@ class HostAgent:
             child = self._start_cold(service, env, self._log_path(cmd.worker_id), cmd.worker_id)
             how = "cold (no standby ready)"
         self.workers[cmd.worker_id] = _Worker(
-            child, HostedWorker(worker_id=cmd.worker_id, model=cmd.model, role=cmd.role)
+            child,
+            HostedWorker(worker_id=cmd.worker_id, model=cmd.model, role=cmd.role, kv_cache_bytes=cmd.kv_cache_bytes),
+            time.monotonic(),
         )
         log.info("worker %s (%s, %s) started %s: log %s", cmd.worker_id, cmd.model, cmd.role, how, child.log_path)
         self._refill()
@@ -170,4 +208,10 @@ class HostAgent:
             return f"{cmd.model!r} is not in this host's catalogue (MESH_MODELS)"
         if model.tensor_parallel_size != 1:
             return f"{cmd.model} needs {model.tensor_parallel_size} tensor-parallel ranks; standbys here have one"
+        given = sum(w.info.kv_cache_bytes for w in self.workers.values())
+        if given + cmd.kv_cache_bytes > self.settings.memory_bytes():
+            return (
+                f"{cmd.kv_cache_bytes} bytes of KV would exceed this host's budget "
+                f"({self.settings.memory_bytes()}, {given} given to its workers)"
+            )
         return ""

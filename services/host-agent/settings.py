@@ -21,9 +21,17 @@ class HostAgentSettings(ModelSettings, HostSettings, CommonSettings):
         0.0,
         ge=0,
         description="Memory the models placed on this host may hold, weights and KV together: placement's budget "
-        "for it (Prism's device memory). 0: half of this machine's memory.",
+        "for it (Prism's device memory). 0: two engines per catalogue model at `MESH_KV_CACHE_GIB` each, and "
+        "1 GiB for weights. Placement splits what the running engines leave among the models it places here.",
     )
     host_heartbeat_s: float = Field(1.0, gt=0, description="How often it reports its standbys and workers.")
+    host_refill_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="After an activation, how long the agent waits for the new worker's first heartbeat before "
+        "starting standbys in its place: a standby's imports (~20 s of CPU) would otherwise slow the worker's start "
+        "on the same cores. 0: at once.",
+    )
     log_dir: Path | None = Field(
         None,
         description="Where each standby, and the worker it becomes, writes its log (standby-<role>-<n>.log); "
@@ -31,8 +39,5 @@ class HostAgentSettings(ModelSettings, HostSettings, CommonSettings):
     )
 
     def memory_bytes(self) -> int:
-        if self.host_memory_gib:
-            return int(self.host_memory_gib * 2**30)
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        gib = self.host_memory_gib or 2 * len(self.catalogue()) * self.kv_cache_gib + 1
+        return int(gib * 2**30)

@@ -89,7 +89,8 @@ def event_line(event: PlacementDecision) -> str:
     model, role, host, worker = d.get("model"), d.get("role"), d.get("host"), d.get("worker_id")
     if event.kind == "activate":
         parked = f", {d['parked']} parked" if d.get("parked") else ""
-        what = f"activate {model} {role} on {host} as {worker} ({event.reason}{parked})"
+        kv = f", KV {d['kv_cache_bytes'] / 2**30:.2f} GiB" if d.get("kv_cache_bytes") else ""
+        what = f"activate {model} {role} on {host} as {worker} ({event.reason}{parked}{kv})"
     else:
         idle = f", idle {d['idle_s']} s, for {d.get('for')}" if "idle_s" in d else ""
         what = f"{event.kind} {worker} ({model} {role} on {host}, {event.reason}{idle})"

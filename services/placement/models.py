@@ -11,9 +11,12 @@ process into the worker). A model that fits on no host makes room by Prism's idl
 workers finish what they hold, live migration moves decodes away, then they exit). Every decision is a
 `PlacementDecision` with its inputs, KV pressure before and after included, also kept for the CLI.
 
-A model's footprint is what its workers' engines hold (weights and KV space, from their heartbeats): on
-CPU an engine's KV space is fixed when it starts, so the memory Prism gives a model's KV is taken
-whole; a model not seen yet is counted at the mean footprint of the models that were. A running model that
+A model's footprint is what its workers' engines hold (weights and KV space, from their heartbeats): an
+engine's KV space is fixed when it starts (vLLM's on CPU; on GPU too, short of sleep mode or elastic KV),
+so placement chooses it at activation: the host's memory free now, less the weights of the engines still
+to start there, is split among the models placed there that hold nothing yet by rate over SLO
+(`kv_shares`), each model's share over its engines to start. A model not seen yet is counted at the
+mean footprint of the models that were. A running model that
 Algorithm 1 moves to another host (its pressure there lower by more than τ) is activated there first;
 then its workers on the old host are drained.
 """
@@ -30,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, place_models
+from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, kv_shares, place_models
 from llmesh.wire.bus import Bus
 from llmesh.wire.config import name_tag
 from llmesh.wire.errors import MeshError
@@ -67,6 +70,7 @@ class _Activation:
     host: str
     worker_id: str
     issued_at: float
+    kv_cache_bytes: int = 0
     refused: bool = False
     accepted_at: float | None = None  # when its host agent took the command
 
@@ -98,6 +102,7 @@ class ModelPlacer:
         self._activations: dict[tuple[str, str], _Activation] = {}  # (model, role) -> the last one asked for
         self._evicting: dict[str, float] = {}  # model -> when its drain was asked for
         self._footprints: dict[str, int] = {}  # model -> bytes its workers held when last seen
+        self._weights: dict[str, int] = {}  # model -> bytes of weights one of its engines holds
         self._moves: dict[str, tuple[str, str, float]] = {}  # model -> (from host, to host, since)
         self._moved_at: dict[str, float] = {}
         self.events: deque[PlacementDecision] = deque(maxlen=EVENTS_KEPT)
@@ -172,8 +177,8 @@ class ModelPlacer:
                     "kvpr_before": self.pressure(target, demands, current),
                     "kvpr_after": self.pressure(target, demands, {**current, model: (target,)}),
                 }
-                self.activate(model, role, target, "parked", detail)
-        self._move(placed, current, active, demands, now)
+                self.activate(model, role, target, "parked", detail, self.kv_share(model, target, placed, workers))
+        self._move(placed, current, active, demands, workers, now)
 
     def _move(
         self,
@@ -181,6 +186,7 @@ class ModelPlacer:
         current: dict[str, tuple[str, ...]],
         active: list[WorkerInfo],
         demands: list[ModelDemand],
+        workers: dict[str, WorkerInfo],
         now: float,
     ) -> None:
         """Algorithm 1's moves: a running model that it puts on another host (by more than τ) is activated
@@ -213,7 +219,7 @@ class ModelPlacer:
                 "source_kvpr_after": self.pressure(source, demands, after),
             }
             for role in ROLES:
-                self.activate(model, role, target, "move", detail)
+                self.activate(model, role, target, "move", detail, self.kv_share(model, target, placed, workers))
 
     def _settle(self, workers: dict[str, WorkerInfo], now: float) -> None:
         """Forget activations whose worker is heartbeating, failed or took too long; evictions done."""
@@ -237,6 +243,9 @@ class ModelPlacer:
             hosts = {w.host for w in workers.values() if w.model == model}
             if held:
                 self._footprints[model] = held // len(hosts)
+            weights = [w.weights_bytes for w in workers.values() if w.model == model and w.weights_bytes]
+            if weights:
+                self._weights[model] = max(weights)
 
     def _lost(self, act: _Activation) -> bool:
         """Its host agent took the command, and a heartbeat of the agent's since no longer lists the worker."""
@@ -287,14 +296,66 @@ class ModelPlacer:
 
     # ---- commands -----------------------------------------------------------------------------------------
 
-    def activate(self, model: str, role: str, host: str, reason: str, detail: dict[str, Any]) -> None:
-        """Ask `host`'s agent for a worker of `model` in `role` (in its own task); `detail`: the inputs."""
+    def activate(
+        self, model: str, role: str, host: str, reason: str, detail: dict[str, Any], kv_cache_bytes: int = 0
+    ) -> None:
+        """Ask `host`'s agent for a worker of `model` in `role` with `kv_cache_bytes` of KV space (0: the
+        worker's own setting), in its own task; `detail`: the inputs."""
         worker_id = worker_name(role, model)
-        self._activations[(model, role)] = _Activation(host, worker_id, self._clock())
-        cmd = ActivateCommand(command_id=uuid.uuid4().hex, model=model, role=role, worker_id=worker_id, reason=reason)
-        self._spawn(
-            self._send_activate(cmd, {"model": model, "role": role, "host": host, "worker_id": worker_id, **detail})
+        self._activations[(model, role)] = _Activation(host, worker_id, self._clock(), kv_cache_bytes)
+        cmd = ActivateCommand(
+            command_id=uuid.uuid4().hex,
+            model=model,
+            role=role,
+            worker_id=worker_id,
+            reason=reason,
+            kv_cache_bytes=kv_cache_bytes,
         )
+        where = {"model": model, "role": role, "host": host, "worker_id": worker_id, "kv_cache_bytes": kv_cache_bytes}
+        self._spawn(self._send_activate(cmd, {**where, **detail}))
+
+    def kv_share(
+        self, model: str, host: str, placed: dict[str, tuple[str, ...]], workers: dict[str, WorkerInfo]
+    ) -> int:
+        """KV space for one more engine of `model` on `host`. The memory there not held by running engines,
+        less the weights of the engines starting or still to start, is split among the models they belong
+        to (`kv_shares`): those Algorithm 1 places there and those placed nowhere yet; `model`'s share, less
+        what its starting engines were given, goes in equal parts to its engines still to start."""
+        fallback = max(self._weights.values(), default=0)
+        on_host = [w for w in workers.values() if w.host == host]
+        running = {(w.model, w.role) for w in on_host}
+        starting = {
+            key: act.kv_cache_bytes
+            for key, act in self._activations.items()
+            if act.host == host and act.worker_id not in workers
+        }
+        elsewhere = {w.model for w in workers.values()} | {m for m, _ in self._activations}
+        may_come = {m for m in self.catalogue if m not in elsewhere}  # placed nowhere yet: it may come here
+        lacking = {
+            (m, r)
+            for m in {model, *may_come, *(m for m, hosts in placed.items() if host in hosts)}
+            for r in ROLES
+            if (m, r) not in running and (m, r) not in starting
+        }
+        pending = lacking | set(starting)
+        free = (
+            self._room.get(host, 0)
+            - sum(w.memory_bytes for w in on_host)
+            - sum(self._weights.get(m, fallback) for m, _ in pending)
+        )
+        slo_s = {
+            name: (entry.ttft_slo_ms or self.settings.placement_slo_ms) / 1000 for name, entry in self.catalogue.items()
+        }
+        shares = kv_shares({m: self._rates[m] / slo_s[m] for m, _ in pending}, free)
+        given = sum(kv for (m, _), kv in starting.items() if m == model)
+        to_start = sum(1 for m, _ in lacking if m == model)
+        return max(shares[model] - given, 0) // max(to_start, 1)
+
+    def replica_kv(self, model: str, role: str, workers: dict[str, WorkerInfo]) -> int:
+        """KV space for another engine like those of `model` in `role` (a scale-up): theirs, the largest
+        (0: none reports it; the worker's own setting)."""
+        kv = [w.memory_bytes - w.weights_bytes for w in workers.values() if w.model == model and w.role == role]
+        return max((k for k in kv if k > 0), default=0)
 
     def activating(self, model: str, role: str) -> bool:
         return (model, role) in self._activations

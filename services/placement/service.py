@@ -393,9 +393,11 @@ class PlacementService:
                 "window_mean_freeness": None if window_mean is None else round(window_mean, 1),
             }
             if action > 0 and not self.models.activating(model, "decode"):
-                host = self.models.host_for(model, "decode", self._infos())
+                infos = self._infos()
+                host = self.models.host_for(model, "decode", infos)
                 if host is not None:
-                    self.models.activate(model, "decode", host, "scale-up", reckoning)
+                    kv = self.models.replica_kv(model, "decode", infos)
+                    self.models.activate(model, "decode", host, "scale-up", reckoning, kv)
             elif action < 0:
                 victim = min(group, key=lambda v: (len(v.requests), v.worker_id))
                 self._spawn(self._drain_worker(self._workers[victim.worker_id].info, "drain", "scale-down", reckoning))

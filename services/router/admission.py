@@ -6,7 +6,10 @@ request that could not be served in time is refused up front with `Overloaded` (
 rate the queue has been draining) would pass its deadline or `max_wait_s`, or when the queue
 policy names it as unable to meet its time-to-first-token target. As room appears, waiters are placed in the
 queue policy's order (llmesh.policies.queueing; default: arrival); one that cannot be placed
-yet does not block the others (they may need other workers).
+yet does not block the others (they may need other workers). The policy orders, and refuses within,
+each queue apart (`queue_of`: the queue of a model's requests; Prism's queue per device, shared by the
+models on it): a deadline schedule such as Moore-Hodgson's counts only the requests that wait for the
+same workers. The queue's length limit and drain rate are the router's, over all of them.
 
 A request past its prompt (its decode, or a decode resumed elsewhere) is committed: its client has
 its first token, so it is placed before every other waiter and never refused for waiting; only its
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -53,10 +56,12 @@ class AdmissionQueue:
         policy: QueuePolicy | None = None,
         service_s: ServiceTime = lambda r: 0.0,
         clock: Callable[[], float] = time.monotonic,
+        queue_of: Callable[[str], Hashable] = lambda model: None,
     ):
         self.max_waiting, self.max_wait_s = max_waiting, max_wait_s
         self.policy = fcfs() if policy is None else policy
         self.service_s = service_s  # a request's expected time on a worker once placed (for the policy)
+        self.queue_of = queue_of  # model -> the queue its requests are ordered in (default: one for all)
         self._clock = clock
         self._waiting: list[_Waiter] = []
         self._left_at: float | None = None  # when a request last left the queue (None: empty since)
@@ -170,9 +175,12 @@ class AdmissionQueue:
         by_id = {w.request.request_id: w for w in open_ if not w.committed}
         committed = sorted((w for w in open_ if w.committed), key=lambda w: w.request.arrival)
         full: set[Hashable] = set()  # groups a waiter found no room for
-        for waiter in committed + [
-            by_id[r.request_id] for r in self.policy.order(now, list(w.request for w in by_id.values()), self.service_s)
-        ]:
+        ordered = [
+            r
+            for queue in self._queues([w.request for w in by_id.values()])
+            for r in self.policy.order(now, queue, self.service_s)
+        ]
+        for waiter in committed + [by_id[r.request_id] for r in ordered]:
             if waiter.group is not None and waiter.group in full:
                 continue
             try:
@@ -190,7 +198,11 @@ class AdmissionQueue:
 
     def _refuse_hopeless(self, now: float) -> None:
         waiting = [w for w in self._uncommitted() if not w.placed.done()]
-        refused = self.policy.refused(now, [w.request for w in waiting], self.service_s)
+        refused = {
+            request_id
+            for queue in self._queues([w.request for w in waiting])
+            for request_id in self.policy.refused(now, queue, self.service_s)
+        }
         for waiter in waiting:
             if waiter.request.request_id in refused:
                 waiter.placed.set_exception(
@@ -200,6 +212,16 @@ class AdmissionQueue:
                         self.expected_wait_s(len(waiting)),
                     )
                 )
+
+    def _queues(self, requests: list[RequestView]) -> list[list[RequestView]]:
+        """`requests` by `queue_of` their model, each in arrival order; the queues in a fixed order."""
+        of_model: dict[str, Hashable] = {}
+        queues: defaultdict[Hashable, list[RequestView]] = defaultdict(list)
+        for r in requests:
+            if r.model not in of_model:
+                of_model[r.model] = self.queue_of(r.model)
+            queues[of_model[r.model]].append(r)
+        return [queues[key] for key in sorted(queues, key=repr)]
 
     def _note_departure(self) -> None:
         now = self._clock()

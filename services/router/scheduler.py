@@ -93,7 +93,9 @@ class Scheduler:
     ):
         self.registry = registry
         self.policy = policy or least_loaded()
-        self.admission = AdmissionQueue(max_waiting, max_wait_s, queue_policy, self.prefill_seconds, clock)
+        self.admission = AdmissionQueue(
+            max_waiting, max_wait_s, queue_policy, self.prefill_seconds, clock, queue_of=self.hosts_of
+        )
         self.arrivals: Counter[str] = Counter()  # requests by model since start (`arrived`)
         self.max_backlog_s = max_backlog_s  # llmesh.policies.core.has_room
         self.local_prefill_margin_s = local_prefill_margin_s  # None: always disaggregate
@@ -320,6 +322,10 @@ class Scheduler:
     def serves(self, role: Role, model: str) -> bool:
         """Whether an active worker of `role` serves `model` now."""
         return any(self.view(info).state == "active" for info in self.registry.live(role) if info.model == model)
+
+    def hosts_of(self, model: str) -> tuple[str, ...]:
+        """The hosts `model`'s live prefill workers run on: its requests' queue (Prism's per device)."""
+        return tuple(sorted({w.host for w in self.registry.live("prefill") if w.model == model}))
 
     def prefill_seconds(self, request: RequestView) -> float:
         """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""

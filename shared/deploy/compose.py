@@ -10,6 +10,12 @@ Each `--prefill`/`--decode` is one worker and the GPUs it gets (by id, so no two
 Docker pools no GPUs between containers); a worker of several GPUs runs that many tensor-parallel
 ranks. Workers of different sizes need `--kv-heads-per-chunk` (MESH_KV_HEADS_PER_CHUNK).
 
+`--host-agent GPU` (repeatable; `single` and `gpu-host`) adds a host agent (llmesh_hostagent) with that
+GPU: a Prism device whose `--host-memory-gib` placement splits among the models it activates there
+(MESH_MODELS: the catalogue; MESH_MODEL must then be its first entry's model). Its standbys, and the
+workers they become, run in its container on its GPU, each engine with the KV space placement gives it;
+they serve no /metrics of their own (one port a container).
+
 - `single`: everything on one host, as docker-compose.yml, with these workers.
 - `control-plane`: NATS (accepting GPU hosts' nats-servers as leaf nodes on :7422), Redis, the router,
   placement, the length predictor, Jaeger, Prometheus and Grafana; the ports GPU hosts use (NATS leaf
@@ -99,9 +105,38 @@ def workers(
     return out
 
 
-def single(gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None) -> dict[str, Any]:
+def host_agents(
+    compose: dict[str, Any], agent_gpus: Sequence[str], memory_gib: float, name_prefix: str = ""
+) -> dict[str, dict[str, Any]]:
+    """A host agent a GPU of `agent_gpus`, from the base file's decode worker (its image, volumes and the
+    engine settings its workers inherit), with `memory_gib` for the models placed on it."""
+    template = compose["services"]["decode-worker"]
+    out = {}
+    for i, gpu in enumerate(agent_gpus):
+        name = f"host-agent-{name_prefix}{i}"
+        service = copy.deepcopy(template)
+        service["command"] = ["llmesh_hostagent"]
+        env = service["environment"]
+        for key in ("MESH_WORKER_METRICS_HOST", "MESH_WORKER_METRICS_PORT"):  # several engines, one container
+            env.pop(key, None)
+        env["MESH_HOST_ID"] = name
+        env["MESH_HOST_MEMORY_GIB"] = str(memory_gib)
+        service["deploy"]["resources"]["reservations"]["devices"] = [
+            {"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}
+        ]
+        service.pop("healthcheck", None)  # it serves no HTTP; placement sees its heartbeats
+        out[name] = service
+    return out
+
+
+def single(
+    gpus: dict[str, list[list[str]]],
+    kv_heads_per_chunk: int | None,
+    agent_gpus: Sequence[str] = (),
+    memory_gib: float = 0.0,
+) -> dict[str, Any]:
     compose = base()
-    new = workers(compose, gpus, kv_heads_per_chunk)
+    new = workers(compose, gpus, kv_heads_per_chunk) | host_agents(compose, agent_gpus, memory_gib)
     for role in ROLES:
         del compose["services"][f"{role}-worker"]
     compose["services"].update(new)
@@ -188,7 +223,13 @@ def _metrics_port(service: dict[str, Any]) -> int:
 
 
 def gpu_host(
-    control: str, address: str, gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None, secrets_path: str
+    control: str,
+    address: str,
+    gpus: dict[str, list[list[str]]],
+    kv_heads_per_chunk: int | None,
+    secrets_path: str,
+    agent_gpus: Sequence[str] = (),
+    memory_gib: float = 0.0,
 ) -> dict[str, Any]:
     compose = base()
     services = compose["services"]
@@ -231,6 +272,8 @@ def gpu_host(
     for i, (name, service) in enumerate(workers(compose, gpus, kv_heads_per_chunk, f"{shard}-").items()):
         kept[name] = on_this_host(service)
         kept[name]["ports"] = [f"0.0.0.0:{_metrics_port(service) + i}:{_metrics_port(service)}"]  # one port a worker
+    for name, service in host_agents(compose, agent_gpus, memory_gib, f"{shard}-").items():
+        kept[name] = on_this_host(service)
     compose["services"] = kept
     compose["volumes"] = {"models": compose["volumes"]["models"], "kv-data": compose["volumes"]["kv-data"]}
     return compose
@@ -299,9 +342,27 @@ def main(argv: list[str] | None = None) -> int:
         help="gpu-host: write the host's /metrics "
         "for the control plane's Prometheus (docker/prometheus/hosts/ADDRESS.json), not its compose",
     )
+    parser.add_argument(
+        "--host-agent",
+        action="append",
+        default=[],
+        metavar="GPU",
+        help="single, gpu-host: a host agent with this GPU, which placement activates models on; repeatable",
+    )
+    parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=0.0,
+        help="with --host-agent: the GPU memory the models placed on each agent's GPU may hold",
+    )
     parser.add_argument("-o", "--out", type=Path, help="write here (default: standard output)")
     args = parser.parse_args(argv)
     gpus = {"prefill": _gpu_lists(args.prefill), "decode": _gpu_lists(args.decode)}
+    agents = [g.strip() for g in args.host_agent]
+    if agents and (args.layout not in ("single", "gpu-host") or args.host_memory_gib <= 0):
+        parser.error("--host-agent is for single and gpu-host, with --host-memory-gib")
+    if any(not g or "," in g for g in agents):
+        parser.error("a host agent takes one GPU (its standbys have one rank)")
     if args.prometheus_targets and args.layout != "gpu-host":
         parser.error("--prometheus-targets is for gpu-host")
     try:
@@ -317,14 +378,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.layout == "single":
                 if not (gpus["prefill"] and gpus["decode"]):
                     parser.error("single needs a prefill and a decode worker at least")
-                compose = single(gpus, args.kv_heads_per_chunk)
+                compose = single(gpus, args.kv_heads_per_chunk, agents, args.host_memory_gib)
             else:
                 if not (args.control_plane and args.address):
                     parser.error("gpu-host needs --control-plane and --address")
-                compose = gpu_host(args.control_plane, args.address, gpus, args.kv_heads_per_chunk, args.secrets)
+                compose = gpu_host(
+                    args.control_plane,
+                    args.address,
+                    gpus,
+                    args.kv_heads_per_chunk,
+                    args.secrets,
+                    agents,
+                    args.host_memory_gib,
+                )
     except ValueError as exc:
         parser.error(str(exc))
-    used = [g for ids in [*gpus["prefill"], *gpus["decode"]] for g in ids]
+    used = [g for ids in [*gpus["prefill"], *gpus["decode"]] for g in ids] + agents
     if len(used) != len(set(used)):
         parser.error(f"a GPU is given to two workers: {used}")
     if args.prometheus_targets:

@@ -86,7 +86,7 @@ PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
         ["mesh.migrate.*", "mesh.role.*", "mesh.drain.*", "mesh.host.activate.*", "mesh.placement.events", REPLIES],
         ["mesh.heartbeat", "mesh.placement", "mesh.traffic", "mesh.host.heartbeat"],
     ),
-    "host-agent": (["mesh.host.heartbeat", REPLIES], ["mesh.host.activate.*"]),
+    "host-agent": (["mesh.host.heartbeat", REPLIES], ["mesh.host.activate.*", "mesh.heartbeat"]),
     "admin": (
         ["mesh.placement", "mesh.length.refit", "mesh.length.stats.*", "mesh.kv.*.stats"],
         ["mesh.placement.events", "mesh.heartbeat"],

@@ -102,14 +102,45 @@ def worker_id(settings: WorkerSettings, role: Role) -> str:
     return settings.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def engine_memory_bytes(vllm_config: Any, layout: dict[str, Any]) -> int:
-    """What an engine holds, over its ranks: its weights' files and its KV blocks."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
+def _kv_itemsize(vllm_config: Any) -> int:
     import torch
 
-    dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, str(cache.cache_dtype), model.dtype)
-    kv = (cache.num_gpu_blocks or 0) * cache.block_size * kv_bytes_per_token(layout, dtype.itemsize)
-    return weights_bytes(model.model, model.revision) + kv
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return (
+        model.dtype if cache.cache_dtype == "auto" else getattr(torch, str(cache.cache_dtype), model.dtype)
+    ).itemsize
+
+
+def engine_kv_bytes(vllm_config: Any, layout: dict[str, Any]) -> int:
+    """The KV blocks an engine holds, over its ranks."""
+    cache = vllm_config.cache_config
+    return (cache.num_gpu_blocks or 0) * cache.block_size * kv_bytes_per_token(layout, _kv_itemsize(vllm_config))
+
+
+GPU_ENGINE_OVERHEAD_BYTES = 2 * 2**30  # a rank's CUDA context, activations and graphs: an estimate, not measured
+
+
+def size_kv_space(vllm_config: Any, share_bytes: int) -> int:
+    """Give the engine `share_bytes` of KV space over its ranks (placement's share of its host), raised to
+    one `max_model_len` sequence and a block: vLLM refuses to start with less. Returns each rank's bytes.
+    On GPU vLLM also wants `gpu_memory_utilization` of the device free at start, so an engine sharing
+    its GPU asks for no more than its weights, its KV and `GPU_ENGINE_OVERHEAD_BYTES` (not run here: no
+    CUDA vLLM on these machines)."""
+    from vllm.platforms import current_platform
+
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    per_token = kv_bytes_per_token(kv_layout(vllm_config), _kv_itemsize(vllm_config))
+    blocks = -(-model.max_model_len // cache.block_size) + 1
+    floor = blocks * cache.block_size * per_token
+    if share_bytes < floor:
+        log.warning("KV share %d bytes is under one max-length sequence's %d: the engine gets that", share_bytes, floor)
+    cache.kv_cache_memory_bytes = -(-max(share_bytes, floor) // ranks)
+    if not current_platform.is_cpu():
+        need = weights_bytes(model.model, model.revision) // ranks + cache.kv_cache_memory_bytes
+        total = current_platform.get_device_total_memory()
+        cache.gpu_memory_utilization = min(cache.gpu_memory_utilization, (need + GPU_ENGINE_OVERHEAD_BYTES) / total)
+    return cache.kv_cache_memory_bytes
 
 
 def engine_args(settings: WorkerSettings, role: Role) -> Any:
@@ -274,7 +305,9 @@ class EngineWorker:
         self.subject = Subjects.worker(role, self.worker_id)
         self.layout = kv_layout(engine.vllm_config)
         self.fingerprint = fingerprint(self.layout)
-        self.memory_bytes = engine_memory_bytes(engine.vllm_config, self.layout)
+        model = engine.vllm_config.model_config
+        self.weights_bytes = weights_bytes(model.model, model.revision)  # its weights' files
+        self.memory_bytes = self.weights_bytes + engine_kv_bytes(engine.vllm_config, self.layout)
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
         self._held: dict[str, HeldRequest] = {}
@@ -302,7 +335,8 @@ class EngineWorker:
             spin = CPU_ENGINE_SPIN_S if current_platform.is_cpu() else None
         if spin is not None:
             os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.engine.vllm_plugin in the engine's processes
-        engine = _start_engine(engine_args(settings, role), _stat_loggers(settings))  # before any thread of ours
+        # before any thread of ours
+        engine = _start_engine(engine_args(settings, role), _stat_loggers(settings), settings.kv_cache_bytes)
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         try:
             bus = await Bus.connect(settings.nats_url, f"{role}-worker")
@@ -424,6 +458,7 @@ class EngineWorker:
             roles=list(self.roles) if len(self.roles) > 1 else [],
             host=self.settings.host(),
             memory_bytes=self.memory_bytes,
+            weights_bytes=self.weights_bytes,
         )
 
     def count_preemptions(self, kv_transfer_params: dict[str, Any] | None) -> None:
@@ -633,15 +668,18 @@ class EngineWorker:
                 del self._held[request_id]
 
 
-def _start_engine(args: Any, stat_loggers: Any) -> Any:
-    """vLLM's AsyncLLM for `args` (as `AsyncLLM.from_engine_args` builds it). In a pre-started process
-    (llmesh.engine.standby) its engine-core and model processes are forked, inheriting its imports,
-    where vLLM's CPU platform chose to spawn fresh interpreters (while it made the config)."""
+def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0) -> Any:
+    """vLLM's AsyncLLM for `args` (as `AsyncLLM.from_engine_args` builds it), with `kv_cache_bytes` of KV
+    space when given (`size_kv_space`). In a pre-started process (llmesh.engine.standby) its engine-core and
+    model processes are forked, inheriting its imports, where vLLM's CPU platform chose to spawn fresh
+    interpreters (while it made the config)."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor.abstract import Executor
 
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    if kv_cache_bytes:
+        log.info("KV space: %d bytes a rank (placement's share)", size_kv_space(config, kv_cache_bytes))
     if standby.prepared():
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     return AsyncLLM(

@@ -104,6 +104,21 @@ def _best_device(model: ModelDemand, loads: Mapping[str, _Load], exclude: set[st
     return min(fitting, key=lambda d: kv_pressure(loads[d].weight, loads[d].free_bytes), default=None)
 
 
+def kv_shares(pending: Mapping[str, float], free_bytes: int) -> dict[str, int]:
+    """Prism's split of a device's KV memory by rate over SLO, for engines whose KV space is fixed when they
+    start (vLLM's on CPU, and on GPU without elastic KV): the memory free now (`free_bytes`, once the
+    pending models' weights are in) goes to the models that hold nothing on the device yet (`pending`:
+    name -> rate over SLO), each in proportion to its weight. A model without a measured rate counts as the
+    least weighted one with one (equal shares while none has one): it may come, and fixed KV cannot be
+    taken back from the others."""
+    if free_bytes <= 0 or not pending:
+        return {name: 0 for name in pending}
+    floor = min((w for w in pending.values() if w > 0), default=1.0)
+    weights = {name: w if w > 0 else floor for name, w in pending.items()}
+    total = sum(weights.values())
+    return {name: round(free_bytes * w / total) for name, w in weights.items()}
+
+
 def idle_evictions(
     models: Sequence[ModelDemand],
     placement: Mapping[str, Iterable[str]],

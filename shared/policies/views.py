@@ -15,7 +15,7 @@ from llmesh.wire.messages import WorkerInfo
 
 # heartbeat fields no worker-level policy reads: the engine's context limit, the heartbeat period, preemption
 # counts, and where it runs and what it holds (placement's model placement reads those: llmesh_placement.models)
-HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions", "host", "memory_bytes"})
+HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions", "host", "memory_bytes", "weights_bytes"})
 VIEWED = tuple(f.name for f in fields(WorkerView) if f.name in WorkerInfo.model_fields)
 
 

@@ -188,6 +188,13 @@ class HostSettings(BaseSettings):
         "host name.",
     )
 
+    kv_cache_gib: int = Field(
+        1,
+        ge=1,
+        description="A worker's KV cache in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE), unless placement gives it "
+        "a share; a host agent's default budget holds two such engines per model.",
+    )
+
     def host(self) -> str:
         return self.host_id or socket.gethostname()
 
@@ -204,7 +211,13 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
     )
     block_size: int = Field(128, description="KV block size in tokens (a multiple of 32 on CPU).")
     max_model_len: int = Field(2048, description="Context length the engine accepts.")
-    kv_cache_gib: int = Field(1, ge=1, description="KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="KV space of the engine in bytes, over its ranks (vLLM's kv_cache_memory_bytes, on CPU and GPU "
+        "alike), raised to what one `MESH_MAX_MODEL_LEN` sequence needs; 0: `MESH_KV_CACHE_GIB` on CPU, "
+        "`MESH_GPU_MEMORY_UTILIZATION` on GPU. A host agent sets it to the share placement gives the worker.",
+    )
     kv_blocks: int | None = Field(
         None,
         ge=1,

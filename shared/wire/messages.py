@@ -137,6 +137,7 @@ class WorkerInfo(Message):
     roles: list[Literal["prefill", "decode"]] = Field(default_factory=list)  # it can serve (both: `role` is switchable)
     host: str = ""  # the host it runs on (a host agent's id: MESH_HOST_ID)
     memory_bytes: int = 0  # what its engine holds: weights and KV space (0: not reported)
+    weights_bytes: int = 0  # of which its weights' (0: not reported)
 
 
 # ---- output-length prediction ----------------------------------------------------------
@@ -372,6 +373,7 @@ class HostedWorker(Message):
     worker_id: str
     model: str
     role: Literal["prefill", "decode"]
+    kv_cache_bytes: int = 0  # the KV space placement gave it (0: the worker's own setting)
 
 
 class HostInfo(Message):
@@ -387,13 +389,15 @@ class HostInfo(Message):
 
 class ActivateCommand(Message):
     """To a host agent (`Subjects.activate`): make a ready standby of `role` the worker `worker_id` serving
-    the catalogue's `model` (llmesh.engine.standby)."""
+    the catalogue's `model` (llmesh.engine.standby), with `kv_cache_bytes` of KV space (placement's share of
+    the host's memory: `MESH_KV_CACHE_BYTES`; 0: the worker's own setting)."""
 
     command_id: str
     model: str
     role: Literal["prefill", "decode"]
     worker_id: str
     reason: str = ""
+    kv_cache_bytes: int = Field(0, ge=0)
 
 
 class ModelPlacement(Message):

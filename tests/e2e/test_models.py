@@ -66,12 +66,14 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
         extra_workers(mesh, timeout=60),
         ThreadPoolExecutor(6) as pool,
     ):
+        # first, so that the reference engine's start (it starts at its first question) does not take the
+        # cores from the activation timed below
+        expected_b = [reference_b.generate(16, prompt_token_ids=ids)["token_ids"] for ids in prompts]
         asked = time.monotonic()
         first = [f.result(timeout=130) for f in [pool.submit(complete, mesh, MODEL_B, ids) for ids in prompts]]
         served_after = time.monotonic() - asked
         mixed = [pool.submit(complete, mesh, model, ids) for ids in prompts for model in (MODEL, MODEL_B)]
         mixed_out = [f.result(timeout=130) for f in mixed]
-        expected_b = [reference_b.generate(16, prompt_token_ids=ids)["token_ids"] for ids in prompts]
         status = placement(mesh, op="status")
         b_workers = [w.worker_id for w in status.workers if w.model == MODEL_B]
         for worker_id in b_workers:  # evicted by hand: drained, they exit
@@ -86,5 +88,14 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
         (MODEL_B, role, "accepted", "from a standby") for role in ("decode", "prefill")
     ]
     assert sorted(b_workers) == sorted(a["worker_id"] for a in activations)
+    # placement split the host's budget: what a's engines leave, less b's two engines' weights (a's: same
+    # shape), half each; each engine's KV space is that, in whole blocks
+    a_engines = [w for w in status.workers if w.model == MODEL]
+    free = status.hosts[0].memory_bytes - sum(w.memory_bytes for w in a_engines) - 2 * a_engines[0].weights_bytes
+    given = {a["worker_id"]: a["kv_cache_bytes"] for a in activations}
+    assert all(abs(kv - free / 2) <= 1 for kv in given.values()), (given, free)
+    for w in status.workers:
+        if w.model == MODEL_B:
+            assert given[w.worker_id] - 2**20 < w.memory_bytes - w.weights_bytes <= given[w.worker_id]
     drained = lambda: not placement(mesh, op="status").hosts[0].workers  # noqa: E731
     wait_for(drained, 60, "the drained workers did not exit, or the host agent did not notice")

@@ -58,9 +58,11 @@ class FakeWorker:
         model: str = "m",
         host: str = "",
         memory_bytes: int = 0,
+        weights_bytes: int = 0,
     ):
         self.bus, self.worker_id, self.requests, self.role, self.accept = bus, worker_id, requests, role, accept
         self.roles, self.model, self.host, self.memory_bytes = roles, model, host, memory_bytes
+        self.weights_bytes = weights_bytes
         self.state = "active"
         self.migrations: list[tuple[float, MigrateCommand]] = []
         self.drains: list[DrainCommand] = []
@@ -113,6 +115,7 @@ class FakeWorker:
             roles=self.roles,
             host=self.host,
             memory_bytes=self.memory_bytes,
+            weights_bytes=self.weights_bytes,
         )
 
     async def _beat(self) -> None:
@@ -609,8 +612,11 @@ async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(na
         async with (
             fakes(
                 nats_url,
-                (("a-p",), {"role": "prefill", "model": "a", "host": "h1", "memory_bytes": GIB}),
-                (("a-d",), {"model": "a", "host": "h1", "memory_bytes": GIB}),
+                (
+                    ("a-p",),
+                    {"role": "prefill", "model": "a", "host": "h1", "memory_bytes": GIB, "weights_bytes": GIB // 4},
+                ),
+                (("a-d",), {"model": "a", "host": "h1", "memory_bytes": GIB, "weights_bytes": GIB // 4}),
             ),
             placement(nats_url, "models-1", models=CATALOGUE, placement_period_s=0.1) as replica,
         ):
@@ -621,6 +627,9 @@ async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(na
             traffic["parked"] = {}  # the router placed them on the new workers
             await asyncio.sleep(1.0)  # more periods: no second activation
             assert sorted((c.model, c.role) for c in host.commands) == [("b", "decode"), ("b", "prefill")]
+            # the KV space: h1's 10 GiB less a's two engines (2 GiB) and b's two engines' weights (as a's,
+            # 1/4 GiB each), all b's (the one model to start there), half for each engine
+            assert [c.kv_cache_bytes for c in host.commands] == [15 * GIB // 4] * 2
             status = await ask(client, op="status")
             rc = await asyncio.to_thread(cli_main, ["--nats", nats_url, "models"])
     finally:
@@ -635,7 +644,7 @@ async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(na
     assert [m.name for m in status.models] == ["a", "b"] and status.models[1].hosts == ["h1"]
     out = capsys.readouterr().out
     print(out)
-    assert rc == 0 and "activate b decode on h1" in out and "KVPR" in out
+    assert rc == 0 and "activate b decode on h1" in out and "KV 3.75 GiB" in out and "KVPR" in out
 
 
 async def test_a_model_that_fits_nowhere_evicts_the_idle_one_then_is_activated(nats_url):
@@ -684,7 +693,10 @@ async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_dra
             fakes(
                 nats_url,
                 (("sc-p",), {"role": "prefill", "model": "a", "host": "h1"}),
-                (("sc-d",), {"requests": full, "model": "a", "host": "h1"}),
+                (
+                    ("sc-d",),
+                    {"requests": full, "model": "a", "host": "h1", "memory_bytes": GIB, "weights_bytes": GIB // 4},
+                ),
             ) as (_, busy),
             placement(
                 nats_url,
@@ -700,6 +712,7 @@ async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_dra
             await until(lambda: len(host.workers) == 1, 5)
             started = host.workers[0]
             assert (started.model, started.role, host.commands[0].reason) == ("a", "decode", "scale-up")
+            assert host.commands[0].kv_cache_bytes == 3 * GIB // 4  # as much KV as the worker it relieves
             busy.requests = busy.requests[:1]  # load falls: both nearly empty
             await until(lambda: started.drains or busy.drains, 5)
             await asyncio.sleep(1.0)  # more windows: at the minimum, nothing more

@@ -145,6 +145,31 @@ async def test_the_queue_policy_orders_waiters_and_refuses_the_hopeless():
     relaxed.cancel()
 
 
+@pytest.mark.parametrize("hosts, refused", [({"a": "h1", "b": "h1"}, 1), ({"a": "h1", "b": "h2"}, 0)])
+async def test_the_policy_schedules_each_hosts_queue_apart(hosts, refused):
+    """Prism's queue per device: Moore-Hodgson over requests that share workers. Three 1 s requests due
+    1.5, 1.5 and 2.5 s from now cannot all be served in time by one host; b's, alone on h2, can."""
+    from llmesh.policies import make_queue_policy
+
+    queue = AdmissionQueue(
+        max_waiting=8,
+        max_wait_s=100,
+        policy=make_queue_policy("prism-refuse"),
+        service_s=lambda r: 1.0,
+        clock=lambda: 10.0,
+        queue_of=hosts.get,
+    )
+    slots = Slots()
+    waiting = [
+        asyncio.create_task(queue.admit(slots.placer(name), RequestView(name, model, 10, 10.0, 1e12, ttft_slo_s=slo)))
+        for name, model, slo in (("a1", "a", 1.5), ("b1", "b", 1.5), ("a2", "a", 2.5))
+    ]
+    done, _ = await asyncio.wait(waiting, timeout=0.1)
+    assert sum(isinstance(t.exception(), Overloaded) for t in done) == refused
+    for task in waiting:
+        task.cancel()
+
+
 async def test_a_committed_request_is_placed_first_and_never_refused_for_waiting():
     """A decode (its client has its first token) is not refused by a full queue or a long expected wait,
     goes ahead of the prompts waiting, and only its deadline ends its wait (Timeout, not 429)."""

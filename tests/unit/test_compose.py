@@ -24,6 +24,7 @@ from llmesh.deploy.compose import scale_plan
 from llmesh.deploy.credentials import load_or_create
 from llmesh.deploy.launcher import SERVICES
 from llmesh.wire.config import WorkerSettings
+from llmesh_hostagent.settings import HostAgentSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
 from llmesh_placement.settings import PlacementSettings
@@ -42,11 +43,13 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "router": RouterSettings,
     "placement": PlacementSettings,
 }
-# launcher services compose does not run yet, and why
+# launcher services not in docker-compose.yml, and where they are
 NOT_IN_COMPOSE = {
-    "host-agent": "it starts worker processes in its own container; compose runs each worker as a container, "
-    "so on GPU hosts placement activates nothing yet (docs/operations.md)"
+    "host-agent": "one a GPU, in the layouts `python -m llmesh.deploy.compose ... --host-agent GPU` writes: "
+    "its standbys and workers run in its container, so it needs a GPU of its own (LAYOUTS below)"
 }
+# what a layout-only service's environment may set: its own settings' and those of the workers it starts
+LAYOUT_SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {"host-agent": (HostAgentSettings, WorkerSettings)}
 LLMESH_SERVICES = sorted(SETTINGS)
 EXPECTED_SERVICES = {"secrets", "nats", "redis", "jaeger", "prometheus", "grafana", *LLMESH_SERVICES}
 # where each service serves Prometheus's /metrics: its settings' (port, bind address) fields
@@ -361,7 +364,10 @@ def test_published_ports_listen_on_the_hosts_loopback_unless_configured(services
 # ---- the layouts `python -m llmesh.deploy.compose` writes from docker-compose.yml ----------------------------
 
 LAYOUTS = {
-    "single": ["single", "--prefill", "0,1", "--decode", "2", "--decode", "3", "--kv-heads-per-chunk", "4"],
+    "single": [
+        *("single", "--prefill", "0,1", "--decode", "2", "--decode", "3", "--kv-heads-per-chunk", "4"),
+        *("--host-agent", "4", "--host-agent", "5", "--host-memory-gib", "70"),
+    ],
     "control-plane": ["control-plane", "--address", "10.0.0.1"],
     "gpu-host": [
         "gpu-host",
@@ -375,6 +381,10 @@ LAYOUTS = {
         "1,2",
         "--kv-heads-per-chunk",
         "2",
+        "--host-agent",
+        "3",
+        "--host-memory-gib",
+        "40",
     ],
 }
 
@@ -407,7 +417,9 @@ def test_every_layout_sets_only_what_its_services_read(layouts):
         for name, service in services.items():
             module = command(service)[:1]
             if module and module[0] in by_module:
-                accepted = env_names(SETTINGS[by_module[module[0]]])
+                service_name = by_module[module[0]]
+                kinds = LAYOUT_SETTINGS.get(service_name) or (SETTINGS[service_name],)
+                accepted = set().union(*(env_names(kind) for kind in kinds))
                 unknown = sorted(k for k in environment(service) if k.upper() not in accepted)
                 assert not unknown, f"{layout}: service {name!r} sets {unknown}"
 
@@ -498,7 +510,10 @@ def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
     from llmesh.deploy.credentials import main
 
     services = layouts["gpu-host"]
-    assert set(services) == {"secrets", "nats", "kv-store", "prefill-worker-10-0-0-2-0", "decode-worker-10-0-0-2-0"}
+    assert set(services) == {
+        *("secrets", "nats", "kv-store", "prefill-worker-10-0-0-2-0", "decode-worker-10-0-0-2-0"),
+        "host-agent-10-0-0-2-0",
+    }
     load_or_create(tmp_path / "s")  # the control plane's set, copied here
     made = command(services["secrets"])
     assert main([str(tmp_path / "s"), *made[2:]]) == 0
@@ -515,9 +530,29 @@ def test_a_gpu_host_joins_the_control_plane(layouts, tmp_path):
     assert gpu_ids(services["decode-worker-10-0-0-2-0"]) == ["1", "2"]
 
 
+def test_host_agents_each_with_a_gpu_and_a_budget_that_their_workers_share(layouts, monkeypatch):
+    """Each host agent is a Prism device: one GPU, its memory for models, its own host id; the workers it
+    starts inherit the engine settings and serve no /metrics port (several share its container)."""
+    for layout, expected in (("single", {"host-agent-0": "4", "host-agent-1": "5"}), ("gpu-host", None)):
+        agents = {name: s for name, s in layouts[layout].items() if name.startswith("host-agent")}
+        if expected:
+            assert {name: gpu_ids(s) for name, s in agents.items()} == {n: [g] for n, g in expected.items()}
+        for name, service in agents.items():
+            env = environment(service)
+            assert command(service) == ["llmesh_hostagent"] and env["MESH_HOST_ID"] == name
+            assert "MESH_WORKER_METRICS_PORT" not in env and "healthcheck" not in service
+            for key in env_names(HostAgentSettings):
+                monkeypatch.delenv(key, raising=False)
+            monkeypatch.setenv("MESH_HOST_MEMORY_GIB", env["MESH_HOST_MEMORY_GIB"])
+            assert HostAgentSettings(_env_file=None).memory_bytes() == {"single": 70, "gpu-host": 40}[layout] * 2**30
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["single", "--prefill", "0", "--decode", "1", "--host-agent", "1", "--host-memory-gib", "9"], "two workers"),
+        (["single", "--prefill", "0", "--decode", "1", "--host-agent", "2"], "with --host-memory-gib"),
+        (["single", "--prefill", "0", "--decode", "1", "--host-agent", "2,3", "--host-memory-gib", "9"], "one GPU"),
         (["single", "--prefill", "0", "--decode", "0"], "a GPU is given to two workers"),
         (["single", "--prefill", "0,1", "--decode", "2"], "--kv-heads-per-chunk"),
         (["single", "--prefill", "0"], "a prefill and a decode worker"),

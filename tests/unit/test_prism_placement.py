@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, place_models
+from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, kv_shares, place_models
 
 GB = 1 << 30
 TWO = [Device("a", 10 * GB), Device("b", 10 * GB)]
@@ -61,3 +61,11 @@ def test_idle_models_are_evicted_only_where_memory_is_short_larger_slos_first():
     assert idle_evictions(models, placement, idle, {"a": 3 * GB}, idle_after_s=300) == ["batch", "code"]
     assert idle_evictions(models, placement, {**idle, "batch": 10.0}, {"a": 1 * GB}, idle_after_s=300) == ["code"]
     assert idle_evictions(models, placement, idle, {}, idle_after_s=300) == []
+
+
+def test_kv_memory_is_split_by_rate_over_slo_and_a_model_without_a_rate_counts_as_the_least_weighted():
+    assert kv_shares({"a": 3.0, "b": 1.0}, 8000) == {"a": 6000, "b": 2000}
+    assert kv_shares({"a": 0.0, "b": 0.0}, 8000) == {"a": 4000, "b": 4000}
+    assert kv_shares({"a": 3.0, "b": 1.0, "idle": 0.0}, 10000) == {"a": 6000, "b": 2000, "idle": 2000}
+    assert kv_shares({"a": 1.0}, -5) == {"a": 0}  # nothing free: the engine's own minimum
+    assert kv_shares({}, 8000) == {}
