@@ -101,6 +101,7 @@ class ModelPlacer:
         self._last_arrival: dict[str, float] = {}
         self._activations: dict[tuple[str, str], _Activation] = {}  # (model, role) -> the last one asked for
         self._evicting: dict[str, float] = {}  # model -> when its drain was asked for
+        self._evicted: set[str] = set()  # evicted for idleness, not activated since: reserved no KV
         self._footprints: dict[str, int] = {}  # model -> bytes its workers held when last seen
         self._weights: dict[str, int] = {}  # model -> bytes of weights one of its engines holds
         self._moves: dict[str, tuple[str, str, float]] = {}  # model -> (from host, to host, since)
@@ -302,6 +303,7 @@ class ModelPlacer:
         """Ask `host`'s agent for a worker of `model` in `role` with `kv_cache_bytes` of KV space (0: the
         worker's own setting), in its own task; `detail`: the inputs."""
         worker_id = worker_name(role, model)
+        self._evicted.discard(model)
         self._activations[(model, role)] = _Activation(host, worker_id, self._clock(), kv_cache_bytes)
         cmd = ActivateCommand(
             command_id=uuid.uuid4().hex,
@@ -319,10 +321,11 @@ class ModelPlacer:
     ) -> int:
         """KV space for one more engine of `model` on `host`. The memory there not held by running engines,
         less the weights of the engines starting or still to start, is split among the models they belong
-        to (`kv_shares`): those Algorithm 1 places there and those placed nowhere yet; `model`'s share, less
-        what its starting engines were given, goes in equal parts to its engines still to start."""
+        to (`kv_shares`): those Algorithm 1 places there and those placed nowhere but not evicted for
+        idleness (with fixed KV, what one takes the others cannot get back). `model`'s share, less what its starting
+        engines were given, goes in equal parts to its engines still to start."""
         fallback = max(self._weights.values(), default=0)
-        on_host = [w for w in workers.values() if w.host == host]
+        on_host = [w for w in workers.values() if w.host == host and w.state == "active"]  # `_room` has the rest
         running = {(w.model, w.role) for w in on_host}
         starting = {
             key: act.kv_cache_bytes
@@ -330,7 +333,7 @@ class ModelPlacer:
             if act.host == host and act.worker_id not in workers
         }
         elsewhere = {w.model for w in workers.values()} | {m for m, _ in self._activations}
-        may_come = {m for m in self.catalogue if m not in elsewhere}  # placed nowhere yet: it may come here
+        may_come = self.catalogue.keys() - elsewhere - self._evicted  # placed nowhere: it may come here
         lacking = {
             (m, r)
             for m in {model, *may_come, *(m for m, hosts in placed.items() if host in hosts)}
@@ -407,6 +410,7 @@ class ModelPlacer:
         placed_now = {m: h for m, h in current.items() if m != model.name and m not in self._evicting}
         for victim in idle_evictions(demands, placed_now, idle, short, self.settings.placement_idle_s):
             self._evicting[victim] = self._clock()
+            self._evicted.add(victim)
             for w in workers.values():
                 if w.model == victim and w.state == "active":
                     after = {m: h for m, h in current.items() if m != victim}

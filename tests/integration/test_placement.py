@@ -679,6 +679,9 @@ async def test_a_model_that_fits_nowhere_evicts_the_idle_one_then_is_activated(n
     assert all(e.detail["for"] == "b" and e.detail["kvpr_after"] == 0 for e in evictions)
     assert replica.service.decisions["evict/ok"] == 2 and replica.service.decisions["activate/accepted"] == 2
     assert [e.kind for e in status.events] == ["evict", "evict", "activate", "activate"]
+    # b's two engines share what h1 has then: at most all of it (a's second worker may still be leaving)
+    kv = [c.kv_cache_bytes for c in host.commands]
+    assert kv[0] == kv[1] and 0 < kv[0] <= 5 * GIB // 4
 
 
 async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_drains_the_idlest(nats_url):
