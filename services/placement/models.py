@@ -178,7 +178,9 @@ class ModelPlacer:
                     "kvpr_before": self.pressure(target, demands, current),
                     "kvpr_after": self.pressure(target, demands, {**current, model: (target,)}),
                 }
-                self.activate(model, role, target, "parked", detail, self.kv_share(model, target, placed, workers))
+                self.activate(
+                    model, role, target, "parked", detail, self.kv_share(model, target, placed, workers, demands)
+                )
         self._move(placed, current, active, demands, workers, now)
 
     def _move(
@@ -220,7 +222,9 @@ class ModelPlacer:
                 "source_kvpr_after": self.pressure(source, demands, after),
             }
             for role in ROLES:
-                self.activate(model, role, target, "move", detail, self.kv_share(model, target, placed, workers))
+                self.activate(
+                    model, role, target, "move", detail, self.kv_share(model, target, placed, workers, demands)
+                )
 
     def _settle(self, workers: dict[str, WorkerInfo], now: float) -> None:
         """Forget activations whose worker is heartbeating, failed or took too long; evictions done."""
@@ -317,13 +321,19 @@ class ModelPlacer:
         self._spawn(self._send_activate(cmd, {**where, **detail}))
 
     def kv_share(
-        self, model: str, host: str, placed: dict[str, tuple[str, ...]], workers: dict[str, WorkerInfo]
+        self,
+        model: str,
+        host: str,
+        placed: dict[str, tuple[str, ...]],
+        workers: dict[str, WorkerInfo],
+        demands: list[ModelDemand],
     ) -> int:
         """KV space for one more engine of `model` on `host`. The memory there not held by running engines,
         less the weights of the engines starting or still to start, is split among the models they belong
-        to (`kv_shares`): those Algorithm 1 places there and those placed nowhere but not evicted for
-        idleness (with fixed KV, what one takes the others cannot get back). `model`'s share, less what its starting
-        engines were given, goes in equal parts to its engines still to start."""
+        to by their weight in `demands` (`kv_shares`): those Algorithm 1 places there and those placed
+        nowhere but not evicted for idleness (with fixed KV, what one takes the others cannot get back).
+        `model`'s share, less what its starting engines were given, goes in equal parts to its engines
+        still to start."""
         fallback = max(self._weights.values(), default=0)
         on_host = [w for w in workers.values() if w.host == host and w.state == "active"]  # `_room` has the rest
         running = {(w.model, w.role) for w in on_host}
@@ -346,10 +356,8 @@ class ModelPlacer:
             - sum(w.memory_bytes for w in on_host)
             - sum(self._weights.get(m, fallback) for m, _ in pending)
         )
-        slo_s = {
-            name: (entry.ttft_slo_ms or self.settings.placement_slo_ms) / 1000 for name, entry in self.catalogue.items()
-        }
-        shares = kv_shares({m: self._rates[m] / slo_s[m] for m, _ in pending}, free)
+        weight = {d.name: d.weight for d in demands}
+        shares = kv_shares({m: weight[m] for m, _ in pending}, free)
         given = sum(kv for (m, _), kv in starting.items() if m == model)
         to_start = sum(1 for m, _ in lacking if m == model)
         return max(shares[model] - given, 0) // max(to_start, 1)
