@@ -17,7 +17,8 @@ tiny-llama, tiny-llama-b and tiny-llama-c (same shapes, other weights).
 - mesh: `make run`'s launcher with the three models in its catalogue and workers started for model 0
   only; the host agent's standbys (`--standbys` per role) become the others' workers when their first
   requests wait (placement's activation), on the same halves of the cores as every prefill and decode
-  engine. The first point pays for those activations; static's servers were all started beforehand.
+  engine (`--aggregated`: a decode engine a model, running whole requests, on all the cores). The first
+  point pays for those activations; static's servers were all started beforehand.
 Per point: each model's SLO attainment (TTFT within `--ttft-slo-ms` and mean TPOT within `--tpot-slo-ms`),
 the whole's, requests refused at the door (429) and lost (any other error, or no answer), TTFT P50/P99;
 after the points, greedy outputs of a few prompts of each model, mesh against its vLLM server.
@@ -151,9 +152,12 @@ def static(work: Path, model_dir: Path) -> Deployment:
     return deployment
 
 
-def mesh(work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float, standbys: int) -> LaunchedMesh:
+def mesh(
+    work: Path, model_dir: Path, ttft_slo_ms: float, tpot_slo_ms: float, standbys: int, aggregated: bool
+) -> LaunchedMesh:
     catalogue = [
-        {"name": n, "model": p, "ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms} for n, p in MODELS.items()
+        {"name": n, "model": p, "ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms, "disaggregated": not aggregated}
+        for n, p in MODELS.items()
     ]
     return launch_mesh(
         work,
@@ -178,6 +182,12 @@ def main() -> None:
     parser.add_argument(
         "--standbys", type=int, default=2, help="the host agent's standbys per role: the models it can activate at once"
     )
+    parser.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="the mesh serves each model aggregated (decode workers running whole requests, one engine a model "
+        "on all the cores) instead of a prefill and a decode engine a model on their halves",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-models-"))
@@ -201,7 +211,7 @@ def main() -> None:
         texts["static"] = greedy_texts(deployment.url, {})
     finally:
         stop_all(deployment.children)
-    launched = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms, args.standbys)
+    launched = mesh(work / "mesh", model_dir, args.ttft_slo_ms, args.tpot_slo_ms, args.standbys, args.aggregated)
     url, headers = launched.url, launched.headers
     try:
         time.sleep(30)  # the host agent's standbys get ready

@@ -1,6 +1,7 @@
 """A host's pool of pre-started worker processes, and the workers they became (Prism's fast activation).
 
-It keeps `host_standbys` standbys (llmesh.engine.standby: imports done, no model) ready for each role, on
+It keeps `host_standbys` standbys (llmesh.engine.standby: imports done, no model) ready for each role
+that the catalogue's models need (decode only where all are aggregated), on
 the cores the launcher gives that role's engines, and answers `ActivateCommand`s (`Subjects.activate`)
 from placement: a ready standby of the role becomes the worker of the model named (1.7 s to its first
 heartbeat for the tiny model, against 37 s cold: docs/benchmarks.md), and a new standby is started in
@@ -25,7 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmesh.deploy.launcher import Child, activate, engine_cores, standby_ready, start_service, start_standby, stop_all
+from llmesh.deploy.launcher import (
+    Child,
+    activate,
+    catalogue_roles,
+    engine_cores,
+    standby_ready,
+    start_service,
+    start_standby,
+    stop_all,
+)
 from llmesh.wire.bus import Bus
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import (
@@ -42,7 +52,6 @@ from .settings import HostAgentSettings
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 StartStandby = Callable[[str, Path], Child]  # (role, log path) -> a started standby
 StartCold = Callable[[str, dict[str, str], Path, str], Child]  # (service, env, log path, name) -> a started worker
 
@@ -68,12 +77,13 @@ class HostAgent:
         self.bus, self.settings, self.host_id = bus, settings, settings.host()
         self.log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="llmesh-host-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cores = engine_cores()
+        roles = catalogue_roles(settings.catalogue())
+        cores = engine_cores(roles=roles)
         self._start = start or (
             lambda role, path: start_standby(cores.get(f"{role}-worker", {}), path, f"standby-{role}")
         )
         self._cores, self._start_cold = cores, start_cold
-        self.standbys: dict[str, list[Child]] = {role: [] for role in ROLES}
+        self.standbys: dict[str, list[Child]] = {role: [] for role in sorted(roles)}
         self.workers: dict[str, _Worker] = {}
         self._started = 0  # processes started, for their log names
         self._lock = asyncio.Lock()  # one activation at a time: each takes a standby and starts another
@@ -206,6 +216,8 @@ class HostAgent:
         model = next((m for m in self.settings.catalogue() if m.name == cmd.model), None)
         if model is None:
             return f"{cmd.model!r} is not in this host's catalogue (MESH_MODELS)"
+        if cmd.role not in model.roles:
+            return f"{cmd.model} is served by {' and '.join(model.roles)} workers only, not {cmd.role}"
         if model.tensor_parallel_size != 1:
             return f"{cmd.model} needs {model.tensor_parallel_size} tensor-parallel ranks; standbys here have one"
         given = sum(w.info.kv_cache_bytes for w in self.workers.values())

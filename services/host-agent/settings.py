@@ -21,8 +21,8 @@ class HostAgentSettings(ModelSettings, HostSettings, CommonSettings):
         0.0,
         ge=0,
         description="Memory the models placed on this host may hold, weights and KV together: placement's budget "
-        "for it (Prism's device memory). 0: two engines per catalogue model at `MESH_KV_CACHE_GIB` each, and "
-        "1 GiB for weights. Placement splits what the running engines leave among the models it places here.",
+        "for it (Prism's device memory). 0: an engine per role of each catalogue model at `MESH_KV_CACHE_GIB` "
+        "each, and 1 GiB for weights. Placement splits what the running engines leave among the models it places here.",
     )
     host_heartbeat_s: float = Field(1.0, gt=0, description="How often it reports its standbys and workers.")
     host_refill_wait_s: float = Field(
@@ -39,5 +39,5 @@ class HostAgentSettings(ModelSettings, HostSettings, CommonSettings):
     )
 
     def memory_bytes(self) -> int:
-        gib = self.host_memory_gib or 2 * len(self.catalogue()) * self.kv_cache_gib + 1
+        gib = self.host_memory_gib or sum(len(m.roles) for m in self.catalogue()) * self.kv_cache_gib + 1
         return int(gib * 2**30)

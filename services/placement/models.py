@@ -165,7 +165,7 @@ class ModelPlacer:
         for model, parked in sorted(parked_now.items()):
             if parked <= 0 or model not in self.catalogue:
                 continue
-            for role in ROLES:
+            for role in self.catalogue[model].roles:
                 if any(w.model == model and w.role == role for w in active) or (model, role) in self._activations:
                     continue
                 target = placed.get(model, (None,))[0]
@@ -196,7 +196,7 @@ class ModelPlacer:
         there; once its workers there are active, those on the old host are drained (live migration moves
         their decodes). One move per model at a time, none within the cooldown of the last."""
         for model, (source, target, since) in list(self._moves.items()):
-            if set(ROLES) <= {w.role for w in active if w.model == model and w.host == target}:
+            if set(self._roles(model)) <= {w.role for w in active if w.model == model and w.host == target}:
                 for w in active:
                     if w.model == model and w.host == source:
                         self._spawn(self._drain(w, "drain", "move", {"to": target}))
@@ -221,7 +221,7 @@ class ModelPlacer:
                 "source_kvpr_before": self.pressure(source, demands, current),
                 "source_kvpr_after": self.pressure(source, demands, after),
             }
-            for role in ROLES:
+            for role in self._roles(model):
                 self.activate(
                     model, role, target, "move", detail, self.kv_share(model, target, placed, workers, demands)
                 )
@@ -347,7 +347,7 @@ class ModelPlacer:
         lacking = {
             (m, r)
             for m in {model, *may_come, *(m for m, hosts in placed.items() if host in hosts)}
-            for r in ROLES
+            for r in self._roles(m)
             if (m, r) not in running and (m, r) not in starting
         }
         pending = lacking | set(starting)
@@ -367,6 +367,11 @@ class ModelPlacer:
         (0: none reports it; the worker's own setting)."""
         kv = [w.memory_bytes - w.weights_bytes for w in workers.values() if w.model == model and w.role == role]
         return max((k for k in kv if k > 0), default=0)
+
+    def _roles(self, model: str) -> tuple[str, ...]:
+        """The roles of `model`'s workers (a model outside the catalogue, served by workers started by hand: both)."""
+        entry = self.catalogue.get(model)
+        return entry.roles if entry else ROLES
 
     def activating(self, model: str, role: str) -> bool:
         return (model, role) in self._activations

@@ -4,7 +4,8 @@
 1. admitted: a length tag if a policy reads one (llmesh_router.lengths), then a prefill worker and a
    decode slot from the scheduler, waiting in its queue while none has room (`_admit`);
 2. prefill: on the prefill worker, which returns the first token and where the KV lies; or the whole
-   request on a decode worker when the prefill queue would answer later (`_prefill_then_decode`);
+   request on a decode worker when the prefill queue would answer later, or always for a model served
+   aggregated (`ServedModel.disaggregated`; `_prefill_then_decode`);
 3. decode: a decode worker streams the rest (`_decode`, `_relay`);
 4. resumed or migrated: a decode worker that dies, refuses or hands the request over (live
    migration) is followed by another, from the KV in the store (`_decode`, `_resume_site`);
@@ -275,11 +276,15 @@ class Dispatcher:
         predicted: LengthPrediction | None,
         parent: context.Context,
     ) -> AsyncIterator[TokenDelta]:
-        prefill = await self._admit("prefill", view, parent, claim=None if gen.sampling.max_tokens == 1 else claim)
-        predicting = self.lengths.beside(gen, parent)
-        local = self.scheduler.local_prefill_site(view, prefill)  # it took over the prefill's reservation
-        if local is not None:
-            claim.release()  # its decode slot is reserved itself
+        prefill = predicting = None
+        if "prefill" in self.registry.roles(gen.model):
+            prefill = await self._admit("prefill", view, parent, claim=None if gen.sampling.max_tokens == 1 else claim)
+            predicting = self.lengths.beside(gen, parent)
+            local = self.scheduler.local_prefill_site(view, prefill)  # it took over the prefill's reservation
+            if local is not None:
+                claim.release()  # its decode slot is reserved itself
+        else:  # an aggregated model: its decode workers run whole requests
+            local = await self._admit("decode", view, parent, generates=True)
         request = PrefillRequest(
             request_id=gen.request_id,
             model=gen.model,
@@ -316,6 +321,7 @@ class Dispatcher:
                 finally:
                     placed.prompt_done()
                 return
+            assert prefill is not None
             self.metrics.prefill_sites.labels("prefill").inc()
             with self.scheduler.placed(prefill.worker_id, view.prompt_tokens):
                 try:
@@ -497,17 +503,19 @@ class Dispatcher:
         parent: context.Context,
         fingerprint: str | None = None,
         claim: DecodeClaim | None = None,
+        generates: bool = False,
     ) -> WorkerInfo:
-        """A worker of `role` for the request by the dispatch policy, reserved; waiting in the router's
-        queue while none has room. A prefill with a decode `claim` also waits for decode room and takes
-        the claim; the decode then releases it. The choice is counted and put on the request's span."""
+        """A worker of `role` for the request by the dispatch policy (one that runs whole requests if
+        `generates`), reserved; waiting in the router's queue while none has room. A prefill with a decode
+        `claim` also waits for decode room and takes the claim; the decode then releases it. The choice is
+        counted and put on the request's span."""
         started = time.monotonic()
         with self.metrics.queued(view.model):
-            worker, queued = await self.scheduler.admit(role, view, fingerprint, claim)
+            worker, queued = await self.scheduler.admit(role, view, fingerprint, claim, generates)
         waited = time.monotonic() - started
         policy = self.scheduler.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
-        if role == "prefill":  # its first worker: what vLLM's queue time measures
+        if role == "prefill" or generates:  # its first worker: what vLLM's queue time measures
             self.metrics.queue_time.labels(view.model).observe(waited)
         trace.get_current_span(parent).set_attributes(
             {

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import ModelNotFound, StreamInterrupted, WorkerLost
-from llmesh.wire.messages import WorkerInfo
+from llmesh.wire.messages import Role, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,17 @@ class WorkerRegistry:
     def models(self) -> list[str]:
         """The models the mesh has: the catalogue's, and any a live worker serves."""
         return sorted(self.catalogue.keys() | {m.info.model for m in self._workers.values()})
+
+    def roles(self, model: str) -> tuple[Role, ...]:
+        """The roles of the workers that serve `model`: its catalogue entry's (outside the catalogue: both);
+        the first runs its prompts."""
+        entry = self.catalogue.get(model)
+        return entry.roles if entry else ("prefill", "decode")
+
+    def served(self) -> list[str]:
+        """The models that live workers of every role they need serve."""
+        have = {(m.info.model, m.info.role) for m in self._workers.values()}
+        return [model for model in self.models() if all((model, role) in have for role in self.roles(model))]
 
     def live(self, role: str | None = None) -> list[WorkerInfo]:
         return [m.info for m in self._workers.values() if role is None or m.info.role == role]

@@ -187,7 +187,7 @@ class Scheduler:
                 f"(policy {self.policy.name}: all at capacity or over its threshold)"
             )
         if reserve:
-            self.reserve(chosen.worker_id, request.prompt_tokens if role == "prefill" else 0)
+            self.reserve(chosen.worker_id, request.prompt_tokens if role == "prefill" or generates else 0)
             if self._prefixes is not None:
                 self._prefixes.record(chosen.worker_id, request.prefix_hashes)
         return live[chosen.worker_id]
@@ -278,11 +278,13 @@ class Scheduler:
         request: RequestView,
         fingerprint: str | None = None,
         claim: DecodeClaim | None = None,
+        generates: bool = False,
     ) -> tuple[WorkerInfo, bool]:
-        """A worker of `role` for `request` by the dispatch policy, reserved, and whether the request
-        waited in the queue for it (while none has room). A prefill with a decode `claim` also waits for
-        decode room and takes the claim; the decode then releases it. Past its prompt (a decode) a
-        request is never refused for waiting: its client has a 200 and a token."""
+        """A worker of `role` for `request` by the dispatch policy (one that runs whole requests if
+        `generates`), reserved, and whether the request waited in the queue for it (while none has room). A
+        prefill with a decode `claim` also waits for decode room and takes the claim; the decode then
+        releases it. Past its prompt (a decode) a request is never refused for waiting: its client has a
+        200 and a token."""
 
         def place() -> WorkerInfo:
             if claim is not None and role == "prefill":
@@ -292,7 +294,7 @@ class Scheduler:
                 except BaseException:
                     claim.release()
                     raise
-            chosen = self.pick(role, request, fingerprint=fingerprint)
+            chosen = self.pick(role, request, fingerprint=fingerprint, generates=generates)
             if claim is not None:
                 claim.release()
             return chosen
@@ -307,7 +309,11 @@ class Scheduler:
             claim is not None and not self.serves("decode", claim.model)
         )
         return await self.admission.admit(
-            place, request, group, committed=role == "decode", parked_s=self.model_wait_s if unserved else None
+            place,
+            request,
+            group,
+            committed=role == "decode" and not generates,
+            parked_s=self.model_wait_s if unserved else None,
         )
 
     def arrived(self, model: str) -> None:
@@ -324,14 +330,15 @@ class Scheduler:
         return any(self.view(info).state == "active" for info in self.registry.live(role) if info.model == model)
 
     def hosts_of(self, model: str) -> tuple[str, ...]:
-        """The hosts `model`'s live prefill workers run on: its requests' queue (Prism's per device)."""
-        return tuple(sorted({w.host for w in self.registry.live("prefill") if w.model == model}))
+        """The hosts where `model`'s prompts run (its live prefill workers', or decode workers' if it is
+        aggregated): its requests' queue (Prism's per device)."""
+        return tuple(sorted({w.host for w in self.registry.live(self.registry.roles(model)[0]) if w.model == model}))
 
     def prefill_seconds(self, request: RequestView) -> float:
-        """How long `request`'s prompt takes on the fastest live prefill worker (0: speed not measured)."""
-        speed = max(
-            (w.prefill_tokens_per_s for w in self.registry.live("prefill") if w.model == request.model), default=0.0
-        )
+        """How long `request`'s prompt takes on the fastest live worker that runs its model's prompts (0:
+        speed not measured)."""
+        role = self.registry.roles(request.model)[0]
+        speed = max((w.prefill_tokens_per_s for w in self.registry.live(role) if w.model == request.model), default=0.0)
         return request.prompt_tokens / speed if speed else 0.0
 
     # -- decode workers' streams: what a prompt computed on a decode worker would stall --

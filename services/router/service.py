@@ -83,7 +83,7 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         counts = {role: len(registry.live(role)) for role in ("prefill", "decode")}
-        ok = all(counts.values())
+        ok = bool(registry.served())
         return JSONResponse(
             {"status": "ok" if ok else "unavailable", "workers": counts, "models": registry.models()},
             status_code=200 if ok else 503,

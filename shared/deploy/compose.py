@@ -376,8 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             if not (gpus["prefill"] or gpus["decode"]) or any(not ids for ids in [*gpus["prefill"], *gpus["decode"]]):
                 parser.error("give each worker's GPUs: --prefill 0 --decode 1 ...")
             if args.layout == "single":
-                if not (gpus["prefill"] and gpus["decode"]):
-                    parser.error("single needs a prefill and a decode worker at least")
+                if not gpus["decode"]:
+                    parser.error(
+                        "single needs a decode worker at least (and a prefill worker unless every model in "
+                        "MESH_MODELS is served aggregated)"
+                    )
                 compose = single(gpus, args.kv_heads_per_chunk, agents, args.host_memory_gib)
             else:
                 if not (args.control_plane and args.address):

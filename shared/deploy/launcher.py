@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from llmesh.deploy.credentials import (
@@ -33,6 +33,7 @@ from llmesh.deploy.credentials import (
 )
 from llmesh.wire.config import ModelSettings, ServedModel, name_tag
 from llmesh.wire.kvkeys import check_sizes_can_share
+from llmesh.wire.messages import Role
 from llmesh.wire.secrets import with_userinfo
 
 PR_SET_PDEATHSIG = 1
@@ -335,7 +336,7 @@ def start_service(
 
 
 def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
-    """Wait until the router's /health reports a live prefill and decode worker."""
+    """Wait until the router's /health reports a model served (live workers of every role it needs)."""
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
         for child in children:
@@ -351,10 +352,13 @@ def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
     raise TimeoutError(f"the mesh at {url} was not healthy after {timeout:.0f}s")
 
 
-def engine_cores(ranks: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
-    """Separate cores for the prefill and decode engines on one host, unless configured; an engine
-    of several tensor-parallel ranks (`ranks`, by service) gets its cores in one group a rank
-    ('0|1'), from the whole machine if its half is too small.
+def engine_cores(
+    ranks: dict[str, int] | None = None, roles: Collection[Role] = ("prefill", "decode")
+) -> dict[str, dict[str, str]]:
+    """Separate cores for the prefill and decode engines on one host, unless configured (all of them for
+    decode engines where only they run, `roles`: aggregated models); an engine of several tensor-parallel
+    ranks (`ranks`, by service) gets its cores in one group a rank ('0|1'), from the whole machine if its
+    half is too small.
 
     Each vLLM CPU engine pins its compute threads, and an idle engine busy-polls for a second
     after its last step: two engines on the same cores slow each other down.
@@ -363,7 +367,10 @@ def engine_cores(ranks: dict[str, int] | None = None) -> dict[str, dict[str, str
     if n < 2 or os.environ.get("MESH_CPU_CORES"):
         return {}
     span = lambda cores: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"  # noqa: E731
-    halves = {"prefill-worker": list(range(n // 2)), "decode-worker": list(range(n // 2, n))}
+    if "prefill" in roles:
+        halves = {"prefill-worker": list(range(n // 2)), "decode-worker": list(range(n // 2, n))}
+    else:
+        halves = {"decode-worker": list(range(n))}
     out = {}
     for service, cores in halves.items():
         count = (ranks or {}).get(service, 1)
@@ -386,6 +393,11 @@ def worker_envs(service: str, count: int, model: str | None = None) -> list[tupl
         return [(f"{service}{tag}", served)]
     role = service.removesuffix("-worker")
     return [(f"{service}{tag}-{i}", {"MESH_WORKER_ID": f"{role}{tag}-{i}"} | served) for i in range(count)]
+
+
+def catalogue_roles(catalogue: Sequence[ServedModel]) -> set[Role]:
+    """The roles of the workers the catalogue's models need (a host's standbys: those)."""
+    return {role for model in catalogue for role in model.roles}
 
 
 def started_models(catalogue: Sequence[ServedModel], names: Sequence[str] | None) -> list[ServedModel]:
@@ -546,9 +558,11 @@ def main(argv: list[str] | None = None) -> int:
             ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)
         ]
         services.append(("length-predictor", "length-predictor", {}))
-        cores = engine_cores(ranks)
+        cores = engine_cores(ranks, catalogue_roles(catalogue))
         for model in models:
             for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
+                if service.removesuffix("-worker") not in model.roles:
+                    continue
                 size = {"MESH_TENSOR_PARALLEL_SIZE": str(parallel[service][model.name])}
                 services += [
                     (service, name, cores.get(service, {}) | size | worker_env)

@@ -51,6 +51,7 @@ from llmesh.wire.messages import (
     MigrateCommand,
     PrefillRequest,
     RequestProgress,
+    Role,
     RoleCommand,
     RoleOutcome,
     SamplingOptions,
@@ -63,7 +64,6 @@ log = logging.getLogger(__name__)
 REFINE_TIMEOUT_S = 2.0
 SUPERSEDE_WAIT_S = 5.0  # how long a request sent again waits for the leg it replaces to stop
 
-Role = Literal["prefill", "decode"]
 CPU_ENGINE_SPIN_S = 0.02
 WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
 

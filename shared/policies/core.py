@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-from llmesh.wire.messages import RequestProgress, kv_blocks
+from llmesh.wire.messages import RequestProgress, Role, kv_blocks
 
-Role = Literal["prefill", "decode"]
 State = Literal["active", "draining"]
 
 

@@ -12,6 +12,8 @@ from typing import ClassVar, Literal, get_args
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from llmesh.wire.messages import Role
+
 EMBEDDED_MODEL = "llmesh/tiny-llama"
 
 
@@ -113,6 +115,17 @@ class ServedModel(BaseModel):
     ttft_slo_ms: float | None = Field(None, gt=0, description="Its requests' time-to-first-token target.")
     tpot_slo_ms: float | None = Field(None, gt=0, description="Its requests' time-per-output-token target.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks each of its engines splits its layers' heads across.")
+    disaggregated: bool = Field(
+        True,
+        description="Prompts on prefill workers, the rest on decode workers (KV handed over layer by layer). "
+        "False: aggregated, as vLLM serves alone: decode workers only, each running whole requests, one engine "
+        "per replica instead of two (for models too small for the hand-over to pay, or hosts short of cores).",
+    )
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The worker roles that serve it."""
+        return ("prefill", "decode") if self.disaggregated else ("decode",)
 
 
 class ModelSettings(BaseSettings):
@@ -123,10 +136,10 @@ class ModelSettings(BaseSettings):
     models: list[ServedModel] | None = Field(
         None,
         description="The models the mesh serves, as a JSON list of {name, model, ttft_slo_ms, tpot_slo_ms, "
-        'tensor_parallel_size}, e.g. [{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct"}]; a worker '
-        "serves the one MESH_SERVED_MODEL_NAME names (default: the first). The router lists them all and a request "
-        "for one that no worker serves waits for one (MESH_MODEL_WAIT_S); other names get 404. `make run` starts "
-        "workers for each, or for those MESH_STARTED_MODELS lists (comma-separated). Empty: the one model "
+        'tensor_parallel_size, disaggregated}, e.g. [{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct"}]; '
+        "a worker serves the one MESH_SERVED_MODEL_NAME names (default: the first). The router lists them all and "
+        "a request for one that no worker serves waits for one (MESH_MODEL_WAIT_S); other names get 404. `make run` "
+        "starts workers for each, or for those MESH_STARTED_MODELS lists (comma-separated). Empty: the one model "
         "MESH_MODEL and MESH_SERVED_MODEL_NAME say.",
     )
     model: str = Field(

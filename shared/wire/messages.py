@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from llmesh.wire.errors import BadMessage, MeshError, from_code
 
 SCHEMA_VERSION = 1
+Role = Literal["prefill", "decode"]  # what a worker serves
 _HEADER_LEN = 4
 
 _TYPES: dict[str, type[Message]] = {}
@@ -118,7 +119,7 @@ class WorkerInfo(Message):
     """Heartbeat a worker publishes every `heartbeat_s` on `subjects.HEARTBEAT`."""
 
     worker_id: str
-    role: Literal["prefill", "decode"]
+    role: Role
     model: str
     fingerprint: str  # KV layout identity; prefill and decode must match
     max_model_len: int
@@ -134,7 +135,7 @@ class WorkerInfo(Message):
     block_size: int = 0
     requests: list[RequestProgress] = Field(default_factory=list)
     preemptions: dict[str, int] = Field(default_factory=dict)  # KV of preempted requests: times swapped in / recomputed
-    roles: list[Literal["prefill", "decode"]] = Field(default_factory=list)  # it can serve (both: `role` is switchable)
+    roles: list[Role] = Field(default_factory=list)  # it can serve (both: `role` is switchable)
     host: str = ""  # the host it runs on (a host agent's id: MESH_HOST_ID)
     memory_bytes: int = 0  # what its engine holds: weights and KV space (0: not reported)
     weights_bytes: int = 0  # of which its weights' (0: not reported)
@@ -372,7 +373,7 @@ class ModelTraffic(Message):
 class HostedWorker(Message):
     worker_id: str
     model: str
-    role: Literal["prefill", "decode"]
+    role: Role
     kv_cache_bytes: int = 0  # the KV space placement gave it (0: the worker's own setting)
 
 
@@ -394,7 +395,7 @@ class ActivateCommand(Message):
 
     command_id: str
     model: str
-    role: Literal["prefill", "decode"]
+    role: Role
     worker_id: str
     reason: str = ""
     kv_cache_bytes: int = Field(0, ge=0)
@@ -487,7 +488,7 @@ class PlacementRequest(Message):
     worker_id: str | None = None
     request_id: str | None = None
     target: str | None = None
-    role: Literal["prefill", "decode"] | None = None
+    role: Role | None = None
 
 
 class PlacementStatus(Message):
@@ -513,14 +514,14 @@ class RoleCommand(Message):
     placement service migrates to the decode pool. Idempotent by id."""
 
     command_id: str
-    role: Literal["prefill", "decode"]
+    role: Role
     reason: str = "manual"
 
 
 class RoleOutcome(Message):
     command_id: str
     worker_id: str
-    role: Literal["prefill", "decode"]  # the role it serves now
+    role: Role  # the role it serves now
     accepted: bool
     reason: str = ""
 

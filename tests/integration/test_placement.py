@@ -603,7 +603,11 @@ async def publish_traffic(bus: Bus, traffic: dict, step: dict[str, int] | None =
 CATALOGUE = [{"name": "a"}, {"name": "b", "ttft_slo_ms": 500}]
 
 
-async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(nats_url, capsys):
+@pytest.mark.parametrize("aggregated", [False, True])
+async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(nats_url, capsys, aggregated):
+    """b served aggregated: one engine, a decode worker (running whole requests), gets all b's KV."""
+    catalogue = [CATALOGUE[0], {**CATALOGUE[1], "disaggregated": not aggregated}]
+    roles = [("b", "decode")] if aggregated else [("b", "decode"), ("b", "prefill")]
     host = await FakeHost.start(nats_url, "h1", memory_bytes=10 * GIB)
     client = await Bus.connect(nats_url, "models-client")
     traffic = {"arrivals": {"a": 5, "b": 2}, "parked": {}}
@@ -618,33 +622,34 @@ async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(na
                 ),
                 (("a-d",), {"model": "a", "host": "h1", "memory_bytes": GIB, "weights_bytes": GIB // 4}),
             ),
-            placement(nats_url, "models-1", models=CATALOGUE, placement_period_s=0.1) as replica,
+            placement(nats_url, "models-1", models=catalogue, placement_period_s=0.1) as replica,
         ):
             events = await recorded_events(client)
             await until(lambda: replica.service.models.models({})[0].rate > 0, 5)  # a's rate is measured
             traffic["parked"] = {"b": 2}  # then b's requests wait
-            await until(lambda: len(host.workers) == 2, 5)
+            await until(lambda: len(host.workers) == len(roles), 5)
             traffic["parked"] = {}  # the router placed them on the new workers
             await asyncio.sleep(1.0)  # more periods: no second activation
-            assert sorted((c.model, c.role) for c in host.commands) == [("b", "decode"), ("b", "prefill")]
-            # the KV space: h1's 10 GiB less a's two engines (2 GiB) and b's two engines' weights (as a's,
-            # 1/4 GiB each), all b's (the one model to start there), half for each engine
-            assert [c.kv_cache_bytes for c in host.commands] == [15 * GIB // 4] * 2
+            assert sorted((c.model, c.role) for c in host.commands) == roles
+            # the KV space: h1's 10 GiB less a's two engines (2 GiB) and the weights of b's engines (as a's,
+            # 1/4 GiB each), all b's (the one model to start there), in equal parts for its engines
+            kv = 31 * GIB // 4 if aggregated else 15 * GIB // 4
+            assert [c.kv_cache_bytes for c in host.commands] == [kv] * len(roles)
             status = await ask(client, op="status")
             rc = await asyncio.to_thread(cli_main, ["--nats", nats_url, "models"])
     finally:
         sending.cancel()
         await host.close()
         await client.close()
-    assert replica.service.decisions["activate/accepted"] == 2
+    assert replica.service.decisions["activate/accepted"] == len(roles)
     activations = [e for e in events if e.kind == "activate"]
-    assert len(activations) == 2 and all(e.detail["host"] == "h1" and e.detail["parked"] == 2 for e in activations)
+    assert len(activations) == len(roles) and all(e.detail["host"] == "h1" and e.detail["parked"] == 2 for e in activations)
     # b joins a's host: its weight (rate / SLO) is added to a's over the memory both leave for KV
     assert all(0 < e.detail["kvpr_before"] < e.detail["kvpr_after"] for e in activations)
     assert [m.name for m in status.models] == ["a", "b"] and status.models[1].hosts == ["h1"]
     out = capsys.readouterr().out
     print(out)
-    assert rc == 0 and "activate b decode on h1" in out and "KV 3.75 GiB" in out and "KVPR" in out
+    assert rc == 0 and "activate b decode on h1" in out and f"KV {kv / GIB:.2f} GiB" in out and "KVPR" in out
 
 
 async def test_a_model_that_fits_nowhere_evicts_the_idle_one_then_is_activated(nats_url):

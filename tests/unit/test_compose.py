@@ -368,6 +368,7 @@ LAYOUTS = {
         *("single", "--prefill", "0,1", "--decode", "2", "--decode", "3", "--kv-heads-per-chunk", "4"),
         *("--host-agent", "4", "--host-agent", "5", "--host-memory-gib", "70"),
     ],
+    "single-aggregated": ["single", "--decode", "0", "--decode", "1"],  # for a catalogue served aggregated
     "control-plane": ["control-plane", "--address", "10.0.0.1"],
     "gpu-host": [
         "gpu-host",
@@ -555,7 +556,7 @@ def test_host_agents_each_with_a_gpu_and_a_budget_that_their_workers_share(layou
         (["single", "--prefill", "0", "--decode", "1", "--host-agent", "2,3", "--host-memory-gib", "9"], "one GPU"),
         (["single", "--prefill", "0", "--decode", "0"], "a GPU is given to two workers"),
         (["single", "--prefill", "0,1", "--decode", "2"], "--kv-heads-per-chunk"),
-        (["single", "--prefill", "0"], "a prefill and a decode worker"),
+        (["single", "--prefill", "0"], "a decode worker at least"),
         (["gpu-host", "--prefill", "0"], "--control-plane and --address"),
     ],
 )

@@ -26,7 +26,12 @@ log.with_suffix(".command").write_text(line)
 while not log.with_suffix(".stop").exists():
     time.sleep(0.05)
 """
-CATALOGUE = [{"name": "a"}, {"name": "b", "model": "llmesh/tiny-llama-b"}, {"name": "wide", "tensor_parallel_size": 2}]
+CATALOGUE = [
+    {"name": "a"},
+    {"name": "b", "model": "llmesh/tiny-llama-b"},
+    {"name": "wide", "tensor_parallel_size": 2},
+    {"name": "whole", "disaggregated": False},
+]
 
 
 def stand_in(role: str, log_path: Path) -> Child:
@@ -135,11 +140,13 @@ def test_refusals_say_why(agent):
         agent.activate(command(model, "decode", worker_id, kv_cache_bytes=kv)).reason
         for model, worker_id, kv in (("nope", "x", 0), ("wide", "y", 0), ("a", "decode-a-1", 0), ("b", "z", 2**30 + 1))
     ]
+    reasons.append(agent.activate(command("whole", "prefill", "w")).reason)
     assert reasons == [
         "'nope' is not in this host's catalogue (MESH_MODELS)",
         "wide needs 2 tensor-parallel ranks; standbys here have one",
         "decode-a-1 runs here already",
         f"{2**30 + 1} bytes of KV would exceed this host's budget ({4 * 2**30}, {3 * 2**30} given to its workers)",
+        "whole is served by decode workers only, not prefill",
     ]
 
 

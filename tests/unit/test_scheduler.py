@@ -79,3 +79,18 @@ async def test_a_parked_request_ends_with_a_503_after_the_models_wait():
     with pytest.raises(ServiceUnavailable, match="no worker served 'm' within 0.1s"):
         await scheduler.admit("prefill", request("r1"))
     assert len(scheduler.admission) == 0
+
+
+async def test_an_aggregated_models_request_runs_whole_on_a_decode_worker_its_prompt_in_that_backlog():
+    registry = WorkerRegistry(catalogue=[ServedModel(name="m", disaggregated=False), ServedModel(name="n")])
+    scheduler = Scheduler(registry, clock=lambda: 0.0)
+    decode = info("d").model_copy(update={"role": "decode", "host": "h2"})
+    registry.on_heartbeat(decode)  # runs no whole requests: not for m
+    registry.on_heartbeat(info("g").model_copy(update={"role": "decode", "host": "h3", "generates": True}))
+    registry.on_heartbeat(info("p").model_copy(update={"host": "h1"}))  # a prefill worker of m, started by hand
+    worker, waited = await scheduler.admit("decode", request("r1"), generates=True)
+    assert (worker.worker_id, waited, scheduler.backlog("g")) == ("g", False, 100)
+    assert scheduler.hosts_of("m") == ("h2", "h3")  # its queue: where its prompts run
+    assert registry.served() == ["m"]  # n has no workers; m needs decode workers only
+    registry.on_heartbeat(decode.model_copy(update={"worker_id": "n-d", "model": "n"}))
+    assert registry.served() == ["m"]  # n needs a prefill worker too
