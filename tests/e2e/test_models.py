@@ -2,8 +2,9 @@
 workers for the first only, so `make run` also starts a host agent with pre-started processes. A request
 for the second waits; the router's traffic shows it parked, placement activates the model on the host
 (Prism's Algorithm 1 over the host agents), the agent turns a standby into the model's worker (the second
-is served aggregated: one decode worker running whole requests), and the requests are answered. Each model then answers exactly as its own monolithic engine, its requests
-mixed with the other's; drained, the second model's workers exit (the agent starts new standbys meanwhile)."""
+is served aggregated: one decode worker running whole requests), and the requests are answered. Each
+model then answers exactly as its own monolithic engine, its requests mixed with the other's; drained,
+the second model's workers exit (the agent starts new standbys meanwhile)."""
 
 from __future__ import annotations
 

@@ -643,7 +643,8 @@ async def test_a_model_requests_wait_for_is_activated_on_a_host_once_per_role(na
         await client.close()
     assert replica.service.decisions["activate/accepted"] == len(roles)
     activations = [e for e in events if e.kind == "activate"]
-    assert len(activations) == len(roles) and all(e.detail["host"] == "h1" and e.detail["parked"] == 2 for e in activations)
+    assert len(activations) == len(roles)
+    assert all(e.detail["host"] == "h1" and e.detail["parked"] == 2 for e in activations)
     # b joins a's host: its weight (rate / SLO) is added to a's over the memory both leave for KV
     assert all(0 < e.detail["kvpr_before"] < e.detail["kvpr_after"] for e in activations)
     assert [m.name for m in status.models] == ["a", "b"] and status.models[1].hosts == ["h1"]
