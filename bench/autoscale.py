@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/autoscale.py [--minutes 4] [--sample 0.35] [--peak 2] [--kv-blocks 24] [--out DIR]
 
-Two configurations of the mesh (`make run`'s launcher, the tiny model, one prefill worker), run one after
-the other on the same requests:
+Two configurations of the mesh (`make run`'s launcher, the tiny model, one prefill worker; none with
+`--aggregated`, where the decode workers run whole requests), run one after the other on the same requests:
 - static: `--peak` decode workers all along, what one provisions for the peak;
 - autoscale: one decode worker, a host agent with a standby per role, and placement's autoscaling
   (`MESH_PLACEMENT_AUTOSCALE=1`, between 1 and `--peak` decode workers, freeness band `--low`/`--high`,
@@ -119,6 +119,8 @@ def configuration(name: str, args: argparse.Namespace, work: Path, model_dir: Pa
         "MESH_PLACEMENT_SCALE_LOW": str(args.low),
         "MESH_PLACEMENT_SCALE_HIGH": str(args.high),
     }
+    if args.aggregated:
+        env["MESH_MODELS"] = json.dumps([{"name": EMBEDDED_MODEL, "disaggregated": False}])
     if name == "static":
         env |= {"MESH_DECODE_WORKERS": str(args.peak), "MESH_HOST_AGENT": "0"}
     else:
@@ -153,6 +155,11 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=30.0, help="seconds between the mesh's health and the load")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="the model served aggregated: decode workers alone, running whole requests (no prefill worker)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-autoscale-"))

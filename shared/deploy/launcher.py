@@ -353,24 +353,27 @@ def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
 
 
 def engine_cores(
-    ranks: dict[str, int] | None = None, roles: Collection[Role] = ("prefill", "decode")
+    ranks: dict[str, int] | None = None, roles: Collection[Role] = ("prefill", "decode"), models: int = 1
 ) -> dict[str, dict[str, str]]:
-    """Separate cores for the prefill and decode engines on one host, unless configured (all of them for
-    decode engines where only they run, `roles`: aggregated models); an engine of several tensor-parallel
-    ranks (`ranks`, by service) gets its cores in one group a rank ('0|1'), from the whole machine if its
-    half is too small.
+    """Separate cores for the prefill and decode engines on one host, unless configured; an engine of
+    several tensor-parallel ranks (`ranks`, by service) gets its cores in one group a rank ('0|1'), from
+    the whole machine if its half is too small.
 
     Each vLLM CPU engine pins its compute threads, and an idle engine busy-polls for a second
-    after its last step: two engines on the same cores slow each other down.
+    after its last step: two engines on the same cores slow each other down. Where only decode engines
+    run (`roles`: every model aggregated), one a model (`models`), they share every core instead, the OS
+    balancing them by load as a GPU's engines share it (Prism): each gets the cores over the models
+    (at least one) as unbound threads, so that no engine's threads wait at a barrier for a sibling
+    descheduled by another engine.
     """
     n = len(os.sched_getaffinity(0))
     if n < 2 or os.environ.get("MESH_CPU_CORES"):
         return {}
     span = lambda cores: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"  # noqa: E731
-    if "prefill" in roles:
-        halves = {"prefill-worker": list(range(n // 2)), "decode-worker": list(range(n // 2, n))}
-    else:
-        halves = {"decode-worker": list(range(n))}
+    if "prefill" not in roles and (ranks or {}).get("decode-worker", 1) == 1:
+        threads = str(max(1, n // max(models, 1)))
+        return {"decode-worker": {"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
+    halves = {"prefill-worker": list(range(n // 2)), "decode-worker": list(range(n // 2, n))}
     out = {}
     for service, cores in halves.items():
         count = (ranks or {}).get(service, 1)
@@ -558,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)
         ]
         services.append(("length-predictor", "length-predictor", {}))
-        cores = engine_cores(ranks, catalogue_roles(catalogue))
+        cores = engine_cores(ranks, catalogue_roles(catalogue), len(catalogue))
         for model in models:
             for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
                 if service.removesuffix("-worker") not in model.roles:

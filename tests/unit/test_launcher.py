@@ -51,7 +51,10 @@ def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert engine_cores() == {"prefill-worker": {"MESH_CPU_CORES": "0-3"}, "decode-worker": {"MESH_CPU_CORES": "4-7"}}
     assert engine_cores({"prefill-worker": 2})["prefill-worker"] == {"MESH_CPU_CORES": "0-1|2-3"}
-    assert engine_cores(roles={"decode"}) == {"decode-worker": {"MESH_CPU_CORES": "0-7"}}  # aggregated models only
+    # aggregated models only: their engines share the cores, unbound, the cores over the models a thread each
+    assert engine_cores(roles={"decode"}, models=3) == {
+        "decode-worker": {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    }
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert engine_cores({"prefill-worker": 2, "decode-worker": 1}) == {
         "prefill-worker": {"MESH_CPU_CORES": "0|1"},
