@@ -9,6 +9,12 @@ and waits for one command line on stdin, JSON `{"module": "llmesh_decode", "env"
 environment and runs the module as `python -m` would, so it becomes that worker; its engine's
 processes are forked from it (`prepared`), inheriting the imports, instead of spawned afresh. End of
 input without a command: it exits.
+
+It prepares at idle priority (SCHED_IDLE: it runs only on CPU nothing else wants) and takes the normal
+policy back when it becomes a worker, so that refilling a host's pool under load does not take the
+cores from the engines serving it (a standby's ~20 s of imports held up a 2-core host's queues for
+longer than its load lasted). Only where this process may take the normal policy back (root, or a
+RLIMIT_NICE that allows nice 0): otherwise it prepares at normal priority.
 """
 
 from __future__ import annotations
@@ -39,6 +45,27 @@ def omp_env(cores: str) -> dict[str, str]:
         "OMP_PLACES": "{" + ",".join(map(str, ids)) + "}",
         "OMP_PROC_BIND": "true",
     }
+
+
+def idle_priority() -> bool:
+    """Put this thread at idle priority if it may return to the normal policy (`normal_priority`)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        return False
+    if not normal_priority():
+        print("standby: not allowed back from idle priority (RLIMIT_NICE): preparing at normal priority", flush=True)
+        return False
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return True
+
+
+def normal_priority() -> bool:
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def prepare(cores: str) -> None:
@@ -73,6 +100,7 @@ def become(command: dict) -> None:
     if env.get("MESH_CPU_CORES", cores) != cores:
         raise ValueError(f"this process was prepared for cores {cores!r}, not {env['MESH_CPU_CORES']!r}")
     os.environ.update({name: str(value) for name, value in env.items()})
+    normal_priority()  # before any thread or process of the worker's
     sys.argv = [module]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -80,6 +108,7 @@ def become(command: dict) -> None:
 def main() -> None:
     # run as `python -m`, this module is __main__: the worker's `import llmesh.engine.standby` must find it
     sys.modules.setdefault("llmesh.engine.standby", sys.modules[__name__])
+    idle_priority()
     prepare(os.environ.get("MESH_CPU_CORES", ""))
     print("ready", flush=True)
     line = sys.stdin.readline()

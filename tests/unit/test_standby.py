@@ -1,6 +1,8 @@
 """The pre-started worker process's command (llmesh.engine.standby); its activation on real engines is
 tests/e2e/test_models.py."""
 
+import os
+
 import pytest
 
 from llmesh.engine import standby
@@ -23,3 +25,22 @@ def test_a_command_it_cannot_carry_out_is_refused_before_it_runs_anything(monkey
 def test_the_openmp_settings_are_those_vllm_gives_a_worker_of_the_cores():
     assert standby.omp_env("0-1") == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
     assert not standby.prepared()  # nothing here was pre-started: engines are spawned as vLLM chooses
+
+
+def test_a_standby_prepares_at_idle_priority_only_where_it_may_take_the_normal_policy_back():
+    import resource
+    import threading
+
+    from llmesh.engine.standby import idle_priority, normal_priority
+
+    allowed = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+    seen = []
+
+    def in_a_thread():  # the policy is a thread's: this one's, not the test process's
+        seen.append((idle_priority(), os.sched_getscheduler(0) == os.SCHED_IDLE))
+        seen.append((normal_priority(), os.sched_getscheduler(0) == os.SCHED_OTHER))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [(allowed, allowed), (True, True)]
