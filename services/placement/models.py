@@ -35,7 +35,7 @@ from typing import Any
 
 from llmesh.policies.prism import Device, ModelDemand, idle_evictions, kv_pressure, kv_shares, place_models
 from llmesh.wire.bus import Bus
-from llmesh.wire.config import name_tag
+from llmesh.wire.config import ROLES, model_roles, name_tag
 from llmesh.wire.errors import MeshError
 from llmesh.wire.messages import (
     ActivateCommand,
@@ -52,7 +52,6 @@ from .settings import PlacementSettings
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 RATE_HALF_LIFE_S = 30.0  # of the smoothed request rates
 EVENTS_KEPT = 50
 ACTIVATE_TIMEOUT_S = 10.0
@@ -165,7 +164,7 @@ class ModelPlacer:
         for model, parked in sorted(parked_now.items()):
             if parked <= 0 or model not in self.catalogue:
                 continue
-            for role in self.catalogue[model].roles:
+            for role in self._roles(model):
                 if any(w.model == model and w.role == role for w in active) or (model, role) in self._activations:
                     continue
                 target = placed.get(model, (None,))[0]
@@ -369,9 +368,7 @@ class ModelPlacer:
         return max((k for k in kv if k > 0), default=0)
 
     def _roles(self, model: str) -> tuple[str, ...]:
-        """The roles of `model`'s workers (a model outside the catalogue, served by workers started by hand: both)."""
-        entry = self.catalogue.get(model)
-        return entry.roles if entry else ROLES
+        return model_roles(self.catalogue, model)
 
     def activating(self, model: str, role: str) -> bool:
         return (model, role) in self._activations

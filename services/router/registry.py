@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from llmesh.wire.config import ServedModel
+from llmesh.wire.config import ServedModel, model_roles
 from llmesh.wire.errors import ModelNotFound, StreamInterrupted, WorkerLost
 from llmesh.wire.messages import Role, WorkerInfo
 
@@ -121,10 +121,8 @@ class WorkerRegistry:
         return sorted(self.catalogue.keys() | {m.info.model for m in self._workers.values()})
 
     def roles(self, model: str) -> tuple[Role, ...]:
-        """The roles of the workers that serve `model`: its catalogue entry's (outside the catalogue: both);
-        the first runs its prompts."""
-        entry = self.catalogue.get(model)
-        return entry.roles if entry else ("prefill", "decode")
+        """The roles of the workers that serve `model`; the first runs its prompts."""
+        return model_roles(self.catalogue, model)
 
     def served(self) -> list[str]:
         """The models that live workers of every role they need serve."""

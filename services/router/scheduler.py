@@ -332,14 +332,17 @@ class Scheduler:
     def hosts_of(self, model: str) -> tuple[str, ...]:
         """The hosts where `model`'s prompts run (its live prefill workers', or decode workers' if it is
         aggregated): its requests' queue (Prism's per device)."""
-        return tuple(sorted({w.host for w in self.registry.live(self.registry.roles(model)[0]) if w.model == model}))
+        return tuple(sorted({w.host for w in self._prompt_workers(model)}))
 
     def prefill_seconds(self, request: RequestView) -> float:
         """How long `request`'s prompt takes on the fastest live worker that runs its model's prompts (0:
         speed not measured)."""
-        role = self.registry.roles(request.model)[0]
-        speed = max((w.prefill_tokens_per_s for w in self.registry.live(role) if w.model == request.model), default=0.0)
+        speed = max((w.prefill_tokens_per_s for w in self._prompt_workers(request.model)), default=0.0)
         return request.prompt_tokens / speed if speed else 0.0
+
+    def _prompt_workers(self, model: str) -> list[WorkerInfo]:
+        """The live workers that run `model`'s prompts: its prefill workers, or decode workers if aggregated."""
+        return [w for w in self.registry.live(self.registry.roles(model)[0]) if w.model == model]
 
     # -- decode workers' streams: what a prompt computed on a decode worker would stall --
 

@@ -31,7 +31,7 @@ from llmesh.deploy.credentials import (
     set_nats_tls,
     write_private,
 )
-from llmesh.wire.config import ModelSettings, ServedModel, name_tag
+from llmesh.wire.config import ROLES, ModelSettings, ServedModel, name_tag
 from llmesh.wire.kvkeys import check_sizes_can_share
 from llmesh.wire.messages import Role
 from llmesh.wire.secrets import with_userinfo
@@ -353,7 +353,7 @@ def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
 
 
 def engine_cores(
-    ranks: dict[str, int] | None = None, roles: Collection[Role] = ("prefill", "decode"), models: int = 1
+    ranks: dict[str, int] | None = None, roles: Collection[Role] = ROLES, models: int = 1
 ) -> dict[str, dict[str, str]]:
     """Separate cores for the prefill and decode engines on one host, unless configured; an engine of
     several tensor-parallel ranks (`ranks`, by service) gets its cores in one group a rank ('0|1'), from

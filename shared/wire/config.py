@@ -6,6 +6,7 @@ Every setting has a documented default; `MESH_` is the prefix (e.g. `MESH_NATS_U
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
@@ -15,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from llmesh.wire.messages import Role
 
 EMBEDDED_MODEL = "llmesh/tiny-llama"
+ROLES: tuple[Role, ...] = ("prefill", "decode")  # a model's, disaggregated
 
 
 class CommonSettings(BaseSettings):
@@ -125,7 +127,14 @@ class ServedModel(BaseModel):
     @property
     def roles(self) -> tuple[Role, ...]:
         """The worker roles that serve it."""
-        return ("prefill", "decode") if self.disaggregated else ("decode",)
+        return ROLES if self.disaggregated else ("decode",)
+
+
+def model_roles(catalogue: Mapping[str, ServedModel], model: str) -> tuple[Role, ...]:
+    """The roles of the workers that serve `model` (the first runs its prompts): its catalogue entry's;
+    outside the catalogue (workers started by hand), both."""
+    entry = catalogue.get(model)
+    return entry.roles if entry else ROLES
 
 
 class ModelSettings(BaseSettings):
