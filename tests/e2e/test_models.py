@@ -3,7 +3,8 @@ workers for the first only, so `make run` also starts a host agent with pre-star
 for the second waits; the router's traffic shows it parked, placement activates the model on the host
 (Prism's Algorithm 1 over the host agents), the agent turns a standby into the model's worker (the second
 is served aggregated: one decode worker running whole requests), and the requests are answered. Each
-model then answers exactly as its own monolithic engine, its requests mixed with the other's; drained,
+model then answers as its own monolithic engine (the disaggregated one exactly, the aggregated one but
+for batching's near-ties), its requests mixed with the other's; drained,
 the second model's workers exit (the agent starts new standbys meanwhile)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from llmesh.engine.models import resolve_model
 from llmesh.wire.messages import PlacementRequest, PlacementStatus, Subjects
 
 from .conftest import MODEL_B, extra_workers, reference_engine
-from .test_live_migration import command
+from .test_live_migration import NEAR_TIE, command
 from .test_mesh import MODEL, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -75,6 +76,10 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
         served_after = time.monotonic() - asked
         mixed = [pool.submit(complete, mesh, model, ids) for ids in prompts for model in (MODEL, MODEL_B)]
         mixed_out = [f.result(timeout=130) for f in mixed]
+        outputs_b = first + mixed_out[1::2]
+        parted_b = [(ids, out) for ids, out, solo in zip(prompts * 2, outputs_b, expected_b * 2) if out != solo]
+        gaps_b = [max(reference_b.greedy_gaps(ids, out)) for ids, out in parted_b]
+        alone_b = complete(mesh, MODEL_B, prompts[2])
         status = placement(mesh, op="status")
         b_workers = [w.worker_id for w in status.workers if w.model == MODEL_B]
         for worker_id in b_workers:  # evicted by hand: drained, they exit
@@ -83,8 +88,13 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
     activations = [e.detail for e in status.events if e.kind == "activate"]
     print(f"the requests for {MODEL_B} were answered {served_after:.1f} s after they were sent: {activations}")
     assert expected_a != expected_b  # otherwise this test could not tell the models apart
-    assert first == expected_b
-    assert mixed_out == [out for pair in zip(expected_a, expected_b) for out in pair]
+    assert mixed_out[::2] == expected_a  # disaggregated: exact
+    # The aggregated model's worker runs its requests' prompts and decodes in one batch, as a monolithic
+    # engine under load does, and vLLM is not batch-invariant: an output may part from the solo run's at a
+    # near-tie (in CI at 9fafdeb, 1 of 3 after 9 tokens), never by more.
+    print(f"{len(parted_b)} of {len(outputs_b)} outputs for {MODEL_B} parted from its solo engine's: gaps {gaps_b}")
+    assert max(gaps_b, default=0) <= NEAR_TIE, gaps_b
+    assert alone_b == expected_b[2]  # alone in its batch: exact
     assert [(a["model"], a["role"], a["outcome"], a["how"]) for a in activations] == [
         (MODEL_B, "decode", "accepted", "from a standby")
     ]
