@@ -37,7 +37,17 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import Deployment, LaunchedMesh, launch_mesh, prompt_ids, timed_completion, vllm_server, wait_ready
+from serve import (
+    Deployment,
+    LaunchedMesh,
+    cpu_by_process,
+    is_engine,
+    launch_mesh,
+    prompt_ids,
+    timed_completion,
+    vllm_server,
+    wait_ready,
+)
 
 from llmesh.deploy.launcher import Child, free_port, stop_all
 from llmesh.engine.models import resolve_model
@@ -97,6 +107,18 @@ def summary(results: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
     for model in MODELS:
         mine = [r for r in results if r["model"] == model]
         out[f"attainment_{model}"] = sum(map(ok, mine)) / len(mine) if mine else None
+    return out
+
+
+def point(roots: dict[str, int], url: str, headers: dict, requests: list, slo: tuple[float, float]) -> dict:
+    """One point's summary, with the CPU-seconds its deployment's processes took meanwhile, by process."""
+    before = cpu_by_process(roots)
+    out = summary(asyncio.run(replay(url, headers, requests)), *slo)
+    after = cpu_by_process(roots)
+    cpu = {k: round(v - before.get(k, 0.0), 1) for k, v in after.items() if v - before.get(k, 0.0) >= 0.05}
+    out["cpu_s"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
+    out["cpu_s_engines"] = round(sum(v for k, v in cpu.items() if is_engine(k)), 1)
+    out["cpu_s_rest"] = round(sum(v for k, v in cpu.items() if not is_engine(k)), 1)
     return out
 
 
@@ -206,7 +228,7 @@ def main() -> None:
     deployment = static(work / "static", model_dir)
     try:
         for scale, requests in points.items():
-            results[f"static@{scale}"] = summary(asyncio.run(replay(deployment.url, {}, requests)), *slo)
+            results[f"static@{scale}"] = point(deployment.roots(), deployment.url, {}, requests, slo)
             print(f"static@{scale}: {json.dumps(results[f'static@{scale}'])}", flush=True)
         texts["static"] = greedy_texts(deployment.url, {})
     finally:
@@ -216,7 +238,7 @@ def main() -> None:
     try:
         time.sleep(30)  # the host agent's standbys get ready
         for scale, requests in points.items():
-            results[f"mesh@{scale}"] = summary(asyncio.run(replay(url, headers, requests)), *slo)
+            results[f"mesh@{scale}"] = point({"mesh": launched.launcher.pid}, url, headers, requests, slo)
             print(f"mesh@{scale}: {json.dumps(results[f'mesh@{scale}'])}", flush=True)
         texts["mesh"] = greedy_texts(url, headers)
     finally:
@@ -226,8 +248,8 @@ def main() -> None:
         "",
         "| scale | deployment | requests | attainment | "
         + " | ".join(MODELS)
-        + " | refused (429) | lost | TTFT P50 ms | TTFT P99 ms |",
-        "|---|---|---|---|" + "---|" * len(MODELS) + "---|---|---|---|",
+        + " | refused (429) | lost | TTFT P50 ms | TTFT P99 ms | CPU-s engines / rest |",
+        "|---|---|---|---|" + "---|" * len(MODELS) + "---|---|---|---|---|",
     ]
     for scale in args.scales:
         for name in ("static", "mesh"):
@@ -238,14 +260,15 @@ def main() -> None:
             lines.append(
                 f"| {scale:g} | {name} | {r['requests']} | {100 * r['attainment']:.1f}% | {per} | "
                 f"{r['refused']} | {r['lost']} | "
-                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |"
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['cpu_s_engines']:g} / {r['cpu_s_rest']:g} |"
             )
         s, m = results[f"static@{scale}"], results[f"mesh@{scale}"]
         lines.append(
-            f"| {scale:g} | mesh / static | | {m['attainment'] / max(s['attainment'], 1e-9):.2f} | | | | | | |"
+            f"| {scale:g} | mesh / static | | {m['attainment'] / max(s['attainment'], 1e-9):.2f} | | | | | | | |"
         )
     equal = {model: texts["mesh"][model] == texts["static"][model] for model in MODELS}
-    lines += ["", f"greedy outputs, mesh = its vLLM server: {equal}"]
+    lines += ["", f"greedy outputs, mesh = its vLLM server: {equal}", "", "CPU-seconds by process, per point:"]
+    lines += [f"- {name}: {json.dumps(r['cpu_s'])}" for name, r in results.items()]
     report = "\n".join(lines)
     print(report)
     if args.out:
