@@ -4,7 +4,8 @@ static partitioning, in the simulator.
     .venv/bin/python -m llmesh_sim.prism --models 2 4 8 12 16 --devices 2 --out docs/sim/prism-h100.md
 
 For each number of models, the highest total load at which 99% of requests meet their SLO, for each
-system (doubling, then bisection); the tables and what they show: docs/benchmarks.md (issue 33).
+system (doubling, then bisection, a failing rate confirmed just above it: `highest_load`); the tables
+and what they show: docs/benchmarks.md (issue 33).
 
 A device is one GPU that holds several models. How it is modelled (both systems alike):
 - Memory: `Memory.usable_bytes` (what vLLM may use, less its non-KV overhead: for the H100 Llama-2-7B
@@ -583,7 +584,8 @@ def report(
         f"(`llmesh_sim.multimodel`, a {args.duration_s:g} s window, popularity {args.popularity:g}, seed {args.seed}); "
         f"SLO: TTFT <= {args.ttft_slo_ms:g} ms{slo_tpot}; Prism's activation {args.activation_s:g} s, idle "
         f"eviction after {args.idle_after_s:g} s, Algorithm 1 every {args.placement_interval_s:g} s. Highest total "
-        f"load (req/s) with >= {target:.0%} of requests meeting the SLO (searched to within 3%; none: not even "
+        f"load (req/s) with >= {target:.0%} of requests meeting the SLO (searched to within 3%, a failing rate "
+        f"confirmed 6% above it; none: not even "
         f"{args.start_rate / LOWEST:.2g} req/s):",
         "",
         "| models | static partitioning | Prism | Prism / static | static: models without room "
