@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmesh.wire import telemetry
 from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.lifecycle import cancel_and_wait
-from llmesh.wire.messages import TokenDelta
+from llmesh.wire.messages import ROLES, TokenDelta
 
 from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher, Generation
@@ -82,7 +82,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        counts = {role: len(registry.live(role)) for role in ("prefill", "decode")}
+        counts = {role: len(registry.live(role)) for role in ROLES}
         ok = bool(registry.served())
         return JSONResponse(
             {"status": "ok" if ok else "unavailable", "workers": counts, "models": registry.models()},
@@ -91,7 +91,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             metrics.workers.labels(role).set(len(registry.live(role)))
         metrics.set_request_states(registry.models())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

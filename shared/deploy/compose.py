@@ -49,12 +49,12 @@ from typing import Any
 import yaml
 
 from llmesh.wire.kvkeys import check_sizes_can_share
+from llmesh.wire.messages import ROLES
 
 BASE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 PROMETHEUS = BASE.parent / "docker" / "prometheus"
 HOST_TARGETS = "/etc/prometheus/hosts/*.json"  # in the control plane's Prometheus: GPU hosts' targets
 JOB_LABEL = "__llmesh_job"  # which job scrapes a target in those files (a `__` label: gone after relabelling)
-ROLES = ("prefill", "decode")
 CONTROL_PLANE = (
     "secrets",
     "nats",

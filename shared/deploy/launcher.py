@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers of a model requests wait for, or of one that needs more: MESH_PLACEMENT_AUTOSCALE); default: "
         "MESH_HOST_AGENT, else when --models leaves some of the catalogue without workers or autoscaling is on",
     )
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         parser.add_argument(
             f"--{role}-tensor-parallel-size",
             type=int,

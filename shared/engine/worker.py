@@ -41,6 +41,7 @@ from llmesh.wire.kvkeys import fingerprint, kv_bytes_per_token, kv_layout, weigh
 from llmesh.wire.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
 from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.wire.messages import (
+    ROLES,
     AbortRequest,
     Ack,
     DrainCommand,
@@ -319,7 +320,7 @@ class EngineWorker:
         self.prefill_meter = PrefillMeter()
         self.generates = False  # it serves whole requests (`Subjects.generate`): known once it `start`s
         self.preemptions: Counter[str] = Counter()  # the connector's swap-or-recompute choices, by choice
-        self.roles: tuple[Role, ...] = ("prefill", "decode") if settings.switchable else (role,)
+        self.roles: tuple[Role, ...] = ROLES if settings.switchable else (role,)
         self._role_outcomes: dict[str, RoleOutcome] = {}  # by command id, for idempotent retries
 
     @classmethod

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from llmesh.policies.core import DispatchContext, Policy, Role, WorkerView, lowest_cost_below
+from llmesh.wire.messages import ROLES
 
 
 def utilisation(ctx: DispatchContext, w: WorkerView) -> float:
@@ -92,7 +93,7 @@ def pool_utilisation(w: WorkerView, backlog_s: float) -> float:
 
 def switchable(w: WorkerView) -> bool:
     """Built with both roles: it serves either on command."""
-    return {"prefill", "decode"} <= set(w.roles)
+    return set(ROLES) <= set(w.roles)
 
 
 def pick_role_switch(
@@ -105,7 +106,7 @@ def pick_role_switch(
     same with that worker's U moved to the other pool; cost = `switch_cost` + `request_cost` per
     request it holds or has on its way."""
     p = params
-    pools = {role: [w for w in workers if w.role == role and w.state == "active"] for role in ("prefill", "decode")}
+    pools = {role: [w for w in workers if w.role == role and w.state == "active"] for role in ROLES}
     if not pools["prefill"] or not pools["decode"]:
         return None, replace(state, direction=None, imbalanced_since=None)
     loads = {role: [pool_utilisation(w, p.backlog_s) for w in pool] for role, pool in pools.items()}

@@ -13,10 +13,9 @@ from typing import ClassVar, Literal, get_args
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from llmesh.wire.messages import Role
+from llmesh.wire.messages import ROLES, Role
 
 EMBEDDED_MODEL = "llmesh/tiny-llama"
-ROLES: tuple[Role, ...] = ("prefill", "decode")  # a model's, disaggregated
 
 
 class CommonSettings(BaseSettings):

@@ -10,7 +10,7 @@ newer sender (a rolling upgrade) does not break an older receiver; new fields ge
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,6 +19,7 @@ from llmesh.wire.errors import BadMessage, MeshError, from_code
 
 SCHEMA_VERSION = 1
 Role = Literal["prefill", "decode"]  # what a worker serves
+ROLES: tuple[Role, ...] = get_args(Role)  # a model's, disaggregated
 _HEADER_LEN = 4
 
 _TYPES: dict[str, type[Message]] = {}
