@@ -40,6 +40,7 @@ import httpx
 from serve import (
     Deployment,
     LaunchedMesh,
+    cpu_between,
     cpu_by_process,
     is_engine,
     launch_mesh,
@@ -114,8 +115,7 @@ def point(roots: dict[str, int], url: str, headers: dict, requests: list, slo: t
     """One point's summary, with the CPU-seconds its deployment's processes took meanwhile, by process."""
     before = cpu_by_process(roots)
     out = summary(asyncio.run(replay(url, headers, requests)), *slo)
-    after = cpu_by_process(roots)
-    cpu = {k: round(v - before.get(k, 0.0), 1) for k, v in after.items() if v - before.get(k, 0.0) >= 0.05}
+    cpu = {k: round(v, 1) for k, v in cpu_between(before, cpu_by_process(roots)).items() if v >= 0.05}
     out["cpu_s"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
     out["cpu_s_engines"] = round(sum(v for k, v in cpu.items() if is_engine(k)), 1)
     out["cpu_s_rest"] = round(sum(v for k, v in cpu.items() if not is_engine(k)), 1)

@@ -190,6 +190,11 @@ def cpu_by_process(roots: dict[str, int]) -> dict[str, float]:
     return dict(out)
 
 
+def cpu_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process took between two `cpu_by_process` readings (those that took any)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
 def is_engine(process: str) -> bool:
     return process.rsplit("/", 1)[-1].rsplit(":", 1)[-1].startswith("engine-")
 
@@ -770,7 +775,7 @@ def measure(
         "errors": errors,
         "client_cpu": client_cpu,
         "requests": per_request(result),
-        "cpu": {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) > 0},
+        "cpu": cpu_between(cpu_before, cpu_after),
     }
 
 

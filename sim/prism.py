@@ -481,24 +481,23 @@ def highest_load(
     search goes on above it."""
     runs: list[Run] = []
 
-    def fails(rate: float) -> Run | None:
-        """None where `rate` or the rate just above it holds (that run is then `runs[-1]`)."""
-        runs.append(r := run(rate))
-        if r.attainment >= target:
-            return None
-        runs.append(above := run(rate * (1 + 2 * precision)))
-        return None if above.attainment >= target else r
+    def fails(rate: float) -> bool:
+        """Whether `rate` and the rate just above it both fail (else the one that held is `runs[-1]`)."""
+        runs.append(run(rate))
+        if runs[-1].attainment < target:
+            runs.append(run(rate * (1 + 2 * precision)))
+        return runs[-1].attainment < target
 
     lo, hi = 0.0, start
     for _ in range(doublings + 1):
-        if fails(hi) is not None:
+        if fails(hi):
             break
         lo, hi = runs[-1].rate, runs[-1].rate * 2
     else:
         return runs
     while hi - lo > precision * hi and hi > start / LOWEST:
         mid = (lo + hi) / 2
-        lo, hi = (runs[-1].rate, hi) if fails(mid) is None else (lo, mid)
+        lo, hi = (lo, mid) if fails(mid) else (runs[-1].rate, hi)
         lo = min(lo, hi)
     return runs
 
