@@ -232,21 +232,28 @@ class RequestTimes:
         self._first_at: float | None = None
         self._last_at = 0.0
         self._tokens = 0
+        # this request's series, looked up once at its first token (a model's series start with its first answer):
+        # a labels() call a token cost as much as the rest of its metrics
+        self._inter_token: Histogram
+        self._generation_tokens: Counter
 
     def seen(self, delta: TokenDelta) -> TokenDelta:
         """Record a delta as it reaches the router; returns it."""
-        m, model, now, count = self._metrics, self._model, time.monotonic(), len(delta.token_ids)
+        now, count = time.monotonic(), len(delta.token_ids)
         if self._first_at is None:
+            m, model = self._metrics, self._model
             self._first_at = now
             m.ttft.labels(model).observe(now - self._arrived)
             m.prompt_tokens.labels(model).inc(delta.prompt_tokens)
+            self._inter_token, self._generation_tokens = m.inter_token.labels(model), m.generation_tokens.labels(model)
         elif count:
+            gap = (now - self._last_at) / count
             for _ in range(count):  # one observation per token, as vLLM makes (one token per step)
-                m.inter_token.labels(model).observe((now - self._last_at) / count)
+                self._inter_token.observe(gap)
         if count:
             self._last_at = now
             self._tokens += count
-            m.generation_tokens.labels(model).inc(count)
+            self._generation_tokens.inc(count)
         return delta
 
     def ended(self, finished_reason: str) -> None:

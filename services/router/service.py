@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -58,7 +59,7 @@ def create_app(
     tracer = telemetry.tracer("llmesh.router")
     keyring = keys or KeyRing(())
 
-    def api_key(request: Request) -> ApiKey | None:
+    async def api_key(request: Request) -> ApiKey | None:  # async: FastAPI runs a plain def in its thread pool
         return keyring.admit(request.headers.get("authorization"))
 
     def counted_error(exc: MeshError, endpoint: str) -> JSONResponse:
@@ -238,25 +239,49 @@ async def _collect(deltas: AsyncIterator[TokenDelta], times: RequestTimes) -> li
 
 
 async def with_keepalive(items: AsyncIterator[T], every_s: float) -> AsyncIterator[T | None]:
-    """`items`, and None after each `every_s` without one."""
-    pending: asyncio.Future[T] | None = None
+    """`items`, and None after each `every_s` without one. One task pulls `items` into a queue and one
+    timer a period watches for silence: nothing is created per item (a stream's tokens are the router's
+    hottest path)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[T | None | _Ended] = asyncio.Queue()
+    last_at = loop.time()
+    timer: asyncio.TimerHandle  # the silence watch's next check
+
+    async def pull() -> None:
+        try:
+            async for item in items:
+                queue.put_nowait(item)
+            queue.put_nowait(_Ended(None))
+        except BaseException as exc:  # (cancelled: by the consumer's end, or by a bug that must not hang it)
+            queue.put_nowait(_Ended(exc))
+            raise
+
+    def watch() -> None:
+        nonlocal timer
+        silent_s = loop.time() - last_at
+        if silent_s >= every_s and queue.empty():
+            queue.put_nowait(None)
+            silent_s = 0.0
+        timer = loop.call_later(every_s - silent_s, watch)
+
+    puller = asyncio.create_task(pull())
+    timer = loop.call_later(every_s, watch)
     try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(items))
-            done, _ = await asyncio.wait({pending}, timeout=every_s)
-            if not done:
-                yield None
-                continue
-            finished, pending = pending, None
-            try:
-                item = finished.result()
-            except StopAsyncIteration:
-                return
+        while not isinstance(item := await queue.get(), _Ended):
+            last_at = loop.time()
             yield item
+        if item.error is not None:
+            raise item.error
     finally:
-        if pending is not None:
-            await cancel_and_wait(pending)
+        timer.cancel()
+        await cancel_and_wait(puller)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """The end of `with_keepalive`'s items, or the error that ended them."""
+
+    error: BaseException | None
 
 
 class _ClientGone(Exception):

@@ -18,6 +18,8 @@ class StopFilter:
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Text safe to release now, and whether a stop string was reached (then nothing follows)."""
+        if not self._stops:
+            return delta, False
         self._text += delta
         search_from = max(self._emitted - self._hold, 0)
         hits = [i for i in (self._text.find(s, search_from) for s in self._stops) if i != -1]
@@ -31,5 +33,7 @@ class StopFilter:
 
     def flush(self) -> str:
         """The held-back tail, once the output ended for another reason."""
+        if not self._stops:
+            return ""
         out, self._emitted = self._text[self._emitted :], len(self._text)
         return out

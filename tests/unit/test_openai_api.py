@@ -189,3 +189,36 @@ async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
 
     got = [item async for item in with_keepalive(items(), 0.1)]
     assert got[0] == 1 and got[-1] == 2 and got[1:-1] == [None, None]
+
+
+async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_stream():
+    import asyncio
+
+    import pytest
+
+    from llmesh_router.service import with_keepalive
+
+    async def failing():
+        yield 1
+        raise ValueError("worker broke")
+
+    got = []
+    with pytest.raises(ValueError, match="worker broke"):
+        async for item in with_keepalive(failing(), 10):
+            got.append(item)
+    assert got == [1]
+
+    ended = asyncio.Event()
+
+    async def endless():
+        try:
+            while True:
+                yield 0
+                await asyncio.sleep(0.01)
+        finally:
+            ended.set()  # e.g. the dispatcher aborting the request in its worker
+
+    reader = with_keepalive(endless(), 10)
+    assert await anext(reader) == 0
+    await reader.aclose()
+    assert ended.is_set()
