@@ -24,7 +24,7 @@ async def main(settings: KvStoreSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("kv-store", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     ssd = SsdTier(settings.data_dir / f"shard-{settings.kv_shard}", settings.ssd_capacity_bytes)
     state = ShardState(ChunkStore(settings.capacity_bytes, ssd, shared_arena=settings.shared_arena))
-    state.start_cleaner(settings.ssd_clean_watermark)
+    state.start_cleaner(settings.ssd_clean_watermark, unread_too=settings.ssd_admission == "all")
     tokens = Tokens(settings.kv_shard)
     data_plane = DataPlaneServer(state, settings.data_host, settings.data_port, settings.max_value_bytes, tokens)
     info = KvShardInfo(

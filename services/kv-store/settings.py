@@ -1,6 +1,6 @@
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -27,6 +27,12 @@ class KvStoreSettings(CommonSettings):
         description="Past this fraction of memory, least recently "
         "used chunks are copied to SSD in the background, so evicting them later "
         "costs no write on the put path.",
+    )
+    ssd_admission: Literal["read", "all"] = Field(
+        "read",
+        description="Which chunks the cleaner copies to SSD: 'read', those read at least once (a chunk never "
+        "read is dropped when memory evicts it: the disk's bandwidth goes to reused KV); 'all', every chunk "
+        "(nothing leaves the store before the SSD tier is full, while the disk keeps up with the puts).",
     )
     shared_arena: bool = Field(
         True,

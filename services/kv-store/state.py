@@ -72,20 +72,22 @@ class ShardState:
         with self.lock:
             self.store.release(read)
 
-    def start_cleaner(self, watermark: float, interval_s: float = 0.05) -> threading.Thread:
-        """Copy least recently used chunks to SSD while memory is over `watermark` of capacity."""
+    def start_cleaner(self, watermark: float, unread_too: bool = False, interval_s: float = 0.05) -> threading.Thread:
+        """Copy least recently used chunks (read at least once, unless `unread_too`) to SSD while memory
+        is over `watermark` of capacity."""
+        self.store.cleaned_in_background = True  # so evictions drop what it has not copied yet, never write
 
         def run() -> None:
             while not self._stopping.wait(interval_s):
-                self.clean_once(watermark)
+                self.clean_once(watermark, unread_too)
 
         thread = threading.Thread(target=run, name="kv-ssd-cleaner", daemon=True)
         thread.start()
         return thread
 
-    def clean_once(self, watermark: float) -> int:
+    def clean_once(self, watermark: float, unread_too: bool = False) -> int:
         with self.lock:
-            batch = self.store.dirty_to_clean(int(self.store.capacity_bytes * watermark))
+            batch = self.store.dirty_to_clean(int(self.store.capacity_bytes * watermark), unread_too)
         if not batch:
             return 0
         try:

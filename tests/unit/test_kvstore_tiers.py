@@ -30,6 +30,20 @@ def test_memory_evictions_are_demoted_and_ssd_hits_promoted(tmp_path):
     assert store.stats().misses == 1
 
 
+def test_with_a_background_cleaner_a_put_evicts_what_is_on_ssd_or_drops_but_never_writes(tmp_path):
+    store = ChunkStore(3000, SsdTier(tmp_path, 10_000))
+    store.cleaned_in_background = True
+    for key in "abc":
+        store.put_many([(key, chunk(key))], pin_s=0)
+    store.clean([("b", store._chunks["b"], memoryview(chunk("b")))])  # the cleaner copied "b" only
+    store.put_many([("d", chunk("d"))], pin_s=0)  # "b" leaves memory for SSD: no write on this path
+    store.put_many([("e", chunk("e"))], pin_s=0)  # nothing on SSD left to evict: "a" is dropped
+    stats = store.stats()
+    assert (stats.demotions, stats.evictions, stats.chunks, stats.ssd_chunks) == (1, 1, 3, 1)
+    assert store.ssd is not None and store.ssd.writes == 1  # the cleaner's
+    assert store.get("a") is None and store.get("b") == chunk("b")
+
+
 def test_without_ssd_evictions_drop(tmp_path):
     store = ChunkStore(2000)
     for key in "abc":
@@ -120,14 +134,26 @@ def test_the_cleaner_copies_lru_chunks_to_ssd_so_eviction_writes_nothing(tmp_pat
     state = ShardState(ChunkStore(4000, ssd))
     for key in "abc":
         state.store.put_many([(key, chunk(key))], pin_s=0)  # 3000 of 4000 bytes
-    assert state.clean_once(0.5) == 1  # 1000 bytes over the 2000-byte mark: the least recently used, "a"
+    assert state.clean_once(0.5) == 0  # 1000 bytes over the 2000-byte mark, but nothing was read: all to be dropped
+    assert state.clean_once(0.5, unread_too=True) == 1  # the least recently used, "a"
     assert "a" in ssd and "b" not in ssd and state.store.stats().chunks == 3  # and it stays in memory
     writes = ssd.writes
     state.store.put_many([("d", chunk("d")), ("e", chunk("e"))], pin_s=0)  # evicts "a": already on SSD
     assert ssd.writes == writes and state.store.stats().demotions == 1
     assert state.store.get("a") == chunk("a")  # from SSD
-    assert state.clean_once(0.99) == 1  # promoting "a" filled memory again: the oldest dirty chunk is copied
-    assert state.clean_once(0.99) == 0  # what lies over the mark is clean: nothing to do
+    assert state.clean_once(0.99, unread_too=True) == 1  # promoting "a" filled memory: the oldest dirty chunk is copied
+    assert state.clean_once(0.99, unread_too=True) == 0  # what lies over the mark is clean: nothing to do
+
+
+def test_the_cleaner_copies_only_chunks_read_unless_told_otherwise(tmp_path):
+    from llmesh_kvstore.state import ShardState
+
+    ssd = SsdTier(tmp_path, 100_000)
+    state = ShardState(ChunkStore(4000, ssd))
+    for key in "abc":
+        state.store.put_many([(key, chunk(key))], pin_s=0)
+    assert state.store.get("b") == chunk("b")  # "b" is reused; "a" and "c" never read
+    assert state.clean_once(0.0) == 1 and "b" in ssd and "a" not in ssd and "c" not in ssd  # "b" alone copied
 
 
 def test_a_grant_takes_what_is_free_rather_than_evicting_for_a_whole_slab():
