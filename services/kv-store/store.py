@@ -293,8 +293,8 @@ class ChunkStore:
         as readers so they stay put while `clean` writes them outside the shard's lock. Unless
         `unread_too`, only chunks read at least once: one never read (a request's KV written behind
         in case of a failover, a prompt no other has shared yet) is dropped when evicted, so that the
-        disk's bandwidth goes to KV that is reused (writing every chunk, on this project's CPU
-        machines, took the disk and the cores from the engines: SLO attainment 98% -> 34%)."""
+        disk's bandwidth goes to KV that is reused (writing every chunk took the disk and the cores from
+        the engines: docs/benchmarks.md, several models, the kv-store's share)."""
         if self.ssd is None or not self.ssd.enabled or self._bytes <= limit_bytes:
             return []
         batch: list[tuple[str, _Chunk, memoryview]] = []
