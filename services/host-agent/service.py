@@ -78,7 +78,7 @@ class HostAgent:
         self.log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="llmesh-host-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         roles = catalogue_roles(settings.catalogue())
-        cores = engine_cores(roles=roles, models=len(settings.catalogue()))
+        cores = engine_cores(roles=roles, engines=settings.host_engines or len(settings.catalogue()))
         self._start = start or (
             lambda role, path: start_standby(cores.get(f"{role}-worker", {}), path, f"standby-{role}")
         )

@@ -24,6 +24,13 @@ class HostAgentSettings(ModelSettings, HostSettings, CommonSettings):
         "for it (Prism's device memory). 0: an engine per role of each catalogue model at `MESH_KV_CACHE_GIB` "
         "each, and 1 GiB for weights. Placement splits what the running engines leave among the models it places here.",
     )
+    host_engines: int = Field(
+        0,
+        ge=0,
+        description="Where every model is aggregated: the most engines that share this host's cores, each given the "
+        "cores over them as threads (llmesh.deploy.launcher.engine_cores). 0: one a catalogue model. `make run` sets "
+        "it to the decode workers it starts or autoscaling's maximum, for each model.",
+    )
     host_heartbeat_s: float = Field(1.0, gt=0, description="How often it reports its standbys and workers.")
     host_refill_wait_s: float = Field(
         60.0,

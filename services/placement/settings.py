@@ -2,10 +2,10 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from llmesh.wire.config import CommonSettings, ModelSettings
+from llmesh.wire.config import CommonSettings, ModelSettings, ScalingSettings
 
 
-class PlacementSettings(ModelSettings, CommonSettings):
+class PlacementSettings(ModelSettings, ScalingSettings, CommonSettings):
     """Named `placement_*`: `make run` gives every service the same environment (the kv-store
     reads MESH_METRICS_PORT, for one). Freeness is Llumnix's: free KV blocks per request in the
     batch (llmesh.policies.llumnix.freeness)."""
@@ -127,17 +127,9 @@ class PlacementSettings(ModelSettings, CommonSettings):
     placement_activate_timeout_s: float = Field(
         180.0, gt=0, description="An activated worker that sends no heartbeat within this is asked for again."
     )
-    placement_autoscale: bool = Field(
-        False,
-        description="Act on the scaling advice, per model, through the host agents (Llumnix's autoscaling): when it "
-        "has asked for one more decode worker for `MESH_PLACEMENT_SCALE_WINDOW_S`, activate one; when it has said one "
-        "can go, drain the decode worker with the fewest requests (they migrate; it exits). Off: advice only.",
-    )
     placement_scale_window_s: float = Field(
         10.0, ge=0, description="How long the advice must hold, since it changed and since the last action, to act."
     )
-    placement_min_decode_workers: int = Field(1, ge=1, description="Autoscaling keeps at least this many per model ...")
-    placement_max_decode_workers: int = Field(4, ge=1, description="... and starts no more than this many.")
     placement_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     placement_metrics_port: int = Field(
         0,

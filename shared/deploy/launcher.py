@@ -31,7 +31,7 @@ from llmesh.deploy.credentials import (
     set_nats_tls,
     write_private,
 )
-from llmesh.wire.config import ROLES, ModelSettings, ServedModel, name_tag
+from llmesh.wire.config import ROLES, ModelSettings, ScalingSettings, ServedModel, name_tag
 from llmesh.wire.kvkeys import check_sizes_can_share
 from llmesh.wire.messages import Role
 from llmesh.wire.secrets import with_userinfo
@@ -353,7 +353,7 @@ def wait_healthy(url: str, timeout: float, children: list[Child]) -> None:
 
 
 def engine_cores(
-    ranks: dict[str, int] | None = None, roles: Collection[Role] = ROLES, models: int = 1
+    ranks: dict[str, int] | None = None, roles: Collection[Role] = ROLES, engines: int = 1
 ) -> dict[str, dict[str, str]]:
     """Separate cores for the prefill and decode engines on one host, unless configured; an engine of
     several tensor-parallel ranks (`ranks`, by service) gets its cores in one group a rank ('0|1'), from
@@ -361,17 +361,17 @@ def engine_cores(
 
     Each vLLM CPU engine pins its compute threads, and an idle engine busy-polls for a second
     after its last step: two engines on the same cores slow each other down. Where only decode engines
-    run (`roles`: every model aggregated), one a model (`models`), they share every core instead, the OS
-    balancing them by load as a GPU's engines share it (Prism): each gets the cores over the models
-    (at least one) as unbound threads, so that no engine's threads wait at a barrier for a sibling
-    descheduled by another engine.
+    run (`roles`: every model aggregated), at most `engines` at once (`aggregated_engines`), they share
+    every core instead, the OS balancing them by load as a GPU's engines share it (Prism): each gets the
+    cores over the engines (at least one) as unbound threads, so that no engine's threads wait at a
+    barrier for a sibling descheduled by another engine.
     """
     n = len(os.sched_getaffinity(0))
     if n < 2 or os.environ.get("MESH_CPU_CORES"):
         return {}
     span = lambda cores: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"  # noqa: E731
     if "prefill" not in roles and (ranks or {}).get("decode-worker", 1) == 1:
-        threads = str(max(1, n // max(models, 1)))
+        threads = str(max(1, n // max(engines, 1)))
         return {"decode-worker": {"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
     halves = {"prefill-worker": list(range(n // 2)), "decode-worker": list(range(n // 2, n))}
     out = {}
@@ -384,6 +384,12 @@ def engine_cores(
         width = len(cores) // count
         out[service] = {"MESH_CPU_CORES": "|".join(span(cores[i * width : (i + 1) * width]) for i in range(count))}
     return out
+
+
+def aggregated_engines(models: int, decode_workers: int, scaling: ScalingSettings) -> int:
+    """The most engines sharing a host's cores where every model is aggregated: each model's decode workers,
+    `decode_workers` started or as many as autoscaling may start."""
+    return models * scaling.decode_workers_at_most(decode_workers)
 
 
 def worker_envs(service: str, count: int, model: str | None = None) -> list[tuple[str, dict[str, str]]]:
@@ -561,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)
         ]
         services.append(("length-predictor", "length-predictor", {}))
-        cores = engine_cores(ranks, catalogue_roles(catalogue), len(catalogue))
+        engines = aggregated_engines(len(catalogue), args.decode_workers, ScalingSettings())
+        cores = engine_cores(ranks, catalogue_roles(catalogue), engines)
         for model in models:
             for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
                 if service.removesuffix("-worker") not in model.roles:
@@ -574,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         services += [("router", "router", {}), ("placement", "placement", {})]
         wanted = len(models) < len(catalogue) or env_switch("MESH_PLACEMENT_AUTOSCALE")
         if args.host_agent or (args.host_agent is None and wanted):
-            services.append(("host-agent", "host-agent", {"MESH_LOG_DIR": str(args.logs)} if args.logs else {}))
+            agent_env = {"MESH_HOST_ENGINES": str(engines)} | ({"MESH_LOG_DIR": str(args.logs)} if args.logs else {})
+            services.append(("host-agent", "host-agent", agent_env))
         for service, name, own_env in services:
             supervised.append(
                 Supervised(name, functools.partial(start_service, service, env | own_env, log(name), name))

@@ -220,6 +220,26 @@ class HostSettings(BaseSettings):
         return self.host_id or socket.gethostname()
 
 
+class ScalingSettings(BaseSettings):
+    """Autoscaling's bounds: placement acts within them, and `make run` gives each engine its share of the cores
+    for the most decode workers a model may have (llmesh.deploy.launcher.engine_cores)."""
+
+    model_config = SettingsConfigDict(env_prefix="MESH_", extra="ignore")
+
+    placement_autoscale: bool = Field(
+        False,
+        description="Act on the scaling advice, per model, through the host agents (Llumnix's autoscaling): when it "
+        "has asked for one more decode worker for `MESH_PLACEMENT_SCALE_WINDOW_S`, activate one; when it has said one "
+        "can go, drain the decode worker with the fewest requests (they migrate; it exits). Off: advice only.",
+    )
+    placement_min_decode_workers: int = Field(1, ge=1, description="Autoscaling keeps at least this many per model ...")
+    placement_max_decode_workers: int = Field(4, ge=1, description="... and starts no more than this many.")
+
+    def decode_workers_at_most(self, started: int) -> int:
+        """The most decode workers a model has at once when `started` are started with it."""
+        return max(started, self.placement_max_decode_workers) if self.placement_autoscale else started
+
+
 class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
     """Shared by prefill and decode workers: the engine must be configured identically on both."""
 

@@ -44,6 +44,18 @@ def test_a_failed_child_restarts_at_once_then_with_growing_delays_and_one_done_s
     assert service.done and service.child is None and runs.read_text().count("run") == 4
 
 
+def test_aggregated_engines_count_each_models_replicas_up_to_autoscalings_maximum():
+    from llmesh.deploy.launcher import aggregated_engines
+    from llmesh.wire.config import ScalingSettings
+
+    fixed = ScalingSettings(_env_file=None, placement_autoscale=False, placement_max_decode_workers=4)
+    assert aggregated_engines(3, 1, fixed) == 3
+    assert aggregated_engines(1, 2, fixed) == 2  # two replicas of one model: a core each on two cores
+    scaling = ScalingSettings(_env_file=None, placement_autoscale=True, placement_max_decode_workers=2)
+    assert aggregated_engines(1, 1, scaling) == 2  # the replica autoscaling may add counts from the start
+    assert aggregated_engines(2, 3, scaling) == 6
+
+
 def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(monkeypatch):
     from llmesh.deploy.launcher import engine_cores
 
@@ -51,8 +63,8 @@ def test_engines_get_their_half_of_the_cores_and_a_group_a_tensor_parallel_rank(
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert engine_cores() == {"prefill-worker": {"MESH_CPU_CORES": "0-3"}, "decode-worker": {"MESH_CPU_CORES": "4-7"}}
     assert engine_cores({"prefill-worker": 2})["prefill-worker"] == {"MESH_CPU_CORES": "0-1|2-3"}
-    # aggregated models only: their engines share the cores, unbound, the cores over the models a thread each
-    assert engine_cores(roles={"decode"}, models=3) == {
+    # aggregated models only: their engines share the cores, unbound, the cores over the engines a thread each
+    assert engine_cores(roles={"decode"}, engines=3) == {
         "decode-worker": {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     }
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
