@@ -18,7 +18,8 @@ tiny-llama, tiny-llama-b and tiny-llama-c (same shapes, other weights).
   only; the host agent's standbys (`--standbys` per role) become the others' workers when their first
   requests wait (placement's activation), on the same halves of the cores as every prefill and decode
   engine (`--aggregated`: a decode engine a model, running whole requests, on all the cores). The first
-  point pays for those activations; static's servers were all started beforehand.
+  point pays for those activations (static's servers were all started beforehand), unless `--warm` has
+  each model answer one request before the load.
 Per point: each model's SLO attainment (TTFT within `--ttft-slo-ms` and mean TPOT within `--tpot-slo-ms`),
 the whole's, requests refused at the door (429) and lost (any other error, or no answer), TTFT P50/P99;
 after the points, greedy outputs of a few prompts of each model, mesh against its vLLM server.
@@ -136,6 +137,19 @@ def greedy_texts(url: str, headers: dict) -> dict[str, list[str]]:
     return out
 
 
+def warm_up(url: str, headers: dict) -> float:
+    """One request to each model, all at once, answered: the seconds it took (the mesh: its activations)."""
+
+    async def each() -> list[dict]:
+        async with httpx.AsyncClient(timeout=600, headers=headers) as http:
+            return await asyncio.gather(*(one(http, url, m, prompt_ids(32, seed=999), 8) for m in MODELS))
+
+    start = time.monotonic()
+    failed = [r for r in asyncio.run(each()) if r["error"]]
+    assert not failed, failed
+    return time.monotonic() - start
+
+
 def static(work: Path, model_dir: Path) -> Deployment:
     """One vLLM server per model on its cores, and vllm-router in its multi-model mode over them: there it
     takes its workers from its API (`POST /workers`, which reads each one's model), not `--worker-urls`."""
@@ -210,6 +224,12 @@ def main() -> None:
         help="the mesh serves each model aggregated (decode workers running whole requests, one engine a model "
         "on all the cores) instead of a prefill and a decode engine a model on their halves",
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="before the first point, one request to each model, so that the mesh's activations happen before the "
+        "load as static's servers all start before it (without: the first point pays for them)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-models-"))
@@ -237,6 +257,9 @@ def main() -> None:
     url, headers = launched.url, launched.headers
     try:
         time.sleep(30)  # the host agent's standbys get ready
+        if args.warm:
+            print(f"mesh: every model answered in {warm_up(url, headers):.1f} s", flush=True)
+            time.sleep(90)  # the workers activated join, and the host agent's new standbys get ready
         for scale, requests in points.items():
             results[f"mesh@{scale}"] = point({"mesh": launched.launcher.pid}, url, headers, requests, slo)
             print(f"mesh@{scale}: {json.dumps(results[f'mesh@{scale}'])}", flush=True)

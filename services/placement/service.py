@@ -42,6 +42,7 @@ from llmesh.policies.core import Role
 from llmesh.policies.llumnix import (
     ScaleHold,
     freeness,
+    freeness_with_one_fewer,
     migration_pairs,
     pick_migration,
     scale_decision,
@@ -375,9 +376,13 @@ class PlacementService:
             settling = self.models.activating(model, "decode") or any(
                 v.model == model and v.state == "draining" for v in views.values()
             )
-            mean = sum(freeness(v, s.placement_priority_headroom_blocks) for v in group) / len(group) if group else None
+            headroom = s.placement_priority_headroom_blocks
+            mean = sum(freeness(v, headroom) for v in group) / len(group) if group else None
+            victim = min(group, key=lambda v: (len(v.requests), v.worker_id), default=None)
+            fewer = freeness_with_one_fewer(group, victim, headroom) if victim is not None else 0.0
             action, self._scale_holds[model], window_mean = scale_decision(
                 None if settling else mean,
+                fewer,
                 len(group),
                 now,
                 self._scale_holds.get(model, ScaleHold()),
@@ -391,6 +396,7 @@ class PlacementService:
                 "decode_workers": len(group),
                 "mean_freeness": None if mean is None else round(mean, 1),
                 "window_mean_freeness": None if window_mean is None else round(window_mean, 1),
+                "freeness_with_one_fewer": round(fewer, 1),
             }
             if action > 0 and not self.models.activating(model, "decode"):
                 infos = self._infos()
@@ -398,8 +404,7 @@ class PlacementService:
                 if host is not None:
                     kv = self.models.replica_kv(model, "decode", infos)
                     self.models.activate(model, "decode", host, "scale-up", reckoning, kv)
-            elif action < 0:
-                victim = min(group, key=lambda v: (len(v.requests), v.worker_id))
+            elif action < 0 and victim is not None:
                 self._spawn(self._drain_worker(self._workers[victim.worker_id].info, "drain", "scale-down", reckoning))
 
     def _switch_roles(self, views: dict[str, WorkerView]) -> None:

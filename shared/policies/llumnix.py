@@ -26,11 +26,29 @@ def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
     the blocks it reports in use."""
     if w.state == "draining":
         return float("-inf")
+    return (w.kv_blocks_total - virtual_usage(w, priority_headroom_blocks)) / max(batch(w), 1)
+
+
+def virtual_usage(w: WorkerView, priority_headroom_blocks: int = 0) -> int:
+    """ΣV of `freeness`: the KV blocks its requests hold or wait for, plus the headroom beside high-priority ones."""
     if w.requests:
-        used = w.held_kv_blocks + priority_headroom_blocks * sum(r.priority < 0 for r in w.requests)
-    else:
-        used = w.kv_blocks_used
-    return (w.kv_blocks_total - used) / max(len(w.requests) or w.running + w.assigned, 1)
+        return w.held_kv_blocks + priority_headroom_blocks * sum(r.priority < 0 for r in w.requests)
+    return w.kv_blocks_used
+
+
+def batch(w: WorkerView) -> int:
+    """B of `freeness`: the requests on `w`."""
+    return len(w.requests) or w.running + w.assigned
+
+
+def freeness_with_one_fewer(
+    workers: Sequence[WorkerView], leaving: WorkerView, priority_headroom_blocks: int = 0
+) -> float:
+    """The freeness the others would have, pooled, once `leaving` is gone and its requests have moved to them:
+    their free blocks less what those requests hold, per request of all of them."""
+    usage = sum(virtual_usage(w, priority_headroom_blocks) for w in workers)
+    total = sum(w.kv_blocks_total for w in workers if w is not leaving)
+    return (total - usage) / max(sum(batch(w) for w in workers), 1)
 
 
 def llumnix(priority_headroom_blocks: float = 0, queue_below: float = float("-inf")) -> Policy:
@@ -99,12 +117,14 @@ def scaling_advice(workers: Sequence[WorkerView], low: float, high: float, prior
 class ScaleHold:
     """The mean freeness seen over the last window, since when it has been watched (after the last action)."""
 
-    samples: tuple[tuple[float, float], ...] = ()  # (time, mean freeness of the active decode workers)
+    # (time, mean freeness of the active decode workers, their pooled freeness with one fewer)
+    samples: tuple[tuple[float, float, float], ...] = ()
     since: float | None = None  # the first sample since the last action or settling
 
 
 def scale_decision(
     freeness_now: float | None,
+    with_one_fewer: float,
     instances: int,
     now: float,
     hold: ScaleHold,
@@ -115,20 +135,28 @@ def scale_decision(
     maximum: int,
 ) -> tuple[int, ScaleHold, float | None]:
     """Llumnix's autoscaling: +1 (start an instance) when the mean freeness of the instances, averaged over the
-    last `window_s`, is below `low`; -1 (drain one) when above `high`; only once it has been watched for a
-    whole window since the last action, and within [`minimum`, `maximum`] instances (below `minimum`: +1 at
-    once). The average, not every sample: at the band's edge the instantaneous freeness crosses it back and
-    forth every second, and a streak never lasted (measured: a scale-up 78 s late with a 5 s window).
-    `freeness_now`: None while an action is settling (an instance starting or draining). Returns the action
-    (0: none), the hold to pass next time and the window's average (None: no sample)."""
+    last `window_s`, is below `low`; -1 (drain one) when above `high` and the instances left would stay at
+    or above `low` (`with_one_fewer`, `freeness_with_one_fewer`, averaged the same way); only once it has
+    been watched for a whole window since the last action, and within [`minimum`, `maximum`] instances
+    (below `minimum`: +1 at once). The average, not every sample: at the band's edge the instantaneous
+    freeness crosses it back and forth every second, and a streak never lasted (measured: a scale-up 78 s
+    late with a 5 s window). The projection: an instance just started is empty, which lifts the mean over
+    `high` while the others are as full as when they asked for it (measured: drained 11 s after it
+    joined, then started again cold). `freeness_now`: None while an action is settling (an instance
+    starting or draining). Returns the action (0: none), the hold to pass next time and the window's
+    average (None: no sample)."""
     if instances < minimum:
         return 1, ScaleHold(), None
     if freeness_now is None:
         return 0, ScaleHold(), None
-    samples = tuple(s for s in hold.samples if s[0] > now - window_s) + ((now, freeness_now),)
+    samples = tuple(s for s in hold.samples if s[0] > now - window_s) + ((now, freeness_now, with_one_fewer),)
     since = now if hold.since is None else hold.since
-    average = sum(f for _, f in samples) / len(samples)
+    average = sum(s[1] for s in samples) / len(samples)
     if now - since < window_s:
         return 0, ScaleHold(samples, since), average
-    action = 1 if average < low and instances < maximum else -1 if average > high and instances > minimum else 0
+    fewer = sum(s[2] for s in samples) / len(samples)
+    if average < low and instances < maximum:
+        action = 1
+    else:
+        action = -1 if average > high and fewer >= low and instances > minimum else 0
     return action, (ScaleHold() if action else ScaleHold(samples, since)), average

@@ -6,7 +6,14 @@ import pytest
 
 from llmesh.policies import WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, pool_utilisation, switchable
-from llmesh.policies.llumnix import ScaleHold, pick_migration, scale_decision, scaling_advice
+from llmesh.policies.llumnix import (
+    ScaleHold,
+    freeness,
+    freeness_with_one_fewer,
+    pick_migration,
+    scale_decision,
+    scaling_advice,
+)
 from llmesh.policies.views import worker_view
 from llmesh.wire.messages import RequestProgress, WorkerInfo
 
@@ -254,10 +261,12 @@ def test_worker_view_carries_the_roles_over():
 
 
 def run_scaling(samples, window_s: float = 10, minimum: int = 1, maximum: int = 3):
-    """(time, mean freeness or None, instances) in order -> the actions taken, with their times (band 10-60)."""
+    """(time, mean freeness or None, instances[, freeness with one fewer]) in order -> the actions taken, with
+    their times (band 10-60; with one fewer: as the mean unless given)."""
     hold, acted = ScaleHold(), []
-    for now, free, instances in samples:
-        action, hold, _ = scale_decision(free, instances, now, hold, window_s, 10, 60, minimum, maximum)
+    for now, free, instances, *fewer in samples:
+        with_one_fewer = fewer[0] if fewer else free or 0.0
+        action, hold, _ = scale_decision(free, with_one_fewer, instances, now, hold, window_s, 10, 60, minimum, maximum)
         if action:
             acted.append((now, action))
     return acted
@@ -285,3 +294,21 @@ def test_scaling_stays_within_its_bounds_and_restores_the_minimum_at_once():
     assert run_scaling([(t, 90.0, 1) for t in range(0, 30)]) == []  # at the minimum
     assert run_scaling([(0, None, 0)], minimum=1) == [(0, 1)]
     assert run_scaling([(t, 90.0, 3) for t in range(0, 25)]) == [(10, -1), (21, -1)]
+
+
+def test_scaling_down_waits_until_the_instances_left_would_stay_in_the_band():
+    """Just after a scale-up the new instance is empty: the mean is over the band while the others are as
+    full as when they asked for it (measured: drained 11 s after it joined, then started again cold)."""
+    joined = [(t, 70.0, 2, 4.0) for t in range(0, 30)]  # one empty, one nearly full: pooled, one alone is at 4
+    assert run_scaling(joined) == []
+    emptied = [(t, 70.0, 2, 4.0 if t < 20 else 40.0) for t in range(0, 30)]
+    assert run_scaling(emptied) == [(21, -1)]  # the window's average of the projection reaches 10 at t=21
+
+
+def test_freeness_with_one_fewer_pools_the_others_room_over_every_request():
+    busy = replace(w("a", kv_total=24), kv_blocks_used=20, running=5)  # no request list: the blocks in use
+    empty = w("b", kv_total=24)
+    assert freeness(empty) == 24 and freeness(busy) == 4 / 5
+    assert freeness_with_one_fewer([busy, empty], empty) == 4 / 5  # as the busy one is alone
+    light = replace(busy, kv_blocks_used=6, running=2)
+    assert freeness_with_one_fewer([light, empty], light) == (24 - 6) / 2  # its 2 requests move to the empty one
