@@ -7,7 +7,7 @@ Two configurations of the mesh (`make run`'s launcher, the tiny model, one prefi
 - static: `--peak` decode workers all along, what one provisions for the peak;
 - autoscale: one decode worker, a host agent with a standby per role, and placement's autoscaling
   (`MESH_PLACEMENT_AUTOSCALE=1`, between 1 and `--peak` decode workers, freeness band `--low`/`--high`,
-  window `--window`).
+  windows `--window` to scale up and `--down-window` to scale down).
 Each decode worker has `--kv-blocks` KV blocks, so that load shows in freeness (Llumnix's signal) at the
 request rates this machine carries. The workload: the trace's arrival times compressed into `--minutes`,
 a `--sample` of its requests (the same ones in both runs), each a streaming greedy completion of a prompt
@@ -128,6 +128,7 @@ def configuration(name: str, args: argparse.Namespace, work: Path, model_dir: Pa
             "MESH_DECODE_WORKERS": "1",
             "MESH_PLACEMENT_AUTOSCALE": "1",
             "MESH_PLACEMENT_SCALE_WINDOW_S": str(args.window),
+            "MESH_PLACEMENT_SCALE_DOWN_WINDOW_S": str(args.down_window),
             "MESH_PLACEMENT_MAX_DECODE_WORKERS": str(args.peak),
         }
     mesh = launch_mesh(work / name, model_dir, **env)
@@ -152,6 +153,9 @@ def main() -> None:
     parser.add_argument("--low", type=float, default=6.0)
     parser.add_argument("--high", type=float, default=16.0)
     parser.add_argument("--window", type=float, default=5.0)
+    parser.add_argument(
+        "--down-window", type=float, default=30.0, help="scale-down's window (the trace runs at 2x with --minutes 4)"
+    )
     parser.add_argument("--settle", type=float, default=30.0, help="seconds between the mesh's health and the load")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", type=Path, default=TRACE)

@@ -387,6 +387,7 @@ class PlacementService:
                 now,
                 self._scale_holds.get(model, ScaleHold()),
                 s.placement_scale_window_s,
+                s.placement_scale_down_window_s,
                 s.placement_scale_low,
                 s.placement_scale_high,
                 s.placement_min_decode_workers,

@@ -130,6 +130,12 @@ class PlacementSettings(ModelSettings, ScalingSettings, CommonSettings):
     placement_scale_window_s: float = Field(
         10.0, ge=0, description="How long the advice must hold, since it changed and since the last action, to act."
     )
+    placement_scale_down_window_s: float = Field(
+        60.0,
+        ge=0,
+        description="... and to drain an instance, at least as long: a lull between bursts is no reason to drain "
+        "what the next burst needs (scale-down stabilisation).",
+    )
     placement_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     placement_metrics_port: int = Field(
         0,

@@ -129,6 +129,7 @@ def scale_decision(
     now: float,
     hold: ScaleHold,
     window_s: float,
+    down_window_s: float,
     low: float,
     high: float,
     minimum: int,
@@ -136,8 +137,10 @@ def scale_decision(
 ) -> tuple[int, ScaleHold, float | None]:
     """Llumnix's autoscaling: +1 (start an instance) when the mean freeness of the instances, averaged over the
     last `window_s`, is below `low`; -1 (drain one) when above `high` and the instances left would stay at
-    or above `low` (`with_one_fewer`, `freeness_with_one_fewer`, averaged the same way); only once it has
-    been watched for a whole window since the last action, and within [`minimum`, `maximum`] instances
+    or above `low` (`with_one_fewer`, `freeness_with_one_fewer`), both averaged over the last
+    `down_window_s` (at least `window_s`: a lull of seconds between bursts is no reason to drain what the
+    next burst needs, as autoscalers stabilise scale-downs); only once it has been watched for the
+    action's whole window since the last action, and within [`minimum`, `maximum`] instances
     (below `minimum`: +1 at once). The average, not every sample: at the band's edge the instantaneous
     freeness crosses it back and forth every second, and a streak never lasted (measured: a scale-up 78 s
     late with a 5 s window). The projection: an instance just started is empty, which lifts the mean over
@@ -149,14 +152,15 @@ def scale_decision(
         return 1, ScaleHold(), None
     if freeness_now is None:
         return 0, ScaleHold(), None
-    samples = tuple(s for s in hold.samples if s[0] > now - window_s) + ((now, freeness_now, with_one_fewer),)
+    down_window_s = max(down_window_s, window_s)
+    samples = tuple(s for s in hold.samples if s[0] > now - down_window_s) + ((now, freeness_now, with_one_fewer),)
     since = now if hold.since is None else hold.since
-    average = sum(s[1] for s in samples) / len(samples)
-    if now - since < window_s:
-        return 0, ScaleHold(samples, since), average
-    fewer = sum(s[2] for s in samples) / len(samples)
-    if average < low and instances < maximum:
+    recent = [s for s in samples if s[0] > now - window_s] or [samples[-1]]
+    average = sum(s[1] for s in recent) / len(recent)
+    action = 0
+    if now - since >= window_s and average < low and instances < maximum:
         action = 1
-    else:
-        action = -1 if average > high and fewer >= low and instances > minimum else 0
+    elif now - since >= down_window_s and instances > minimum:
+        mean, fewer = (sum(s[i] for s in samples) / len(samples) for i in (1, 2))
+        action = -1 if mean > high and fewer >= low else 0
     return action, (ScaleHold() if action else ScaleHold(samples, since)), average

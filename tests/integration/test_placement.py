@@ -714,6 +714,7 @@ async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_dra
                 placement_period_s=0.1,
                 placement_autoscale=True,
                 placement_scale_window_s=0.5,
+                placement_scale_down_window_s=0.5,
                 placement_balance=False,
             ) as replica,
         ):

@@ -260,13 +260,15 @@ def test_worker_view_carries_the_roles_over():
     assert not switchable(worker_view(info.model_copy(update={"roles": []})))
 
 
-def run_scaling(samples, window_s: float = 10, minimum: int = 1, maximum: int = 3):
+def run_scaling(samples, window_s: float = 10, minimum: int = 1, maximum: int = 3, down_window_s: float = 0):
     """(time, mean freeness or None, instances[, freeness with one fewer]) in order -> the actions taken, with
     their times (band 10-60; with one fewer: as the mean unless given)."""
     hold, acted = ScaleHold(), []
     for now, free, instances, *fewer in samples:
         with_one_fewer = fewer[0] if fewer else free or 0.0
-        action, hold, _ = scale_decision(free, with_one_fewer, instances, now, hold, window_s, 10, 60, minimum, maximum)
+        action, hold, _ = scale_decision(
+            free, with_one_fewer, instances, now, hold, window_s, down_window_s, 10, 60, minimum, maximum
+        )
         if action:
             acted.append((now, action))
     return acted
@@ -312,3 +314,12 @@ def test_freeness_with_one_fewer_pools_the_others_room_over_every_request():
     assert freeness_with_one_fewer([busy, empty], empty) == 4 / 5  # as the busy one is alone
     light = replace(busy, kv_blocks_used=6, running=2)
     assert freeness_with_one_fewer([light, empty], light) == (24 - 6) / 2  # its 2 requests move to the empty one
+
+
+def test_scaling_down_waits_out_its_own_longer_window_and_a_lull_shorter_than_it_drains_nothing():
+    lull = [(t, 90.0 if 10 <= t < 20 else 30.0, 2) for t in range(0, 60)]  # 10 s between bursts
+    assert run_scaling(lull, window_s=5, down_window_s=30) == []
+    assert run_scaling(lull, window_s=5, down_window_s=5) == [(12, -1), (18, -1)]  # drained within the lull
+    quiet = [(t, 90.0, 2) for t in range(0, 40)]
+    assert run_scaling(quiet, window_s=5, down_window_s=30) == [(30, -1)]
+    assert run_scaling([(t, 5.0, 1) for t in range(0, 8)], window_s=5, down_window_s=30) == [(5, 1)]  # up: at once
