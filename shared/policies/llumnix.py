@@ -115,7 +115,7 @@ def scaling_advice(workers: Sequence[WorkerView], low: float, high: float, prior
 
 @dataclass(frozen=True)
 class ScaleHold:
-    """The mean freeness seen over the last window, since when it has been watched (after the last action)."""
+    """The freeness seen over the last scale-down window, since when it has been watched (after the last action)."""
 
     # (time, mean freeness of the active decode workers, their pooled freeness with one fewer)
     samples: tuple[tuple[float, float, float], ...] = ()
