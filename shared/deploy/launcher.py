@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)
         ]
         services.append(("length-predictor", "length-predictor", {}))
-        engines = aggregated_engines(len(catalogue), args.decode_workers, ScalingSettings())
+        scaling = ScalingSettings()
+        engines = aggregated_engines(len(catalogue), args.decode_workers, scaling)
         cores = engine_cores(ranks, catalogue_roles(catalogue), engines)
         for model in models:
             for service, count in (("prefill-worker", args.prefill_workers), ("decode-worker", args.decode_workers)):
@@ -579,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                     for name, worker_env in worker_envs(service, count, model.name if len(catalogue) > 1 else None)
                 ]
         services += [("router", "router", {}), ("placement", "placement", {})]
-        wanted = len(models) < len(catalogue) or env_switch("MESH_PLACEMENT_AUTOSCALE")
+        wanted = len(models) < len(catalogue) or scaling.placement_autoscale
         if args.host_agent or (args.host_agent is None and wanted):
             agent_env = {"MESH_HOST_ENGINES": str(engines)} | ({"MESH_LOG_DIR": str(args.logs)} if args.logs else {})
             services.append(("host-agent", "host-agent", agent_env))

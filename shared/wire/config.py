@@ -228,9 +228,10 @@ class ScalingSettings(BaseSettings):
 
     placement_autoscale: bool = Field(
         False,
-        description="Act on the scaling advice, per model, through the host agents (Llumnix's autoscaling): when it "
-        "has asked for one more decode worker for `MESH_PLACEMENT_SCALE_WINDOW_S`, activate one; when it has said one "
-        "can go, drain the decode worker with the fewest requests (they migrate; it exits). Off: advice only.",
+        description="Scale decode workers per model through the host agents (Llumnix's autoscaling): when their "
+        "mean freeness over `MESH_PLACEMENT_SCALE_WINDOW_S` is under the band, activate one; when over it for "
+        "`MESH_PLACEMENT_SCALE_DOWN_WINDOW_S` and the others would stay in it without one, drain the one with the "
+        "fewest requests (they migrate; it exits). Off: advice only.",
     )
     placement_min_decode_workers: int = Field(1, ge=1, description="Autoscaling keeps at least this many per model ...")
     placement_max_decode_workers: int = Field(4, ge=1, description="... and starts no more than this many.")
