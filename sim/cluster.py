@@ -24,24 +24,7 @@ from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally,
 from llmesh.policies.views import worker_view
 from llmesh.wire.messages import RequestProgress, WorkerInfo
 
-from .engine import EngineProfile, PrefixCache, SimEngine, SimRequest
-
-
-def _request_view(r: SimRequest) -> RequestView:
-    """As the router builds it; once its first token is out, without a TTFT target (router.dispatch). The
-    traces give no client budget (`max_tokens`): the true length is told only as a prediction."""
-    return RequestView(
-        r.request_id,
-        r.model,
-        prompt_tokens=r.prompt_tokens,
-        arrival=r.arrival,
-        deadline=float("inf"),
-        predicted_tokens=r.predicted_tokens,
-        ttft_slo_s=r.ttft_slo_s if r.first_token_at is None else None,
-        tpot_slo_s=r.tpot_slo_s,
-        priority=r.priority,
-        prefix_hashes=r.prefix_hashes,
-    )
+from .engine import EngineProfile, Preemption, PrefixCache, SimEngine, SimRequest
 
 
 def _worker_view(e: SimEngine) -> WorkerView:
@@ -111,19 +94,26 @@ def simulate(
     max_wait_s: float = 30.0,
     heartbeat_s: float = 1.0,
     models: Sequence[str] = ("sim",),
+    preemption: Preemption | None = None,
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
     that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it.
     `models`: the engines of each pool serve them in turn, a static partition (engine i serves
-    models[i % len(models)]); a request goes only to an engine of its own model."""
+    models[i % len(models)]); a request goes only to an engine of its own model. `preemption`: how the
+    engines free KV under pressure (None: they do not; `SimEngine`)."""
     monolithic = prefill_instances == 0
     pools = [("e", "decode", instances), ("p", "prefill", prefill_instances)]
     ids = [f"{prefix}{i:03d}" for prefix, _, n in pools for i in range(n)]
     caches = _prefix_caches(ids, prefix_cache, profile, prefix_block_tokens, store_blocks)
     engines = [
         SimEngine(
-            f"{prefix}{i:03d}", profile, role=role, cache=caches[f"{prefix}{i:03d}"], model=models[i % len(models)]
+            f"{prefix}{i:03d}",
+            profile,
+            role=role,
+            cache=caches[f"{prefix}{i:03d}"],
+            model=models[i % len(models)],
+            preemption=preemption,
         )
         for prefix, role, n in pools
         for i in range(n)
@@ -152,7 +142,7 @@ def simulate(
 
     def refuse_hopeless(now: float, with_views: bool = False) -> dict[str, RequestView]:
         """Refuse whom the queue policy names hopeless or who waited too long; the waiters' views."""
-        views = {r.request_id: _request_view(r) for r in queue} if with_views or queue_policy.drop else {}
+        views = {r.request_id: r.view() for r in queue} if with_views or queue_policy.drop else {}
         refused = queue_policy.refused(now, list(views.values()), service_s)
         refused |= {r.request_id for r in queue if now - r.queued_at > max_wait_s}  # type: ignore[operator]
         for r in [r for r in queue if r.request_id in refused]:

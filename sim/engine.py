@@ -15,6 +15,13 @@ holds: vLLM's own per-instance cache (free, in device memory) or the mesh's glob
 (shared by every engine, each hit costing `PrefixCache.load_token_s` a token to bring in). Its
 blocks enter the cache once its prompt is computed.
 
+KV pressure: without a `Preemption`, a request holds the blocks of its prompt from admission and its
+output grows past them unchecked (the engine is sized for its load). With one, as vLLM: before each
+step, the decoding requests' next tokens must fit; if they do not, a victim leaves the batch (vLLM's:
+the request admitted last; AdaptiveLLM's: the lowest fairness priority), its KV moved to CPU memory
+(swap: the blocks' copy time in this step, and again in the step that brings it back) or dropped (recompute:
+its prompt and output so far computed again when it resumes), and nobody is admitted that step.
+
 Roles, as in the mesh: a "prefill" engine hands a request on once its first token is out; a
 "decode" engine takes requests whose KV arrived (their prompt needs no compute) or, as a
 monolithic engine, whole requests.
@@ -24,9 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
-from llmesh.policies.core import kv_blocks
+from llmesh.policies.core import RequestView, kv_blocks
+from llmesh.policies.preemption import Choice, swap_or_recompute
 from llmesh.policies.prefix import PrefixIndex
+from llmesh.policies.queueing import fairness
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,41 @@ class SimRequest:
     migrating: bool = False
     predicted_remaining: float | None = None
     remaining_at: int = 0
+    # preemption (`Preemption`)
+    recomputing: int = 0  # output tokens its prompt computes again (it resumed by recompute)
+    swapped_blocks: int = 0  # KV blocks it holds in CPU memory (swapped out)
+    preemptions: int = 0
+    swaps: int = 0  # of its preemptions, those that swapped
+
+    @property
+    def prefill_target(self) -> int:
+        """The tokens its prefill computes: its prompt, and the output it had when preempted to recompute."""
+        return self.prompt_tokens + self.recomputing
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == self.prefill_target
+
+    @property
+    def kv_tokens(self) -> int:
+        """The tokens whose KV it holds."""
+        return self.prompt_tokens + self.generated if self.decoding else self.prefilled
+
+    def view(self) -> RequestView:
+        """As the router builds it; once its first token is out, without a TTFT target (router.dispatch). The
+        traces give no client budget (`max_tokens`): the true length is told only as a prediction."""
+        return RequestView(
+            self.request_id,
+            self.model,
+            prompt_tokens=self.prompt_tokens,
+            arrival=self.arrival,
+            deadline=float("inf"),
+            predicted_tokens=self.predicted_tokens,
+            ttft_slo_s=self.ttft_slo_s if self.first_token_at is None else None,
+            tpot_slo_s=self.tpot_slo_s,
+            priority=self.priority,
+            prefix_hashes=self.prefix_hashes,
+        )
 
     @property
     def max_tokens(self) -> int:
@@ -118,6 +163,32 @@ class PrefixCache:
     load_token_s: float = 0.0  # to bring one cached token's KV in (0: already in device memory)
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+VICTIMS = ("last", "fairness")
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """How an engine frees KV blocks when its decoding requests outgrow them (vLLM's preemption, with
+    AdaptiveLLM's choices). `mode`: the victim's KV is dropped and computed again ("recompute", vLLM's
+    default), copied to `cpu_blocks` of CPU memory and back ("swap", vLLM V0's swap space), or whichever
+    `llmesh.policies.preemption.swap_or_recompute` finds cheaper for it ("auto", AdaptiveLLM); a swap that
+    the CPU space cannot hold recomputes instead (AdaptiveLLM's capacity check; vLLM V0 would abort the
+    request). `victim`: "last", vLLM's, the request admitted last; "fairness", AdaptiveLLM's, the lowest
+    fairness priority (`llmesh.policies.queueing.fairness`: time in the system over predicted length)."""
+
+    mode: Literal["recompute", "swap", "auto"] = "recompute"
+    cpu_blocks: int = 0
+    swap_block_s: float = 0.0  # one block's KV copied between device and CPU memory, one way
+    victim: Literal["last", "fairness"] = "last"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREEMPTION_MODES or self.victim not in VICTIMS:
+            raise ValueError(f"preemption: mode one of {PREEMPTION_MODES}, victim one of {VICTIMS}")
+        if self.mode != "recompute" and self.swap_block_s <= 0:
+            raise ValueError("preemption: swapping needs swap_block_s > 0")
+
+
 @dataclass(eq=False)
 class SimEngine:
     worker_id: str
@@ -135,13 +206,18 @@ class SimEngine:
     # None: its profile's own `kv_blocks`
     kv_limit: Callable[[SimEngine], int] | None = None
     _reserved: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (steps, batch size) -> reserved blocks
+    preemption: Preemption | None = None  # None: no preemption (see the module's docstring)
+    cpu_blocks_used: int = 0
 
     @property
     def requests(self) -> list[SimRequest]:
         return self.running + self.waiting
 
     def blocks_used(self) -> int:
-        return sum(kv_blocks(r.prefilled + r.generated, self.profile.block_size) for r in self.running)
+        return sum(kv_blocks(r.kv_tokens, self.profile.block_size) for r in self.running)
+
+    def kv_block_limit(self) -> int:
+        return self.kv_limit(self) if self.kv_limit is not None else self.profile.kv_blocks
 
     def reserved_blocks(self) -> int:
         """The blocks its batch holds: every admitted prompt's, and what they generated (the batch
@@ -158,32 +234,85 @@ class SimEngine:
         """Move waiting requests into the batch while sequences and KV blocks allow (in order)."""
         p = self.profile
         reserved = self.reserved_blocks()
-        limit = self.kv_limit(self) if self.kv_limit is not None else p.kv_blocks
+        limit = self.kv_block_limit()
         while self.waiting and len(self.running) < p.max_seqs:
-            need = kv_blocks(self.waiting[0].prompt_tokens + 1, p.block_size)
+            r = self.waiting[0]
+            need = kv_blocks(r.prompt_tokens + max(r.generated, 1), p.block_size)
+            if self.preemption is not None and need > limit:  # larger than its whole KV space: never admitted
+                self.waiting.pop(0).refused = True
+                continue
             if reserved + need > limit:
                 break
             reserved += need
-            r = self.waiting.pop(0)
-            if self.cache is not None and r.prefilled == 0 and r.prefix_hashes:
+            self.waiting.pop(0)
+            if r.swapped_blocks:  # back from CPU memory, copied in during this step
+                self._load_s += r.swapped_blocks * self.preemption.swap_block_s  # type: ignore[union-attr]
+                self.cpu_blocks_used -= r.swapped_blocks
+                r.swapped_blocks = 0
+            elif self.cache is not None and r.prefilled == 0 and r.prefix_hashes:
                 c = self.cache
                 r.cached_tokens = min(c.index.matched(c.key, r.prefix_hashes) * c.block_tokens, r.prompt_tokens - 1)
                 r.prefilled = r.cached_tokens
                 self._load_s += r.cached_tokens * c.load_token_s
             self.running.append(r)
 
+    def _make_room(self, now: float) -> bool:
+        """Preempt until the decoding requests' next tokens fit their KV space; whether any was."""
+        p, limit = self.profile, self.kv_block_limit()
+        preempted = False
+        while self.running:
+            need = sum(kv_blocks(r.prompt_tokens + r.generated + r.decoding, p.block_size) for r in self.running)
+            if need <= limit:
+                break
+            self._preempt(self._victim(now), now)
+            preempted = True
+        return preempted
+
+    def _victim(self, now: float) -> SimRequest:
+        if self.preemption.victim == "last":  # type: ignore[union-attr]
+            return self.running[-1]
+        key = fairness().key
+        return max(self.running, key=lambda r: (key(now, r.view()), r.arrival, r.request_id))
+
+    def _preempt(self, r: SimRequest, now: float) -> None:
+        """`r` leaves the batch for the front of the queue, its KV swapped out or dropped."""
+        pre, p = self.preemption, self.profile
+        assert pre is not None
+        blocks = kv_blocks(r.kv_tokens, p.block_size)
+        choice: Choice = "recompute" if pre.mode == "recompute" else "swap"
+        if pre.mode == "auto":
+            tokens = max(r.kv_tokens, 1)
+            recompute_rate = tokens / max(p.prefill_s(tokens) - p.base_s, 1e-12)
+            # "bytes" in blocks: out now and in when it resumes, at 1 / swap_block_s blocks a second
+            choice = swap_or_recompute(tokens, 2 * blocks, 1 / pre.swap_block_s, recompute_rate).choice
+        if choice == "swap" and self.cpu_blocks_used + blocks > pre.cpu_blocks:
+            choice = "recompute"
+        self.running.remove(r)
+        if choice == "swap":
+            r.swapped_blocks = blocks
+            self.cpu_blocks_used += blocks
+            self._load_s += blocks * pre.swap_block_s
+        else:
+            r.recomputing = r.generated if r.decoding else r.recomputing
+            r.prefilled = 0
+        r.preemptions += 1
+        r.swaps += choice == "swap"
+        self.waiting.insert(0, r)
+
     def start_step(self, now: float) -> float | None:
         """Plan the next step from `now`; its end time, or None when there is no work."""
-        self._admit()
+        # vLLM admits none in a step that preempted, unless the batch is empty
+        if self.preemption is None or not self._make_room(now) or not self.running:
+            self._admit()
         if not self.running:
             self.busy_until = None
             return None
         budget = self.profile.max_batched_tokens
         self._plan: list[tuple[SimRequest, int]] = []
-        decoding = [r for r in self.running if r.prefilled == r.prompt_tokens]
+        decoding = [r for r in self.running if r.decoding]
         prefill_tokens = pairs = 0
         for r in self.running:
-            left = r.prompt_tokens - r.prefilled
+            left = r.prefill_target - r.prefilled
             if left and budget:
                 chunk = min(left, budget)
                 budget -= chunk
@@ -201,10 +330,14 @@ class SimEngine:
         prefill engine's with their first token out)."""
         for r, chunk in self._plan:
             r.prefilled += chunk
-            if r.prefilled == r.prompt_tokens:  # the last chunk samples the first token
-                r.generated, r.first_token_at = 1, now
-                if self.cache is not None and r.prefix_hashes:
-                    self.cache.index.record(self.cache.key, r.prefix_hashes)
+            if not r.decoding:
+                continue
+            if r.first_token_at is not None:  # a recompute done: its last chunk samples the next token
+                r.generated += 1
+                continue
+            r.generated, r.first_token_at = 1, now  # the last chunk samples the first token
+            if self.cache is not None and r.prefix_hashes:
+                self.cache.index.record(self.cache.key, r.prefix_hashes)
         for r in self._decoding:
             r.generated += 1
         leaving = [

@@ -59,7 +59,7 @@ from llmesh.policies.prism import Device as PlacementDevice
 from llmesh.policies.prism import ModelDemand, idle_evictions, kv_pressure, place_models
 from llmesh.policies.queueing import prism as prism_queue
 
-from .cluster import _request_view, summarize
+from .cluster import summarize
 from .engine import EngineProfile, SimEngine, SimRequest
 from .gpu_profile import DTYPE_BYTES, KV_BYTES_PER_TOKEN, PARAMS
 from .multimodel import Arrival, model_name, multimodel_workload
@@ -328,7 +328,7 @@ class MultiModelCluster:
         """`r` as the router sees it (unchanged while it waits)."""
         view = self.views.get(r.request_id)
         if view is None:
-            view = self.views[r.request_id] = _request_view(r)
+            view = self.views[r.request_id] = r.view()
         return view
 
     def _ready(self, d: Device, model: str) -> bool:

@@ -1,12 +1,14 @@
 """The simulator against hand-computed cases, and every policy through it."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
+from llmesh.policies.core import kv_blocks
 from llmesh_sim.cluster import simulate, summarize
-from llmesh_sim.engine import EngineProfile, SimRequest
+from llmesh_sim.engine import EngineProfile, Preemption, SimEngine, SimRequest
 
 # 10 ms a step, 1 ms a prompt token, 2 ms a decoding request
 PROFILE = EngineProfile(
@@ -314,3 +316,80 @@ def test_a_static_partition_sends_each_model_only_to_its_own_engines():
     assert served == {("a", "e000"), ("a", "e002"), ("b", "e001")}
     assert all(r.finished_at is not None for r in done if r.model != "c")
     assert all(r.refused for r in done if r.model == "c")
+
+
+def _run_alone(engine: SimEngine, requests: list[SimRequest]) -> dict:
+    """Every request given to `engine` at 0, stepped to the end; what each step computed and held."""
+    engine.waiting.extend(requests)
+    now, prefill_tokens, swapped_out, recomputed_outputs = 0.0, 0, 0, 0
+    preemptions = {r.request_id: 0 for r in requests}
+    while True:
+        cpu_before = engine.cpu_blocks_used
+        end = engine.start_step(now)
+        if end is None:
+            break
+        swapped_out += max(engine.cpu_blocks_used - cpu_before, 0)
+        for r in requests:
+            if r.preemptions > preemptions[r.request_id]:
+                preemptions[r.request_id] = r.preemptions
+                recomputed_outputs += r.recomputing if r.swaps < r.preemptions else 0
+        limit = engine.profile.kv_blocks
+        assert sum(kv_blocks(r.prompt_tokens + r.generated + r.decoding, 16) for r in engine.running) <= limit
+        prefill_tokens += sum(chunk for _, chunk in engine._plan)
+        engine.finish_step(end)
+        now = end
+    return {"end": now, "prefill_tokens": prefill_tokens, "swapped_out": swapped_out, "recomputed": recomputed_outputs}
+
+
+def _pressed(**preemption) -> tuple[SimEngine, SimRequest, SimRequest]:
+    """Two requests whose outputs outgrow a 4-block (64-token) KV space together: 20 + 30 tokens each."""
+    engine = SimEngine("e", replace(PROFILE, kv_blocks=4), preemption=Preemption(**preemption))
+    return engine, SimRequest("a", 0.0, 20, 30), SimRequest("b", 0.0, 20, 30)
+
+
+def test_preemption_by_recompute_keeps_kv_within_its_blocks_and_computes_the_victims_tokens_again():
+    """vLLM's: the request admitted last leaves the batch once both cross into their third block, its
+    prompt and output so far computed again when it resumes; both finish their 30 tokens."""
+    engine, a, b = _pressed(mode="recompute")
+    run = _run_alone(engine, [a, b])
+    assert (a.preemptions, b.preemptions, b.swaps) == (0, 1, 0)
+    assert a.generated == b.generated == 30 and a.finished_at < b.finished_at
+    assert run["prefill_tokens"] == 20 + 20 + 20 + run["recomputed"] and run["recomputed"] > 0
+
+
+def test_preemption_by_swap_copies_the_victims_blocks_out_and_back_at_their_copy_time():
+    engine, a, b = _pressed(mode="swap", cpu_blocks=8, swap_block_s=0.5)
+    run = _run_alone(engine, [a, b])
+    assert (b.preemptions, b.swaps) == (1, 1) and engine.cpu_blocks_used == 0
+    assert run["prefill_tokens"] == 40 and run["swapped_out"] == 2  # b held 32 tokens: 2 blocks
+    free_engine, *free = _pressed(mode="swap", cpu_blocks=8, swap_block_s=1e-12)
+    assert run["end"] - _run_alone(free_engine, free)["end"] == pytest.approx(2 * 2 * 0.5)  # out, then back in
+
+
+def test_a_swap_the_cpu_space_cannot_hold_recomputes_instead():
+    engine, a, b = _pressed(mode="swap", cpu_blocks=1, swap_block_s=0.5)
+    _run_alone(engine, [a, b])
+    assert (b.preemptions, b.swaps) == (1, 0) and b.generated == 30
+
+
+@pytest.mark.parametrize(("swap_block_s", "swaps"), [(1e-6, 1), (1.0, 0)])
+def test_auto_preemption_swaps_only_when_the_copies_cost_less_than_computing_again(swap_block_s, swaps):
+    """AdaptiveLLM's choice at preemption time: 2 blocks out and back against ~32 tokens at 1 ms each."""
+    engine, a, b = _pressed(mode="auto", cpu_blocks=8, swap_block_s=swap_block_s)
+    _run_alone(engine, [a, b])
+    assert (b.preemptions, b.swaps) == (1, swaps)
+
+
+def test_the_fairness_victim_is_the_lowest_time_in_the_system_over_predicted_length():
+    """AdaptiveLLM's victim: `a`, admitted first but predicted ten times longer, goes instead of the last admitted."""
+    engine, a, b = _pressed(mode="recompute", victim="fairness")
+    a.predicted_tokens, b.predicted_tokens = 300.0, 30.0
+    _run_alone(engine, [a, b])
+    assert (a.preemptions, b.preemptions) == (1, 0) and a.generated == b.generated == 30
+
+
+def test_under_preemption_a_request_larger_than_the_kv_space_is_refused_not_left_waiting():
+    engine, a, _ = _pressed(mode="recompute")
+    huge = SimRequest("huge", 0.0, 100, 1)
+    _run_alone(engine, [huge, a])
+    assert huge.refused and huge.first_token_at is None and a.generated == 30
