@@ -105,6 +105,7 @@ class SimRequest:
     swapped_blocks: int = 0  # KV blocks it holds in CPU memory (swapped out)
     preemptions: int = 0
     swaps: int = 0  # of its preemptions, those that swapped
+    preempted_s: float = 0.0  # what its preemptions cost: blocks copied, or its tokens' prefill time computed again
 
     @property
     def prefill_target(self) -> int:
@@ -246,7 +247,9 @@ class SimEngine:
             reserved += need
             self.waiting.pop(0)
             if r.swapped_blocks:  # back from CPU memory, copied in during this step
-                self._load_s += r.swapped_blocks * self.preemption.swap_block_s  # type: ignore[union-attr]
+                copy_s = r.swapped_blocks * self.preemption.swap_block_s  # type: ignore[union-attr]
+                self._load_s += copy_s
+                r.preempted_s += copy_s
                 self.cpu_blocks_used -= r.swapped_blocks
                 r.swapped_blocks = 0
             elif self.cache is not None and r.prefilled == 0 and r.prefix_hashes:
@@ -282,7 +285,7 @@ class SimEngine:
         choice: Choice = "recompute" if pre.mode == "recompute" else "swap"
         if pre.mode == "auto":
             tokens = max(r.kv_tokens, 1)
-            recompute_rate = tokens / max(p.prefill_s(tokens) - p.base_s, 1e-12)
+            recompute_rate = tokens / max(p.prefill_s(tokens) - p.base_s, 1e-12)  # alone, without the step's fixed cost
             # "bytes" in blocks: out now and in when it resumes, at 1 / swap_block_s blocks a second
             choice = swap_or_recompute(tokens, 2 * blocks, 1 / pre.swap_block_s, recompute_rate).choice
         if choice == "swap" and self.cpu_blocks_used + blocks > pre.cpu_blocks:
@@ -292,8 +295,10 @@ class SimEngine:
             r.swapped_blocks = blocks
             self.cpu_blocks_used += blocks
             self._load_s += blocks * pre.swap_block_s
+            r.preempted_s += blocks * pre.swap_block_s
         else:
             r.recomputing = r.generated if r.decoding else r.recomputing
+            r.preempted_s += p.prefill_s(r.kv_tokens) - p.base_s
             r.prefilled = 0
         r.preemptions += 1
         r.swaps += choice == "swap"
