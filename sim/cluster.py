@@ -8,7 +8,8 @@ hopeless ones, as `services/router/admission.py` does live. Engines are `SimEngi
 go on, after their KV transfer, to the decode pool, each placed by the same policies as the
 router places them; with `local_prefill_margin_s`, a decode engine runs the whole request when the
 prefill queue would answer later and its streams can absorb the stall (llmesh.policies.disagg,
-the router's conditional disaggregation). Time is simulated: a run of hours takes seconds.
+the router's conditional disaggregation); with a `Migration`, placement's Llumnix balancing moves
+running requests between decode engines. Time is simulated: a run of hours takes seconds.
 """
 
 from __future__ import annotations
@@ -20,11 +21,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
+from llmesh.policies.core import kv_blocks
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
+from llmesh.policies.llumnix import migration_pairs, pick_migration
 from llmesh.policies.views import worker_view
 from llmesh.wire.messages import RequestProgress, WorkerInfo
 
 from .engine import EngineProfile, Preemption, PrefixCache, SimEngine, SimRequest
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Placement's Llumnix load balancing (services/placement, `llmesh.policies.llumnix`): every `interval_s`
+    the decode engines with freeness under `source_below` are paired with those over `destination_above`,
+    and each pair moves the request `pick_migration` names, its blocks reserved on the destination. Its
+    KV is copied while it decodes on (the stages before the last: `copy_block_s` a block of what it held
+    when it started), then it moves, paused `downtime_s` (the last stage, Llumnix's near-constant
+    downtime). A request that finished, was preempted or was left with no room meanwhile stays."""
+
+    interval_s: float = 0.5  # MESH_PLACEMENT_PERIOD_S
+    source_below: float = 10.0  # MESH_PLACEMENT_SOURCE_BELOW
+    destination_above: float = 30.0  # MESH_PLACEMENT_DESTINATION_ABOVE
+    copy_block_s: float = 0.0
+    downtime_s: float = 0.03
 
 
 def _worker_view(e: SimEngine) -> WorkerView:
@@ -95,13 +114,15 @@ def simulate(
     heartbeat_s: float = 1.0,
     models: Sequence[str] = ("sim",),
     preemption: Preemption | None = None,
+    migration: Migration | None = None,
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
     that waits in the router's queue longer than `max_wait_s` is refused, as the router refuses it.
     `models`: the engines of each pool serve them in turn, a static partition (engine i serves
     models[i % len(models)]); a request goes only to an engine of its own model. `preemption`: how the
-    engines free KV under pressure (None: they do not; `SimEngine`)."""
+    engines free KV under pressure (None: they do not; `SimEngine`); `migration`: placement's balancing
+    between decode engines (None: none)."""
     monolithic = prefill_instances == 0
     pools = [("e", "decode", instances), ("p", "prefill", prefill_instances)]
     ids = [f"{prefix}{i:03d}" for prefix, _, n in pools for i in range(n)]
@@ -197,6 +218,43 @@ def simulate(
             start(engine, now)
             workers[engine.worker_id] = _worker_view(engine)
 
+    def migrate(now: float) -> None:
+        """Placement's period: start the moves Llumnix's pairing names."""
+        assert migration is not None
+        decode = [_worker_view(e) for e in engines if e.role == "decode"]
+        for source_view, destination_view in migration_pairs(
+            decode, migration.source_below, migration.destination_above
+        ):
+            progress = pick_migration(source_view)
+            source, destination = by_id[source_view.worker_id], by_id[destination_view.worker_id]
+            r = next((r for r in source.running if progress and r.request_id == progress.request_id), None)
+            if r is None:
+                continue
+            room = destination.kv_block_limit() - destination.reserved_blocks()
+            if kv_blocks(r.kv_tokens + 1, destination.profile.block_size) > room:
+                continue
+            r.migrating = True
+            destination.incoming.append(r)
+            copied = now + kv_blocks(r.kv_tokens, destination.profile.block_size) * migration.copy_block_s
+            heapq.heappush(events, (copied, next(order), "migrated", (r, source, destination)))
+
+    def migrated(now: float, r: SimRequest, source: SimEngine, destination: SimEngine) -> None:
+        """The last stage: `r` moves unless it finished or left the batch meanwhile."""
+        assert migration is not None
+        destination.incoming.remove(r)
+        r.migrating = False
+        if r not in source.running or r.finished_at is not None:
+            return
+        source.running.remove(r)
+        destination.running.append(r)
+        r.paused_until, r.worker_id = now + migration.downtime_s, destination.worker_id
+        r.migrations += 1
+        start(destination, now)
+        dispatch(now)
+
+    if migration is not None:
+        heapq.heappush(events, (migration.interval_s, next(order), "migrate", None))
+
     # As the router: a request that finds nobody waiting is placed at once if it fits; one that
     # finds a queue joins it. The queue is served when room may have appeared (a request left a
     # worker, and every heartbeat), and its hopeless or expired waiters are refused as they come.
@@ -216,6 +274,12 @@ def simulate(
         elif kind == "heartbeat":
             ticking = False
             dispatch(now)
+        elif kind == "migrate":
+            migrate(now)
+            if events:  # work is left
+                heapq.heappush(events, (now + migration.interval_s, next(order), "migrate", None))  # type: ignore[union-attr]
+        elif kind == "migrated":
+            migrated(now, *item)  # type: ignore[misc]
         else:
             engine: SimEngine = item  # type: ignore[assignment]
             left = engine.finish_step(now)

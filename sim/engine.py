@@ -106,6 +106,11 @@ class SimRequest:
     preemptions: int = 0
     swaps: int = 0  # of its preemptions, those that swapped
     preempted_s: float = 0.0  # what its preemptions cost: blocks copied, or its tokens' prefill time computed again
+    requeued_s: float = 0.0  # time spent back in the queue after its preemptions
+    preempted_at: float | None = None  # when its last preemption sent it back to the queue (None: not waiting for that)
+    # live migration (sim.cluster.Migration)
+    migrations: int = 0
+    paused_until: float = 0.0  # no decoding before this: its KV's last stage is on its way to a new engine
 
     @property
     def prefill_target(self) -> int:
@@ -206,13 +211,14 @@ class SimEngine:
     # the KV blocks it may hold when it shares a device's memory with other models' engines (sim.prism);
     # None: its profile's own `kv_blocks`
     kv_limit: Callable[[SimEngine], int] | None = None
-    _reserved: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (steps, batch size) -> reserved blocks
+    _reserved: tuple[tuple[int, int, int], int] = ((-1, -1, -1), 0)  # (steps, batch, incoming) -> reserved blocks
     preemption: Preemption | None = None  # None: no preemption (see the module's docstring)
     cpu_blocks_used: int = 0
+    incoming: list[SimRequest] = field(default_factory=list)  # migrating here: their blocks reserved (sim.cluster)
 
     @property
     def requests(self) -> list[SimRequest]:
-        return self.running + self.waiting
+        return self.running + self.waiting + self.incoming
 
     def blocks_used(self) -> int:
         return sum(kv_blocks(r.kv_tokens, self.profile.block_size) for r in self.running)
@@ -223,15 +229,18 @@ class SimEngine:
     def reserved_blocks(self) -> int:
         """The blocks its batch holds: every admitted prompt's, and what they generated (the batch
         changes only by admission, which grows it, and by a step, which counts itself)."""
-        state = (self.steps, len(self.running))
+        state = (self.steps, len(self.running), len(self.incoming))
         if self._reserved[0] != state:
             self._reserved = (
                 state,
-                sum(kv_blocks(r.prompt_tokens + r.generated, self.profile.block_size) for r in self.running),
+                sum(
+                    kv_blocks(r.prompt_tokens + r.generated, self.profile.block_size)
+                    for r in self.running + self.incoming
+                ),
             )
         return self._reserved[1]
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> None:
         """Move waiting requests into the batch while sequences and KV blocks allow (in order)."""
         p = self.profile
         reserved = self.reserved_blocks()
@@ -246,6 +255,9 @@ class SimEngine:
                 break
             reserved += need
             self.waiting.pop(0)
+            if r.preempted_at is not None:
+                r.requeued_s += now - r.preempted_at
+                r.preempted_at = None
             if r.swapped_blocks:  # back from CPU memory, copied in during this step
                 copy_s = r.swapped_blocks * self.preemption.swap_block_s  # type: ignore[union-attr]
                 self._load_s += copy_s
@@ -302,19 +314,20 @@ class SimEngine:
             r.prefilled = 0
         r.preemptions += 1
         r.swaps += choice == "swap"
+        r.preempted_at = now
         self.waiting.insert(0, r)
 
     def start_step(self, now: float) -> float | None:
         """Plan the next step from `now`; its end time, or None when there is no work."""
         # vLLM admits none in a step that preempted, unless the batch is empty
         if self.preemption is None or not self._make_room(now) or not self.running:
-            self._admit()
+            self._admit(now)
         if not self.running:
             self.busy_until = None
             return None
         budget = self.profile.max_batched_tokens
         self._plan: list[tuple[SimRequest, int]] = []
-        decoding = [r for r in self.running if r.decoding]
+        decoding = [r for r in self.running if r.decoding and r.paused_until <= now]
         prefill_tokens = pairs = 0
         for r in self.running:
             left = r.prefill_target - r.prefilled
@@ -326,6 +339,9 @@ class SimEngine:
                 self._plan.append((r, chunk))
         context = sum(r.prompt_tokens + r.generated for r in decoding)
         self._decoding = decoding
+        if not decoding and not self._plan:  # all it holds wait for their migrated KV: idle until the first has it
+            self.busy_until = min(r.paused_until for r in self.running)
+            return self.busy_until
         self.busy_until = now + self.profile.step_s(prefill_tokens, len(decoding), context, pairs) + self._load_s
         self._load_s = 0.0
         return self.busy_until

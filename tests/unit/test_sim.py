@@ -7,7 +7,7 @@ import pytest
 
 from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
 from llmesh.policies.core import kv_blocks
-from llmesh_sim.cluster import simulate, summarize
+from llmesh_sim.cluster import Migration, simulate, summarize
 from llmesh_sim.engine import EngineProfile, Preemption, SimEngine, SimRequest
 
 # 10 ms a step, 1 ms a prompt token, 2 ms a decoding request
@@ -419,3 +419,28 @@ def test_the_adaptive_experiment_runs_every_system_under_pressure_and_writes_its
     assert rows["recompute", "-"][3] == "1.00x" and int(rows["recompute", "-"][7]) > 0  # KV pressure preempts
     assert int(rows["swap", "-"][8]) > 0 and int(rows["recompute", "-"][8]) == 0  # swapped: only where allowed
     assert all(cells[-1] == "0" for cells in rows.values())  # nothing refused: every request fits the KV
+
+
+def _skewed(downtime_s: float, copy_block_s: float = 0.0) -> tuple[SimRequest, SimRequest, SimRequest]:
+    """Round robin leaves two long requests on e000 (10 blocks of KV, both growing) and a short one on e001,
+    which then empties: placement's pairing moves the long request with the fewer tokens (`b`) there."""
+    a, short, b = SimRequest("a", 0.0, 60, 200), SimRequest("short", 0.001, 10, 2), SimRequest("b", 0.002, 60, 200)
+    migration = Migration(
+        interval_s=0.5, source_below=3, destination_above=5, copy_block_s=copy_block_s, downtime_s=downtime_s
+    )
+    profile = replace(PROFILE, kv_blocks=10)
+    simulate([a, short, b], profile, 2, make_policy("round_robin"), make_queue_policy("fcfs"), migration=migration)
+    return a, short, b
+
+
+def test_live_migration_moves_the_cheapest_request_off_the_least_free_engine_and_pauses_it_for_the_downtime():
+    a, short, b = _skewed(downtime_s=0.0)
+    assert (a.migrations, short.migrations, b.migrations) == (0, 0, 1)
+    assert b.worker_id == "e001" and a.worker_id == "e000" and b.generated == a.generated == 200
+    _, _, paused = _skewed(downtime_s=1.0)
+    assert paused.finished_at - b.finished_at == pytest.approx(1.0)  # it decodes alone there either way
+
+
+def test_a_request_that_finishes_while_its_kv_is_copied_stays_where_it_ran():
+    a, _, b = _skewed(downtime_s=0.0, copy_block_s=100.0)
+    assert a.migrations == b.migrations == 0 and b.worker_id == "e000" and b.generated == 200
