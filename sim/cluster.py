@@ -276,7 +276,7 @@ def simulate(
             dispatch(now)
         elif kind == "migrate":
             migrate(now)
-            if events:  # work is left
+            if any(r.finished_at is None and not r.refused for r in requests):  # work is left
                 heapq.heappush(events, (now + migration.interval_s, next(order), "migrate", None))  # type: ignore[union-attr]
         elif kind == "migrated":
             migrated(now, *item)  # type: ignore[misc]

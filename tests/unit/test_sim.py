@@ -444,3 +444,22 @@ def test_live_migration_moves_the_cheapest_request_off_the_least_free_engine_and
 def test_a_request_that_finishes_while_its_kv_is_copied_stays_where_it_ran():
     a, _, b = _skewed(downtime_s=0.0, copy_block_s=100.0)
     assert a.migrations == b.migrations == 0 and b.worker_id == "e000" and b.generated == 200
+
+
+def test_the_llumnix_experiment_runs_each_system_and_only_llumnix_migrates(tmp_path):
+    from llmesh_sim.llumnix import main
+
+    out = tmp_path / "llumnix.md"
+    argv = ["--requests", "300", "--lengths", "long-tail", "--instances", "2", "--kv-blocks", "40", "--rates", "8"]
+    assert main([*argv, "--out", str(out)]) == 0
+    rows = {
+        cells[0]: cells
+        for line in out.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| system")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    assert set(rows) == {"round-robin", "INFaaS++", "Llumnix dispatch", "Llumnix"}
+    assert rows["INFaaS++"][3] == "1.00x" and rows["round-robin"][7] == "1.00x"
+    assert all(int(cells[8]) > 0 for cells in rows.values())  # KV short enough to preempt everywhere
+    assert int(rows["Llumnix"][9]) > 0 and all(int(rows[s][9]) == 0 for s in rows if s != "Llumnix")
+    assert all(cells[10] == "0" for cells in rows.values())  # every request completed
