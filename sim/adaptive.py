@@ -84,7 +84,7 @@ def run(requests: list[SimRequest], profile: EngineProfile, preemption: Preempti
 
 def measure(system: str, predictions: str, done: list[SimRequest]) -> Result:
     finished = [r for r in done if r.finished_at is not None]
-    span = max(r.finished_at for r in finished) - min(r.arrival for r in done)  # type: ignore[type-var]
+    span = max(r.finished_at or 0.0 for r in finished) - min(r.arrival for r in done)
     return Result(
         system,
         predictions,

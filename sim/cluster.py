@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -115,6 +116,7 @@ def simulate(
     models: Sequence[str] = ("sim",),
     preemption: Preemption | None = None,
     migration: Migration | None = None,
+    heartbeat_views: bool = False,
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
@@ -122,7 +124,10 @@ def simulate(
     `models`: the engines of each pool serve them in turn, a static partition (engine i serves
     models[i % len(models)]); a request goes only to an engine of its own model. `preemption`: how the
     engines free KV under pressure (None: they do not; `SimEngine`); `migration`: placement's balancing
-    between decode engines (None: none)."""
+    between decode engines (None: none). `heartbeat_views`: the policies see each engine as the router
+    does (llmesh_router.scheduler: its last heartbeat, one every `heartbeat_s`, staggered, plus the
+    requests sent it and finished since) and placement as placement does (the heartbeat alone); by
+    default they see every engine's exact state at every decision."""
     monolithic = prefill_instances == 0
     pools = [("e", "decode", instances), ("p", "prefill", prefill_instances)]
     ids = [f"{prefix}{i:03d}" for prefix, _, n in pools for i in range(n)]
@@ -148,6 +153,32 @@ def simulate(
         heapq.heappush(events, (r.arrival, next(order), "arrive", r))
     queue: list[SimRequest] = []
     dispatched = {"prefill": 0, "decode": 0}
+    beats: dict[str, WorkerView] = {}  # engine -> its last heartbeat's view (heartbeat_views)
+    sent: Counter[str] = Counter()  # engine -> requests the router sent it since that heartbeat
+    sent_blocks: Counter[str] = Counter()  # ... the KV blocks their prompts need
+    released: Counter[str] = Counter()  # ... and those that finished there since
+    if heartbeat_views:
+        for i, e in enumerate(engines):
+            beats[e.worker_id] = _build_view(e)
+            heapq.heappush(events, (heartbeat_s * (i + 1) / len(engines), next(order), "beat", e))
+
+    def router_view(e: SimEngine) -> WorkerView:
+        """`e` as the router sees it (llmesh_router.scheduler.Scheduler.view)."""
+        if not heartbeat_views:
+            return _worker_view(e)
+        view, assigned, done = beats[e.worker_id], sent[e.worker_id], released[e.worker_id]
+        if not assigned and not done:
+            return view
+        from_assigned = min(done, assigned)  # a finished request was either sent since the heartbeat or in it
+        return replace(
+            view,
+            assigned=assigned - from_assigned,
+            assigned_blocks=sent_blocks[e.worker_id],
+            running=max(view.running - (done - from_assigned), 0),
+        )
+
+    def work_left() -> bool:
+        return any(r.finished_at is None and not r.refused for r in requests)
 
     def role_of(r: SimRequest) -> str:
         return "decode" if monolithic or r.first_token_at is not None else "prefill"
@@ -178,7 +209,7 @@ def simulate(
         views = refuse_hopeless(now, with_views=True)
         waiting = {r.request_id: r for r in queue}
         held_back: set[tuple[str, str]] = set()  # (role, model) where a request was held back (nothing placed since)
-        workers = {e.worker_id: _worker_view(e) for e in engines}  # refreshed as requests are placed
+        workers = {e.worker_id: router_view(e) for e in engines}  # refreshed as requests are placed
         for view in queue_policy.order(now, [views[r.request_id] for r in queue], service_s):
             r = waiting[view.request_id]
             role = role_of(r)
@@ -215,13 +246,15 @@ def simulate(
             engine = by_id[chosen.worker_id]
             engine.waiting.append(r)
             dispatched[role] += 1
+            sent[engine.worker_id] += 1
+            sent_blocks[engine.worker_id] += kv_blocks(r.prompt_tokens + 1, engine.profile.block_size)
             start(engine, now)
-            workers[engine.worker_id] = _worker_view(engine)
+            workers[engine.worker_id] = router_view(engine)
 
     def migrate(now: float) -> None:
         """Placement's period: start the moves Llumnix's pairing names."""
         assert migration is not None
-        decode = [_worker_view(e) for e in engines if e.role == "decode"]
+        decode = [beats[e.worker_id] if heartbeat_views else _worker_view(e) for e in engines if e.role == "decode"]
         for source_view, destination_view in migration_pairs(
             decode, migration.source_below, migration.destination_above
         ):
@@ -276,13 +309,20 @@ def simulate(
             dispatch(now)
         elif kind == "migrate":
             migrate(now)
-            if any(r.finished_at is None and not r.refused for r in requests):  # work is left
+            if work_left():
                 heapq.heappush(events, (now + migration.interval_s, next(order), "migrate", None))  # type: ignore[union-attr]
         elif kind == "migrated":
             migrated(now, *item)  # type: ignore[misc]
+        elif kind == "beat":
+            beating: SimEngine = item  # type: ignore[assignment]
+            beats[beating.worker_id] = _build_view(beating)
+            sent[beating.worker_id] = sent_blocks[beating.worker_id] = released[beating.worker_id] = 0
+            if work_left():
+                heapq.heappush(events, (now + heartbeat_s, next(order), "beat", beating))
         else:
             engine: SimEngine = item  # type: ignore[assignment]
             left = engine.finish_step(now)
+            released[engine.worker_id] += len(left)
             for r in left:
                 if r.finished_at is None:  # a prefill engine's: on to decode once its KV is there
                     heapq.heappush(

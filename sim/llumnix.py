@@ -17,7 +17,7 @@ have of it); arrivals Gamma with `--cv` (1: Poisson) at `--rates`.
 Systems:
 - round-robin: vLLM's multi-instance default;
 - INFaaS++: Llumnix's baseline, dispatch to the instance of the lowest memory load (the KV blocks in
-  use over the total, what its heartbeat shows), no migration;
+  use over the total, and those of the prompts sent it since its heartbeat), no migration;
 - Llumnix dispatch: the production `llumnix` policy (freeness, with the virtual usage of queued
   requests), no migration, to tell dispatch and migration apart;
 - Llumnix: the same dispatch and placement's migration (`llmesh_sim.cluster.Migration`: its period and
@@ -45,7 +45,10 @@ from .cluster import Migration, percentile, simulate
 from .engine import EngineProfile, Preemption, SimRequest
 
 PAPER = "Llumnix: P99 prefill latency up to 15x lower than INFaaS++; preemption loss 84% lower than round-robin"
-INFAAS_PP = Policy("infaas++", costs=((1.0, lambda ctx, w: w.kv_usage),))  # the lowest memory load
+# the lowest memory load: the KV blocks in use, and those of the prompts sent since the heartbeat, over the total
+INFAAS_PP = Policy(
+    "infaas++", costs=((1.0, lambda ctx, w: (w.kv_blocks_used + w.assigned_blocks) / max(w.kv_blocks_total, 1)),)
+)
 SYSTEMS: dict[str, tuple[Policy, bool]] = {  # dispatch, migration
     "round-robin": (make_policy("round_robin"), False),
     "INFaaS++": (INFAAS_PP, False),
@@ -88,7 +91,12 @@ def long_tail(requests: int, context: int, seed: int) -> list[SimRequest]:
 
 
 def run(
-    requests: list[SimRequest], profile: EngineProfile, instances: int, system: str, migration: Migration
+    requests: list[SimRequest],
+    profile: EngineProfile,
+    instances: int,
+    system: str,
+    migration: Migration,
+    heartbeat_views: bool = False,
 ) -> Result:
     policy, migrates = SYSTEMS[system]
     done = simulate(
@@ -100,6 +108,7 @@ def run(
         max_wait_s=float("inf"),
         preemption=Preemption("recompute"),
         migration=migration if migrates else None,
+        heartbeat_views=heartbeat_views,
     )
     finished = [r for r in done if r.finished_at is not None]
     ttfts = [r.ttft_s for r in finished if r.ttft_s is not None]
@@ -128,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[20.0])
     parser.add_argument("--cv", type=float, nargs="+", default=[1.0], help="arrivals' coefficient of variation")
     parser.add_argument("--downtime-ms", type=float, default=30.0)
+    parser.add_argument(
+        "--heartbeat-views",
+        action="store_true",
+        help="dispatch on each instance's last heartbeat (1 s) plus what was sent it since, as the router does; "
+        "placement on the heartbeat alone (default: every decision sees the exact state)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the tables (markdown) here")
     args = parser.parse_args(argv)
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             requests = arrivals(rows, rate, cv, args.seed)
             results = []
             for system in SYSTEMS:
-                results.append(run(requests, profile, args.instances, system, migration))
+                results.append(run(requests, profile, args.instances, system, migration, args.heartbeat_views))
                 print(
                     f"cv {cv:g}, {rate:g} req/s: {system} P99 prefill {results[-1].prefill_p99_s:.2f} s",
                     file=sys.stderr,

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
 from llmesh.policies.baseline import least_loaded
-from llmesh.policies.core import Role, fits_request
+from llmesh.policies.core import Role, fits_request, kv_blocks
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 from llmesh.policies.views import worker_view
 from llmesh.wire.errors import AtCapacity, MeshError, ModelNotPlaced, ServiceUnavailable
@@ -44,11 +44,17 @@ class Stream(Protocol):
     def snapshot(self, now: float) -> StreamProgress: ...
 
 
+def _prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The KV blocks a request sent with `prompt_tokens` needs on a worker of `block_size` (0: not reported)."""
+    return kv_blocks(prompt_tokens + 1, block_size) if block_size else 0
+
+
 @dataclass
 class _Load:
     """A worker's load as this router sees it between two of its heartbeats."""
 
     assigned: int = 0  # requests sent since its last heartbeat
+    assigned_blocks: int = 0  # the KV blocks their prompts need (kept until the heartbeat, finished or not)
     released: int = 0  # requests finished since its last heartbeat
     unreachable: bool = False  # NATS found nothing serving it since its last heartbeat: it takes nothing new
     heartbeat_view: WorkerView | None = None  # what the policies see of its heartbeat, built once per heartbeat
@@ -141,6 +147,7 @@ class Scheduler:
         return replace(
             load.heartbeat_view,
             assigned=load.assigned - from_assigned,
+            assigned_blocks=load.assigned_blocks,
             running=max(load.heartbeat_view.running - (load.released - from_assigned), 0),
             sent_backlog=sent_backlog,
         )
@@ -187,19 +194,25 @@ class Scheduler:
                 f"(policy {self.policy.name}: all at capacity or over its threshold)"
             )
         if reserve:
-            self.reserve(chosen.worker_id, request.prompt_tokens if role == "prefill" or generates else 0)
+            self.reserve(
+                chosen.worker_id,
+                request.prompt_tokens if role == "prefill" or generates else 0,
+                _prompt_blocks(request.prompt_tokens, chosen.block_size),
+            )
             if self._prefixes is not None:
                 self._prefixes.record(chosen.worker_id, request.prefix_hashes)
         return live[chosen.worker_id]
 
     # -- reservations: what was sent and finished since each worker's last heartbeat --
 
-    def reserve(self, worker_id: str, prompt_tokens: int = 0) -> None:
-        """Count a request sent to `worker_id` until its next heartbeat says how loaded it is, and the
-        `prompt_tokens` it is to compute in its backlog until `prompt_done`."""
+    def reserve(self, worker_id: str, prompt_tokens: int = 0, blocks: int = 0) -> None:
+        """Count a request sent to `worker_id`, and the KV `blocks` its prompt needs there, until its next
+        heartbeat says how loaded it is, and the `prompt_tokens` it is to compute in its backlog until
+        `prompt_done`."""
         info = self.registry.get(worker_id)
         if info is not None:
             self._load[worker_id].assigned += 1
+            self._load[worker_id].assigned_blocks += blocks
             self._dispatched[info.role] += 1
         self._backlog[worker_id] += prompt_tokens
 
@@ -378,7 +391,7 @@ class Scheduler:
         max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
         if not prefill_locally(request.prompt_tokens, remote, here, self.local_prefill_margin_s, max_stall_s):
             return None
-        self.reserve(local.worker_id, request.prompt_tokens)
+        self.reserve(local.worker_id, request.prompt_tokens, _prompt_blocks(request.prompt_tokens, local.block_size))
         self.release(prefill.worker_id)
         self.prompt_done(prefill.worker_id, request.prompt_tokens)
         return local

@@ -69,6 +69,7 @@ class WorkerView:
     requests: tuple[RequestProgress, ...] = ()  # as its heartbeat reports them
     roles: tuple[Role, ...] = ()  # the roles it can serve (both: it switches on command; empty: `role` only)
     sent_backlog: int = 0  # prompt tokens the caller sent it that are not computed yet, by the caller's account
+    assigned_blocks: int = 0  # the KV blocks the prompts of the `assigned` requests need, by the caller's account
 
     @property
     def load(self) -> float:

@@ -196,6 +196,15 @@ def test_llumnix_dispatches_to_the_freest_even_when_it_runs_more_requests():
     assert picked("llumnix", [a, b]) == "b"
 
 
+def test_llumnix_counts_what_was_sent_since_the_heartbeat():
+    """Two workers alike at their heartbeat: the one this router sent three requests (12 blocks) since is
+    less free, so a burst between heartbeats spreads instead of going to the one that was freest."""
+    a = w("a", running=1, kv_total=100, requests=[req("x", 20)])
+    b = replace(a, worker_id="b", assigned=3, assigned_blocks=12)
+    assert freeness(a) == 98.0 and freeness(b) == (100 - 2 - 12) / 4
+    assert picked("llumnix", [b, a]) == "a"
+
+
 def test_llumnix_migration_pairs_least_with_most_free():
     big = [req("x", 1400)]  # 88 blocks
     workers = [

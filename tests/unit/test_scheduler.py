@@ -52,6 +52,19 @@ def test_reservations_last_until_the_next_heartbeat_and_a_worker_that_left_is_fo
     assert not scheduler._prefixes.matches(["a", "b"], (1, 2)).get("a")
 
 
+def test_the_kv_blocks_of_prompts_sent_since_the_heartbeat_are_in_the_view_until_the_next():
+    registry = WorkerRegistry(missed_heartbeats=3)
+    scheduler = Scheduler(registry, make_policy("llumnix"))
+    beat = info("a").model_copy(update={"kv_blocks_total": 100, "block_size": 16, "capacity": 8})
+    registry.on_heartbeat(beat)
+    scheduler.pick("prefill", request("r1"))
+    scheduler.pick("prefill", request("r2"))
+    view = scheduler.view(registry.get("a"))
+    assert (view.assigned, view.assigned_blocks) == (2, 2 * 7)  # 100 prompt tokens and the first output: 7 blocks
+    registry.on_heartbeat(beat)
+    assert scheduler.view(registry.get("a")).assigned_blocks == 0
+
+
 async def test_a_request_for_a_model_no_worker_serves_waits_for_one_apart_from_the_queue():
     """Parked: the queue's estimates (about requests that have workers) neither refuse it nor count it
     ahead of others; a worker of its model joining places it; an unknown model is refused at once."""

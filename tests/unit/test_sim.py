@@ -1,6 +1,7 @@
 """The simulator against hand-computed cases, and every policy through it."""
 
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -463,3 +464,16 @@ def test_the_llumnix_experiment_runs_each_system_and_only_llumnix_migrates(tmp_p
     assert all(int(cells[8]) > 0 for cells in rows.values())  # KV short enough to preempt everywhere
     assert int(rows["Llumnix"][9]) > 0 and all(int(rows[s][9]) == 0 for s in rows if s != "Llumnix")
     assert all(cells[10] == "0" for cells in rows.values())  # every request completed
+
+
+@pytest.mark.parametrize("policy", ["llumnix", "least_loaded"])
+def test_with_the_routers_views_a_burst_between_heartbeats_spreads_over_the_engines(policy):
+    """A long request on each engine, in both their heartbeats (at 0.5 and 1 s); then eight requests at
+    once, before either's next: the router's own account of what it sent since (`assigned`, and its
+    prompts' blocks) spreads them, four an engine."""
+    long = [SimRequest(f"long{i}", 0.001 * i, 50, 500) for i in range(2)]
+    burst = [SimRequest(f"r{i}", 1.1 + 0.001 * i, 50, 20) for i in range(8)]
+    simulate(long + burst, PROFILE, 2, make_policy(policy), make_queue_policy("fcfs"), heartbeat_views=True)
+    assert {r.worker_id for r in long} == {"e000", "e001"}
+    assert sorted(Counter(r.worker_id for r in burst).values()) == [4, 4]
+    assert all(r.generated == r.output_tokens for r in long + burst)
