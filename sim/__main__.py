@@ -45,6 +45,14 @@ MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
 SLICE = ROOT / "bench" / "data" / "azure_conv_2023_first3000.csv"  # the committed slice, when ../shared is absent
 
 
+def publish(text: str, out: Path | None) -> None:
+    """Print a report, and write it to `out` if given."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
 def load_profile(path: Path) -> EngineProfile:
     raw = json.loads(path.read_text())
     return EngineProfile(**{f.name: raw[f.name] for f in fields(EngineProfile) if f.name in raw})

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from llmesh.policies import make_policy, make_queue_policy
 
-from .__main__ import ROOT, load_profile, read_trace, workload
+from .__main__ import ROOT, load_profile, publish, read_trace, workload
 from .cluster import simulate
 from .engine import EngineProfile, Preemption, SimRequest
 from .predictions import HeldOutPredictions, with_predictions
@@ -148,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(measure(system, mode, run(requests, profile, preemption)))
                 print(f"{load}: {system} ({mode}) {results[-1].tokens_per_s:.0f} tok/s", file=sys.stderr)
         lines += ["", *table(load, results)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    publish("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
-from llmesh.policies.core import kv_blocks
+from llmesh.policies.core import kv_blocks, prompt_blocks
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 from llmesh.policies.llumnix import migration_pairs, pick_migration
-from llmesh.policies.views import worker_view
+from llmesh.policies.views import since_heartbeat, worker_view
 from llmesh.wire.messages import RequestProgress, WorkerInfo
 
 from .engine import EngineProfile, Preemption, PrefixCache, SimEngine, SimRequest
@@ -166,16 +166,8 @@ def simulate(
         """`e` as the router sees it (llmesh_router.scheduler.Scheduler.view)."""
         if not heartbeat_views:
             return _worker_view(e)
-        view, assigned, done = beats[e.worker_id], sent[e.worker_id], released[e.worker_id]
-        if not assigned and not done:
-            return view
-        from_assigned = min(done, assigned)  # a finished request was either sent since the heartbeat or in it
-        return replace(
-            view,
-            assigned=assigned - from_assigned,
-            assigned_blocks=sent_blocks[e.worker_id],
-            running=max(view.running - (done - from_assigned), 0),
-        )
+        i = e.worker_id
+        return since_heartbeat(beats[i], sent[i], released[i], sent_blocks[i])
 
     def work_left() -> bool:
         return any(r.finished_at is None and not r.refused for r in requests)
@@ -247,7 +239,7 @@ def simulate(
             engine.waiting.append(r)
             dispatched[role] += 1
             sent[engine.worker_id] += 1
-            sent_blocks[engine.worker_id] += kv_blocks(r.prompt_tokens + 1, engine.profile.block_size)
+            sent_blocks[engine.worker_id] += prompt_blocks(r.prompt_tokens, engine.profile.block_size)
             start(engine, now)
             workers[engine.worker_id] = router_view(engine)
 

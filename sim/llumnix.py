@@ -40,7 +40,7 @@ from pathlib import Path
 
 from llmesh.policies import Policy, make_policy, make_queue_policy
 
-from .__main__ import ROOT, load_profile, read_trace, workload
+from .__main__ import ROOT, load_profile, publish, read_trace, workload
 from .cluster import Migration, percentile, simulate
 from .engine import EngineProfile, Preemption, SimRequest
 
@@ -181,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             lines += ["", *table(rate, cv, results)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    publish("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -508,7 +508,7 @@ def held(runs: Sequence[Run], target: float) -> Run | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .__main__ import ROOT, load_profile, read_trace
+    from .__main__ import ROOT, load_profile, publish, read_trace
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -563,11 +563,7 @@ def main(argv: list[str] | None = None) -> int:
 
             found[models, system] = highest_load(run, args.attainment, args.start_rate)
     command = f"python -m llmesh_sim.prism {' '.join(argv if argv is not None else sys.argv[1:])}"
-    table = report(found, args, profile, command)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    publish(report(found, args, profile, command), args.out)
     return 0
 
 

@@ -22,9 +22,9 @@ from typing import Protocol
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
 from llmesh.policies.baseline import least_loaded
-from llmesh.policies.core import Role, fits_request, kv_blocks
+from llmesh.policies.core import Role, fits_request, prompt_blocks
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
-from llmesh.policies.views import worker_view
+from llmesh.policies.views import since_heartbeat, worker_view
 from llmesh.wire.errors import AtCapacity, MeshError, ModelNotPlaced, ServiceUnavailable
 from llmesh.wire.messages import ModelTraffic, WorkerInfo
 
@@ -42,11 +42,6 @@ class Stream(Protocol):
     def tokens(self) -> int: ...
 
     def snapshot(self, now: float) -> StreamProgress: ...
-
-
-def _prompt_blocks(prompt_tokens: int, block_size: int) -> int:
-    """The KV blocks a request sent with `prompt_tokens` needs on a worker of `block_size` (0: not reported)."""
-    return kv_blocks(prompt_tokens + 1, block_size) if block_size else 0
 
 
 @dataclass
@@ -140,17 +135,7 @@ class Scheduler:
             view = worker_view(info)
             load.heartbeat_view = replace(view, state="draining") if load.unreachable else view
         sent_backlog = self._backlog.get(info.worker_id, 0)
-        if not load.assigned and not load.released and not sent_backlog:
-            return load.heartbeat_view
-        # A finished request was either sent since the heartbeat or counted in it.
-        from_assigned = min(load.released, load.assigned)
-        return replace(
-            load.heartbeat_view,
-            assigned=load.assigned - from_assigned,
-            assigned_blocks=load.assigned_blocks,
-            running=max(load.heartbeat_view.running - (load.released - from_assigned), 0),
-            sent_backlog=sent_backlog,
-        )
+        return since_heartbeat(load.heartbeat_view, load.assigned, load.released, load.assigned_blocks, sent_backlog)
 
     def backlog(self, worker_id: str) -> int:
         """Prompt tokens this router sent `worker_id` that it has not computed yet."""
@@ -197,7 +182,7 @@ class Scheduler:
             self.reserve(
                 chosen.worker_id,
                 request.prompt_tokens if role == "prefill" or generates else 0,
-                _prompt_blocks(request.prompt_tokens, chosen.block_size),
+                prompt_blocks(request.prompt_tokens, chosen.block_size),
             )
             if self._prefixes is not None:
                 self._prefixes.record(chosen.worker_id, request.prefix_hashes)
@@ -391,7 +376,7 @@ class Scheduler:
         max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
         if not prefill_locally(request.prompt_tokens, remote, here, self.local_prefill_margin_s, max_stall_s):
             return None
-        self.reserve(local.worker_id, request.prompt_tokens, _prompt_blocks(request.prompt_tokens, local.block_size))
+        self.reserve(local.worker_id, request.prompt_tokens, prompt_blocks(request.prompt_tokens, local.block_size))
         self.release(prefill.worker_id)
         self.prompt_done(prefill.worker_id, request.prompt_tokens)
         return local

@@ -25,6 +25,12 @@ from llmesh.wire.messages import RequestProgress, Role, kv_blocks
 State = Literal["active", "draining"]
 
 
+def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The KV blocks a request of `prompt_tokens` needs to start: its prompt and its first output token
+    (0 where the worker reports no block size)."""
+    return kv_blocks(prompt_tokens + 1, block_size) if block_size else 0
+
+
 @dataclass(frozen=True)
 class RequestView:
     """What a policy knows of the request it places."""
@@ -104,7 +110,7 @@ class WorkerView:
         if not self.prefill_tokens_per_s:
             return None
         if self.kv_blocks_total and self.block_size:
-            if kv_blocks(prompt_tokens + 1, self.block_size) + self.held_kv_blocks > self.kv_blocks_total:
+            if prompt_blocks(prompt_tokens, self.block_size) + self.held_kv_blocks > self.kv_blocks_total:
                 return math.inf
         return (self.prefill_backlog + prompt_tokens) / self.prefill_tokens_per_s
 

@@ -8,7 +8,7 @@ with no copy written by hand; one added to the heartbeat alone must be listed in
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from llmesh.policies.core import WorkerView
 from llmesh.wire.messages import WorkerInfo
@@ -24,3 +24,21 @@ def worker_view(info: WorkerInfo) -> WorkerView:
     values = {name: getattr(info, name) for name in VIEWED}
     values["requests"], values["roles"] = tuple(info.requests), tuple(info.roles)
     return WorkerView(**values)
+
+
+def since_heartbeat(
+    view: WorkerView, assigned: int, released: int, assigned_blocks: int = 0, sent_backlog: int = 0
+) -> WorkerView:
+    """A worker's heartbeat `view` with a dispatcher's own account since: the requests it `assigned` there
+    (and the KV blocks their prompts need), those it saw finish there (`released`), and the prompt tokens
+    it sent that are not computed yet."""
+    if not assigned and not released and not sent_backlog:
+        return view
+    from_assigned = min(released, assigned)  # a finished request was either sent since the heartbeat or in it
+    return replace(
+        view,
+        assigned=assigned - from_assigned,
+        assigned_blocks=assigned_blocks,
+        running=max(view.running - (released - from_assigned), 0),
+        sent_backlog=sent_backlog,
+    )
