@@ -9,7 +9,8 @@ go on, after their KV transfer, to the decode pool, each placed by the same poli
 router places them; with `local_prefill_margin_s`, a decode engine runs the whole request when the
 prefill queue would answer later and its streams can absorb the stall (llmesh.policies.disagg,
 the router's conditional disaggregation); with a `Migration`, placement's Llumnix balancing moves
-running requests between decode engines. Time is simulated: a run of hours takes seconds.
+running requests between decode engines; with a `RoleSwitching`, placement's BanaServe role switching
+moves engines between the prefill and decode pools. Time is simulated: a run of hours takes seconds.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
+from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch
 from llmesh.policies.core import kv_blocks, prompt_blocks
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 from llmesh.policies.llumnix import migration_pairs, pick_migration
 from llmesh.policies.views import since_heartbeat, worker_view
-from llmesh.wire.messages import RequestProgress, WorkerInfo
+from llmesh.wire.messages import ROLES, RequestProgress, WorkerInfo
 
 from .engine import EngineProfile, Preemption, PrefixCache, SimEngine, SimRequest
 
@@ -45,6 +47,19 @@ class Migration:
     destination_above: float = 30.0  # MESH_PLACEMENT_DESTINATION_ABOVE
     copy_block_s: float = 0.0
     downtime_s: float = 0.03
+
+
+@dataclass(frozen=True)
+class RoleSwitching:
+    """Placement's BanaServe role switching (services/placement, `llmesh.policies.banaserve.pick_role_switch`):
+    every `interval_s` the prefill and decode engines' loads are compared, and the engine it names serves the
+    other role from then on, every engine being built with both (its heartbeat says so at once, as a live
+    worker's). What it holds: a prefill engine's prompts decode where they are once computed (a live worker
+    sends them on); a decode engine's streams go to the decode pool with their KV after its next step, as
+    placement evacuates them, and those it had not started go back to the router's queue."""
+
+    interval_s: float = 1.0  # MESH_PLACEMENT_PERIOD_S
+    params: RoleSwitchParams = RoleSwitchParams()
 
 
 def _worker_view(e: SimEngine) -> WorkerView:
@@ -75,6 +90,7 @@ def _build_view(e: SimEngine) -> WorkerView:
         block_size=p.block_size,
         prefill_tokens_per_s=1 / p.prefill_token_s if p.prefill_token_s else 0.0,
         requests=[RequestProgress.model_validate(r, from_attributes=True) for r in held],
+        roles=list(ROLES) if e.switchable else [],
     )
     return worker_view(info)
 
@@ -117,6 +133,7 @@ def simulate(
     preemption: Preemption | None = None,
     migration: Migration | None = None,
     heartbeat_views: bool = False,
+    role_switching: RoleSwitching | None = None,
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
@@ -124,7 +141,8 @@ def simulate(
     `models`: the engines of each pool serve them in turn, a static partition (engine i serves
     models[i % len(models)]); a request goes only to an engine of its own model. `preemption`: how the
     engines free KV under pressure (None: they do not; `SimEngine`); `migration`: placement's balancing
-    between decode engines (None: none). `heartbeat_views`: the policies see each engine as the router
+    between decode engines (None: none); `role_switching`: placement's moves of engines between the prefill
+    and decode pools (None: the pools are fixed). `heartbeat_views`: the policies see each engine as the router
     does (llmesh_router.scheduler: its last heartbeat, one every `heartbeat_s`, staggered, plus the
     requests sent it and finished since) and placement as placement does (the heartbeat alone); by
     default they see every engine's exact state at every decision."""
@@ -140,6 +158,7 @@ def simulate(
             cache=caches[f"{prefix}{i:03d}"],
             model=models[i % len(models)],
             preemption=preemption,
+            switchable=role_switching is not None,
         )
         for prefix, role, n in pools
         for i in range(n)
@@ -277,8 +296,33 @@ def simulate(
         start(destination, now)
         dispatch(now)
 
+    balance = RoleBalance()
+
+    def switch_roles(now: float) -> None:
+        """Placement's period: the switch `pick_role_switch` names, if any."""
+        nonlocal balance
+        assert role_switching is not None
+        views = [beats[e.worker_id] if heartbeat_views else _worker_view(e) for e in engines]
+        switch, balance = pick_role_switch(views, now, balance, role_switching.params)
+        if switch is None:
+            return
+        engine = by_id[switch.worker_id]
+        engine.role, engine.view_cache = switch.role, None
+        engine.switches += 1
+        if switch.role == "prefill":  # the decodes it had not started: placed afresh
+            for r in engine.waiting:
+                r.queued_at = now
+                queue.append(r)
+            engine.waiting.clear()
+        if heartbeat_views:  # the worker's heartbeat goes out at once
+            beats[engine.worker_id] = _build_view(engine)
+            sent[engine.worker_id] = sent_blocks[engine.worker_id] = released[engine.worker_id] = 0
+        dispatch(now)
+
     if migration is not None:
         heapq.heappush(events, (migration.interval_s, next(order), "migrate", None))
+    if role_switching is not None:
+        heapq.heappush(events, (role_switching.interval_s, next(order), "switch", None))
 
     # As the router: a request that finds nobody waiting is placed at once if it fits; one that
     # finds a queue joins it. The queue is served when room may have appeared (a request left a
@@ -303,6 +347,10 @@ def simulate(
             migrate(now)
             if work_left():
                 heapq.heappush(events, (now + migration.interval_s, next(order), "migrate", None))  # type: ignore[union-attr]
+        elif kind == "switch":
+            switch_roles(now)
+            if work_left():
+                heapq.heappush(events, (now + role_switching.interval_s, next(order), "switch", None))  # type: ignore[union-attr]
         elif kind == "migrated":
             migrated(now, *item)  # type: ignore[misc]
         elif kind == "beat":
@@ -317,9 +365,8 @@ def simulate(
             released[engine.worker_id] += len(left)
             for r in left:
                 if r.finished_at is None:  # a prefill engine's: on to decode once its KV is there
-                    heapq.heappush(
-                        events, (now + r.prompt_tokens * profile.kv_transfer_token_s, next(order), "kv_ready", r)
-                    )
+                    copied = (r.prompt_tokens + r.generated - 1) * profile.kv_transfer_token_s
+                    heapq.heappush(events, (now + copied, next(order), "kv_ready", r))
             start(engine, now)
             if left:
                 dispatch(now)

@@ -215,6 +215,8 @@ class SimEngine:
     preemption: Preemption | None = None  # None: no preemption (see the module's docstring)
     cpu_blocks_used: int = 0
     incoming: list[SimRequest] = field(default_factory=list)  # migrating here: their blocks reserved (sim.cluster)
+    switchable: bool = False  # built with both roles: placement may switch it (sim.cluster.RoleSwitching)
+    switches: int = 0  # role switches so far
 
     @property
     def requests(self) -> list[SimRequest]:

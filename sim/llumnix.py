@@ -54,6 +54,7 @@ SYSTEMS: dict[str, tuple[Policy, bool]] = {  # dispatch, migration
     "INFaaS++": (INFAAS_PP, False),
     "Llumnix dispatch": (make_policy("llumnix"), False),
     "Llumnix": (make_policy("llumnix"), True),
+    "Llumnix, head-of-line dispatch": (make_policy("llumnix", {"head_of_line": 1}), True),
 }
 
 

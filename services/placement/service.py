@@ -290,7 +290,8 @@ class PlacementService:
         return move is None or (not self._unsettled(move, holder) and self._clock() - move.issued_at >= cooldown_s)
 
     def _destination(self, views: dict[str, WorkerView], source: WorkerView) -> WorkerView | None:
-        """The freest active decode worker with room that can take `source`'s requests (model, KV layout)."""
+        """The freest (as `migration_pairs` reckons) active decode worker with room that can take `source`'s
+        requests (model, KV layout)."""
         headroom = self.settings.placement_priority_headroom_blocks
         fits = [
             v
@@ -301,7 +302,7 @@ class PlacementService:
             and v.has_room
             and (v.model, v.fingerprint) == (source.model, source.fingerprint)
         ]
-        return min(fits, key=lambda v: (-freeness(v, headroom), v.worker_id), default=None)
+        return min(fits, key=lambda v: (-freeness(v, headroom, head_of_line=True), v.worker_id), default=None)
 
     def _evacuate(self, views: dict[str, WorkerView]) -> None:
         """Move every decode off the workers that should hold none to the freest destination: the

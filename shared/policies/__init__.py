@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmesh.policies.ascendra import ascendra
-from llmesh.policies.banaserve import banaserve
+from llmesh.policies.banaserve import banaserve, banaserve_queue
 from llmesh.policies.baseline import least_loaded, power_of_two, random_choice, round_robin
 from llmesh.policies.core import DispatchContext, Policy, RequestView, WorkerView
 from llmesh.policies.llumnix import llumnix
@@ -36,6 +36,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "power_of_two": power_of_two,
     "cache_aware": cache_aware,
     "banaserve": banaserve,
+    "banaserve_queue": banaserve_queue,
     "llumnix": llumnix,
     "ascendra": ascendra,
 }

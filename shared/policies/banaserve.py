@@ -3,7 +3,9 @@
 Each instance's utilisation is U = C/Cmax + M/Mmax: its compute load (requests held or on
 their way, against the requests it runs at once) plus its KV memory load (blocks in use,
 against its blocks). A request goes to the instance with the lowest U if that is under the
-threshold θ; otherwise it waits in the global queue until one is.
+threshold θ; otherwise, as Algorithm 4-2 writes it, to the first instance ordered by (U, queue
+length) (`banaserve`), or it waits in the router's queue until one is under θ, where the queue
+policy orders the waiters (`banaserve_queue`, this codebase's first reading).
 
 Module migration moves serving capacity between the prefill and decode pools, here a whole worker
 at a time: a worker built with both roles (`WorkerView.roles`) is told to serve the other one.
@@ -29,12 +31,40 @@ def utilisation(ctx: DispatchContext, w: WorkerView) -> float:
     return w.load + w.kv_usage
 
 
-def banaserve(threshold: float = 1.6) -> Policy:
-    """The lowest U under `threshold` (0 < θ ≤ 2: both terms are fractions), else the request waits."""
+def queue_length(w: WorkerView) -> int:
+    """The requests waiting on `w`: its engine's queue (`WorkerView.engine_queue`) and those sent it since its
+    heartbeat."""
+    return len(w.engine_queue[1]) + w.assigned
+
+
+def _check(name: str, threshold: float) -> None:
     if not 0 < threshold <= 2:
-        raise ValueError(f"banaserve: threshold must lie in (0, 2], not {threshold}")
+        raise ValueError(f"{name}: threshold must lie in (0, 2], not {threshold}")
+
+
+def banaserve(threshold: float = 1.6) -> Policy:
+    """Algorithm 4-2: the lowest U under `threshold` (0 < θ ≤ 2: both terms are fractions), else the first
+    by (U, queue length); the request never waits in the router's queue."""
+    _check("banaserve", threshold)
+    below = lowest_cost_below(threshold)
+
+    def pick(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
+        chosen = below(ctx, scored)
+        if chosen is not None or not scored:
+            return chosen
+        return min(scored, key=lambda wc: (wc[1], queue_length(wc[0]), wc[0].worker_id))[0]
+
+    return Policy("banaserve", costs=((1.0, utilisation),), picker=pick, params={"threshold": threshold})
+
+
+def banaserve_queue(threshold: float = 1.6) -> Policy:
+    """The lowest U under `threshold`, else the request waits in the router's queue until one is."""
+    _check("banaserve_queue", threshold)
     return Policy(
-        "banaserve", costs=((1.0, utilisation),), picker=lowest_cost_below(threshold), params={"threshold": threshold}
+        "banaserve_queue",
+        costs=((1.0, utilisation),),
+        picker=lowest_cost_below(threshold),
+        params={"threshold": threshold},
     )
 
 

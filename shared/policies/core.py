@@ -102,6 +102,24 @@ class WorkerView:
         counts its prompt's blocks)."""
         return sum(r.kv_blocks(self.block_size) for r in self.requests)
 
+    @cached_property
+    def engine_queue(self) -> tuple[tuple[RequestProgress, ...], tuple[RequestProgress, ...]]:
+        """Its requests as its engine holds them, (running, waiting), by vLLM's first-come admission: those
+        with output run, then, in the heartbeat's order, each prompt whose blocks fit beside them, until the
+        first that does not: it and those after it wait (it is the head of line). A worker that reports no
+        KV blocks: all run."""
+        if not (self.kv_blocks_total and self.block_size):
+            return self.requests, ()
+        running = [r for r in self.requests if not r.prefilling]
+        used = sum(r.kv_blocks(self.block_size) for r in running)
+        prompts = [r for r in self.requests if r.prefilling]
+        for i, r in enumerate(prompts):
+            used += r.kv_blocks(self.block_size)
+            if used > self.kv_blocks_total:
+                return tuple(running), tuple(prompts[i:])
+            running.append(r)
+        return tuple(running), ()
+
     def ttft_estimate_s(self, prompt_tokens: int) -> float | None:
         """A new prompt's time to first token here: its backlog of prompts, then this one, at the
         measured prefill speed; infinite when its KV blocks and those every request held fills

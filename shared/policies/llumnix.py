@@ -1,12 +1,15 @@
 """Llumnix's freeness-based dispatch and migration pairing (Sun et al., OSDI 2024, §4.4).
 
-Each request on an instance has a virtual usage: the KV blocks it fills, its demand for a
-request still waiting to run, plus a headroom for a high-priority request (so that new load
-stays away from it). An instance's freeness is F = (M − ΣV) / B: its total blocks M minus the
-virtual usage, per request in its batch B; a draining instance has infinite usage (F = −∞), so
-its requests are the first to move away. New requests go to the freest instance; the placement
-service pairs the least free instances (sources) with the freest (destinations) and migrates
-the request cheapest to move from each source (`pick_migration`), and reads the cluster's average
+Each request on an instance has a virtual usage: the KV blocks it fills, or for a request still
+waiting to run its demand, plus, on an instance holding high-priority requests, a headroom they
+share (so that new load stays away from them). An instance's freeness is F = (M − ΣV) / B: its total
+blocks M minus the virtual usage, per request in its batch B; a draining instance has infinite usage
+(F = −∞), so its requests are the first to move away. Which waiting requests count: the paper (§4.4.3)
+counts the head-of-line one alone, whose demand is what fragmentation blocks, and so does its code
+for migration (`RemainingStepsLoad` with `enable_defrag`); its code's dispatch counts them all
+(`head_of_line`). New requests go to the freest instance; the placement service pairs the least free
+instances (sources) with the freest (destinations) by the head-of-line measure and migrates the
+request cheapest to move from each source (`pick_migration`), and reads the cluster's average
 freeness as scaling advice (`scaling_advice`).
 """
 
@@ -19,31 +22,43 @@ from llmesh.policies.core import DispatchContext, Policy, WorkerView, lowest_cos
 from llmesh.wire.messages import RequestProgress
 
 
-def freeness(w: WorkerView, priority_headroom_blocks: int = 0) -> float:
+def freeness(w: WorkerView, priority_headroom_blocks: int = 0, head_of_line: bool = False) -> float:
     """F = (M − ΣV) / B; −∞ for a draining worker. Each request's virtual usage V is the blocks it
-    fills (a waiting one: the blocks its prompt needs, `WorkerView.held_kv_blocks`), plus the
-    headroom kept free beside a high-priority request. A worker that reports no request list counts
-    the blocks it reports in use. The requests a dispatcher sent since the heartbeat count too, with
-    their prompts' blocks: without them every request sent within a heartbeat's period goes to the
-    one worker that was freest at its start (measured in the simulator with the router's views:
-    P99 prefill 27× round-robin's)."""
+    fills (a waiting one: the blocks its prompt needs), plus the headroom kept free beside the
+    high-priority ones; `head_of_line`: of the waiting requests, only the first counts, in V and in B
+    (`WorkerView.engine_queue`). A worker that reports no request list counts the blocks it reports in use. The
+    requests a dispatcher sent since the heartbeat count too, with their prompts' blocks: without them
+    every request sent within a heartbeat's period goes to the one worker that was freest at its start
+    (measured in the simulator with the router's views: P99 prefill 27× round-robin's)."""
     if w.state == "draining":
         return float("-inf")
-    return (w.kv_blocks_total - virtual_usage(w, priority_headroom_blocks)) / max(batch(w), 1)
+    return (w.kv_blocks_total - virtual_usage(w, priority_headroom_blocks, head_of_line)) / max(
+        batch(w, head_of_line), 1
+    )
 
 
-def virtual_usage(w: WorkerView, priority_headroom_blocks: int = 0) -> int:
-    """ΣV of `freeness`: the KV blocks its requests hold or wait for, plus the headroom beside high-priority ones."""
+def counted_requests(w: WorkerView, head_of_line: bool = False) -> tuple[RequestProgress, ...]:
+    """The requests whose virtual usage counts: all, or the running ones and the head of line."""
+    if not head_of_line:
+        return w.requests
+    running, waiting = w.engine_queue
+    return running + waiting[:1]
+
+
+def virtual_usage(w: WorkerView, priority_headroom_blocks: int = 0, head_of_line: bool = False) -> int:
+    """ΣV of `freeness`: the KV blocks its counted requests hold or wait for, plus the headroom beside
+    high-priority ones (once per worker: they share it)."""
     if w.requests:
-        held = w.held_kv_blocks + priority_headroom_blocks * sum(r.priority < 0 for r in w.requests)
+        held = sum(r.kv_blocks(w.block_size) for r in counted_requests(w, head_of_line))
+        held += priority_headroom_blocks * any(r.priority < 0 for r in w.requests)
     else:
         held = w.kv_blocks_used
     return held + w.assigned_blocks
 
 
-def batch(w: WorkerView) -> int:
-    """B of `freeness`: the requests on `w`, and those sent it since its heartbeat."""
-    return (len(w.requests) or w.running) + w.assigned
+def batch(w: WorkerView, head_of_line: bool = False) -> int:
+    """B of `freeness`: the requests counted on `w`, and those sent it since its heartbeat."""
+    return (len(counted_requests(w, head_of_line)) or w.running) + w.assigned
 
 
 def freeness_with_one_fewer(
@@ -56,23 +71,27 @@ def freeness_with_one_fewer(
     return (total - usage) / max(sum(batch(w) for w in workers), 1)
 
 
-def llumnix(priority_headroom_blocks: float = 0, queue_below: float = float("-inf")) -> Policy:
-    """Dispatch to the freest worker. With `queue_below`, the request waits in the router's queue
-    while even the freest worker's freeness is under it (as BanaServe's global queue, on
-    Llumnix's measure: 0 holds requests back once their virtual usage would overcommit the KV
-    blocks), so the queue policy, not the engines' arrival order, decides who goes first."""
+def llumnix(priority_headroom_blocks: float = 0, queue_below: float = float("-inf"), head_of_line: float = 0) -> Policy:
+    """Dispatch to the freest worker. `head_of_line` (1): count only the head of each worker's queue, as
+    the paper's text does; by default every waiting request counts, as Llumnix's code dispatches (measured
+    better: docs/sim/llumnix-*.md). With `queue_below`, the request waits in the router's queue while even
+    the freest worker's freeness is under it (as BanaServe's global queue, on Llumnix's measure: 0 holds
+    requests back once their virtual usage would overcommit the KV blocks), so the queue policy, not the
+    engines' arrival order, decides who goes first."""
     headroom = int(priority_headroom_blocks)
     if headroom < 0:
         raise ValueError(f"llumnix: priority_headroom_blocks must be >= 0, not {priority_headroom_blocks}")
+    if head_of_line not in (0, 1):
+        raise ValueError(f"llumnix: head_of_line must be 0 or 1, not {head_of_line}")
 
     def unfreeness(ctx: DispatchContext, w: WorkerView) -> float:
-        return -freeness(w, headroom)
+        return -freeness(w, headroom, bool(head_of_line))
 
     return Policy(
         "llumnix",
         costs=((1.0, unfreeness),),
         picker=lowest_cost_below(-queue_below),
-        params={"priority_headroom_blocks": headroom, "queue_below": queue_below},
+        params={"priority_headroom_blocks": headroom, "queue_below": queue_below, "head_of_line": head_of_line},
     )
 
 
@@ -80,10 +99,12 @@ def migration_pairs(
     workers: Sequence[WorkerView], source_below: float, destination_above: float, priority_headroom_blocks: int = 0
 ) -> list[tuple[WorkerView, WorkerView]]:
     """(source, destination) pairs for migration: the least free workers under `source_below`
-    (draining ones first) matched in order with the freest over `destination_above`; each worker
-    in at most one pair, and never a draining worker as a destination."""
+    (draining ones first) matched in order with the freest over `destination_above`, by the head-of-line
+    freeness (Llumnix's de-fragmentation: a source's blocked head of line is what moving a request
+    out frees room for); each worker in at most one pair, and never a draining worker as a destination."""
     scored = sorted(
-        ((freeness(w, priority_headroom_blocks), w.worker_id, w) for w in workers), key=lambda t: (t[0], t[1])
+        ((freeness(w, priority_headroom_blocks, head_of_line=True), w.worker_id, w) for w in workers),
+        key=lambda t: (t[0], t[1]),
     )
     sources = [w for f, _, w in scored if f < source_below and w.requests]
     destinations = [w for f, _, w in reversed(scored) if f > destination_above and w.state == "active"]

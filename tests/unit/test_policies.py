@@ -149,27 +149,38 @@ def test_power_of_two_never_picks_the_most_loaded_of_three():
 
 
 @pytest.mark.parametrize(
-    "workers, threshold, expected",
+    "workers, threshold, expected, queued",
     [
         # U = load + KV usage
         (
             [w("a", running=1, kv_used=90, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)],
             1.6,
             "b",
+            "b",
         ),  # 1.15 vs 0.6
-        ([w("a", running=1, kv_used=10, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "a"),
+        ([w("a", running=1, kv_used=10, kv_total=100), w("b", running=2, kv_used=10, kv_total=100)], 1.6, "a", "a"),
         (
             [w("a", running=3, kv_used=90, kv_total=100), w("b", running=3, kv_used=95, kv_total=100)],
             1.6,
-            None,
-        ),  # all over θ: queue
-        ([w("a", running=3, kv_used=90, kv_total=100)], 2.0, "a"),  # 1.65 < 2.0
-        ([w("a", running=2)], 1.0, "a"),  # no KV reported: the compute term alone (0.5)
+            "a",  # Algorithm 4-2: over θ, the first by (U, queue length)
+            None,  # banaserve_queue: all over θ, the request waits in the router's queue
+        ),
+        ([w("a", running=3, kv_used=90, kv_total=100)], 2.0, "a", "a"),  # 1.65 < 2.0
+        ([w("a", running=2)], 1.0, "a", "a"),  # no KV reported: the compute term alone (0.5)
     ],
 )
-def test_banaserve_dispatches_to_the_lowest_utilisation_under_its_threshold(workers, threshold, expected):
-    chosen = make_policy("banaserve", {"threshold": threshold}).pick(ctx(workers))
-    assert (chosen.worker_id if chosen else None) == expected
+def test_banaserve_dispatches_to_the_lowest_utilisation_under_its_threshold(workers, threshold, expected, queued):
+    for name, wanted in (("banaserve", expected), ("banaserve_queue", queued)):
+        chosen = make_policy(name, {"threshold": threshold}).pick(ctx(workers))
+        assert (chosen.worker_id if chosen else None) == wanted, name
+
+
+def test_banaserve_over_its_threshold_breaks_ties_by_the_shorter_queue():
+    """Both at U = 0.75 + 0.9; a's engine holds a prompt its KV cannot take yet (20 blocks beside 90)."""
+    decode = req("d", 1424, generated=16)  # 90 blocks
+    a = w("a", running=3, kv_used=90, kv_total=100, requests=[decode, req("p", 320)])
+    b = w("b", running=3, kv_used=90, kv_total=100, requests=[decode])
+    assert picked("banaserve", [a, b]) == "b" and picked("banaserve", [b, a]) == "b"
 
 
 def req(rid, tokens, generated=0, priority=0):
@@ -186,6 +197,37 @@ def test_llumnix_freeness():
     assert freeness(w("c", state="draining", kv_total=100)) == float("-inf")
     assert freeness(w("d", kv_total=100)) == 100.0  # idle: all of M for a batch of one
     assert freeness(w("e", running=2, kv_used=30, kv_total=100)) == 35.0  # no request list: reported blocks
+
+
+def test_llumnix_high_priority_requests_share_one_headroom():
+    two = w("b", running=2, kv_total=100, requests=[req("z", 16, priority=-1), req("y", 16, priority=-2)])
+    assert freeness(two, priority_headroom_blocks=30) == (100 - 2 - 30) / 2
+
+
+def test_llumnix_head_of_line_counts_only_the_first_waiting_request():
+    """100 blocks: a decode holds 50 (784 + 16 tokens), a prompt of 30 blocks fits beside it and runs; the
+    next (40 blocks) does not: it is the head of line, and the one after it (10) waits behind it."""
+    held = [req("d", 784, generated=16), req("p1", 480), req("p2", 640), req("p3", 160)]
+    a = w("a", running=4, kv_total=100, requests=held)
+    running, waiting = a.engine_queue
+    assert [r.request_id for r in running] == ["d", "p1"] and [r.request_id for r in waiting] == ["p2", "p3"]
+    assert freeness(a) == (100 - 50 - 30 - 40 - 10) / 4  # Llumnix's dispatch: every waiting request
+    assert freeness(a, head_of_line=True) == (100 - 50 - 30 - 40) / 3  # the paper, its migration: the head alone
+    none_wait = w("b", running=2, kv_total=100, requests=held[:2])
+    assert none_wait.engine_queue[1] == () and freeness(none_wait, head_of_line=True) == freeness(none_wait)
+    assert w("c", running=4, requests=held).engine_queue == (tuple(held), ())  # no KV reported: all run
+    # a long queue behind a head of line: only Llumnix's code's dispatch (every waiting request) avoids it
+    x = w(
+        "x",
+        running=7,
+        capacity=8,
+        kv_total=100,
+        requests=[req("d", 944, generated=16), req("h", 800)] + [req("q", 160)] * 5,
+    )
+    y = w("y", running=2, kv_total=100, requests=[req("e", 1424, generated=16), req("g", 384)])
+    assert (freeness(x), freeness(x, head_of_line=True), freeness(y)) == (-60 / 7, -5.0, -7.0)
+    assert picked("llumnix", [x, y]) == "y"
+    assert make_policy("llumnix", {"head_of_line": 1}).pick(ctx([x, y])).worker_id == "x"
 
 
 def test_llumnix_dispatches_to_the_freest_even_when_it_runs_more_requests():
@@ -228,6 +270,7 @@ def test_llumnix_migration_pairs_least_with_most_free():
         ("banaserve", {"threshhold": 1.0}, "no parameter threshhold"),
         ("banaserve", {"threshold": 3.0}, "threshold must lie in"),
         ("llumnix", {"priority_headroom_blocks": -1}, "must be >= 0"),
+        ("llumnix", {"head_of_line": 2}, "must be 0 or 1"),
         ("ascendra", {"high_pool_fraction": 1.0}, "must lie in"),
         ("ascendra", {"tickets": 0}, "must be >= 1"),
         ("cache_aware", {"cache_threshold": 2}, "must lie in"),

@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 
 from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
+from llmesh.policies.banaserve import RoleSwitchParams
 from llmesh.policies.core import kv_blocks
-from llmesh_sim.cluster import Migration, simulate, summarize
+from llmesh_sim.cluster import Migration, RoleSwitching, simulate, summarize
 from llmesh_sim.engine import EngineProfile, Preemption, SimEngine, SimRequest
 
 # 10 ms a step, 1 ms a prompt token, 2 ms a decoding request
@@ -447,7 +448,7 @@ def test_a_request_that_finishes_while_its_kv_is_copied_stays_where_it_ran():
     assert a.migrations == b.migrations == 0 and b.worker_id == "e000" and b.generated == 200
 
 
-def test_the_llumnix_experiment_runs_each_system_and_only_llumnix_migrates(tmp_path):
+def test_the_llumnix_experiment_runs_each_system_and_only_llumnixs_migrate(tmp_path):
     from llmesh_sim.llumnix import main
 
     out = tmp_path / "llumnix.md"
@@ -459,10 +460,11 @@ def test_the_llumnix_experiment_runs_each_system_and_only_llumnix_migrates(tmp_p
         if line.startswith("| ") and not line.startswith("| system")
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
-    assert set(rows) == {"round-robin", "INFaaS++", "Llumnix dispatch", "Llumnix"}
+    assert set(rows) == {"round-robin", "INFaaS++", "Llumnix dispatch", "Llumnix", "Llumnix, head-of-line dispatch"}
     assert rows["INFaaS++"][3] == "1.00x" and rows["round-robin"][7] == "1.00x"
     assert all(int(cells[8]) > 0 for cells in rows.values())  # KV short enough to preempt everywhere
-    assert int(rows["Llumnix"][9]) > 0 and all(int(rows[s][9]) == 0 for s in rows if s != "Llumnix")
+    migrating = {"Llumnix", "Llumnix, head-of-line dispatch"}
+    assert all(int(rows[s][9]) > 0 for s in migrating) and all(int(rows[s][9]) == 0 for s in rows.keys() - migrating)
     assert all(cells[10] == "0" for cells in rows.values())  # every request completed
 
 
@@ -477,3 +479,19 @@ def test_with_the_routers_views_a_burst_between_heartbeats_spreads_over_the_engi
     assert {r.worker_id for r in long} == {"e000", "e001"}
     assert sorted(Counter(r.worker_id for r in burst).values()) == [4, 4]
     assert all(r.generated == r.output_tokens for r in long + burst)
+
+
+def test_role_switching_moves_decode_engines_to_a_prefill_pool_that_falls_behind():
+    """One prefill and three decode engines; 800-token prompts every 0.1 s take 0.81 s each on a prefill
+    engine, so its queue grows while the decode engines idle: placement's BanaServe switching (the production
+    `pick_role_switch`) gives it decode engines, every request still completes, and prompts wait less."""
+    reqs = [SimRequest(f"r{i}", 0.1 * i, 800, 5) for i in range(60)]
+    switching = RoleSwitching(0.5, RoleSwitchParams(hold_s=0.5, cooldown_s=1.0))
+    fixed, switched = ([replace(r) for r in reqs] for _ in range(2))
+    args = (PROFILE, 3, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    simulate(fixed, *args, prefill_instances=1, max_wait_s=float("inf"))
+    simulate(switched, *args, prefill_instances=1, max_wait_s=float("inf"), role_switching=switching)
+    assert all(r.generated == r.output_tokens and r.finished_at is not None for r in fixed + switched)
+    assert {r.worker_id for r in fixed} == {"p000"}  # where each prompt was computed
+    assert {r.worker_id for r in switched} > {"p000"}  # ... and switched decode engines' too
+    assert summarize(switched, 1, 1).ttft_p99_s < summarize(fixed, 1, 1).ttft_p99_s / 2
