@@ -124,3 +124,36 @@ def test_committed_profile_is_plausible():
     assert 0.020 < p.prefill_s(2048) < 0.200  # Vidur's measurements give ~43 ms
     assert p.prefill_s(512) < p.prefill_s(2048) < p.prefill_s(4096) < 0.250
     assert 5e-6 < p.kv_transfer_token_s < 2e-5  # 512 KiB over 400 Gb/s: 10.5 µs a token
+
+
+def test_attention_rows_of_another_layer_are_scaled_to_the_target(tmp_path):
+    """The A100 13B target reads Llama-2-70B's TP-2 attention rows (32 query and 4 KV heads a GPU): its
+    40-head prefill computes 40/32 of theirs, its decode reads 40/4 of their KV a token."""
+    target = gp.TARGETS["a100-llama2-13b"]
+    shape = {"n_embd": 8192, "n_q_head": 64, "n_kv_head": 8, "block_size": 16, "num_tensor_parallel_workers": 2}
+    rows = [
+        shape
+        | {"batch_size": 1, "prefill_chunk_size": n, "kv_cache_size": 0, "is_prefill": True}
+        | {"time_stats.attn_prefill.median": 0.001 * n, "time_stats.attn_decode.median": ""}
+        for n in (64, 1024, 4096)
+    ]
+    rows += [
+        shape
+        | {"batch_size": b, "prefill_chunk_size": 0, "kv_cache_size": c, "is_prefill": False}
+        | {"time_stats.attn_prefill.median": "", "time_stats.attn_decode.median": 0.02 + 1e-4 * b + 1e-7 * b * c}
+        for b in (1, 8, 64)
+        for c in (128, 2048)
+    ]
+    _write(tmp_path / "attention.csv", rows)
+    attention = gp.VidurAttention(tmp_path / "attention.csv", target)
+    assert attention.prefill(1024) == pytest.approx(1.25 * 1024e-6)
+    assert attention.decode(8, 2048) == pytest.approx((0.02 + 8e-4 + 10 * 1e-7 * 8 * 2048) / 1000)
+    assert "x1.25 (query heads)" in attention.source and "x10 (KV heads)" in attention.source
+
+
+def test_committed_a100_13b_profile_is_plausible():
+    p = load_profile(PROFILE.with_name("a100-llama2-13b.json"))
+    assert p.kv_blocks * p.block_size * gp.LLAMA2_13B.kv_bytes_per_token < 55 * 2**30  # what 26 GB of weights leave
+    assert 0.010 < p.step_s(0, 1, 1024) < 0.040  # a 13B decode step reads 26 GB at ~2 TB/s
+    assert 0.150 < p.prefill_s(2048) < 0.400  # 53 TFLOP at 40-70% of 312 TFLOP/s
+    assert p.prefill_s(2048) > 4 * load_profile(PROFILE).prefill_s(2048)  # twice the model on a third of the GPU
