@@ -20,7 +20,7 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
 from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch
@@ -60,6 +60,8 @@ class RoleSwitching:
 
     interval_s: float = 1.0  # MESH_PLACEMENT_PERIOD_S
     params: RoleSwitchParams = RoleSwitchParams()
+    # simulate's log of the switches it made: (when, engine, its new role)
+    switched: list[tuple[float, str, str]] = field(default_factory=list, compare=False)
 
 
 def _worker_view(e: SimEngine) -> WorkerView:
@@ -308,7 +310,7 @@ def simulate(
             return
         engine = by_id[switch.worker_id]
         engine.role, engine.view_cache = switch.role, None
-        engine.switches += 1
+        role_switching.switched.append((now, engine.worker_id, switch.role))
         if switch.role == "prefill":  # the decodes it had not started: placed afresh
             for r in engine.waiting:
                 r.queued_at = now

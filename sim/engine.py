@@ -53,6 +53,9 @@ class EngineProfile:
     block_size: int = 16
     kv_transfer_token_s: float = 0.0  # prefill to decode, per prompt token, beyond what overlaps the prefill
     source: str = ""  # where the numbers come from
+    # vLLM V0's default scheduler (no chunked prefill): a step that computes prompts decodes nothing, so
+    # every arriving prompt stalls the running streams; False: V1's chunked prefill, prompts and decodes mixed
+    prefill_first: bool = False
 
     def step_s(self, prefill_tokens: int, decoding: int, context_tokens: int, attention_pairs: int = 0) -> float:
         return (
@@ -216,7 +219,6 @@ class SimEngine:
     cpu_blocks_used: int = 0
     incoming: list[SimRequest] = field(default_factory=list)  # migrating here: their blocks reserved (sim.cluster)
     switchable: bool = False  # built with both roles: placement may switch it (sim.cluster.RoleSwitching)
-    switches: int = 0  # role switches so far
 
     @property
     def requests(self) -> list[SimRequest]:
@@ -339,6 +341,8 @@ class SimEngine:
                 prefill_tokens += chunk
                 pairs += attention_pairs(r.prefilled, chunk)
                 self._plan.append((r, chunk))
+        if self.profile.prefill_first and self._plan:
+            decoding = []
         context = sum(r.prompt_tokens + r.generated for r in decoding)
         self._decoding = decoding
         if not decoding and not self._plan:  # all it holds wait for their migrated KV: idle until the first has it

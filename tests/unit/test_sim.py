@@ -495,3 +495,28 @@ def test_role_switching_moves_decode_engines_to_a_prefill_pool_that_falls_behind
     assert {r.worker_id for r in fixed} == {"p000"}  # where each prompt was computed
     assert {r.worker_id for r in switched} > {"p000"}  # ... and switched decode engines' too
     assert summarize(switched, 1, 1).ttft_p99_s < summarize(fixed, 1, 1).ttft_p99_s / 2
+
+
+def test_prefill_first_engines_stall_their_streams_for_every_prompt():
+    """vLLM V0's scheduler. A: 100-token prompt at 0, 4 out; B: 50 tokens at 0.115, 2 out. Both ways:
+    [0, 0.110] A's prompt, [0.110, 0.122] A decodes. Chunked prefill: [0.122, 0.184] B's prompt with A's
+    third token, [0.184, 0.198] both decode, both done. Prefill first: [0.122, 0.182] B's prompt alone,
+    [0.182, 0.196] both decode (B done), [0.196, 0.208] A's last token."""
+    finished = {}
+    for prefill_first in (False, True):
+        a, b = SimRequest("a", 0.0, 100, 4), SimRequest("b", 0.115, 50, 2)
+        profile = replace(PROFILE, prefill_first=prefill_first)
+        simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("fcfs"))
+        finished[prefill_first] = (a.finished_at, b.finished_at)
+    assert finished[False] == pytest.approx((0.198, 0.198))
+    assert finished[True] == pytest.approx((0.208, 0.196))
+
+
+def test_the_banaserve_experiment_runs_each_system(tmp_path):
+    from llmesh_sim.banaserve import main
+
+    out = tmp_path / "banaserve.md"
+    assert main(["--requests", "200", "--rates", "30", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 30 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["vLLM", "vLLM V0", "DistServe", "BanaServe"]
+    assert all(r.rstrip(" |").endswith("| 0") for r in rows)  # every request completed
