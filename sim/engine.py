@@ -114,6 +114,18 @@ class SimRequest:
     # live migration (sim.cluster.Migration)
     migrations: int = 0
     paused_until: float = 0.0  # no decoding before this: its KV's last stage is on its way to a new engine
+    # the gaps between its output tokens (time between tokens, per step)
+    last_token_at: float | None = None
+    tbt_max_s: float = 0.0
+    tbt_misses: int = 0  # gaps longer than its `tpot_slo_s`
+
+    def token_out(self, now: float) -> None:
+        """One more output token at `now`: the gap since the last one counts."""
+        if self.last_token_at is not None:
+            gap = now - self.last_token_at
+            self.tbt_max_s = max(self.tbt_max_s, gap)
+            self.tbt_misses += self.tpot_slo_s is not None and gap > self.tpot_slo_s
+        self.last_token_at = now
 
     @property
     def prefill_target(self) -> int:
@@ -359,6 +371,7 @@ class SimEngine:
             r.prefilled += chunk
             if not r.decoding:
                 continue
+            r.token_out(now)
             if r.first_token_at is not None:  # a recompute done: its last chunk samples the next token
                 r.generated += 1
                 continue
@@ -367,6 +380,7 @@ class SimEngine:
                 self.cache.index.record(self.cache.key, r.prefix_hashes)
         for r in self._decoding:
             r.generated += 1
+            r.token_out(now)
         leaving = [
             r
             for r in self.running

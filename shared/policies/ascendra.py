@@ -14,6 +14,13 @@ policy `edf` (Ascendra's urgency order) refuses it once its deadline cannot be m
 letting it take time from requests that still can; without, it runs best effort on the LP
 instance that answers soonest.
 
+Two more of the paper's mechanisms, off by default: `lp_batch_cap` caps an LP instance's batch
+(requests held or on their way), so its decode steps stay short and what does not fit waits in the
+router's queue, in the queue policy's order (EDF: Ascendra's urgency), where every retry asks again
+whether it is urgent (the paper's offload of an LP queue's requests while they wait, not only on
+arrival); `idle_ticket` lets an idle HP instance take the next request whatever its urgency (the
+paper's tickets, issued by an HP instance with nothing to do).
+
 Pools are fixed by worker id (the last `high_pool_fraction` of the fitting workers, at least one
 when there are two or more), so every caller that sees the same workers draws the same line.
 """
@@ -34,11 +41,21 @@ def high_pool(ctx: DispatchContext, high_pool_fraction: float) -> set[str]:
     return set(ids[-k:])
 
 
-def ascendra(high_pool_fraction: float = 0.125, tickets: float = 2, drop_hopeless: float = 1) -> Policy:
+def ascendra(
+    high_pool_fraction: float = 0.125,
+    tickets: float = 2,
+    drop_hopeless: float = 1,
+    lp_batch_cap: float = 0,
+    idle_ticket: float = 0,
+) -> Policy:
+    """`lp_batch_cap`: the most requests an LP instance holds (0: its capacity); `idle_ticket` (1): an idle
+    HP instance takes the next request."""
     if not 0 <= high_pool_fraction < 1:
         raise ValueError(f"ascendra: high_pool_fraction must lie in [0, 1), not {high_pool_fraction}")
     if tickets < 1:
         raise ValueError(f"ascendra: tickets must be >= 1, not {tickets}")
+    if lp_batch_cap < 0:
+        raise ValueError(f"ascendra: lp_batch_cap must be >= 0, not {lp_batch_cap}")
 
     def pick(ctx: DispatchContext, scored: Sequence[tuple[WorkerView, float]]) -> WorkerView | None:
         slack = ctx.request.ttft_deadline - ctx.now
@@ -48,7 +65,15 @@ def ascendra(high_pool_fraction: float = 0.125, tickets: float = 2, drop_hopeles
             estimate = w.ttft_estimate_s(ctx.request.prompt_tokens)
             return 0.0 if estimate is None else estimate
 
-        low = [(w, c) for w, c in scored if w.worker_id not in hp]
+        if idle_ticket:
+            idle = [(w, c) for w, c in scored if w.worker_id in hp and w.running + w.assigned == 0]
+            if idle:
+                return lowest_cost(ctx, idle)
+        low = [
+            (w, c)
+            for w, c in scored
+            if w.worker_id not in hp and (not lp_batch_cap or w.running + w.assigned < lp_batch_cap)
+        ]
         in_time = [(w, c) for w, c in low if ttft(w) <= slack]
         if in_time:
             return lowest_cost(ctx, in_time)
@@ -68,5 +93,11 @@ def ascendra(high_pool_fraction: float = 0.125, tickets: float = 2, drop_hopeles
         costs=((1.0, request_load),),
         picker=pick,
         declines_by_request=True,
-        params={"high_pool_fraction": high_pool_fraction, "tickets": tickets, "drop_hopeless": drop_hopeless},
+        params={
+            "high_pool_fraction": high_pool_fraction,
+            "tickets": tickets,
+            "drop_hopeless": drop_hopeless,
+            "lp_batch_cap": lp_batch_cap,
+            "idle_ticket": idle_ticket,
+        },
     )

@@ -273,6 +273,7 @@ def test_llumnix_migration_pairs_least_with_most_free():
         ("llumnix", {"head_of_line": 2}, "must be 0 or 1"),
         ("ascendra", {"high_pool_fraction": 1.0}, "must lie in"),
         ("ascendra", {"tickets": 0}, "must be >= 1"),
+        ("ascendra", {"lp_batch_cap": -1}, "must be >= 0"),
         ("cache_aware", {"cache_threshold": 2}, "must lie in"),
     ],
 )
@@ -590,6 +591,34 @@ def urgent_ctx(workers, ttft_s, now=0.0):
             "a",
         ),  # ... or best effort where it answers soonest
         ([fast(w("a", capacity=8), [800]), fast(w("b", capacity=8))], 0.05, {"high_pool_fraction": 0}, None),
+        # the LP batch cap: a holds 1 request, b 2. With a cap of 2, a takes it; with 1, no LP instance has room,
+        # so it is offloaded to the HP instance while that has a ticket, else it waits in the router's queue
+        (
+            [fast(w("a", capacity=8), [100]), fast(w("b", 1, capacity=8), [50]), fast(w("c", capacity=8))],
+            1.0,
+            {"lp_batch_cap": 2},
+            "a",
+        ),
+        (
+            [fast(w("a", capacity=8), [100]), fast(w("b", 1, capacity=8), [50]), fast(w("c", capacity=8))],
+            1.0,
+            {"lp_batch_cap": 1},
+            "c",
+        ),
+        (
+            [fast(w("a", capacity=8), [100]), fast(w("b", 1, capacity=8), [50]), fast(w("c", capacity=8), [50, 50])],
+            1.0,
+            {"lp_batch_cap": 1},
+            None,
+        ),
+        # an idle HP instance's ticket: the next request goes there, urgent or not
+        ([fast(w("a", capacity=8)), fast(w("b", capacity=8)), fast(w("c", capacity=8))], 1.0, {"idle_ticket": 1}, "c"),
+        (
+            [fast(w("a", capacity=8)), fast(w("b", capacity=8), [300]), fast(w("c", 1, capacity=8), [50])],
+            1.0,
+            {"idle_ticket": 1},
+            "a",  # c is busy: no ticket
+        ),
     ],
 )
 def test_ascendra_offloads_what_the_low_priority_pool_would_serve_late(workers, ttft_s, params, expected):

@@ -520,3 +520,24 @@ def test_the_banaserve_experiment_runs_each_system(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 30 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["vLLM", "vLLM V0", "DistServe", "BanaServe"]
     assert all(r.rstrip(" |").endswith("| 0") for r in rows)  # every request completed
+
+
+def test_the_gaps_between_tokens_count_the_steps_that_stall_a_stream():
+    """The prefill-first case above: A's tokens at 0.110, 0.122, 0.196 and 0.208 (B's prompt step held the
+    third back); its longest gap is 74 ms, and with a 50 ms target one gap of three missed it."""
+    a, b = SimRequest("a", 0.0, 100, 4, tpot_slo_s=0.05), SimRequest("b", 0.115, 50, 2)
+    simulate([a, b], replace(PROFILE, prefill_first=True), 1, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    assert a.tbt_max_s == pytest.approx(0.074) and a.tbt_misses == 1
+    assert b.tbt_max_s == pytest.approx(0.014) and b.tbt_misses == 0  # B has no target
+
+
+def test_the_ascendra_experiment_runs_each_system(tmp_path):
+    from llmesh_sim.ascendra import main
+
+    out = tmp_path / "ascendra.md"
+    assert main(["--requests", "150", "--rates", "4", "--out", str(out)]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()]
+    rows = [r for r in rows if r[0] == "4"]
+    assert [r[1] for r in rows] == ["vLLM", "Sarathi", "Sarathi, EDF admission", "Ascendra dispatch", "Ascendra"]
+    refused = {r[1]: int(r[-1]) for r in rows}
+    assert refused["vLLM"] == refused["Sarathi"] == 0 and refused["Ascendra"] > 0  # overload: only EDF refuses
