@@ -43,7 +43,7 @@ from pathlib import Path
 from llmesh.policies import Policy, make_policy, make_queue_policy
 
 from .__main__ import ROOT, load_profile, publish, read_trace, workload
-from .cluster import percentile, simulate
+from .cluster import percentile, run_span_s, simulate
 from .engine import EngineProfile, SimRequest
 from .llumnix import arrivals
 
@@ -78,7 +78,7 @@ def outcome(requests: list[SimRequest]) -> Outcome:
         if r.ttft_s <= r.ttft_slo_s  # type: ignore[operator]
         and r.tbt_misses <= 0.01 * max(r.output_tokens - 1, 0)
     ]
-    span = max(r.finished_at for r in done) - min(r.arrival for r in requests)  # type: ignore[type-var]
+    span = run_span_s(requests)
     return Outcome(
         len(good) / len(requests),
         len(good) / span,

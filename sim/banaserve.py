@@ -39,7 +39,7 @@ from pathlib import Path
 from llmesh.policies import make_policy, make_queue_policy
 
 from .__main__ import DATA, ROOT, load_profile, publish, read_trace, workload
-from .cluster import RoleSwitching, percentile, simulate
+from .cluster import RoleSwitching, percentile, run_span_s, simulate
 from .engine import EngineProfile, SimRequest
 from .llumnix import arrivals
 
@@ -94,7 +94,7 @@ def run(requests: list[SimRequest], profile: EngineProfile, instances: int, pref
             role_switching=switching,
         )
     done = [r for r in reqs if r.finished_at is not None]
-    span = max(r.finished_at for r in done) - min(r.arrival for r in reqs)  # type: ignore[type-var]
+    span = run_span_s(reqs)
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
     to = Counter(role for *_, role in switching.switched) if switching else Counter()

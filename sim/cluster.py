@@ -423,6 +423,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
+def run_span_s(requests: Sequence[SimRequest]) -> float:
+    """From the first arrival to the last completion (1 s when nothing completed)."""
+    finished = (r.finished_at for r in requests if r.finished_at is not None)
+    return (max(finished, default=0.0) - min((r.arrival for r in requests), default=0.0)) or 1.0
+
+
 def summarize(requests: Sequence[SimRequest], ttft_slo_s: float, tpot_slo_s: float) -> Summary:
     done = [r for r in requests if r.finished_at is not None]
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
@@ -433,8 +439,7 @@ def summarize(requests: Sequence[SimRequest], ttft_slo_s: float, tpot_slo_s: flo
         if r.ttft_s <= (r.ttft_slo_s or ttft_slo_s)  # type: ignore[operator]
         and (r.tpot_s is None or r.tpot_s <= (r.tpot_slo_s or tpot_slo_s))
     ]
-    finished = (r.finished_at for r in requests if r.finished_at is not None)
-    span = (max(finished, default=0.0) - min((r.arrival for r in requests), default=0.0)) or 1.0
+    span = run_span_s(requests)
     return Summary(
         len(requests),
         len(done),

@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if mlp is None:
         raise SystemExit(f"no {Path(target.mlp_csv).name} under {args.vidur}")
     attention_csv = find(args.vidur, target.attention_csv)
+    attention: VidurAttention | PublishedAttention
     if attention_csv is not None:
         attention = VidurAttention(attention_csv, target)
     elif target is H100:
