@@ -3,9 +3,10 @@
     .venv/bin/python -m llmesh_sim.calibrate [--model llmesh/tiny-llama] [--out sim/profiles/cpu-tiny.json]
 
 Measures, on one engine configured as the mesh's workers are: the time to first token of a lone
-prompt of several lengths (one prefill step each), and the gap between two tokens of B requests
-decoding together at two context lengths; then fits `EngineProfile`'s affine step time by least
-squares over all of them and reports each measurement against the fit.
+prompt of several lengths (one prefill step each, and the engine's fixed path from a request's
+submission to its first token: `EngineProfile.first_token_s`), and the gap between two tokens of B
+requests decoding together at two context lengths; then fits `EngineProfile`'s affine step time by
+least squares over all of them and reports each measurement against the fit.
 """
 
 from __future__ import annotations
@@ -110,15 +111,20 @@ async def measure(
 Point = tuple[str, int, int, int, int, float]
 
 
-def fit_step_time(points: list[Point]) -> tuple[list[float], list[float]]:
+def fit_step_time(points: list[Point], first_token: bool = False) -> tuple[list[float], list[float]]:
     """Non-negative least squares on relative error (short steps count as much as long prefills) of
     EngineProfile's step time: (base, per prompt token, per attention pair, per decoding request, per
-    context token), and each point's fitted seconds. A column whose coefficient comes out negative is
-    dropped (set to 0) and the rest refitted."""
-    a = np.array([[1.0, n, pairs, b, ctx] for _, n, pairs, b, ctx, _ in points])
+    context token, first-token overhead), and each point's fitted seconds. `first_token`: the prompt
+    points (no decoding request) are times to first token measured from submission, which add the
+    engine's fixed path from a request's arrival to its first token leaving (`first_token_s`); without,
+    that coefficient is 0. A column whose coefficient comes out negative is dropped (set to 0) and the
+    rest refitted."""
+    a = np.array(
+        [[1.0, n, pairs, b, ctx, float(first_token and n > 0 and b == 0)] for _, n, pairs, b, ctx, _ in points]
+    )
     y = np.array([t for *_, t in points])
     w = 1 / y
-    keep = list(range(a.shape[1]))
+    keep = list(range(a.shape[1] if first_token else a.shape[1] - 1))
     while True:
         sub, *_ = np.linalg.lstsq(a[:, keep] * w[:, None], y * w, rcond=None)
         if (sub >= 0).all():
@@ -129,10 +135,12 @@ def fit_step_time(points: list[Point]) -> tuple[list[float], list[float]]:
     return [float(c) for c in coef], [float(v) for v in a @ coef]
 
 
-def fitted_profile(name: str, points: list[Point], **limits) -> tuple[EngineProfile, list[float]]:
+def fitted_profile(
+    name: str, points: list[Point], first_token: bool = False, **limits
+) -> tuple[EngineProfile, list[float]]:
     """The profile `fit_step_time` gives `points`, with the engine's `limits` (EngineProfile's other
     fields); and each point's fitted seconds."""
-    (base, per_token, per_pair, per_seq, per_ctx), fitted = fit_step_time(points)
+    (base, per_token, per_pair, per_seq, per_ctx, first), fitted = fit_step_time(points, first_token)
     return EngineProfile(
         name,
         base_s=base,
@@ -140,6 +148,7 @@ def fitted_profile(name: str, points: list[Point], **limits) -> tuple[EngineProf
         prefill_attention_s=per_pair,
         decode_seq_s=per_seq,
         context_token_s=per_ctx,
+        first_token_s=first,
         **limits,
     ), fitted
 
@@ -175,6 +184,7 @@ def fit(
     profile, fitted = fitted_profile(
         name,
         points,
+        first_token=True,
         max_batched_tokens=settings.max_model_len,
         max_seqs=settings.capacity,
         kv_blocks=kv_blocks,

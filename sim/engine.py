@@ -56,6 +56,10 @@ class EngineProfile:
     # vLLM V0's default scheduler (no chunked prefill): a step that computes prompts decodes nothing, so
     # every arriving prompt stalls the running streams; False: V1's chunked prefill, prompts and decodes mixed
     prefill_first: bool = False
+    # from a request's submission to its first token leaving the engine, beyond the steps' time (input
+    # processing, the wait for a step boundary, output): every token a client sees comes this much after its
+    # step; measured on a real engine (`llmesh_sim.calibrate`), 0 in profiles of GPU kernel times
+    first_token_s: float = 0.0
 
     def step_s(self, prefill_tokens: int, decoding: int, context_tokens: int, attention_pairs: int = 0) -> float:
         return (
@@ -367,20 +371,21 @@ class SimEngine:
     def finish_step(self, now: float) -> list[SimRequest]:
         """Apply the planned step's work at its end `now`; the requests that leave (finished, or a
         prefill engine's with their first token out)."""
+        out = now + self.profile.first_token_s  # when what this step sampled reaches the client
         for r, chunk in self._plan:
             r.prefilled += chunk
             if not r.decoding:
                 continue
-            r.token_out(now)
+            r.token_out(out)
             if r.first_token_at is not None:  # a recompute done: its last chunk samples the next token
                 r.generated += 1
                 continue
-            r.generated, r.first_token_at = 1, now  # the last chunk samples the first token
+            r.generated, r.first_token_at = 1, out  # the last chunk samples the first token
             if self.cache is not None and r.prefix_hashes:
                 self.cache.index.record(self.cache.key, r.prefix_hashes)
         for r in self._decoding:
             r.generated += 1
-            r.token_out(now)
+            r.token_out(out)
         leaving = [
             r
             for r in self.running
@@ -388,7 +393,7 @@ class SimEngine:
         ]
         for r in leaving:
             if r.generated >= r.output_tokens:
-                r.finished_at = now
+                r.finished_at = out
             self.running.remove(r)
         self.busy_until = None
         self.steps += 1

@@ -26,7 +26,7 @@ def test_fit_recovers_an_affine_step_time():
     pts += [_point("chunk", 2048, 2048, 0, 0)]
     pts += [_point(f"decode {b}x{c}", 0, 0, b, b * c) for b in (1, 16, 128) for c in (256, 4096)]
     coef, fitted = fit_step_time(pts)
-    assert coef == pytest.approx(TRUE, rel=1e-6)
+    assert coef == pytest.approx([*TRUE, 0.0], rel=1e-6)
     assert fitted == pytest.approx([t for *_, t in pts], rel=1e-9)
 
 
@@ -39,6 +39,15 @@ def test_fit_keeps_coefficients_non_negative():
     ]
     coef, _ = fit_step_time(pts)
     assert min(coef) >= 0 and coef[4] == 0
+
+
+def test_fit_separates_a_fixed_path_to_the_first_token():
+    """Times to first token measured from submission carry a fixed 8 ms that decode steps do not."""
+    pts = [_point(f"prefill {n}", n, 0, 0, 0) for n in (64, 256, 1024, 2048)]
+    pts = [(label, n, pairs, b, ctx, t + 0.008) for label, n, pairs, b, ctx, t in pts]
+    pts += [_point(f"decode {b}x{c}", 0, 0, b, b * c) for b in (1, 16, 128) for c in (256, 4096)]
+    coef, _ = fit_step_time(pts, first_token=True)
+    assert coef == pytest.approx([*TRUE, 0.008], rel=1e-6)
 
 
 def _write(path: Path, rows: list[dict]) -> None:

@@ -541,3 +541,13 @@ def test_the_ascendra_experiment_runs_each_system(tmp_path):
     assert [r[1] for r in rows] == ["vLLM", "Sarathi", "Sarathi, EDF admission", "Ascendra dispatch", "Ascendra"]
     refused = {r[1]: int(r[-1]) for r in rows}
     assert refused["vLLM"] == refused["Sarathi"] == 0 and refused["Ascendra"] > 0  # overload: only EDF refuses
+
+
+def test_the_first_token_path_delays_what_the_client_sees_not_the_engine():
+    """test_one_engine_by_hand with 5 ms from each step to the client: every time the client sees moves by
+    5 ms, the steps do not, so TPOT is unchanged."""
+    a, b = SimRequest("a", 0.0, 100, 3), SimRequest("b", 0.05, 50, 2)
+    profile = replace(PROFILE, first_token_s=0.005)
+    simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    assert a.ttft_s == pytest.approx(0.115) and b.ttft_s == pytest.approx(0.127)
+    assert a.finished_at == pytest.approx(0.191) and a.tpot_s == pytest.approx(0.038)
