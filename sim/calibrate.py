@@ -1,6 +1,6 @@
 """Fit the simulator's engine model to a real vLLM engine on this machine.
 
-    .venv/bin/python -m llmesh_sim.calibrate [--model llmesh/tiny-llama] [--out sim/profiles/cpu-tiny.json]
+    .venv/bin/python -m llmesh_sim.calibrate [--model llmesh/tiny-llama] [--engines N] [--out PROFILE.json]
 
 Measures, on one engine configured as the mesh's workers are: the time to first token of a lone
 prompt of several lengths (one prefill step each, and the engine's fixed path from a request's
@@ -40,9 +40,11 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 
 async def measure(
-    model: str, settings: WorkerSettings
+    model: str, settings: WorkerSettings, engines: int = 1
 ) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]], int]:
-    """(prompt tokens, TTFT s) and (batch, context tokens, step s) measurements, and the engine's KV blocks."""
+    """(prompt tokens, TTFT s) and (batch, context tokens, step s) measurements, and the engine's KV blocks.
+    With `engines` > 1, that many engines run every measurement at once, as engines that share this
+    machine's cores do in a deployment, and each measurement pools their times."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
@@ -52,20 +54,19 @@ async def measure(
     from llmesh.engine.worker import WARMUP_PROMPT
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=model,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            block_size=settings.block_size,
-            enforce_eager=True,
-            disable_log_stats=True,
-            enable_prefix_caching=False,
-        )
+    args = AsyncEngineArgs(
+        model=model,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        block_size=settings.block_size,
+        enforce_eager=True,
+        disable_log_stats=True,
+        enable_prefix_caching=False,
     )
+    started = [AsyncLLM.from_engine_args(args) for _ in range(engines)]
     serial = 0
 
-    async def run(prompt: list[int], max_tokens: int) -> list[float]:
+    async def run(engine: AsyncLLM, prompt: list[int], max_tokens: int) -> list[float]:
         nonlocal serial
         serial += 1
         params = SamplingParams(
@@ -76,20 +77,24 @@ async def measure(
             stamps.append(time.perf_counter())
         return stamps
 
+    async def everywhere(prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+        """The same requests on every engine at once; each request's stamps."""
+        runs = await asyncio.gather(*[run(e, prompt, max_tokens) for e in started for prompt in prompts])
+        return list(runs)
+
     try:
-        await run(WARMUP_PROMPT, 2)
+        await asyncio.gather(*[run(e, WARMUP_PROMPT, 2) for e in started])
         prefills = []
         for n in PREFILL_LENGTHS:
             ttfts = []
             for rep in range(REPEATS):
-                stamps = await run(_prompt(n, rep + n), 1)
-                ttfts.append(stamps[1] - stamps[0])
+                ttfts += [stamps[1] - stamps[0] for stamps in await everywhere([_prompt(n, rep + n)], 1)]
             prefills.append((n, statistics.median(ttfts)))
             print(f"calibrate: prefill {n} tokens: {prefills[-1][1] * 1000:.1f} ms", file=sys.stderr)
         decodes = []
         for context in DECODE_CONTEXTS:
             for batch in DECODE_BATCHES:
-                runs = await asyncio.gather(*[run(_prompt(context, 1000 + b), DECODE_TOKENS) for b in range(batch)])
+                runs = await everywhere([_prompt(context, 1000 + b) for b in range(batch)], DECODE_TOKENS)
                 # the steps after every prompt is in: each request's later gaps
                 gaps = [
                     b - a
@@ -102,9 +107,10 @@ async def measure(
                     f"calibrate: decode batch {batch} at {context}-token prompts: {step * 1000:.2f} ms/step",
                     file=sys.stderr,
                 )
-        return prefills, decodes, engine.vllm_config.cache_config.num_gpu_blocks or 0
+        return prefills, decodes, started[0].vllm_config.cache_config.num_gpu_blocks or 0
     finally:
-        engine.shutdown()
+        for e in started:
+            e.shutdown()
 
 
 # A measured step: (label, prompt tokens, attention pairs, decoding requests, their context tokens, seconds)
@@ -198,10 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llmesh/tiny-llama")
     parser.add_argument("--out", type=Path, default=Path("sim/profiles/cpu-tiny.json"))
+    parser.add_argument(
+        "--engines", type=int, default=1, help="engines measured at once (those a deployment runs on this machine)"
+    )
     args = parser.parse_args(argv)
+    if args.engines < 1:
+        parser.error("--engines must be at least 1")
     settings = WorkerSettings()
-    prefills, decodes, kv_blocks = asyncio.run(measure(resolve_model(args.model, settings.model_dir), settings))
-    command = f"python -m llmesh_sim.calibrate --model {args.model}"
+    model = resolve_model(args.model, settings.model_dir)
+    prefills, decodes, kv_blocks = asyncio.run(measure(model, settings, args.engines))
+    command = f"python -m llmesh_sim.calibrate --model {args.model}" + (
+        f" --engines {args.engines}" if args.engines > 1 else ""
+    )
     profile, report = fit(args.out.stem, prefills, decodes, kv_blocks, settings, f"measured here: `{command}`")
     write_profile(profile, report, args.out)
     return 0

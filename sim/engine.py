@@ -234,6 +234,11 @@ class SimEngine:
     preemption: Preemption | None = None  # None: no preemption (see the module's docstring)
     cpu_blocks_used: int = 0
     incoming: list[SimRequest] = field(default_factory=list)  # migrating here: their blocks reserved (sim.cluster)
+    # engines sharing this one's device (a CPU host's cores): while any of them is mid-step when a step starts,
+    # the step takes `shared_profile`'s times (measured with engines running at once: `calibrate --engines`)
+    shared_profile: EngineProfile | None = None
+    neighbours: tuple[SimEngine, ...] = ()
+    _timing: EngineProfile | None = None  # the profile timing the step in progress
     switchable: bool = False  # built with both roles: placement may switch it (sim.cluster.RoleSwitching)
 
     @property
@@ -364,14 +369,17 @@ class SimEngine:
         if not decoding and not self._plan:  # all it holds wait for their migrated KV: idle until the first has it
             self.busy_until = min(r.paused_until for r in self.running)
             return self.busy_until
-        self.busy_until = now + self.profile.step_s(prefill_tokens, len(decoding), context, pairs) + self._load_s
+        shared = self.shared_profile is not None and any(n.busy_until is not None for n in self.neighbours)
+        self._timing = self.shared_profile if shared else self.profile
+        assert self._timing is not None
+        self.busy_until = now + self._timing.step_s(prefill_tokens, len(decoding), context, pairs) + self._load_s
         self._load_s = 0.0
         return self.busy_until
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """Apply the planned step's work at its end `now`; the requests that leave (finished, or a
         prefill engine's with their first token out)."""
-        out = now + self.profile.first_token_s  # when what this step sampled reaches the client
+        out = now + (self._timing or self.profile).first_token_s  # when what this step sampled reaches the client
         for r, chunk in self._plan:
             r.prefilled += chunk
             if not r.decoding:

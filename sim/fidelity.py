@@ -1,6 +1,7 @@
 """The simulator against a real run: the same requests, the same arrival times.
 
-    .venv/bin/python -m llmesh_sim.fidelity --results docs/serve/results.json --profile sim/profiles/cpu-tiny.json
+    .venv/bin/python -m llmesh_sim.fidelity --results docs/serve/results.json --profile sim/profiles/cpu-tiny.json \
+        [--shared-profile PROFILE.json]
 
 Takes every point of a `bench/serve.py` run (its results.json keeps each request's start,
 prompt and output tokens and TTFT), replays those requests in the simulator as the deployment
@@ -43,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--tpot-slo-ms", type=float, default=50)
+    parser.add_argument(
+        "--shared-profile",
+        type=Path,
+        help="the engines' times while another runs at once (`llmesh_sim.calibrate --engines 2`): the deployment's "
+        "engines share this machine's cores (default: each has them alone)",
+    )
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
+    shared = load_profile(args.shared_profile) if args.shared_profile else None
     points = [p for p in json.loads(args.results.read_text())["points"] if p.get("requests", {}).get("start_s")]
     print(
         "| deployment | workload | req/s | requests | P50 TTFT real ms | sim ms | ratio | P99 TTFT real ms | sim ms "
@@ -61,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_instances=prefill,
             local_prefill_margin_s=margin,
             tpot_slo_s=args.tpot_slo_ms / 1000,
+            shared_profile=shared,
         )
         real = [t for t in point["requests"]["ttft_ms"] if t is not None]
         sim = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]

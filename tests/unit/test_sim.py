@@ -551,3 +551,12 @@ def test_the_first_token_path_delays_what_the_client_sees_not_the_engine():
     simulate([a, b], profile, 1, make_policy("least_loaded"), make_queue_policy("fcfs"))
     assert a.ttft_s == pytest.approx(0.115) and b.ttft_s == pytest.approx(0.127)
     assert a.finished_at == pytest.approx(0.191) and a.tpot_s == pytest.approx(0.038)
+
+
+def test_engines_sharing_a_host_step_slower_while_another_is_mid_step():
+    """Two engines, round-robin: A (100 tokens) alone on e000 takes its lone 0.110 s; B (50 tokens) arrives
+    at 0.05 on e001 while e000 is mid-step, so its prompt step takes the shared profile's times (twice)."""
+    shared = replace(PROFILE, base_s=0.02, prefill_token_s=0.002, decode_seq_s=0.004)
+    a, b = SimRequest("a", 0.0, 100, 1), SimRequest("b", 0.05, 50, 1)
+    simulate([a, b], PROFILE, 2, make_policy("round_robin"), make_queue_policy("fcfs"), shared_profile=shared)
+    assert a.ttft_s == pytest.approx(0.110) and b.ttft_s == pytest.approx(0.120)
