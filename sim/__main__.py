@@ -20,8 +20,10 @@ import argparse
 import csv
 import json
 import random
+import statistics
 import sys
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -128,6 +130,26 @@ def workload(
     return out
 
 
+def arrivals(rows: list[SimRequest], rate: float, cv: float, seed: int) -> list[SimRequest]:
+    """`rows` re-timed: Gamma inter-arrival gaps of mean 1/`rate` and coefficient of variation `cv`."""
+    rng, t, out = random.Random(seed), 0.0, []
+    shape = 1 / cv**2
+    for r in rows:
+        out.append(replace(r, arrival=t))
+        t += rng.gammavariate(shape, 1 / (rate * shape))
+    return out
+
+
+def length_means(rows: Sequence[SimRequest]) -> tuple[float, float]:
+    """The requests' mean prompt and output tokens."""
+    return statistics.fmean(r.prompt_tokens for r in rows), statistics.fmean(r.output_tokens for r in rows)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How a report's command was run: `python -m <module>` and its arguments."""
+    return f"python -m {module} {' '.join(argv if argv is not None else sys.argv[1:])}"
+
+
 PREDICTIONS = ("oracle", "real", "none")
 
 
@@ -226,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 summarize(done, args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000),
             )
         )
-    command = f"python -m llmesh_sim {' '.join(argv if argv is not None else sys.argv[1:])}"
+    command = command_line("llmesh_sim", argv)
     table = report(results, command, profile, args)
     print(table)
     if args.out:

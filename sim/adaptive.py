@@ -36,7 +36,7 @@ from pathlib import Path
 
 from llmesh.policies import make_policy, make_queue_policy
 
-from .__main__ import ROOT, load_profile, publish, read_trace, workload
+from .__main__ import ROOT, command_line, load_profile, publish, read_trace, workload
 from .cluster import simulate
 from .engine import EngineProfile, Preemption, SimRequest
 from .predictions import HeldOutPredictions, with_predictions
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     heldout = HeldOutPredictions.load()
     trace = read_trace("sharegpt", args.seed)
     loads = (["offline"] if args.offline else []) + [f"{rate:g}" for rate in args.rates]
-    command = f"python -m llmesh_sim.adaptive {' '.join(argv if argv is not None else sys.argv[1:])}"
+    command = command_line("llmesh_sim.adaptive", argv)
     lines = [
         f"Command: `{command}`",
         "",

@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmesh.policies import Policy, make_policy, make_queue_policy
 
-from .__main__ import ROOT, load_profile, publish, read_trace, workload
+from .__main__ import ROOT, arrivals, command_line, length_means, load_profile, publish, read_trace, workload
 from .cluster import percentile, run_span_s, simulate
 from .engine import EngineProfile, SimRequest
-from .llumnix import arrivals
 
 PAPER = (
     "Ascendra: goodput +15-19% over vLLM and Sarathi-Serve, up to 1.7x their throughput within SLOs, "
@@ -122,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         replace(r, ttft_slo_s=rng.uniform(*args.ttft_slo_s), tpot_slo_s=args.tbt_slo_s)
         for r in workload(read_trace("sharegpt", args.seed), args.requests, 1.0, 1.0, 1.0, context, 0.0, 0.0)
     ]
-    means = [statistics.fmean(getattr(r, k) for r in rows) for k in ("prompt_tokens", "output_tokens")]
+    means = length_means(rows)
     cap = lp_batch_cap(chunked, args.chunk, means[0] + means[1] / 2, args.tbt_slo_s)
-    command = f"python -m llmesh_sim.ascendra {' '.join(argv if argv is not None else sys.argv[1:])}"
+    command = command_line("llmesh_sim.ascendra", argv)
     lines = [
         f"Command: `{command}`",
         "",

@@ -38,10 +38,9 @@ from pathlib import Path
 
 from llmesh.policies import make_policy, make_queue_policy
 
-from .__main__ import DATA, ROOT, load_profile, publish, read_trace, workload
+from .__main__ import DATA, ROOT, arrivals, command_line, length_means, load_profile, publish, read_trace, workload
 from .cluster import RoleSwitching, percentile, run_span_s, simulate
 from .engine import EngineProfile, SimRequest
-from .llumnix import arrivals
 
 PAPER = "BanaServe: 1.2-3.9x the throughput of vLLM and DistServe; +40% over vLLM on the Azure trace"
 ALPACA = DATA / "alpaca-eval" / "alpaca_eval_all_models_output_lengths.csv"
@@ -135,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = workload(trace, args.requests, 1.0, 1.0, 1.0, min(4096, context), float("inf"), float("inf"))
         rows = [replace(r, output_tokens=min(r.output_tokens, args.max_output)) for r in rows]
         lengths = "the Azure 2023 conversation trace's lengths"
-    means = [statistics.fmean(getattr(r, k) for r in rows) for k in ("prompt_tokens", "output_tokens")]
-    command = f"python -m llmesh_sim.banaserve {' '.join(argv if argv is not None else sys.argv[1:])}"
+    means = length_means(rows)
+    command = command_line("llmesh_sim.banaserve", argv)
     lines = [
         f"Command: `{command}`",
         "",

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from llmesh.policies import Policy, make_policy, make_queue_policy
 
-from .__main__ import ROOT, load_profile, publish, read_trace, workload
+from .__main__ import ROOT, arrivals, command_line, length_means, load_profile, publish, read_trace, workload
 from .cluster import Migration, percentile, simulate
 from .engine import EngineProfile, Preemption, SimRequest
 
@@ -69,16 +69,6 @@ class Result:
     preemptions: int
     migrations: int
     incomplete: int
-
-
-def arrivals(rows: list[SimRequest], rate: float, cv: float, seed: int) -> list[SimRequest]:
-    """`rows` re-timed: Gamma inter-arrival gaps of mean 1/`rate` and coefficient of variation `cv`."""
-    rng, t, out = random.Random(seed), 0.0, []
-    shape = 1 / cv**2
-    for r in rows:
-        out.append(replace(r, arrival=t))
-        t += rng.gammavariate(shape, 1 / (rate * shape))
-    return out
 
 
 def long_tail(requests: int, context: int, seed: int) -> list[SimRequest]:
@@ -160,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = long_tail(args.requests, context, args.seed)
         lengths = "long-tail lengths"
-    means = [statistics.fmean(getattr(r, k) for r in rows) for k in ("prompt_tokens", "output_tokens")]
-    command = f"python -m llmesh_sim.llumnix {' '.join(argv if argv is not None else sys.argv[1:])}"
+    means = length_means(rows)
+    command = command_line("llmesh_sim.llumnix", argv)
     lines = [
         f"Command: `{command}`",
         "",

@@ -508,7 +508,7 @@ def held(runs: Sequence[Run], target: float) -> Run | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .__main__ import ROOT, load_profile, publish, read_trace
+    from .__main__ import ROOT, command_line, load_profile, publish, read_trace
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                 return r
 
             found[models, system] = highest_load(run, args.attainment, args.start_rate)
-    command = f"python -m llmesh_sim.prism {' '.join(argv if argv is not None else sys.argv[1:])}"
+    command = command_line("llmesh_sim.prism", argv)
     publish(report(found, args, profile, command), args.out)
     return 0
 
