@@ -49,7 +49,10 @@ def virtual_usage(w: WorkerView, priority_headroom_blocks: int = 0, head_of_line
     """ΣV of `freeness`: the KV blocks its counted requests hold or wait for, plus the headroom beside
     high-priority ones (once per worker: they share it)."""
     if w.requests:
-        held = sum(r.kv_blocks(w.block_size) for r in counted_requests(w, head_of_line))
+        if head_of_line:
+            held = sum(r.kv_blocks(w.block_size) for r in counted_requests(w, head_of_line))
+        else:
+            held = w.held_kv_blocks  # cached on the view: every request's
         held += priority_headroom_blocks * any(r.priority < 0 for r in w.requests)
     else:
         held = w.kv_blocks_used
