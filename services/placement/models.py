@@ -103,6 +103,7 @@ class ModelPlacer:
         self._evicted: set[str] = set()  # evicted for idleness, not activated since: reserved no KV
         self._footprints: dict[str, int] = {}  # model -> bytes its workers held when last seen
         self._weights: dict[str, int] = {}  # model -> bytes of weights one of its engines holds
+        self._engine_bytes: dict[str, int] = {}  # model -> bytes one of its engines holds (weights and KV)
         self._moves: dict[str, tuple[str, str, float]] = {}  # model -> (from host, to host, since)
         self._moved_at: dict[str, float] = {}
         self.events: deque[PlacementDecision] = deque(maxlen=EVENTS_KEPT)
@@ -128,10 +129,12 @@ class ModelPlacer:
                 self._last_arrival[model] = now
             self._rates[model] = keep * self._rates[model] + (1 - keep) * max(new, 0) / dt
 
-    def expire(self, missed: int) -> None:
+    def expire(self, missed: int, late_s: float = 0.0) -> None:
+        """Forget the hosts and routers silent for `missed` periods, `late_s` credited (`Placement._expire`)."""
         now = self._clock()
         for seen in (self._hosts, self._traffic):
             for key, entry in list(seen.items()):
+                entry.at += late_s
                 period = entry.info.heartbeat_s if isinstance(entry.info, HostInfo) else 1.0
                 if now - entry.at > missed * period:
                     del seen[key]
@@ -250,6 +253,9 @@ class ModelPlacer:
             weights = [w.weights_bytes for w in workers.values() if w.model == model and w.weights_bytes]
             if weights:
                 self._weights[model] = max(weights)
+            engines = [w.memory_bytes for w in workers.values() if w.model == model and w.memory_bytes]
+            if engines:
+                self._engine_bytes[model] = max(engines)
 
     def _lost(self, act: _Activation) -> bool:
         """Its host agent took the command, and a heartbeat of the agent's since no longer lists the worker."""
@@ -264,16 +270,16 @@ class ModelPlacer:
     def _inputs(
         self, active: list[WorkerInfo], workers: dict[str, WorkerInfo]
     ) -> tuple[list[ModelDemand], list[Device], dict[str, tuple[str, ...]]]:
-        """Algorithm 1's inputs: each model's rate, SLO and footprint; the hosts, each with its budget less
-        what its leaving (draining, evicted) workers hold until they exit; where models run."""
-        known = list(self._footprints.values())
-        fallback = int(statistics.mean(known)) if known else 0
+        """Algorithm 1's inputs: each model's rate, SLO and footprint (a model not seen yet: one engine a
+        role, each the size of the others' engines); the hosts, each with its budget less what its leaving
+        (draining, evicted) workers hold until they exit; where models run."""
+        engine = statistics.mean(self._engine_bytes.values()) if self._engine_bytes else 0
         demands = [
             ModelDemand(
                 name=name,
                 rate=self._rates[name],
                 slo_s=(entry.ttft_slo_ms or self.settings.placement_slo_ms) / 1000,
-                weights_bytes=self._footprints.get(name, fallback),
+                weights_bytes=self._footprints.get(name, int(engine * len(self._roles(name)))),
             )
             for name, entry in self.catalogue.items()
         ]

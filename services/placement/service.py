@@ -202,12 +202,13 @@ class PlacementService:
 
     async def _periods(self) -> None:
         while True:
+            due = self._clock() + self.settings.placement_period_s
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.placement_period_s)
             except TimeoutError:
                 pass
             self._wake.clear()
-            self.step()
+            self.step(late_s=max(self._clock() - due, 0.0))
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
@@ -225,11 +226,11 @@ class PlacementService:
         if isinstance(traffic, ModelTraffic):
             self.models.on_traffic(traffic)
 
-    def step(self) -> None:
+    def step(self, late_s: float = 0.0) -> None:
         """One period: forget silent workers and old moves; as leader, move the decodes off draining
         and switched workers, balance the others, advise on scaling and switch a worker's role if the
-        pools need it."""
-        self._expire()
+        pools need it. `late_s`: how late this period runs (`_expire`)."""
+        self._expire(late_s)
         if not self._lease.held:
             return
         views = self._views()
@@ -245,10 +246,14 @@ class PlacementService:
         if self.settings.placement_autoscale:
             self._autoscale(decode)
 
-    def _expire(self) -> None:
-        self.models.expire(MISSED_HEARTBEATS)
+    def _expire(self, late_s: float) -> None:
+        """Forget the workers, hosts and routers silent for MISSED_HEARTBEATS periods. `late_s`: how late
+        this check runs (this process was starved of CPU or blocked): that long is credited to each, since
+        the heartbeats that came meanwhile are still unread, not missed (as the router's registry does)."""
+        self.models.expire(MISSED_HEARTBEATS, late_s)
         now = self._clock()
         for worker_id, worker in list(self._workers.items()):
+            worker.seen_at += late_s
             if now - worker.seen_at > MISSED_HEARTBEATS * worker.info.heartbeat_s:
                 log.warning("worker %s missed %d heartbeats: forgotten", worker_id, MISSED_HEARTBEATS)
                 del self._workers[worker_id]

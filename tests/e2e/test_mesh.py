@@ -42,7 +42,7 @@ from llmesh.wire.messages import (
     encode,
 )
 
-from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_B, extra_workers
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_B, extra_workers, launched
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MODEL = "llmesh/tiny-llama"
@@ -860,11 +860,22 @@ def test_client_disconnect_aborts_the_request_in_the_worker(mesh):
     asyncio.run(go())
 
 
+def launchers_worker(mesh, role: str) -> WorkerInfo:
+    """The next heartbeat of a `role` worker the launcher started (named `<role>-<host>-<pid>`), not one a
+    host agent made of a standby."""
+    pids = {str(pid) for pid in launched(mesh)}
+    for _ in range(10):
+        info = asyncio.run(live_worker(mesh, role))
+        if info is not None and info.worker_id.rsplit("-", 1)[1] in pids:
+            return info
+    raise AssertionError(f"no heartbeat of a {role} worker among the launcher's processes {sorted(pids)}")
+
+
 @pytest.mark.breaks_the_mesh  # kills the mesh's only decode worker (the launcher starts it again)
 def test_a_stream_whose_only_decode_worker_dies_waits_for_its_restart_and_ends(client, mesh):
     """Nothing is lost while the model has no decode worker: the stream in flight, and a request that
     arrives meanwhile, wait for the launcher's restart of the worker (MESH_MODEL_WAIT_S) and finish."""
-    decode = asyncio.run(live_worker(mesh, "decode"))
+    decode = launchers_worker(mesh, "decode")
     pid = int(decode.worker_id.rsplit("-", 1)[1])
     stream = client.completions.create(
         model=MODEL, prompt="Count slowly", max_tokens=200, stream=True, extra_body={"ignore_eos": True}

@@ -48,6 +48,20 @@ def pool_ready(mesh) -> PlacementStatus | None:
     return status if ready else None
 
 
+def what_happened(mesh, status: PlacementStatus) -> str:
+    """Placement's decisions and the logs' lines on workers lost, exited or forgotten: why a model was
+    activated that the test did not ask for (in CI once: both of the first model's workers were gone)."""
+    lines = [f"{e.kind} {e.reason}: {e.detail}" for e in status.events]
+    for log, words in (
+        (mesh.launcher.log_path, ("exited",)),
+        (mesh.logs / "router.log", ("dropped", "since its last heartbeat")),
+        (mesh.logs / "placement.log", ("forgotten", "evict", "drain", "activate")),
+    ):
+        text = log.read_text(errors="replace") if log and log.exists() else ""
+        lines += [f"{log.name}: {line}" for line in text.splitlines() if any(w in line for w in words)]
+    return "\n".join(lines[-60:])
+
+
 def wait_for(predicate, timeout: float, what: str):
     give_up = time.monotonic() + timeout
     while not (found := predicate()):
@@ -97,7 +111,7 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
     assert alone_b == expected_b[2]  # alone in its batch: exact
     assert [(a["model"], a["role"], a["outcome"], a["how"]) for a in activations] == [
         (MODEL_B, "decode", "accepted", "from a standby")
-    ]
+    ], what_happened(mesh, status)
     assert sorted(b_workers) == sorted(a["worker_id"] for a in activations)
     # placement split the host's budget: what a's engines leave, less b's engine's weights (a's: same
     # shape), all for it; its KV space is that, in whole blocks

@@ -276,6 +276,28 @@ async def test_a_leader_starved_for_a_moment_takes_its_lease_back_and_answers_wh
         redis.stop()
 
 
+async def test_a_period_run_late_forgets_no_worker_or_host_whose_heartbeats_wait_unread(nats_url):
+    """Placement starved of CPU for 5 s (in CI once: it forgot a model's workers, then activated the model
+    again on the host agent): the heartbeats that came meanwhile are unread, not missed."""
+    now = [0.0]
+    bus = await Bus.connect(nats_url, "late-placement")
+    try:
+        service = PlacementService(bus, PlacementSettings(nats_url=nats_url), "late", clock=lambda: now[0])
+        worker = FakeWorker(bus, "late-w", [], "decode", True, [], host="h")
+        await service._on_heartbeat(worker.info(), memoryview(b""))  # heartbeat_s 0.2
+        await service._on_host(HostInfo(host_id="h", memory_bytes=2**30, heartbeat_s=0.2), memoryview(b""))
+        now[0] = 5.0
+        service.step(late_s=4.8)  # due at 0.2
+        status = service.status()
+        assert [w.worker_id for w in status.workers] == ["late-w"] and [h.host_id for h in status.hosts] == ["h"]
+        now[0] = 5.7
+        service.step()
+        status = service.status()
+        assert status.workers == [] and status.hosts == []  # silent 0.7 s of placement's own time
+    finally:
+        await bus.close()
+
+
 async def test_without_redis_a_replica_leads_alone(nats_url):
     async with placement(nats_url, "alone") as replica:
         assert replica.service.leading
@@ -688,6 +710,36 @@ async def test_a_model_that_fits_nowhere_evicts_the_idle_one_then_is_activated(n
     # b's two engines share what h1 has then: at most all of it (a's second worker may still be leaving)
     kv = [c.kv_cache_bytes for c in host.commands]
     assert kv[0] == kv[1] and 0 < kv[0] <= 5 * GIB // 4
+
+
+async def test_a_model_not_seen_yet_counts_one_engine_a_role_so_an_aggregated_one_fits_beside_an_idle_one(nats_url):
+    """h1 holds a (two workers of 1 GiB) in 3.5 GiB; b, served aggregated and never seen, counts as one
+    engine like a's (1 GiB): it fits beside a, idle as it is, and a is not evicted for it (it was when a
+    model not seen counted as the others' whole footprint: in CI once, the mesh's own model)."""
+    host = await FakeHost.start(nats_url, "h1", memory_bytes=7 * GIB // 2)
+    client = await Bus.connect(nats_url, "fits-client")
+    traffic = {"arrivals": {"a": 3}, "parked": {"b": 1}}
+    sending = asyncio.create_task(publish_traffic(client, traffic))
+    catalogue = [CATALOGUE[0], {**CATALOGUE[1], "disaggregated": False}]
+    try:
+        async with (
+            fakes(
+                nats_url,
+                (("fit-a-p",), {"role": "prefill", "model": "a", "host": "h1", "memory_bytes": GIB}),
+                (("fit-a-d",), {"model": "a", "host": "h1", "memory_bytes": GIB}),
+            ) as a_workers,
+            placement(nats_url, "models-fit", models=catalogue, placement_period_s=0.1, placement_idle_s=0),
+        ):
+            events = await recorded_events(client)
+            await until(lambda: host.workers, 5)
+            await asyncio.sleep(0.5)  # more periods: nothing else
+    finally:
+        sending.cancel()
+        await host.close()
+        await client.close()
+    assert [(c.model, c.role) for c in host.commands] == [("b", "decode")]
+    assert [e.kind for e in events if e.kind in ("activate", "evict")] == ["activate"]
+    assert not any(w.drains for w in a_workers)
 
 
 async def test_autoscaling_starts_a_decode_worker_through_the_host_agent_and_drains_the_idlest(nats_url):
