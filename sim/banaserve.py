@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import random
 import statistics
 import sys
@@ -37,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmesh.policies import make_policy, make_queue_policy
+from llmesh.policies.banaserve import RoleSwitchParams
 
 from .__main__ import DATA, ROOT, arrivals, command_line, length_means, load_profile, publish, read_trace, workload
 from .cluster import RoleSwitching, percentile, run_span_s, simulate
@@ -75,9 +77,16 @@ def alpaca(requests: int, max_output: int, seed: int, generator: str = "llama-2-
     return out
 
 
-def run(requests: list[SimRequest], profile: EngineProfile, instances: int, prefill: int, system: str) -> Result:
+def run(
+    requests: list[SimRequest],
+    profile: EngineProfile,
+    instances: int,
+    prefill: int,
+    system: str,
+    switch_params: RoleSwitchParams = RoleSwitchParams(),
+) -> Result:
     reqs = [replace(r) for r in requests]
-    switching = RoleSwitching() if system == "BanaServe" else None
+    switching = RoleSwitching(params=switch_params) if system == "BanaServe" else None
     if system.startswith("vLLM"):
         engine = replace(profile, prefill_first=system == "vLLM V0")
         simulate(reqs, engine, instances, make_policy("round_robin"), make_queue_policy("fcfs"), max_wait_s=1e9)
@@ -120,8 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-output", type=int, default=512)
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 10.0, 15.0, 20.0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--switch-params",
+        type=json.loads,
+        default={},
+        help="BanaServe's role switching knobs, e.g. '{\"cooldown_s\": 60}'",
+    )
     parser.add_argument("--out", type=Path, help="write the tables (markdown) here")
     args = parser.parse_args(argv)
+    switch_params = RoleSwitchParams(**args.switch_params)
     if not 0 < args.prefill < args.instances:
         parser.error("--prefill must leave at least one engine of each role")
     profile = load_profile(args.profile)
@@ -135,12 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = [replace(r, output_tokens=min(r.output_tokens, args.max_output)) for r in rows]
         lengths = "the Azure 2023 conversation trace's lengths"
     means = length_means(rows)
+    knobs = f", BanaServe's role switching with {args.switch_params}" if args.switch_params else ""
     command = command_line("llmesh_sim.banaserve", argv)
     lines = [
         f"Command: `{command}`",
         "",
         f"{args.instances} engines of profile {profile.name}; DistServe and BanaServe (at start) with {args.prefill} "
-        f"prefill engines; {args.requests} requests of {lengths}, outputs cut at {args.max_output}: mean "
+        f"prefill engines{knobs}; {args.requests} requests of {lengths}, outputs cut at {args.max_output}: mean "
         f"{means[0]:.0f} in, {means[1]:.0f} out (seed {args.seed}); Poisson arrivals. The paper: {PAPER}.",
         "",
         "| req/s | system | throughput req/s | output tok/s | vs vLLM | vs DistServe | TTFT mean s | TTFT P99 s "
@@ -149,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for rate in args.rates:
         requests = arrivals(rows, rate, 1.0, args.seed)
-        results = {s: run(requests, profile, args.instances, args.prefill, s) for s in SYSTEMS}
+        results = {s: run(requests, profile, args.instances, args.prefill, s, switch_params) for s in SYSTEMS}
         for r in results.values():
             print(f"{rate:g} req/s: {r.system} {r.tokens_per_s:.0f} tok/s", file=sys.stderr)
             lines.append(
