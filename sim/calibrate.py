@@ -1,18 +1,22 @@
 """Fit the simulator's engine model to a real vLLM engine on this machine.
 
-    .venv/bin/python -m llmesh_sim.calibrate [--model llmesh/tiny-llama] [--engines N] [--out PROFILE.json]
+    .venv/bin/python -m llmesh_sim.calibrate [--model llmesh/tiny-llama] [--engines N | --beside KIND] \
+        [--out PROFILE.json]
 
 Measures, on one engine configured as the mesh's workers are: the time to first token of a lone
 prompt of several lengths (one prefill step each, and the engine's fixed path from a request's
 submission to its first token: `EngineProfile.first_token_s`), and the gap between two tokens of B
 requests decoding together at two context lengths; then fits `EngineProfile`'s affine step time by
-least squares over all of them and reports each measurement against the fit.
+least squares over all of them and reports each measurement against the fit. `--engines N`: N engines
+run every measurement at once; `--beside prefill|decode`: one engine is measured while another runs a
+prefill worker's prompts or a decode worker's stream back to back (`fidelity --beside-*`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -39,12 +43,17 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729) % 1000 + 3 for i in range(n)]  # token ids of the tiny vocab
 
 
+# what a neighbour engine runs back to back with `--beside`: (prompt tokens, output tokens) of one request
+BACKGROUND = {"prefill": (1024, 1), "decode": (64, 256)}
+
+
 async def measure(
-    model: str, settings: WorkerSettings, engines: int = 1
+    model: str, settings: WorkerSettings, engines: int = 1, beside: str | None = None
 ) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]], int]:
     """(prompt tokens, TTFT s) and (batch, context tokens, step s) measurements, and the engine's KV blocks.
     With `engines` > 1, that many engines run every measurement at once, as engines that share this
-    machine's cores do in a deployment, and each measurement pools their times."""
+    machine's cores do in a deployment, and each measurement pools their times. With `beside` (a kind of
+    `BACKGROUND`), one engine is measured while a second runs that kind of request back to back."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
@@ -63,7 +72,8 @@ async def measure(
         disable_log_stats=True,
         enable_prefix_caching=False,
     )
-    started = [AsyncLLM.from_engine_args(args) for _ in range(engines)]
+    started = [AsyncLLM.from_engine_args(args) for _ in range(engines + (beside is not None))]
+    measured, neighbour = started[:engines], started[engines:]
     serial = 0
 
     async def run(engine: AsyncLLM, prompt: list[int], max_tokens: int) -> list[float]:
@@ -78,12 +88,18 @@ async def measure(
         return stamps
 
     async def everywhere(prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-        """The same requests on every engine at once; each request's stamps."""
-        runs = await asyncio.gather(*[run(e, prompt, max_tokens) for e in started for prompt in prompts])
+        """The same requests on every measured engine at once; each request's stamps."""
+        runs = await asyncio.gather(*[run(e, prompt, max_tokens) for e in measured for prompt in prompts])
         return list(runs)
 
+    async def background(engine: AsyncLLM, kind: str) -> None:
+        prompt, output = BACKGROUND[kind]
+        for salt in itertools.count():
+            await run(engine, _prompt(prompt, 5000 + salt), output)
+
+    await asyncio.gather(*[run(e, WARMUP_PROMPT, 2) for e in started])
+    load = [asyncio.create_task(background(e, beside)) for e in neighbour if beside]
     try:
-        await asyncio.gather(*[run(e, WARMUP_PROMPT, 2) for e in started])
         prefills = []
         for n in PREFILL_LENGTHS:
             ttfts = []
@@ -109,6 +125,9 @@ async def measure(
                 )
         return prefills, decodes, started[0].vllm_config.cache_config.num_gpu_blocks or 0
     finally:
+        for task in load:
+            task.cancel()
+        await asyncio.gather(*load, return_exceptions=True)
         for e in started:
             e.shutdown()
 
@@ -207,14 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines", type=int, default=1, help="engines measured at once (those a deployment runs on this machine)"
     )
+    parser.add_argument(
+        "--beside",
+        choices=sorted(BACKGROUND),
+        help="measure one engine while a second runs this kind of request back to back (a prefill worker's prompts, "
+        "a decode worker's stream): the times a step takes beside such a neighbour",
+    )
     args = parser.parse_args(argv)
     if args.engines < 1:
         parser.error("--engines must be at least 1")
+    if args.beside and args.engines > 1:
+        parser.error("--beside measures one engine: not with --engines")
     settings = WorkerSettings()
     model = resolve_model(args.model, settings.model_dir)
-    prefills, decodes, kv_blocks = asyncio.run(measure(model, settings, args.engines))
-    command = f"python -m llmesh_sim.calibrate --model {args.model}" + (
-        f" --engines {args.engines}" if args.engines > 1 else ""
+    prefills, decodes, kv_blocks = asyncio.run(measure(model, settings, args.engines, args.beside))
+    command = (
+        f"python -m llmesh_sim.calibrate --model {args.model}"
+        + (f" --engines {args.engines}" if args.engines > 1 else "")
+        + (f" --beside {args.beside}" if args.beside else "")
     )
     profile, report = fit(args.out.stem, prefills, decodes, kv_blocks, settings, f"measured here: `{command}`")
     write_profile(profile, report, args.out)

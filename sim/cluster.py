@@ -19,7 +19,7 @@ import heapq
 import itertools
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
@@ -136,7 +136,7 @@ def simulate(
     migration: Migration | None = None,
     heartbeat_views: bool = False,
     role_switching: RoleSwitching | None = None,
-    shared_profile: EngineProfile | None = None,
+    shared_profiles: Mapping[str, EngineProfile] | None = None,
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
@@ -145,12 +145,13 @@ def simulate(
     models[i % len(models)]); a request goes only to an engine of its own model. `preemption`: how the
     engines free KV under pressure (None: they do not; `SimEngine`); `migration`: placement's balancing
     between decode engines (None: none); `role_switching`: placement's moves of engines between the prefill
-    and decode pools (None: the pools are fixed). `shared_profile`: all the engines share one host's cores, and
-    a step that starts while another engine is mid-step takes this profile's times (None: each owns its
-    device). `heartbeat_views`: the policies see each engine as the router
-    does (llmesh_router.scheduler: its last heartbeat, one every `heartbeat_s`, staggered, plus the
-    requests sent it and finished since) and placement as placement does (the heartbeat alone); by
-    default they see every engine's exact state at every decision."""
+    and decode pools (None: the pools are fixed). `shared_profiles`: all the engines share one host's cores, and
+    a step that starts while another engine is mid-step takes the times of the profile for what that step
+    runs ("prefill" or "decode": `SimEngine.shared_profiles`; None: each owns its device).
+    `heartbeat_views`: the policies see each engine as the router does (llmesh_router.scheduler: its last
+    heartbeat, one every `heartbeat_s`, staggered, plus the requests sent it and finished since) and
+    placement as placement does (the heartbeat alone); by default they see every engine's exact state at
+    every decision."""
     monolithic = prefill_instances == 0
     pools = [("e", "decode", instances), ("p", "prefill", prefill_instances)]
     ids = [f"{prefix}{i:03d}" for prefix, _, n in pools for i in range(n)]
@@ -169,9 +170,9 @@ def simulate(
         for i in range(n)
     ]
     by_id = {e.worker_id: e for e in engines}
-    if shared_profile is not None:
+    if shared_profiles is not None:
         for e in engines:
-            e.shared_profile, e.neighbours = shared_profile, tuple(n for n in engines if n is not e)
+            e.shared_profiles, e.neighbours = shared_profiles, tuple(n for n in engines if n is not e)
     routed = PrefixIndex() if policy.needs_prefix else None  # what the router sent where (cache_aware)
     rng = random.Random(seed)
     events: list[tuple[float, int, str, object]] = []

@@ -29,7 +29,7 @@ monolithic engine, whole requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -190,6 +190,7 @@ class PrefixCache:
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 VICTIMS = ("last", "fairness")
+STEP_KINDS = ("prefill", "decode")  # the heavier first
 
 
 @dataclass(frozen=True)
@@ -235,9 +236,11 @@ class SimEngine:
     cpu_blocks_used: int = 0
     incoming: list[SimRequest] = field(default_factory=list)  # migrating here: their blocks reserved (sim.cluster)
     # engines sharing this one's device (a CPU host's cores): while any of them is mid-step when a step starts,
-    # the step takes `shared_profile`'s times (measured with engines running at once: `calibrate --engines`)
-    shared_profile: EngineProfile | None = None
+    # the step takes the times of `shared_profiles[kind]`, kind that of the heaviest such step ("prefill": it
+    # computes prompt tokens; "decode": it only decodes), measured beside such a neighbour (`calibrate`)
+    shared_profiles: Mapping[str, EngineProfile] = field(default_factory=dict)
     neighbours: tuple[SimEngine, ...] = ()
+    step_kind: str | None = None  # of the step in progress: "prefill" or "decode" (None: idle)
     _timing: EngineProfile | None = None  # the profile timing the step in progress
     switchable: bool = False  # built with both roles: placement may switch it (sim.cluster.RoleSwitching)
 
@@ -367,11 +370,12 @@ class SimEngine:
         context = sum(r.prompt_tokens + r.generated for r in decoding)
         self._decoding = decoding
         if not decoding and not self._plan:  # all it holds wait for their migrated KV: idle until the first has it
-            self.busy_until = min(r.paused_until for r in self.running)
+            self.busy_until, self.step_kind = min(r.paused_until for r in self.running), None
             return self.busy_until
-        shared = self.shared_profile is not None and any(n.busy_until is not None for n in self.neighbours)
-        self._timing = self.shared_profile if shared else self.profile
-        assert self._timing is not None
+        self.step_kind = "prefill" if self._plan else "decode"
+        beside = {n.step_kind for n in self.neighbours if n.busy_until is not None}  # None: not computing
+        kind = next((k for k in STEP_KINDS if k in beside), None)
+        self._timing = self.shared_profiles.get(kind, self.profile) if kind else self.profile
         self.busy_until = now + self._timing.step_s(prefill_tokens, len(decoding), context, pairs) + self._load_s
         self._load_s = 0.0
         return self.busy_until

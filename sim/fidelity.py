@@ -1,7 +1,7 @@
 """The simulator against a real run: the same requests, the same arrival times.
 
     .venv/bin/python -m llmesh_sim.fidelity --results docs/serve/results.json --profile sim/profiles/cpu-tiny.json \
-        [--shared-profile PROFILE.json]
+        [--shared-profile PROFILE.json | --beside-prefill PROFILE.json --beside-decode PROFILE.json]
 
 Takes every point of a `bench/serve.py` run (its results.json keeps each request's start,
 prompt and output tokens and TTFT), replays those requests in the simulator as the deployment
@@ -21,7 +21,7 @@ from llmesh.policies import make_policy, make_queue_policy
 
 from .__main__ import load_profile
 from .cluster import percentile, simulate
-from .engine import SimRequest
+from .engine import STEP_KINDS, SimRequest
 
 # deployment -> (decode or monolithic engines, prefill engines, dispatch policy, conditional disaggregation margin)
 DEPLOYMENTS = {
@@ -50,9 +50,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines' times while another runs at once (`llmesh_sim.calibrate --engines 2`): the deployment's "
         "engines share this machine's cores (default: each has them alone)",
     )
+    for kind in STEP_KINDS:
+        parser.add_argument(
+            f"--beside-{kind}",
+            type=Path,
+            help=f"an engine's times beside one that {'computes prompts' if kind == 'prefill' else 'decodes'} "
+            f"(`llmesh_sim.calibrate --beside {kind}`): a step that starts while another engine's step of that "
+            "kind is in progress takes them",
+        )
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
-    shared = load_profile(args.shared_profile) if args.shared_profile else None
+    beside = {k: load_profile(path) for k in STEP_KINDS if (path := getattr(args, f"beside_{k}"))}
+    if args.shared_profile and beside:
+        parser.error("--shared-profile or --beside-*, not both")
+    shared = dict.fromkeys(STEP_KINDS, load_profile(args.shared_profile)) if args.shared_profile else beside or None
     points = [p for p in json.loads(args.results.read_text())["points"] if p.get("requests", {}).get("start_s")]
     print(
         "| deployment | workload | req/s | requests | P50 TTFT real ms | sim ms | ratio | P99 TTFT real ms | sim ms "
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_instances=prefill,
             local_prefill_margin_s=margin,
             tpot_slo_s=args.tpot_slo_ms / 1000,
-            shared_profile=shared,
+            shared_profiles=shared,
         )
         real = [t for t in point["requests"]["ttft_ms"] if t is not None]
         sim = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]

@@ -216,6 +216,9 @@ def test_fidelity_replays_a_measured_point(tmp_path, capsys):
     ]
     # alone on an idle engine each prompt takes 10 ms + 1 ms a token: P50 110 ms measured and simulated
     assert [(r[0], r[4], r[5]) for r in rows] == [("| mesh", "110", "110"), ("| vllm", "110", "110")]
+    beside = ["--beside-prefill", str(tmp_path / "p.json"), "--beside-decode", str(tmp_path / "p.json")]
+    assert main(["--results", str(tmp_path / "results.json"), "--profile", str(tmp_path / "p.json"), *beside]) == 0
+    assert "| mesh | trace | 1 | 3 | 110 | 110 |" in capsys.readouterr().out  # the same profiles: the same times
 
 
 @pytest.mark.parametrize(
@@ -558,5 +561,19 @@ def test_engines_sharing_a_host_step_slower_while_another_is_mid_step():
     at 0.05 on e001 while e000 is mid-step, so its prompt step takes the shared profile's times (twice)."""
     shared = replace(PROFILE, base_s=0.02, prefill_token_s=0.002, decode_seq_s=0.004)
     a, b = SimRequest("a", 0.0, 100, 1), SimRequest("b", 0.05, 50, 1)
-    simulate([a, b], PROFILE, 2, make_policy("round_robin"), make_queue_policy("fcfs"), shared_profile=shared)
+    policy, fcfs = make_policy("round_robin"), make_queue_policy("fcfs")
+    simulate([a, b], PROFILE, 2, policy, fcfs, shared_profiles={"prefill": shared, "decode": shared})
     assert a.ttft_s == pytest.approx(0.110) and b.ttft_s == pytest.approx(0.120)
+
+
+def test_a_step_takes_the_times_measured_beside_what_the_other_engine_runs():
+    """A (100 tokens, 3 out) on e000: its prompt alone until 0.110, then decode steps of 12 ms. B (50 tokens)
+    arrives at 0.115 on e001, while A decodes: its prompt takes the beside-decode times (1.5 ms a token: 85 ms).
+    A's next decode step starts at 0.122 beside B's prompt: the beside-prefill times (24 ms), so A ends at 0.146."""
+    beside = {
+        "prefill": replace(PROFILE, base_s=0.02, prefill_token_s=0.002, decode_seq_s=0.004),
+        "decode": replace(PROFILE, prefill_token_s=0.0015),
+    }
+    a, b = SimRequest("a", 0.0, 100, 3), SimRequest("b", 0.115, 50, 1)
+    simulate([a, b], PROFILE, 2, make_policy("round_robin"), make_queue_policy("fcfs"), shared_profiles=beside)
+    assert b.ttft_s == pytest.approx(0.085) and a.finished_at == pytest.approx(0.146)
