@@ -134,6 +134,30 @@ async def timed_completion(http: httpx.AsyncClient, url: str, body: dict) -> tup
     return first - sent, (time.monotonic() - first) / max(tokens - 1, 1), error
 
 
+PROBE_PROMPT_TOKENS = 8
+
+
+def probe_path(deployment: Deployment, model: str, n: int) -> dict:
+    """`n` lone requests of PROBE_PROMPT_TOKENS tokens and one output token through `deployment`, each after
+    IDLE_S: TTFT in ms (what its request path adds to an idle engine's prompt step, with that step)."""
+
+    async def go() -> list[float]:
+        ttfts = []
+        async with httpx.AsyncClient(timeout=60, headers=deployment.headers) as http:
+            for i in range(n):
+                await asyncio.sleep(IDLE_S)
+                body = {"model": model, "prompt": prompt_ids(PROBE_PROMPT_TOKENS, 7000 + i), "max_tokens": 1}
+                ttft, _, error = await timed_completion(http, deployment.url, body | {"temperature": 0})
+                if ttft is None:
+                    raise RuntimeError(f"path probe of {deployment.name} failed: {error}")
+                ttfts.append(ttft * 1000)
+        return ttfts
+
+    ttft_ms = asyncio.run(go())
+    print(f"serve: {deployment.name}'s path: median TTFT {statistics.median(ttft_ms):.1f} ms of {n} probes", flush=True)
+    return {"deployment": deployment.name, "prompt_tokens": PROBE_PROMPT_TOKENS, "ttft_ms": ttft_ms}
+
+
 def prompt_ids(length: int, seed: int) -> list[int]:
     """A prompt of `length` random token ids after BOS (the tiny models' vocabulary), the same for a seed."""
     import random
@@ -630,6 +654,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one repetition of 4 requests per workload at 2 req/s, without warm-up (a smoke test)",
     )
+    parser.add_argument(
+        "--path-probes",
+        type=int,
+        default=0,
+        help="before each workload's points, this many lone requests of a few tokens through each deployment, "
+        "each after it went idle: its request path's fixed cost (results.json's `path_probes`; "
+        "`llmesh_sim.fidelity --path`)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "llmesh")
     args = parser.parse_args(argv)
@@ -646,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     deployments: dict[str, Deployment] = {}
     points: list[dict] = []
     restarts: list[dict] = []  # baseline servers that died starting, and why
+    probes: list[dict] = []  # --path-probes
     stack = contextlib.ExitStack()
     try:
         for name in args.deployments:
@@ -674,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
                     prompts = sample(client, tokenizer)
                     for deployment in deployments.values():
                         measure(deployment, client, prompts, tokenizer, slo, log)
+                if rep == 0 and args.path_probes:
+                    for deployment in deployments.values():
+                        probes.append(probe_path(deployment, args.model, args.path_probes) | {"workload": workload})
                 for i, rate in enumerate(args.rates):
                     requests = max(args.min_requests, round(rate * args.seconds))
                     client = workload_args(
@@ -714,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
                 child.stop(30)
     command = "bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / "results.json").write_text(
-        json.dumps({"command": command, "slo": slo, "points": points, "restarts": restarts}, indent=1)
+        json.dumps(
+            {"command": command, "slo": slo, "points": points, "restarts": restarts, "path_probes": probes}, indent=1
+        )
     )
     (args.out / "serve.md").write_text(
         f"Command: `.venv/bin/python {command.strip()}`, "

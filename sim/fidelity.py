@@ -1,7 +1,7 @@
 """The simulator against a real run: the same requests, the same arrival times.
 
     .venv/bin/python -m llmesh_sim.fidelity --results docs/serve/results.json --profile sim/profiles/cpu-tiny.json \
-        [--shared-profile PROFILE.json | --beside-prefill PROFILE.json --beside-decode PROFILE.json]
+        [--shared-profile PROFILE.json | --beside-prefill PROFILE.json --beside-decode PROFILE.json] [--path]
 
 Takes every point of a `bench/serve.py` run (its results.json keeps each request's start,
 prompt and output tokens and TTFT), replays those requests in the simulator as the deployment
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from llmesh.policies import make_policy, make_queue_policy
 
 from .__main__ import load_profile
 from .cluster import percentile, simulate
-from .engine import STEP_KINDS, SimRequest
+from .engine import STEP_KINDS, EngineProfile, SimRequest
 
 # deployment -> (decode or monolithic engines, prefill engines, dispatch policy, conditional disaggregation margin)
 DEPLOYMENTS = {
@@ -37,6 +38,17 @@ def replay(point: dict) -> list[SimRequest]:
         SimRequest(f"r{i}", start, prompt, output)
         for i, (start, prompt, output) in enumerate(zip(r["start_s"], r["prompt_tokens"], r["output_tokens"]))
     ]
+
+
+def path_costs(probes: list[dict], profile: EngineProfile) -> dict[str, float]:
+    """Each deployment's request path in ms: its probes' median TTFT less `profile`'s time to first token
+    for their prompt on an idle engine (at least 0)."""
+    ttfts: dict[str, list[float]] = {}
+    modelled: dict[str, float] = {}
+    for probe in probes:
+        ttfts.setdefault(probe["deployment"], []).extend(probe["ttft_ms"])
+        modelled[probe["deployment"]] = (profile.prefill_s(probe["prompt_tokens"]) + profile.first_token_s) * 1000
+    return {d: max(statistics.median(t) - modelled[d], 0.0) for d, t in ttfts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,13 +70,25 @@ def main(argv: list[str] | None = None) -> int:
             f"(`llmesh_sim.calibrate --beside {kind}`): a step that starts while another engine's step of that "
             "kind is in progress takes them",
         )
+    parser.add_argument(
+        "--path",
+        action="store_true",
+        help="add each deployment's request path to every simulated TTFT: its lone probes' median TTFT "
+        "(`bench/serve.py --path-probes`) less the profile's time for their prompt",
+    )
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
     beside = {k: load_profile(path) for k in STEP_KINDS if (path := getattr(args, f"beside_{k}"))}
     if args.shared_profile and beside:
         parser.error("--shared-profile or --beside-*, not both")
     shared = dict.fromkeys(STEP_KINDS, load_profile(args.shared_profile)) if args.shared_profile else beside or None
-    points = [p for p in json.loads(args.results.read_text())["points"] if p.get("requests", {}).get("start_s")]
+    results = json.loads(args.results.read_text())
+    points = [p for p in results["points"] if p.get("requests", {}).get("start_s")]
+    path_ms = path_costs(results.get("path_probes", []), profile) if args.path else {}
+    if args.path and not path_ms:
+        parser.error(f"{args.results} has no path probes (bench/serve.py --path-probes N)")
+    for deployment, ms in sorted(path_ms.items()):
+        print(f"{deployment}'s request path: {ms:.1f} ms added to each simulated TTFT")
     print(
         "| deployment | workload | req/s | requests | P50 TTFT real ms | sim ms | ratio | P99 TTFT real ms | sim ms "
         "| ratio |\n|---|---|---|---|---|---|---|---|---|---|"
@@ -83,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             shared_profiles=shared,
         )
         real = [t for t in point["requests"]["ttft_ms"] if t is not None]
-        sim = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
+        path = path_ms.get(point["deployment"], 0.0)
+        sim = [r.ttft_s * 1000 + path for r in done if r.ttft_s is not None]
         cells = []
         for q in (0.5, 0.99):
             measured, simulated = percentile(real, q), percentile(sim, q)
