@@ -134,28 +134,31 @@ async def timed_completion(http: httpx.AsyncClient, url: str, body: dict) -> tup
     return first - sent, (time.monotonic() - first) / max(tokens - 1, 1), error
 
 
-PROBE_PROMPT_TOKENS = 8
+PROBE_PROMPT_TOKENS = (8, 512)
 
 
-def probe_path(deployment: Deployment, model: str, n: int) -> dict:
-    """`n` lone requests of PROBE_PROMPT_TOKENS tokens and one output token through `deployment`, each after
-    IDLE_S: TTFT in ms (what its request path adds to an idle engine's prompt step, with that step)."""
+def probe_path(deployment: Deployment, model: str, n: int) -> list[dict]:
+    """`n` lone requests of each of PROBE_PROMPT_TOKENS' lengths and one output token through `deployment`,
+    each after IDLE_S: their TTFTs in ms, by length (what its request path adds to an idle engine's prompt
+    step, with that step)."""
 
-    async def go() -> list[float]:
-        ttfts = []
+    async def go() -> dict[int, list[float]]:
+        ttfts: dict[int, list[float]] = {tokens: [] for tokens in PROBE_PROMPT_TOKENS}
         async with httpx.AsyncClient(timeout=60, headers=deployment.headers) as http:
             for i in range(n):
-                await asyncio.sleep(IDLE_S)
-                body = {"model": model, "prompt": prompt_ids(PROBE_PROMPT_TOKENS, 7000 + i), "max_tokens": 1}
-                ttft, _, error = await timed_completion(http, deployment.url, body | {"temperature": 0})
-                if ttft is None:
-                    raise RuntimeError(f"path probe of {deployment.name} failed: {error}")
-                ttfts.append(ttft * 1000)
+                for tokens in PROBE_PROMPT_TOKENS:
+                    await asyncio.sleep(IDLE_S)
+                    body = {"model": model, "prompt": prompt_ids(tokens, 7000 + i), "max_tokens": 1, "temperature": 0}
+                    ttft, _, error = await timed_completion(http, deployment.url, body)
+                    if ttft is None:
+                        raise RuntimeError(f"path probe of {deployment.name} failed: {error}")
+                    ttfts[tokens].append(ttft * 1000)
         return ttfts
 
-    ttft_ms = asyncio.run(go())
-    print(f"serve: {deployment.name}'s path: median TTFT {statistics.median(ttft_ms):.1f} ms of {n} probes", flush=True)
-    return {"deployment": deployment.name, "prompt_tokens": PROBE_PROMPT_TOKENS, "ttft_ms": ttft_ms}
+    probes = [{"deployment": deployment.name, "prompt_tokens": n, "ttft_ms": t} for n, t in asyncio.run(go()).items()]
+    medians = ", ".join(f"{p['prompt_tokens']} tokens {statistics.median(p['ttft_ms']):.1f} ms" for p in probes)
+    print(f"serve: {deployment.name}'s path: median TTFT {medians} ({n} probes each)", flush=True)
+    return probes
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -658,8 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         "--path-probes",
         type=int,
         default=0,
-        help="before each workload's points, this many lone requests of a few tokens through each deployment, "
-        "each after it went idle: its request path's fixed cost (results.json's `path_probes`; "
+        help="before each workload's points, this many lone requests of each of a few lengths through each "
+        "deployment, each after it went idle: its request path's cost (results.json's `path_probes`; "
         "`llmesh_sim.fidelity --path`)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
@@ -709,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
                         measure(deployment, client, prompts, tokenizer, slo, log)
                 if rep == 0 and args.path_probes:
                     for deployment in deployments.values():
-                        probes.append(probe_path(deployment, args.model, args.path_probes) | {"workload": workload})
+                        probes += [
+                            p | {"workload": workload} for p in probe_path(deployment, args.model, args.path_probes)
+                        ]
                 for i, rate in enumerate(args.rates):
                     requests = max(args.min_requests, round(rate * args.seconds))
                     client = workload_args(

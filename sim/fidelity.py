@@ -40,15 +40,25 @@ def replay(point: dict) -> list[SimRequest]:
     ]
 
 
-def path_costs(probes: list[dict], profile: EngineProfile) -> dict[str, float]:
-    """Each deployment's request path in ms: its probes' median TTFT less `profile`'s time to first token
-    for their prompt on an idle engine (at least 0)."""
-    ttfts: dict[str, list[float]] = {}
-    modelled: dict[str, float] = {}
+def path_costs(probes: list[dict], profile: EngineProfile) -> dict[str, list[tuple[int, float]]]:
+    """Each deployment's request path in ms by prompt length: at each probed length, its probes' median TTFT
+    less `profile`'s time to first token for that prompt on an idle engine."""
+    ttfts: dict[tuple[str, int], list[float]] = {}
     for probe in probes:
-        ttfts.setdefault(probe["deployment"], []).extend(probe["ttft_ms"])
-        modelled[probe["deployment"]] = (profile.prefill_s(probe["prompt_tokens"]) + profile.first_token_s) * 1000
-    return {d: max(statistics.median(t) - modelled[d], 0.0) for d, t in ttfts.items()}
+        ttfts.setdefault((probe["deployment"], probe["prompt_tokens"]), []).extend(probe["ttft_ms"])
+    out: dict[str, list[tuple[int, float]]] = {}
+    for (deployment, tokens), ms in sorted(ttfts.items()):
+        modelled = (profile.prefill_s(tokens) + profile.first_token_s) * 1000
+        out.setdefault(deployment, []).append((tokens, statistics.median(ms) - modelled))
+    return out
+
+
+def path_at(points: list[tuple[int, float]], tokens: int) -> float:
+    """The path (ms) for a prompt of `tokens`: the line through the first and last probed lengths (their one
+    value if one length), at least 0."""
+    (n0, ms0), (n1, ms1) = points[0], points[-1]
+    slope = (ms1 - ms0) / (n1 - n0) if n1 != n0 else 0.0
+    return max(ms0 + slope * (tokens - n0), 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "--path",
         action="store_true",
         help="add each deployment's request path to every simulated TTFT: its lone probes' median TTFT "
-        "(`bench/serve.py --path-probes`) less the profile's time for their prompt",
+        "(`bench/serve.py --path-probes`) less the profile's time for their prompt, linear in the prompt's length",
     )
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
@@ -87,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     path_ms = path_costs(results.get("path_probes", []), profile) if args.path else {}
     if args.path and not path_ms:
         parser.error(f"{args.results} has no path probes (bench/serve.py --path-probes N)")
-    for deployment, ms in sorted(path_ms.items()):
-        print(f"{deployment}'s request path: {ms:.1f} ms added to each simulated TTFT")
+    for deployment, by_length in sorted(path_ms.items()):
+        shown = ", ".join(f"{ms:.1f} ms at {tokens} tokens" for tokens, ms in by_length)
+        print(f"{deployment}'s request path: {shown}, added to each simulated TTFT (linear in the prompt)")
     print(
         "| deployment | workload | req/s | requests | P50 TTFT real ms | sim ms | ratio | P99 TTFT real ms | sim ms "
         "| ratio |\n|---|---|---|---|---|---|---|---|---|---|"
@@ -107,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             shared_profiles=shared,
         )
         real = [t for t in point["requests"]["ttft_ms"] if t is not None]
-        path = path_ms.get(point["deployment"], 0.0)
-        sim = [r.ttft_s * 1000 + path for r in done if r.ttft_s is not None]
+        path = path_ms.get(point["deployment"])
+        sim = [
+            r.ttft_s * 1000 + (path_at(path, r.prompt_tokens) if path else 0.0) for r in done if r.ttft_s is not None
+        ]
         cells = []
         for q in (0.5, 0.99):
             measured, simulated = percentile(real, q), percentile(sim, q)

@@ -219,12 +219,17 @@ def test_fidelity_replays_a_measured_point(tmp_path, capsys):
     beside = ["--beside-prefill", str(tmp_path / "p.json"), "--beside-decode", str(tmp_path / "p.json")]
     assert main(["--results", str(tmp_path / "results.json"), "--profile", str(tmp_path / "p.json"), *beside]) == 0
     assert "| mesh | trace | 1 | 3 | 110 | 110 |" in capsys.readouterr().out  # the same profiles: the same times
-    # the mesh's lone 8-token probes took 30 ms where the profile gives 18: 12 ms of request path on each TTFT
-    probes = [{"deployment": "mesh", "prompt_tokens": 8, "ttft_ms": [29.0, 30.0, 31.0], "workload": "trace"}]
+    # the mesh's lone probes: 8 tokens in 30 ms where the profile gives 18 (12 ms of path), 208 tokens in 238
+    # where it gives 218 (20): 12 ms + 0.04 ms a token; the replay's median prompt, 100 tokens, gets 15.68 ms
+    probes = [
+        {"deployment": "mesh", "prompt_tokens": 8, "ttft_ms": [29.0, 30.0, 31.0], "workload": "trace"},
+        {"deployment": "mesh", "prompt_tokens": 208, "ttft_ms": [238.0], "workload": "trace"},
+    ]
     (tmp_path / "results.json").write_text(json.dumps({"points": points, "path_probes": probes}))
     assert main(["--results", str(tmp_path / "results.json"), "--profile", str(tmp_path / "p.json"), "--path"]) == 0
     out = capsys.readouterr().out
-    assert "mesh's request path: 12.0 ms" in out and "| mesh | trace | 1 | 3 | 110 | 122 |" in out
+    assert "mesh's request path: 12.0 ms at 8 tokens, 20.0 ms at 208 tokens" in out
+    assert "| mesh | trace | 1 | 3 | 110 | 126 |" in out  # 110 + 15.68
     assert "| vllm | trace | 1 | 3 | 110 | 110 |" in out  # no probes: no path
 
 
