@@ -62,6 +62,7 @@ REFUSED_RETRY_S = 5.0  # an activation refused (or failed) is asked for again af
 class _Seen:
     info: Any
     at: float
+    late_s: float = 0.0  # how late placement's periods ran since: credited against expiry only
 
 
 @dataclass
@@ -134,9 +135,9 @@ class ModelPlacer:
         now = self._clock()
         for seen in (self._hosts, self._traffic):
             for key, entry in list(seen.items()):
-                entry.at += late_s
+                entry.late_s += late_s
                 period = entry.info.heartbeat_s if isinstance(entry.info, HostInfo) else 1.0
-                if now - entry.at > missed * period:
+                if now - entry.at - entry.late_s > missed * period:
                     del seen[key]
 
     def parked(self) -> dict[str, int]:

@@ -93,6 +93,7 @@ def by_layout(views: Iterable[WorkerView]) -> Iterator[tuple[tuple[str, str], li
 class _Worker:
     info: WorkerInfo
     seen_at: float  # when its last heartbeat came (the service's clock)
+    late_s: float = 0.0  # how late the service's periods ran since: credited against expiry only
 
 
 @dataclass
@@ -253,8 +254,8 @@ class PlacementService:
         self.models.expire(MISSED_HEARTBEATS, late_s)
         now = self._clock()
         for worker_id, worker in list(self._workers.items()):
-            worker.seen_at += late_s
-            if now - worker.seen_at > MISSED_HEARTBEATS * worker.info.heartbeat_s:
+            worker.late_s += late_s
+            if now - worker.seen_at - worker.late_s > MISSED_HEARTBEATS * worker.info.heartbeat_s:
                 log.warning("worker %s missed %d heartbeats: forgotten", worker_id, MISSED_HEARTBEATS)
                 del self._workers[worker_id]
                 self._draining.discard(worker_id)
