@@ -8,7 +8,7 @@ tokens, S3's 1,024 characters 256 tokens). A request without a prediction counts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 CHARS_PER_TOKEN = 4
@@ -22,6 +22,24 @@ class BatchItem:
 
 def _output(item: BatchItem) -> float:
     return item.output_tokens if item.output_tokens is not None else 0.0
+
+
+def _cut(
+    items: Sequence[BatchItem], order: Sequence[int], joins: Callable[[list[float], float], bool]
+) -> list[list[int]]:
+    """`order` cut into batches greedily: each request joins the open batch if `joins(its members' outputs,
+    the request's output)`, otherwise it opens the next."""
+    batches: list[list[int]] = []
+    outputs: list[float] = []  # of the open batch's members
+    for i in order:
+        out = _output(items[i])
+        if batches and joins(outputs, out):
+            batches[-1].append(i)
+            outputs.append(out)
+        else:
+            batches.append([i])
+            outputs = [out]
+    return batches
 
 
 def slo_odbs_batches(
@@ -39,18 +57,13 @@ def slo_odbs_batches(
     order = sorted(
         range(len(items)), key=lambda i: (slo_weight * items[i].slo_s + output_weight * _output(items[i]), i)
     )
-    batches: list[list[int]] = []
-    longest = 0.0
-    for i in order:
-        out = _output(items[i])
-        batch = batches[-1] if batches else []
-        if batch and len(batch) < max_batch and (out - longest) * (len(batch) + 1) * parallel_overhead <= padding_limit:
-            batch.append(i)
-            longest = max(longest, out)
-        else:
-            batches.append([i])
-            longest = out
-    return batches
+    return _cut(
+        items,
+        order,
+        lambda outs, out: (
+            len(outs) < max_batch and (out - max(outs)) * (len(outs) + 1) * parallel_overhead <= padding_limit
+        ),
+    )
 
 
 def s3_batches(
@@ -60,15 +73,4 @@ def s3_batches(
     open batch while that has fewer than `max_batch` and their outputs together stay within `output_limit`
     (S3's memory bound); otherwise it opens the next batch."""
     order = sorted(range(len(items)), key=lambda i: (_output(items[i]), i))
-    batches: list[list[int]] = []
-    total = 0.0
-    for i in order:
-        out = _output(items[i])
-        batch = batches[-1] if batches else []
-        if batch and len(batch) < max_batch and total + out <= output_limit:
-            batch.append(i)
-            total += out
-        else:
-            batches.append([i])
-            total = out
-    return batches
+    return _cut(items, order, lambda outs, out: len(outs) < max_batch and sum(outs) + out <= output_limit)
