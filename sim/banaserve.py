@@ -19,7 +19,9 @@ Systems:
   over at the profile's transfer speed; dispatch to the least loaded of each pool;
 - BanaServe: the same split to start with, BanaServe's dispatch (Algorithm 4-2, `banaserve`) and
   placement's role switching (`llmesh_sim.cluster.RoleSwitching`: the production `pick_role_switch` every
-  second, placement's defaults).
+  second, placement's defaults);
+- BanaServe 4-1: the same, with Algorithm 4-1 per device instead (`llmesh_sim.cluster.ModuleMigration`:
+  `plan_module_migrations` every second, its defaults, KV moved at the profile's transfer speed).
 
 Reported per rate: throughput (requests and output tokens a second, from the first arrival to the last
 completion), TTFT and TPOT means and P99s, and BanaServe's role switches.
@@ -38,16 +40,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmesh.policies import make_policy, make_queue_policy
-from llmesh.policies.banaserve import RoleSwitchParams
+from llmesh.policies.banaserve import ModuleMigrationParams, RoleSwitchParams
 
 from .__main__ import DATA, ROOT, arrivals, command_line, length_means, load_profile, publish, read_trace, workload
-from .cluster import RoleSwitching, percentile, run_span_s, simulate
+from .cluster import ModuleMigration, RoleSwitching, percentile, run_span_s, simulate
 from .engine import EngineProfile, SimRequest
 
 PAPER = "BanaServe: 1.2-3.9x the throughput of vLLM and DistServe; +40% over vLLM on the Azure trace"
 ALPACA = DATA / "alpaca-eval" / "alpaca_eval_all_models_output_lengths.csv"
 CHARS_PER_TOKEN = 4
-SYSTEMS = ("vLLM", "vLLM V0", "DistServe", "BanaServe")
+SYSTEMS = ("vLLM", "vLLM V0", "DistServe", "BanaServe", "BanaServe 4-1")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Result:
     tpot_mean_s: float
     tpot_p99_s: float
     switches: str  # BanaServe's: how many to each role
+    kv_moves: int  # BanaServe 4-1's requests moved between decode devices
     incomplete: int
 
 
@@ -84,9 +87,14 @@ def run(
     prefill: int,
     system: str,
     switch_params: RoleSwitchParams = RoleSwitchParams(),
+    module_params: ModuleMigrationParams | None = None,
 ) -> Result:
     reqs = [replace(r) for r in requests]
     switching = RoleSwitching(params=switch_params) if system == "BanaServe" else None
+    modules = None
+    if system == "BanaServe 4-1":
+        block_s = profile.block_size * profile.kv_transfer_token_s
+        modules = ModuleMigration(params=module_params or ModuleMigrationParams(block_s=block_s))
     if system.startswith("vLLM"):
         engine = replace(profile, prefill_first=system == "vLLM V0")
         simulate(reqs, engine, instances, make_policy("round_robin"), make_queue_policy("fcfs"), max_wait_s=1e9)
@@ -100,12 +108,14 @@ def run(
             prefill_instances=prefill,
             max_wait_s=1e9,
             role_switching=switching,
+            module_migration=modules,
         )
     done = [r for r in reqs if r.finished_at is not None]
     span = run_span_s(reqs)
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    to = Counter(role for *_, role in switching.switched) if switching else Counter()
+    log = switching or modules
+    to = Counter(role for *_, role in log.switched) if log else Counter()
     return Result(
         system,
         len(done) / span,
@@ -114,7 +124,8 @@ def run(
         percentile(ttfts, 0.99),
         statistics.fmean(tpots),
         percentile(tpots, 0.99),
-        f"{to['prefill']} to prefill, {to['decode']} to decode" if switching else "-",
+        f"{to['prefill']} to prefill, {to['decode']} to decode" if log else "-",
+        len(modules.moved) if modules else 0,
         len(reqs) - len(done),
     )
 
@@ -135,12 +146,23 @@ def main(argv: list[str] | None = None) -> int:
         default={},
         help="BanaServe's role switching knobs, e.g. '{\"cooldown_s\": 60}'",
     )
+    parser.add_argument(
+        "--module-params",
+        type=json.loads,
+        default={},
+        help="BanaServe 4-1's knobs (ModuleMigrationParams), e.g. '{\"min_ratio\": 0.2}'; block_s defaults to the "
+        "profile's KV transfer",
+    )
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--out", type=Path, help="write the tables (markdown) here")
     args = parser.parse_args(argv)
     switch_params = RoleSwitchParams(**args.switch_params)
     if not 0 < args.prefill < args.instances:
         parser.error("--prefill must leave at least one engine of each role")
     profile = load_profile(args.profile)
+    module_params = ModuleMigrationParams(
+        **{"block_s": profile.block_size * profile.kv_transfer_token_s, **args.module_params}
+    )
     if args.lengths == "alpaca":
         rows = alpaca(args.requests, args.max_output, args.seed)
         lengths = "AlpacaEval instructions with Llama-2-13B-chat's answers (characters / 4)"
@@ -152,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = "the Azure 2023 conversation trace's lengths"
     means = length_means(rows)
     knobs = f", BanaServe's role switching with {args.switch_params}" if args.switch_params else ""
+    knobs += f", BanaServe 4-1's knobs {args.module_params}" if args.module_params else ""
     command = command_line("llmesh_sim.banaserve", argv)
     lines = [
         f"Command: `{command}`",
@@ -161,20 +184,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{means[0]:.0f} in, {means[1]:.0f} out (seed {args.seed}); Poisson arrivals. The paper: {PAPER}.",
         "",
         "| req/s | system | throughput req/s | output tok/s | vs vLLM | vs DistServe | TTFT mean s | TTFT P99 s "
-        "| TPOT mean ms | TPOT P99 ms | role switches | incomplete |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT mean ms | TPOT P99 ms | role switches | KV moves | incomplete |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate in args.rates:
         requests = arrivals(rows, rate, 1.0, args.seed)
-        results = {s: run(requests, profile, args.instances, args.prefill, s, switch_params) for s in SYSTEMS}
+        results = {
+            s: run(requests, profile, args.instances, args.prefill, s, switch_params, module_params)
+            for s in args.systems
+        }
+
+        def ratio(r: Result, baseline: str) -> str:
+            return f"{r.tokens_per_s / results[baseline].tokens_per_s:.2f}x" if baseline in results else "-"
+
         for r in results.values():
             print(f"{rate:g} req/s: {r.system} {r.tokens_per_s:.0f} tok/s", file=sys.stderr)
             lines.append(
                 f"| {rate:g} | {r.system} | {r.requests_per_s:.2f} | {r.tokens_per_s:.0f} "
-                f"| {r.tokens_per_s / results['vLLM'].tokens_per_s:.2f}x "
-                f"| {r.tokens_per_s / results['DistServe'].tokens_per_s:.2f}x | {r.ttft_mean_s:.3f} "
+                f"| {ratio(r, 'vLLM')} | {ratio(r, 'DistServe')} | {r.ttft_mean_s:.3f} "
                 f"| {r.ttft_p99_s:.3f} | {r.tpot_mean_s * 1e3:.1f} | {r.tpot_p99_s * 1e3:.1f} "
-                f"| {r.switches} | {r.incomplete} |"
+                f"| {r.switches} | {r.kv_moves} | {r.incomplete} |"
             )
     publish("\n".join(lines) + "\n", args.out)
     return 0

@@ -10,7 +10,8 @@ router places them; with `local_prefill_margin_s`, a decode engine runs the whol
 prefill queue would answer later and its streams can absorb the stall (llmesh.policies.disagg,
 the router's conditional disaggregation); with a `Migration`, placement's Llumnix balancing moves
 running requests between decode engines; with a `RoleSwitching`, placement's BanaServe role switching
-moves engines between the prefill and decode pools. Time is simulated: a run of hours takes seconds.
+moves engines between the prefill and decode pools; with a `ModuleMigration`, BanaServe's Algorithm 4-1
+moves KV and roles between pairs of overloaded and underloaded devices. Time is simulated: a run of hours takes seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from llmesh.policies import DispatchContext, Policy, PrefixIndex, QueuePolicy, RequestView, WorkerView
-from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch
+from llmesh.policies.banaserve import (
+    ModuleMigrationParams,
+    RoleBalance,
+    RoleSwitchParams,
+    pick_role_switch,
+    plan_module_migrations,
+)
 from llmesh.policies.core import kv_blocks, prompt_blocks
 from llmesh.policies.disagg import PrefillSite, StreamProgress, prefill_locally, stall_budget
 from llmesh.policies.llumnix import migration_pairs, pick_migration
@@ -62,6 +69,19 @@ class RoleSwitching:
     params: RoleSwitchParams = RoleSwitchParams()
     # simulate's log of the switches it made: (when, engine, its new role)
     switched: list[tuple[float, str, str]] = field(default_factory=list, compare=False)
+
+
+@dataclass(frozen=True)
+class ModuleMigration:
+    """BanaServe's Algorithm 4-1 per device (`llmesh.policies.banaserve.plan_module_migrations`) every
+    `interval_s`: its KV moves run as `Migration`'s do (copied at `params.block_s` a block while the request
+    decodes on, then paused `params.sync_s`), its role switches as `RoleSwitching`'s."""
+
+    interval_s: float = 1.0
+    params: ModuleMigrationParams = ModuleMigrationParams()
+    # simulate's logs: (when, engine, its new role), and (when, request, source, destination) of the KV moves
+    switched: list[tuple[float, str, str]] = field(default_factory=list, compare=False)
+    moved: list[tuple[float, str, str, str]] = field(default_factory=list, compare=False)
 
 
 def _worker_view(e: SimEngine) -> WorkerView:
@@ -137,6 +157,7 @@ def simulate(
     heartbeat_views: bool = False,
     role_switching: RoleSwitching | None = None,
     shared_profiles: Mapping[str, EngineProfile] | None = None,
+    module_migration: ModuleMigration | None = None,
 ) -> list[SimRequest]:
     """Run `requests` (fresh, sorted or not) to the end on `instances` engines (decode engines, when
     `prefill_instances` prefill engines come before them); returns them with their timings. A request
@@ -145,7 +166,8 @@ def simulate(
     models[i % len(models)]); a request goes only to an engine of its own model. `preemption`: how the
     engines free KV under pressure (None: they do not; `SimEngine`); `migration`: placement's balancing
     between decode engines (None: none); `role_switching`: placement's moves of engines between the prefill
-    and decode pools (None: the pools are fixed). `shared_profiles`: all the engines share one host's cores, and
+    and decode pools (None: the pools are fixed); `module_migration`: BanaServe's per-device moves of KV and
+    roles instead (None: none). `shared_profiles`: all the engines share one host's cores, and
     a step that starts while another engine is mid-step takes the times of the profile for what that step
     runs ("prefill" or "decode": `SimEngine.shared_profiles`; None: each owns its device).
     `heartbeat_views`: the policies see each engine as the router does (llmesh_router.scheduler: its last
@@ -164,7 +186,7 @@ def simulate(
             cache=caches[f"{prefix}{i:03d}"],
             model=models[i % len(models)],
             preemption=preemption,
-            switchable=role_switching is not None,
+            switchable=role_switching is not None or module_migration is not None,
         )
         for prefix, role, n in pools
         for i in range(n)
@@ -279,28 +301,42 @@ def simulate(
             decode, migration.source_below, migration.destination_above
         ):
             progress = pick_migration(source_view)
-            source, destination = by_id[source_view.worker_id], by_id[destination_view.worker_id]
-            r = next((r for r in source.running if progress and r.request_id == progress.request_id), None)
-            if r is None:
-                continue
-            room = destination.kv_block_limit() - destination.reserved_blocks()
-            if kv_blocks(r.kv_tokens + 1, destination.profile.block_size) > room:
-                continue
-            r.migrating = True
-            destination.incoming.append(r)
-            copied = now + kv_blocks(r.kv_tokens, destination.profile.block_size) * migration.copy_block_s
-            heapq.heappush(events, (copied, next(order), "migrated", (r, source, destination)))
+            if progress is not None:
+                move(
+                    now,
+                    progress.request_id,
+                    source_view.worker_id,
+                    destination_view.worker_id,
+                    migration.copy_block_s,
+                    migration.downtime_s,
+                )
 
-    def migrated(now: float, r: SimRequest, source: SimEngine, destination: SimEngine) -> None:
+    def move(
+        now: float, request_id: str, source_id: str, destination_id: str, copy_block_s: float, downtime_s: float
+    ) -> bool:
+        """Start moving a running request's KV (blocks reserved on the destination); whether it started."""
+        source, destination = by_id[source_id], by_id[destination_id]
+        r = next((r for r in source.running if r.request_id == request_id), None)
+        if r is None:
+            return False
+        room = destination.kv_block_limit() - destination.reserved_blocks()
+        if kv_blocks(r.kv_tokens + 1, destination.profile.block_size) > room:
+            return False
+        r.migrating = True
+        destination.incoming.append(r)
+        copied = now + kv_blocks(r.kv_tokens, destination.profile.block_size) * copy_block_s
+        heapq.heappush(events, (copied, next(order), "migrated", (r, source, destination, downtime_s)))
+        return True
+
+    def migrated(now: float, r: SimRequest, source: SimEngine, destination: SimEngine, downtime_s: float) -> None:
         """The last stage: `r` moves unless it finished or left the batch meanwhile."""
-        assert migration is not None
         destination.incoming.remove(r)
         r.migrating = False
         if r not in source.running or r.finished_at is not None:
             return
         source.running.remove(r)
         destination.running.append(r)
-        r.paused_until, r.worker_id = now + migration.downtime_s, destination.worker_id
+        r.paused_until, r.worker_id = now + downtime_s, destination.worker_id
         r.migrations += 1
         start(destination, now)
         dispatch(now)
@@ -313,12 +349,14 @@ def simulate(
         assert role_switching is not None
         views = [beats[e.worker_id] if heartbeat_views else _worker_view(e) for e in engines]
         switch, balance = pick_role_switch(views, now, balance, role_switching.params)
-        if switch is None:
-            return
-        engine = by_id[switch.worker_id]
-        engine.role, engine.view_cache = switch.role, None
-        role_switching.switched.append((now, engine.worker_id, switch.role))
-        if switch.role == "prefill":  # the decodes it had not started: placed afresh
+        if switch is not None:
+            switch_role(now, by_id[switch.worker_id], switch.role)
+            role_switching.switched.append((now, switch.worker_id, switch.role))
+            dispatch(now)
+
+    def switch_role(now: float, engine: SimEngine, role: str) -> None:
+        engine.role, engine.view_cache = role, None
+        if role == "prefill":  # the decodes it had not started: placed afresh
             for r in engine.waiting:
                 r.queued_at = now
                 queue.append(r)
@@ -326,12 +364,31 @@ def simulate(
         if heartbeat_views:  # the worker's heartbeat goes out at once
             beats[engine.worker_id] = _build_view(engine)
             sent[engine.worker_id] = sent_blocks[engine.worker_id] = released[engine.worker_id] = 0
-        dispatch(now)
+
+    migrating_modules = False
+
+    def migrate_modules(now: float) -> None:
+        """Placement's period: the moves Algorithm 4-1 plans, in order."""
+        nonlocal migrating_modules
+        assert module_migration is not None
+        p = module_migration.params
+        views = [beats[e.worker_id] if heartbeat_views else _worker_view(e) for e in engines]
+        moves, migrating_modules = plan_module_migrations(views, migrating_modules, p)
+        for m in moves:
+            if m.request_id is None:
+                switch_role(now, by_id[m.destination], m.role)
+                module_migration.switched.append((now, m.destination, m.role))
+            elif move(now, m.request_id, m.source, m.destination, p.block_s, p.sync_s):
+                module_migration.moved.append((now, m.request_id, m.source, m.destination))
+        if moves:
+            dispatch(now)
 
     if migration is not None:
         heapq.heappush(events, (migration.interval_s, next(order), "migrate", None))
     if role_switching is not None:
         heapq.heappush(events, (role_switching.interval_s, next(order), "switch", None))
+    if module_migration is not None:
+        heapq.heappush(events, (module_migration.interval_s, next(order), "modules", None))
 
     # As the router: a request that finds nobody waiting is placed at once if it fits; one that
     # finds a queue joins it. The queue is served when room may have appeared (a request left a
@@ -360,6 +417,10 @@ def simulate(
             switch_roles(now)
             if work_left():
                 heapq.heappush(events, (now + role_switching.interval_s, next(order), "switch", None))  # type: ignore[union-attr]
+        elif kind == "modules":
+            migrate_modules(now)
+            if work_left():
+                heapq.heappush(events, (now + module_migration.interval_s, next(order), "modules", None))  # type: ignore[union-attr]
         elif kind == "migrated":
             migrated(now, *item)  # type: ignore[misc]
         elif kind == "beat":

@@ -37,7 +37,14 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
 from llmesh.policies import WorkerView
-from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, switchable
+from llmesh.policies.banaserve import (
+    ModuleMigrationParams,
+    RoleBalance,
+    RoleSwitchParams,
+    pick_role_switch,
+    plan_module_migrations,
+    switchable,
+)
 from llmesh.policies.core import Role
 from llmesh.policies.llumnix import (
     ScaleHold,
@@ -153,6 +160,17 @@ class PlacementService:
             backlog_s=settings.placement_role_backlog_s,
         )
         self._role_balance: dict[tuple[str, str], RoleBalance] = {}  # by model and KV layout
+        self._module_params = ModuleMigrationParams(
+            start_gap=settings.placement_modules_start_gap,
+            stop_gap=settings.placement_modules_stop_gap,
+            min_ratio=settings.placement_modules_min_ratio,
+            block_s=settings.placement_modules_block_s,
+            sync_s=settings.placement_modules_sync_s,
+            switch_s=settings.placement_modules_switch_s,
+            budget_s=settings.placement_modules_budget_s,
+            backlog_s=settings.placement_role_backlog_s,
+        )
+        self._modules_migrating: dict[tuple[str, str], bool] = {}  # by model and KV layout: Algorithm 4-1's state
         self._switching: set[str] = set()  # workers with a role command in flight
         self._scale_holds: dict[str, ScaleHold] = {}  # by model: autoscaling's advice over time
         self._tasks: set[asyncio.Task] = set()
@@ -332,10 +350,14 @@ class PlacementService:
                     break  # nowhere to go now: the next period tries again
                 self._start(request, views[source.worker_id], destination, reason, views)
 
+    def _moving(self) -> set[str]:
+        """The workers a move involves (in flight, or not in their heartbeats yet)."""
+        return {w for m in self._moves.values() for w in (m.source, m.command.target) if self._unsettled(m, w)}
+
     def _balance(self, views: dict[str, WorkerView]) -> None:
         """Llumnix's load balancing, per model and KV layout, among the workers no move involves."""
-        unsettled = {w for m in self._moves.values() for w in (m.source, m.command.target) if self._unsettled(m, w)}
-        settled = (v for v in views.values() if v.state == "active" and v.worker_id not in unsettled)
+        moving = self._moving()
+        settled = (v for v in views.values() if v.state == "active" and v.worker_id not in moving)
         s = self.settings
         for _, group in by_layout(settled):
             for source, destination in migration_pairs(
@@ -419,6 +441,9 @@ class PlacementService:
         """BanaServe's role switching per model and KV layout, while no role command is in flight."""
         if self._switching:
             return
+        if self.settings.placement_role_policy == "devices":
+            self._migrate_modules(views)
+            return
         now = self._clock()
         for layout, group in by_layout(views.values()):
             switch, self._role_balance[layout] = pick_role_switch(
@@ -426,6 +451,24 @@ class PlacementService:
             )
             if switch is not None:
                 self._start_role(views[switch.worker_id], switch.role, "banaserve", asdict(switch))
+
+    def _migrate_modules(self, views: dict[str, WorkerView]) -> None:
+        """BanaServe's Algorithm 4-1 per model and KV layout, among the workers no move involves: its role
+        switches, and its KV moves except those of a request moved within the cooldown or to a worker
+        switching now (the next period plans again)."""
+        moving = self._moving()
+        cooldown = self.settings.placement_cooldown_s
+        for layout, group in by_layout(v for v in views.values() if v.worker_id not in moving):
+            moves, self._modules_migrating[layout] = plan_module_migrations(
+                group, self._modules_migrating.get(layout, False), self._module_params
+            )
+            for m in moves:
+                if m.request_id is None:
+                    self._start_role(views[m.destination], m.role, "banaserve", asdict(m))
+                    continue
+                request = next(r for r in views[m.source].requests if r.request_id == m.request_id)
+                if m.destination not in self._switching and self._movable(request, m.source, cooldown):
+                    self._start(request, views[m.source], views[m.destination], "banaserve", views)
 
     # ---- commands ------------------------------------------------------------------------------------------
 

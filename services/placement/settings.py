@@ -1,4 +1,4 @@
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -97,6 +97,35 @@ class PlacementSettings(ModelSettings, ScalingSettings, CommonSettings):
     placement_role_timeout_s: float = Field(
         10.0, gt=0, description="How long a worker may take to answer a role switch before it counts as failed."
     )
+    placement_role_policy: Literal["pools", "devices"] = Field(
+        "pools",
+        description="How role switching weighs loads: 'pools', the pools' mean U, one switch at a time (the "
+        "placement_role_* knobs above); 'devices', BanaServe's Algorithm 4-1 per device "
+        "(llmesh.policies.banaserve.plan_module_migrations: pairs of workers by U, KV moves between decode "
+        "workers and role switches while a pair stays apart, each worth its cost in seconds; the "
+        "placement_modules_* knobs; placement_role_backlog_s applies to both).",
+    )
+    placement_modules_start_gap: float = Field(
+        0.4, ge=0, description="Devices: migrating starts once two workers' U differ by more than this (δ↑) ..."
+    )
+    placement_modules_stop_gap: float = Field(
+        0.2, ge=0, description="... and goes on, period after period, while two differ by more than this (δ↓)."
+    )
+    placement_modules_min_ratio: float = Field(
+        0.5, ge=0, description="Devices: a move must remove at least this much peak U per second of its cost (ρ)."
+    )
+    placement_modules_block_s: float = Field(
+        0.001, ge=0, description="Devices: the cost of one KV block moved between workers, in seconds ..."
+    )
+    placement_modules_sync_s: float = Field(
+        0.03, ge=0, description="... plus this per request moved (its pause while its last KV and state move) ..."
+    )
+    placement_modules_switch_s: float = Field(
+        1.0, ge=0, description="... or this per role switch, beyond the KV of the requests it hands over."
+    )
+    placement_modules_budget_s: float = Field(
+        2.0, ge=0, description="Devices: one period's moves cost at most this together."
+    )
     placement_models: bool = Field(
         True,
         description="Place the catalogue's models on the hosts whose host agents report (Prism): activate a model "
@@ -150,6 +179,8 @@ class PlacementSettings(ModelSettings, ScalingSettings, CommonSettings):
             raise ValueError("placement_source_below must not exceed placement_destination_above")
         if self.placement_scale_low > self.placement_scale_high:
             raise ValueError("placement_scale_low must not exceed placement_scale_high")
+        if self.placement_modules_stop_gap > self.placement_modules_start_gap:
+            raise ValueError("placement_modules_stop_gap must not exceed placement_modules_start_gap")
         if self.placement_min_decode_workers > self.placement_max_decode_workers:
             raise ValueError("placement_min_decode_workers must not exceed placement_max_decode_workers")
         return self

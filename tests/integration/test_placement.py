@@ -506,6 +506,35 @@ async def test_a_worker_switched_to_prefill_hands_its_decodes_to_the_decode_pool
     assert sorted(e.detail["request_id"] for e in events if e.kind == "migrate" and e.reason == "role") == ["r1", "r2"]
 
 
+async def test_the_devices_policy_moves_kv_and_switches_roles_by_algorithm_4_1(nats_url):
+    # model "kv": d1 holds 4 requests of 20 KV blocks (U = 4/8 + 80/100), d2 none: two moves even them out;
+    # model "roles": p1's prompts (U = 8/8 + 104/100) take half of d3, the decode pool keeping d4
+    async with fakes(
+        nats_url,
+        (("mo-d1", [(r, 319, 1, 0) for r in "abcd"]), {"model": "kv"}),
+        (("mo-d2",), {"model": "kv"}),
+        (("mo-p1", [(f"q{i}", 200, 0, 0) for i in range(8)]), {"role": "prefill", "model": "roles"}),
+        (("mo-d3",), {"roles": ("prefill", "decode"), "model": "roles"}),
+        (("mo-d4", [("r1", 50, 4, 0)]), {"model": "roles"}),
+    ) as (d1, d2, p1, d3, d4):
+        client = await Bus.connect(nats_url, "mo-client")
+        events = await recorded_events(client)
+        try:
+            async with placement(
+                nats_url, "mo", placement_role_policy="devices", placement_balance=False, placement_modules_block_s=0.01
+            ):
+                await until(lambda: len(d1.migrations) >= 2 and d3.role_commands, 3)
+                await until(lambda: any(e.kind == "role" for e in events), 1)
+        finally:
+            await client.close()
+    assert d1.moved()[:2] == [("a", "mo-d2", "banaserve"), ("b", "mo-d2", "banaserve")]
+    assert (d3.role_commands[0].role, d3.role_commands[0].reason) == ("prefill", "banaserve")
+    decision = next(e for e in events if e.kind == "role")
+    assert (decision.detail["source"], decision.detail["request_id"], decision.detail["cost_s"]) == ("mo-p1", None, 1.0)
+    assert decision.detail["benefit"] == pytest.approx(1.02)
+    assert not p1.migrations and not d4.role_commands and not d2.migrations
+
+
 # ---- (e) the CLI -----------------------------------------------------------------------------------------------------
 
 

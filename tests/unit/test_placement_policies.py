@@ -5,7 +5,16 @@ from dataclasses import replace
 import pytest
 
 from llmesh.policies import WorkerView
-from llmesh.policies.banaserve import RoleBalance, RoleSwitchParams, pick_role_switch, pool_utilisation, switchable
+from llmesh.policies.banaserve import (
+    ModuleMigrationParams,
+    ModuleMove,
+    RoleBalance,
+    RoleSwitchParams,
+    pick_role_switch,
+    plan_module_migrations,
+    pool_utilisation,
+    switchable,
+)
 from llmesh.policies.llumnix import (
     ScaleHold,
     freeness,
@@ -241,6 +250,104 @@ def test_prefill_backlog_counts_in_the_prefill_pools_load():
 def test_role_switch_params_are_checked():
     with pytest.raises(ValueError, match="hold_s, request_cost must be >= 0"):
         RoleSwitchParams(hold_s=-1, request_cost=-0.1)
+
+
+# ---- BanaServe's Algorithm 4-1 per device (`plan_module_migrations`) -------------------------------------------
+
+MODULES = ModuleMigrationParams(start_gap=0.4, stop_gap=0.2, min_ratio=0.5, block_s=0.01, sync_s=0.03, switch_s=1.0)
+
+
+def dev(worker_id, role, requests=(), *, roles=BOTH, running=None):
+    """A device whose U is (running or its requests) / 8 + the requests' KV blocks / 100 (16 tokens a block)."""
+    return replace(
+        u(worker_id, role, len(requests) if running is None else running, roles=roles),
+        kv_blocks_used=sum(r.kv_blocks(16) for r in requests),
+        requests=tuple(requests),
+    )
+
+
+def heavy(*ids):
+    """Decoding requests of 20 KV blocks each: 0.125 + 0.2 of U apiece; a move costs 20 × 0.01 + 0.03 s."""
+    return [req(i, 319) for i in ids]
+
+
+def moved(moves):
+    return [(m.source, m.destination, m.request_id or m.role) for m in moves]
+
+
+def test_module_migration_moves_kv_until_the_pair_is_within_the_stop_gap():
+    # d1: U = 0.5 + 0.8 = 1.3, d2: 0; each move takes 0.325 off d1's peak for 0.23 s (ratio 1.41)
+    moves, migrating = plan_module_migrations(
+        [dev("d1", "decode", heavy("b", "a", "c", "d")), dev("d2", "decode")], False, MODULES
+    )
+    assert moves == [
+        ModuleMove("d1", "d2", "a", "decode", pytest.approx(0.325), pytest.approx(0.23)),  # ties: by id
+        ModuleMove("d1", "d2", "b", "decode", pytest.approx(0.325), pytest.approx(0.23)),
+    ]
+    assert not migrating  # 0.65 each: balanced
+
+
+@pytest.mark.parametrize(
+    "params, expected, migrating",
+    [
+        (replace(MODULES, min_ratio=1.5), [], True),  # benefit / cost 1.41 < ρ: the imbalance stands
+        (replace(MODULES, block_s=0.05), [], True),  # 1.03 s a move: 0.32 / s
+        (replace(MODULES, budget_s=0.3), ["a"], True),  # one move within the budget; 0.65 apart after it
+        (replace(MODULES, budget_s=0.46), ["a", "b"], False),
+    ],
+)
+def test_module_migration_weighs_benefit_against_cost_in_seconds(params, expected, migrating):
+    devices = [dev("d1", "decode", heavy("a", "b", "c", "d")), dev("d2", "decode")]
+    moves, still = plan_module_migrations(devices, False, params)
+    assert [m.request_id for m in moves] == expected and still == migrating
+
+
+def test_module_migration_hysteresis():
+    # 0.35 apart: under δ↑ (0.4) nothing starts; once migrating, it goes on down to δ↓ (0.2)
+    devices = [dev("d1", "decode", [req("a", 79), req("b", 79)]), dev("d2", "decode")]
+    assert plan_module_migrations(devices, False, MODULES) == ([], False)
+    moves, migrating = plan_module_migrations(devices, True, MODULES)
+    assert moved(moves) == [("d1", "d2", "a")] and not migrating
+    one = [dev("d1", "decode", [req("a", 319)]), dev("d2", "decode")]  # 0.325 apart, one request: no move helps
+    assert plan_module_migrations(one, True, MODULES) == ([], True)
+
+
+def test_module_migration_moves_only_decoding_requests_that_fit():
+    requests = [req("a", 319, migrating=True), req("b", 319, generated=0), req("c", 319), req("d", 319)]
+    small = replace(dev("d2", "decode"), kv_blocks_total=21)  # room for one 20-block request and its next token
+    moves, _ = plan_module_migrations([dev("d1", "decode", requests), small], False, MODULES)
+    assert moved(moves) == [("d1", "d2", "c")]
+
+
+def test_module_migration_switches_an_underloaded_device_to_the_overloaded_role():
+    # p1: U = 1; a decode device takes half its compute (0.5) for 1 s of switching; d2 keeps the decode pool
+    busy, d1, d2 = dev("p1", "prefill", running=8), dev("d1", "decode"), dev("d2", "decode", running=1)
+    moves, migrating = plan_module_migrations([busy, d1, d2], False, MODULES)
+    assert moves == [ModuleMove("p1", "d1", None, "prefill", pytest.approx(0.5), 1.0)]
+    assert migrating  # 0.5 against d2's 0.125: the last decode device cannot go
+    moves, _ = plan_module_migrations([busy, replace(d1, roles=()), d2], False, MODULES)
+    assert moved(moves) == [("p1", "d2", "prefill")]  # only a device built with both roles
+    assert plan_module_migrations([busy, d1, d2], False, replace(MODULES, min_ratio=0.6))[0] == []
+    assert plan_module_migrations([busy, replace(d1, state="draining")], False, MODULES)[0] == []
+
+
+def test_module_migration_switch_then_kv_moves_in_one_loop():
+    # d1, the only decode device, is short of memory (U 0.5 + 0.8); p1 switches to decode, judged as taking
+    # half of it (benefit 0.65 for 1 s), takes half the compute term at once (d1 1.05, p1 0.25), then one
+    # request's KV (d1 0.725, p1 0.575); p2 stays the prefill pool's last
+    devices = [dev("d1", "decode", heavy("a", "b", "c", "d")), dev("p1", "prefill"), dev("p2", "prefill")]
+    moves, migrating = plan_module_migrations(devices, False, MODULES)
+    assert moves[0] == ModuleMove("d1", "p1", None, "decode", pytest.approx(0.65), 1.0)
+    assert moved(moves) == [("d1", "p1", "decode"), ("d1", "p1", "a")]
+    assert migrating  # d1 0.725 against p2's 0
+    assert plan_module_migrations(devices, False, replace(MODULES, min_ratio=0.7)) == ([], True)
+
+
+def test_module_migration_params_are_checked():
+    with pytest.raises(ValueError, match="sync_s must be >= 0"):
+        ModuleMigrationParams(sync_s=-1)
+    with pytest.raises(ValueError, match="stop_gap"):
+        ModuleMigrationParams(start_gap=0.1, stop_gap=0.2)
 
 
 def test_worker_view_carries_the_roles_over():

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from llmesh.policies import POLICIES, QUEUE_POLICIES, make_policy, make_queue_policy
-from llmesh.policies.banaserve import RoleSwitchParams
+from llmesh.policies.banaserve import ModuleMigrationParams, RoleSwitchParams
 from llmesh.policies.core import kv_blocks
-from llmesh_sim.cluster import Migration, RoleSwitching, simulate, summarize
+from llmesh_sim.cluster import Migration, ModuleMigration, RoleSwitching, simulate, summarize
 from llmesh_sim.engine import EngineProfile, Preemption, SimEngine, SimRequest
 
 # 10 ms a step, 1 ms a prompt token, 2 ms a decoding request
@@ -512,6 +512,25 @@ def test_role_switching_moves_decode_engines_to_a_prefill_pool_that_falls_behind
     assert summarize(switched, 1, 1).ttft_p99_s < summarize(fixed, 1, 1).ttft_p99_s / 2
 
 
+def test_module_migration_switches_a_prefill_engine_and_moves_kv_to_it():
+    """Two prefill and two decode engines of 60 KV blocks; long streams (160 prompt tokens, 200 out: up to 23
+    blocks) fill the decode engines while the prefill engines idle between prompts: Algorithm 4-1 (the production
+    `plan_module_migrations`) switches a prefill engine to decode and moves KV onto it; every request completes,
+    the last 1 s sooner than on the static split."""
+    profile = replace(PROFILE, kv_blocks=60, max_seqs=4)
+    reqs = [SimRequest(f"r{i}", 0.25 * i, 160, 200) for i in range(12)]
+    static, migrated = ([replace(r) for r in reqs] for _ in range(2))
+    modules = ModuleMigration(0.5, ModuleMigrationParams(min_ratio=0.1, block_s=0.001))
+    args = (profile, 2, make_policy("least_loaded"), make_queue_policy("fcfs"))
+    simulate(static, *args, prefill_instances=2, max_wait_s=float("inf"))
+    simulate(migrated, *args, prefill_instances=2, max_wait_s=float("inf"), module_migration=modules)
+    assert all(r.generated == r.output_tokens and r.finished_at is not None for r in static + migrated)
+    assert modules.switched == [(1.0, "p000", "decode")]
+    assert ("r3", "e000", "p000") == modules.moved[0][1:] and len(modules.moved) > 1
+    assert sum(r.migrations for r in migrated) == len(modules.moved)
+    assert max(r.finished_at for r in migrated) < max(r.finished_at for r in static) - 1
+
+
 def test_prefill_first_engines_stall_their_streams_for_every_prompt():
     """vLLM V0's scheduler. A: 100-token prompt at 0, 4 out; B: 50 tokens at 0.115, 2 out. Both ways:
     [0, 0.110] A's prompt, [0.110, 0.122] A decodes. Chunked prefill: [0.122, 0.184] B's prompt with A's
@@ -533,7 +552,7 @@ def test_the_banaserve_experiment_runs_each_system(tmp_path):
     out = tmp_path / "banaserve.md"
     assert main(["--requests", "200", "--rates", "30", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 30 |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["vLLM", "vLLM V0", "DistServe", "BanaServe"]
+    assert [r.split("|")[2].strip() for r in rows] == ["vLLM", "vLLM V0", "DistServe", "BanaServe", "BanaServe 4-1"]
     assert all(r.rstrip(" |").endswith("| 0") for r in rows)  # every request completed
 
 
