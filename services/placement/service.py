@@ -464,7 +464,8 @@ class PlacementService:
             )
             for m in moves:
                 if m.request_id is None:
-                    self._start_role(views[m.destination], m.role, "banaserve", asdict(m))
+                    reckoning = {k: v for k, v in asdict(m).items() if k != "request_id"}  # none: no span attribute
+                    self._start_role(views[m.destination], m.role, "banaserve", reckoning)
                     continue
                 request = next(r for r in views[m.source].requests if r.request_id == m.request_id)
                 if m.destination not in self._switching and self._movable(request, m.source, cooldown):
