@@ -80,6 +80,11 @@ def alpaca(requests: int, max_output: int, seed: int, generator: str = "llama-2-
     return out
 
 
+def default_module_params(profile: EngineProfile, **knobs: float) -> ModuleMigrationParams:
+    """BanaServe 4-1's knobs: `knobs`, a KV block moved at the profile's transfer speed unless they say."""
+    return ModuleMigrationParams(**{"block_s": profile.block_size * profile.kv_transfer_token_s, **knobs})
+
+
 def run(
     requests: list[SimRequest],
     profile: EngineProfile,
@@ -93,8 +98,7 @@ def run(
     switching = RoleSwitching(params=switch_params) if system == "BanaServe" else None
     modules = None
     if system == "BanaServe 4-1":
-        block_s = profile.block_size * profile.kv_transfer_token_s
-        modules = ModuleMigration(params=module_params or ModuleMigrationParams(block_s=block_s))
+        modules = ModuleMigration(params=module_params or default_module_params(profile))
     if system.startswith("vLLM"):
         engine = replace(profile, prefill_first=system == "vLLM V0")
         simulate(reqs, engine, instances, make_policy("round_robin"), make_queue_policy("fcfs"), max_wait_s=1e9)
@@ -160,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.prefill < args.instances:
         parser.error("--prefill must leave at least one engine of each role")
     profile = load_profile(args.profile)
-    module_params = ModuleMigrationParams(
-        **{"block_s": profile.block_size * profile.kv_transfer_token_s, **args.module_params}
-    )
+    module_params = default_module_params(profile, **args.module_params)
     if args.lengths == "alpaca":
         rows = alpaca(args.requests, args.max_output, args.seed)
         lengths = "AlpacaEval instructions with Llama-2-13B-chat's answers (characters / 4)"

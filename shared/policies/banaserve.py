@@ -293,7 +293,7 @@ def _best_move(
             benefit = before - max(src.load - _share(src.view, blocks), dst.load + _share(dst.view, blocks))
             options.append(ModuleMove(o, u, r.request_id, "decode", benefit, blocks * p.block_s + p.sync_s))
     elif src.role != dst.role and switchable(dst.view) and not dst.switched:
-        others = [d for d in devices.values() if d.role == dst.role and d is not dst]
+        others = _pool_of(devices, dst)
         if others:
             half = src.load / 2  # what `dst` can take over: half the layers, and their KV
             spread = dst.load / len(others)  # what `dst` held, taken on by its old pool
@@ -303,6 +303,11 @@ def _best_move(
             options.append(ModuleMove(o, u, None, src.role, before - after, cost))
     accepted = [m for m in options if m.benefit > 0 and m.benefit >= p.min_ratio * m.cost_s]
     return min(accepted, key=lambda m: (-m.benefit, m.cost_s, m.request_id or ""), default=None)
+
+
+def _pool_of(devices: dict[str, _Device], device: _Device) -> list[_Device]:
+    """The other devices of `device`'s role: its pool, were it to leave."""
+    return [d for d in devices.values() if d.role == device.role and d is not device]
 
 
 def _terms(w: WorkerView, blocks: int) -> tuple[float, float]:
@@ -328,7 +333,7 @@ def _apply(devices: dict[str, _Device], move: ModuleMove, moved: set[str]) -> No
         dst.free_blocks -= blocks
         moved.add(move.request_id)
         return
-    others = [d for d in devices.values() if d.role == dst.role and d is not dst]
+    others = _pool_of(devices, dst)
     for d in others:
         d.compute += dst.compute / len(others)
         d.memory += dst.memory / len(others)
