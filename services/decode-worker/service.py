@@ -132,6 +132,7 @@ class DecodeService:
             params = sampling_params(
                 req.sampling.model_copy(update={"stop": []}),
                 max_tokens=total - done,
+                generated=done,
                 kv_transfer_params=kv_params | {"tail_id": held.tail_id},
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,

@@ -17,6 +17,31 @@ from llmesh.wire.messages import ChatMessage, SamplingOptions
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
 
+# Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
+# the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
+_CROSSES_ENGINES = "a request's output so far is the next engine's prompt, so it would not be exact"
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "presence_penalty": ((0, 0.0), f"penalties on the output alone: {_CROSSES_ENGINES}"),
+    "frequency_penalty": ((0, 0.0), f"penalties on the output alone: {_CROSSES_ENGINES}"),
+    "stop_token_ids": (([],), "stop strings are"),
+    "include_stop_str_in_output": ((False,), "stop strings are cut from the output"),
+    "logprobs": ((False, 0), "no logprobs are returned"),
+    "top_logprobs": ((0,), "no logprobs are returned"),
+    "prompt_logprobs": ((0,), "no logprobs are returned"),
+    "echo": ((False,), "the prompt is not returned"),
+    "best_of": ((1,), "one sequence is generated a request"),
+    "use_beam_search": ((False,), "one sequence is generated a request"),
+    "suffix": (("",), "no insertion"),
+    "response_format": (({"type": "text"},), "no structured output"),
+    "structured_outputs": ((), "no structured output"),
+    "guided_json": ((), "no structured output"),
+    "guided_regex": ((), "no structured output"),
+    "guided_choice": ((), "no structured output"),
+    "guided_grammar": ((), "no structured output"),
+    "tools": (([],), "no tool calling"),
+    "tool_choice": (("none", "auto"), "no tool calling"),
+}
+
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
@@ -27,6 +52,12 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: Int64 | None = None
+    top_k: int = Field(default=0, ge=-1)  # vLLM extension: 0 or -1 for every token
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM extension
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM extension: on prompt and output alike
+    min_tokens: int = Field(default=0, ge=0, le=2**63 - 1)  # vLLM extension: no end of sequence before this many tokens
+    # token id -> added to its logit, clamped to [-100, 100] as OpenAI does
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -58,6 +89,16 @@ class _Common(BaseModel):
         check(data)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """A 400 naming the field, not a 200 that ignored it (raised as is: pydantic passes it through)."""
+        for name, (accepted, reason) in UNSUPPORTED.items():
+            value = data.get(name) if isinstance(data, dict) else None
+            if value is not None and value not in accepted:
+                raise InvalidRequest(f"{name}={json.dumps(value)[:100]} is not supported ({reason})", param=name)
+        return data
+
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, n: int) -> int:
@@ -72,6 +113,27 @@ class _Common(BaseModel):
         if salt is not None and (not salt or len(salt) > 128 or any(c in "@/\\\0" for c in salt)):
             raise ValueError("cache_salt must be 1 to 128 characters and must not contain '@', '/', '\\' or NUL")
         return salt
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > 300:
+            raise ValueError("at most 300 tokens")  # OpenAI's limit
+        if not all(key.isascii() and key.isdigit() and int(key) < 2**63 for key in bias):
+            raise ValueError("keys must be token ids")
+        return {str(int(key)): min(max(value, -100.0), 100.0) for key, value in bias.items()}
+
+    @model_validator(mode="after")
+    def _min_tokens(self) -> _Common:
+        if self.min_tokens and self.stop:
+            raise InvalidRequest("min_tokens with stop strings is not supported", param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens"
+            )
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +153,11 @@ class _Common(BaseModel):
             stop=stop,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias or {},
         )
 
     @property
@@ -101,15 +168,11 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int64]
     max_tokens: PositiveInt64 | None = 16
-    echo: bool = False
-    logprobs: int | None = None
 
     @model_validator(mode="after")
-    def _supported(self) -> CompletionRequest:
+    def _one_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
             raise ValueError("only one prompt per request is supported")
-        if self.echo or self.logprobs:
-            raise ValueError("echo and logprobs are not supported")
         return self
 
     @property
@@ -142,16 +205,14 @@ class _ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[_ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: PositiveInt64 | None = None
-    logprobs: bool = False
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        if self.max_tokens is None:
-            self.max_tokens = self.max_completion_tokens
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _max_completion_tokens(cls, data: Any) -> Any:
+        """OpenAI's newer name for max_tokens (max_tokens wins where both are given)."""
+        if isinstance(data, dict) and data.get("max_tokens") is None and "max_completion_tokens" in data:
+            return {**data, "max_tokens": data["max_completion_tokens"]}
+        return data
 
 
 def error_body(exc: MeshError) -> dict[str, Any]:

@@ -70,15 +70,26 @@ WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any val
 
 
 def sampling_params(
-    options: SamplingOptions, *, max_tokens: int, kv_transfer_params: dict[str, Any], **extra: Any
+    options: SamplingOptions,
+    *,
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any],
+    generated: int = 0,
+    **extra: Any,
 ) -> Any:
-    """vLLM sampling parameters of a request, with our KV parameters and the current trace context."""
+    """vLLM sampling parameters of a request of which `generated` tokens were generated elsewhere (its
+    prompt here ends with them), with our KV parameters and the current trace context."""
     from vllm import SamplingParams
 
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=options.temperature,
         top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        repetition_penalty=options.repetition_penalty,
+        min_tokens=max(0, min(options.min_tokens - generated, max_tokens)),
+        logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
         stop=options.stop or None,
         seed=options.seed,
         ignore_eos=options.ignore_eos,
@@ -366,8 +377,11 @@ class EngineWorker:
             pass
 
     def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
-        """The request's prompt as token ids: chat through the chat template, text tokenized, ids checked."""
+        """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and
+        those of `logit_bias`) checked."""
         tok = self.tokenizer
+        if any(int(t) >= len(tok) for t in req.sampling.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must lie in [0, {len(tok)})", param="logit_bias")
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("`messages` must not be empty", param="messages")

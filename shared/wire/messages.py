@@ -270,6 +270,11 @@ class SamplingOptions(Message):
     stop: list[str] = []
     seed: int | None = None
     ignore_eos: bool = False  # generate up to max_tokens even past the end-of-sequence token
+    top_k: int = 0  # 0 or -1: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on the prompt's tokens and the output's alike, so exact across engines
+    min_tokens: int = 0  # of the whole output (an engine that resumes it owes only the rest)
+    logit_bias: dict[str, float] = {}  # token id (MessagePack maps keep string keys) -> added to its logit
 
 
 class PrefillRequest(Message):

@@ -169,9 +169,11 @@ class Reference:
         prompt_token_ids: list[int] | None = None,
         top: bool = False,
         ignore_eos: bool = False,
+        **sampling: object,
     ) -> dict:
+        """Greedy; `sampling`: more of vLLM's sampling parameters."""
         return self._ask(
-            {"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos}
+            {"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos, "sampling": sampling}
             | ({"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids})
         )
 

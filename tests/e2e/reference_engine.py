@@ -3,12 +3,13 @@
 Arguments: model, max_model_len, block_size[, tensor_parallel_size].
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
--> {"prompt_token_ids": [...], "token_ids": [...], "text": str}. Greedy sampling. With
-"top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie, three ways
-too); with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the
-end-of-sequence token. With "score_from": k it generates nothing and answers {"gaps": [...]}: for
-each prompt token from the k-th on, how far (in nats) its logprob falls below the likeliest
-token's there, given the tokens before it (0 where greedy decoding would have chosen it).
+-> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str}. Greedy
+sampling. With "top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie,
+three ways too); with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the
+end-of-sequence token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings).
+With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
+the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
+tokens before it (0 where greedy decoding would have chosen it).
 """
 
 import asyncio
@@ -67,6 +68,7 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             temperature=0.0,
             logprobs=TOP if req.get("top") else None,
             ignore_eos=bool(req.get("ignore_eos")),
+            **sampling(req.get("sampling", {})),
         )
         async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
             stamps.append(time.perf_counter())
@@ -75,6 +77,7 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             "prompt_token_ids": list(final.prompt_token_ids),
             "token_ids": list(final.outputs[0].token_ids),
             "text": final.outputs[0].text,
+            "finish_reason": final.outputs[0].finish_reason,
         }
         if req.get("top"):  # per step: the likeliest tokens and their logprobs
             answer["top"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
@@ -86,6 +89,12 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             }
         print(json.dumps(answer), file=protocol, flush=True)
     engine.shutdown()
+
+
+def sampling(fields: dict) -> dict:
+    if "logit_bias" in fields:
+        fields = fields | {"logit_bias": {int(token): bias for token, bias in fields["logit_bias"].items()}}
+    return fields
 
 
 async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:

@@ -220,6 +220,31 @@ def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, tokenizer
     assert after.misses == before.misses
 
 
+def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, reference, tokenizer):
+    """Each changes the greedy output (the first token sampled by prefill, the rest by decode, which sees
+    the first as its prompt's last) and equals a monolithic engine's with the same fields."""
+    ids = token_prompt(300, seed=3131)
+    eos = tokenizer.eos_token_id
+    plain = reference.generate(16, prompt_token_ids=ids)
+    for fields in [
+        {"repetition_penalty": 1.8},  # on prompt and output tokens: the same set after the hand-over
+        {"min_tokens": 5, "logit_bias": {str(eos): 100}},  # no end before 5 tokens, then at once
+        {"logit_bias": {str(plain["token_ids"][3]): 4.0}},
+    ]:
+        vllm_fields = {name: value for name, value in fields.items() if name != "logit_bias"}
+        out = client.completions.create(
+            model=MODEL,
+            prompt=ids,
+            max_tokens=16,
+            temperature=0,
+            logit_bias=fields.get("logit_bias"),  # type: ignore[arg-type]
+            extra_body={"return_token_ids": True} | vllm_fields,
+        ).choices[0]
+        expected = reference.generate(16, prompt_token_ids=ids, **fields)
+        assert (out.token_ids, out.finish_reason) == (expected["token_ids"], expected["finish_reason"]), fields
+        assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
+
+
 def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference, mesh):
     prompts = [token_prompt(40 + 97 * i, seed=100 + i) for i in range(16)]
     aclient = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=120)
@@ -510,6 +535,7 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
             "context_length_exceeded",
         ),
         ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
         (
             "/v1/chat/completions",

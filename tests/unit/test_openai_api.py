@@ -41,6 +41,46 @@ def test_a_message_with_an_integer_beyond_64_bits_is_a_bad_message():
         encode(SamplingOptions(max_tokens=1, seed=2**70))
 
 
+def test_vllms_sampling_fields_reach_the_engines_options_checked_and_clamped():
+    from pydantic import ValidationError
+
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    fields = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "min_tokens": 3, "logit_bias": {"7": 250, "9": -2}}
+    options = CompletionRequest(model="m", prompt="hi", **fields).sampling()
+    assert (options.top_k, options.min_p, options.repetition_penalty, options.min_tokens) == (5, 0.1, 1.3, 3)
+    assert options.logit_bias == {"7": 100.0, "9": -2.0}  # OpenAI's range
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4)
+    assert chat.sampling().max_tokens == 4
+    for bad in (
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"-1": 1}},
+        {"logit_bias": {"1": float("nan")}},
+        {"logit_bias": {str(i): 1 for i in range(301)}},
+        {"repetition_penalty": 0},
+        {"top_k": -2},
+        {"min_p": 1.5},
+        {"min_tokens": -1},
+    ):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="hi", **bad)
+
+
+def test_sampling_params_owe_a_resumed_engine_only_the_rest_of_min_tokens():
+    from llmesh.engine.worker import sampling_params
+    from llmesh.wire.messages import SamplingOptions
+
+    options = SamplingOptions(
+        max_tokens=10, min_tokens=4, logit_bias={"7": 5.0}, repetition_penalty=1.2, top_k=3, min_p=0.2
+    )
+    prefill = sampling_params(options, max_tokens=1, kv_transfer_params={})  # the first token only
+    decode = sampling_params(options, max_tokens=9, kv_transfer_params={}, generated=1)
+    late = sampling_params(options, max_tokens=3, kv_transfer_params={}, generated=7)
+    assert (prefill.min_tokens, decode.min_tokens, late.min_tokens) == (1, 3, 0)
+    assert (decode.logit_bias, decode.repetition_penalty, decode.top_k, decode.min_p) == ({7: 5.0}, 1.2, 3, 0.2)
+    assert sampling_params(SamplingOptions(), max_tokens=2, kv_transfer_params={}).logit_bias is None
+
+
 # ---- the router's /metrics, in-process (FastAPI over httpx's ASGI transport, a stand-in dispatcher) ----------
 
 
@@ -222,3 +262,49 @@ async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_
     assert await anext(reader) == 0
     await reader.aclose()
     assert ended.is_set()
+
+
+async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_them_never_ignored():
+    from llmesh_router.openai_api import UNSUPPORTED
+
+    refused = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "stop_token_ids": [2],
+        "include_stop_str_in_output": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "prompt_logprobs": 1,
+        "echo": True,
+        "best_of": 2,
+        "use_beam_search": True,
+        "suffix": "end",
+        "response_format": {"type": "json_object"},
+        "structured_outputs": {"json": {}},
+        "guided_json": {},
+        "guided_regex": "a+",
+        "guided_choice": ["a"],
+        "guided_grammar": "root ::= a",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "required",
+    }
+    assert set(refused) == set(UNSUPPORTED)
+    _, client = _router([[1]])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    completion = {"model": "m", "prompt": "hi"}
+    async with client:
+        for name, value in refused.items():
+            for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+                resp = await client.post(path, json=body | {name: value})
+                error = resp.json()["error"]
+                assert resp.status_code == 400 and error["param"] == name and name in error["message"], resp.text
+        defaults = {name: accepted[0] for name, (accepted, _) in UNSUPPORTED.items() if accepted} | {
+            "presence_penalty": None,  # null is the default too
+            "user": "someone",  # and fields that change nothing are ignored
+        }
+        for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+            resp = await client.post(path, json=body | defaults)
+            assert resp.status_code == 200, resp.text
+        for bad in ({"min_tokens": 2, "stop": "x"}, {"min_tokens": 5, "max_tokens": 4}):
+            resp = await client.post("/v1/completions", json=completion | bad)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text
