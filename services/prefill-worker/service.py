@@ -9,6 +9,7 @@ import time
 
 from opentelemetry import trace
 
+from llmesh.engine.detokenizer import logprob_steps
 from llmesh.engine.worker import EngineWorker, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
@@ -85,6 +86,7 @@ class PrefillService:
                     finish_reason=finish,
                     prompt_tokens=len(token_ids),
                     completion_tokens=len(o.token_ids),
+                    logprobs=o.logprobs and logprob_steps(self.worker.tokenizer, o.logprobs, []),
                 ),
                 kv=kv,
                 fingerprint=self.worker.fingerprint,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -16,6 +17,8 @@ from llmesh.wire.messages import ChatMessage, SamplingOptions
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+LogprobSteps = list[list[tuple[int, float, str]]]  # TokenDelta.logprobs
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
@@ -25,9 +28,8 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((0, 0.0), f"penalties on the output alone: {_CROSSES_ENGINES}"),
     "stop_token_ids": (([],), "stop strings are"),
     "include_stop_str_in_output": ((False,), "stop strings are cut from the output"),
-    "logprobs": ((False, 0), "no logprobs are returned"),
-    "top_logprobs": ((0,), "no logprobs are returned"),
-    "prompt_logprobs": ((0,), "no logprobs are returned"),
+    "prompt_logprobs": ((0,), "logprobs are returned for the output alone"),
+    "logprob_token_ids": (([],), "logprobs are returned for the likeliest tokens"),
     "echo": ((False,), "the prompt is not returned"),
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
@@ -158,7 +160,13 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or {},
+            logprobs=self.logprob_count,
         )
+
+    @property
+    def logprob_count(self) -> int | None:
+        """How many of the likeliest tokens each output token comes with; None: no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -168,6 +176,11 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int64]
     max_tokens: PositiveInt64 | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -205,6 +218,12 @@ class _ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[_ChatMessageIn] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # read with logprobs alone, as vLLM does
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="before")
     @classmethod
@@ -253,36 +272,76 @@ class ResponseShape:
 
     _TEXT_MARK = "\x00"  # stands for a chunk's text in its template (JSON: "\u0000")
 
-    def __init__(self, chat: bool, request_id: str, model: str):
-        self.chat, self.id, self.model = chat, request_id, model
+    def __init__(self, chat: bool, request_id: str, model: str, logprobs: int | None = None):
+        """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs)."""
+        self.chat, self.id, self.model, self.top = chat, request_id, model, logprobs
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool], tuple[bytes, bytes]] = {}
+        self._text_offset = 0  # of the next token's text, for completions' logprobs
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
+    def _logprobs(self, steps: LogprobSteps | None) -> dict[str, Any] | None:
+        """A choice's `logprobs` for these tokens, as vLLM's server renders them (each step's candidates
+        start with the sampled token; -inf is -9999.0)."""
+        if self.top is None:
+            return None
+        steps = steps or []
+        if self.chat:
+
+            def entry(text: str, logprob: float) -> dict[str, Any]:
+                return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode(errors="replace"))}
+
+            return {
+                "content": [
+                    entry(step[0][2], step[0][1]) | {"top_logprobs": [entry(t, lp) for _, lp, t in step[: self.top]]}
+                    for step in steps
+                ]
+            }
+        tokens = [step[0][2] for step in steps]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._text_offset))
+        self._text_offset = offsets.pop()
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [max(step[0][1], -9999.0) for step in steps],
+            "tokens": tokens,
+            "top_logprobs": [{t: max(lp, -9999.0) for _, lp, t in step[: self.top + 1]} for step in steps],
+        }
+
     def chunk(
-        self, text: str, finish_reason: str | None, first: bool = False, token_ids: list[int] | None = None
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        token_ids: list[int] | None = None,
+        logprobs: LogprobSteps | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             )
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text}
+        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(logprobs)}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def chunk_event(
-        self, text: str, finish_reason: str | None, first: bool = False, token_ids: list[int] | None = None
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        token_ids: list[int] | None = None,
+        logprobs: LogprobSteps | None = None,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
-        extension, are rendered in full)."""
-        if (self.chat and not text and not first) or token_ids is not None:  # an empty chat delta has no content key
-            return sse(self.chunk(text, finish_reason, first, token_ids))
+        extension, and logprobs are rendered in full)."""
+        if (self.chat and not text and not first) or token_ids is not None or self.top is not None:
+            return sse(self.chunk(text, finish_reason, first, token_ids, logprobs))  # (an empty chat delta: no content)
         key = (finish_reason, first)
         template = self._templates.get(key)
         if template is None:
@@ -303,12 +362,13 @@ class ResponseShape:
         prompt_tokens: int,
         completion_tokens: int,
         token_ids: list[int] | None = None,
+        logprobs: LogprobSteps | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(logprobs)}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         obj = "chat.completion" if self.chat else "text_completion"

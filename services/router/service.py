@@ -146,7 +146,7 @@ def create_app(
             ttft_slo_s=_seconds(body.ttft_slo_ms or (served.ttft_slo_ms if served else None)),
             tpot_slo_s=_seconds(body.tpot_slo_ms or (served.tpot_slo_ms if served else None)),
         )
-        shape = ResponseShape(chat, request_id, body.model)
+        shape = ResponseShape(chat, request_id, body.model, gen.sampling.logprobs)
         deltas = dispatcher.generate(gen, parent)
         times = metrics.request(body.model)
         done = False
@@ -182,6 +182,7 @@ def create_app(
                         last.prompt_tokens,
                         last.completion_tokens,
                         token_ids,
+                        [step for p in parts for step in p.logprobs or ()],
                     )
                 )
         except MeshError as exc:
@@ -202,13 +203,20 @@ def create_app(
             last = first
             try:
                 ids = body.return_token_ids
-                yield shape.chunk_event(first.text, first.finish_reason, True, first.token_ids if ids else None)
+                yield shape.chunk_event(
+                    first.text, first.finish_reason, True, first.token_ids if ids else None, first.logprobs
+                )
                 async for delta in with_keepalive(deltas, SSE_KEEPALIVE_S):
                     if delta is None:  # a silence (e.g. waiting for a worker): proxies and clients keep the stream
                         yield b": keep-alive\n\n"
                         continue
                     last = times.seen(delta)
-                    yield shape.chunk_event(delta.text, delta.finish_reason, token_ids=delta.token_ids if ids else None)
+                    yield shape.chunk_event(
+                        delta.text,
+                        delta.finish_reason,
+                        token_ids=delta.token_ids if ids else None,
+                        logprobs=delta.logprobs,
+                    )
                 if body.include_usage:
                     yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
                 yield sse("[DONE]")

@@ -14,7 +14,7 @@ an incomplete character).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 CONTEXT_TOKENS = 5  # before the outputs: enough for tokenizers that merge a space into a word
@@ -61,3 +61,24 @@ class ContinuedText:
 
     def feed(self, token_ids: Sequence[int]) -> str:
         return "".join(self.step(t) for t in token_ids)
+
+
+def logprob_steps(
+    tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_before: Sequence[int]
+) -> list[list[tuple[int, float, str]]]:
+    """vLLM's logprobs of new tokens (a dict a token, the sampled one first) with each candidate's text as
+    a monolithic engine's would be: vLLM decodes a candidate alone, or, where that ends in an incomplete
+    character, with the few output tokens before it, which a resumed engine does not have;
+    `output_before` is the output generated before these steps."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    texts = LogprobsProcessor(tokenizer, None, None, None, None, None)  # for its _verify_tokens alone
+    context, out = list(output_before[-4:]), []
+    for step in steps:
+        ids = list(step)
+        # (vLLM's own correction of a candidate against the sampled tokens before it, called as vLLM calls it)
+        decoded = texts._verify_tokens(convert_ids_list_to_tokens(tokenizer, ids), ids, context_token_ids=context)
+        out.append([(token, step[token].logprob, text) for token, text in zip(ids, decoded)])
+        context = [*context, ids[0]][-4:]
+    return out

@@ -90,6 +90,7 @@ def sampling_params(
         repetition_penalty=options.repetition_penalty,
         min_tokens=max(0, min(options.min_tokens - generated, max_tokens)),
         logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
+        logprobs=options.logprobs,
         stop=options.stop or None,
         seed=options.seed,
         ignore_eos=options.ignore_eos,

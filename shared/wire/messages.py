@@ -275,6 +275,7 @@ class SamplingOptions(Message):
     repetition_penalty: float = 1.0  # on the prompt's tokens and the output's alike, so exact across engines
     min_tokens: int = 0  # of the whole output (an engine that resumes it owes only the rest)
     logit_bias: dict[str, float] = {}  # token id (MessagePack maps keep string keys) -> added to its logit
+    logprobs: int | None = None  # how many of the likeliest tokens each step comes with; None: no logprobs
 
 
 class PrefillRequest(Message):
@@ -299,6 +300,9 @@ class TokenDelta(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # a whole request's first delta: its prompt as the worker tokenized it
+    # with SamplingOptions.logprobs, per token: the sampled token, then the likeliest (token id, logprob, text), as
+    # vLLM's engine gives them (the sampled one once, also where it is among the likeliest)
+    logprobs: list[list[tuple[int, float, str]]] | None = None
 
 
 class KvHandle(Message):

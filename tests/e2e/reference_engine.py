@@ -5,8 +5,9 @@ Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) 
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str}. Greedy
 sampling. With "top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie,
-three ways too); with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the
-end-of-sequence token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings).
+three ways too), and as "steps" vLLM's candidates [token, logprob, text], the sampled one first;
+with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the end-of-sequence
+token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings).
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
 the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
 tokens before it (0 where greedy decoding would have chosen it).
@@ -79,8 +80,11 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             "text": final.outputs[0].text,
             "finish_reason": final.outputs[0].finish_reason,
         }
-        if req.get("top"):  # per step: the likeliest tokens and their logprobs
+        if req.get("top"):  # per step: the likeliest tokens and their logprobs; and as vLLM gives them, with text
             answer["top"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
+            answer["steps"] = [
+                [[t, lp.logprob, lp.decoded_token] for t, lp in s.items()] for s in final.outputs[0].logprobs
+            ]
         if req.get("timing"):  # for bench/: time to first token, time per later token
             answer |= {
                 "ttft": stamps[0] - started,

@@ -7,6 +7,7 @@ Test order matters only at the end: the fault tests kill the decode worker, so t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import signal
@@ -243,6 +244,34 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
         expected = reference.generate(16, prompt_token_ids=ids, **fields)
         assert (out.token_ids, out.finish_reason) == (expected["token_ids"], expected["finish_reason"]), fields
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
+
+
+def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):
+    """Values and texts (each candidate's text, which vLLM corrects with the output before it) as the
+    monolithic engine gives them, for the prefill's first token and decode's after it, in both APIs."""
+    ids = token_prompt(300, seed=3232)
+    expected = reference.generate(16, prompt_token_ids=ids, top=True)  # 5 likeliest a token, as asked below
+    steps = expected["steps"]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, logprobs=5).choices[0]
+    assert out.logprobs.tokens == [step[0][2] for step in steps]
+    assert out.logprobs.token_logprobs == [step[0][1] for step in steps]
+    assert out.logprobs.top_logprobs == [{text: lp for _, lp, text in step} for step in steps]
+    assert out.logprobs.text_offset == list(itertools.accumulate(map(len, out.logprobs.tokens[:-1]), initial=0))
+    chat = [{"role": "user", "content": "Lists are"}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    ).choices[0]
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    content = [
+        entry
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [c.model_dump() for c in content] == [c.model_dump() for c in whole.logprobs.content]
+    assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
 
 
 def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference, mesh):

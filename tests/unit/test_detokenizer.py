@@ -39,3 +39,21 @@ def test_special_tokens_show_no_text(tokenizer):
     text = ContinuedText(tokenizer, [5, 6], [])
     assert text.feed([tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|system|>")]) == ""
     assert text.feed(tokenizer.encode(" hello", add_special_tokens=False)) == " hello"
+
+
+def test_logprob_texts_of_a_resumed_leg_are_those_of_one_stream(tokenizer):
+    """vLLM completes a byte token's text with the output before it: a leg resumed after any token
+    names every candidate as one engine running the whole stream would."""
+    from vllm.logprobs import Logprob
+
+    from llmesh.engine.detokenizer import logprob_steps
+
+    outputs = tokenizer.encode(" a é b 日本 c", add_special_tokens=False)
+    candidates = [[token, (token * 7 + 3) % tokenizer.vocab_size] for token in outputs]  # sampled first
+    steps = [{token: Logprob(-1.0 - i) for i, token in enumerate(ids)} for ids in candidates]
+    whole = logprob_steps(tokenizer, steps, [])
+    alone = [tokenizer.decode([token]) for token in outputs]
+    assert [step[0][2] for step in whole] != alone  # some text needs the tokens before it
+    assert "".join(step[0][2] for step in whole) == tokenizer.decode(outputs)
+    for k in range(1, len(outputs)):
+        assert logprob_steps(tokenizer, steps[:k], []) + logprob_steps(tokenizer, steps[k:], outputs[:k]) == whole, k

@@ -81,6 +81,65 @@ def test_sampling_params_owe_a_resumed_engine_only_the_rest_of_min_tokens():
     assert sampling_params(SamplingOptions(), max_tokens=2, kv_transfer_params={}).logit_bias is None
 
 
+STEPS = [  # TokenDelta.logprobs of three tokens: the sampled one first, then the likeliest
+    [(5, -0.5, " the"), (7, -1.25, "a")],
+    [(9, -2.0, "\u00e9"), (9, -2.0, "\u00e9"), (3, float("-inf"), "")][1:],  # sampled and likeliest: once
+    [(4, float("-inf"), "x"), (2, -0.1, " y"), (8, -3.0, "\ufffd")],
+]
+
+
+def _vllm_steps(steps):
+    from vllm.logprobs import Logprob
+
+    return [t[0][0] for t in steps], [{i: Logprob(lp, None, text) for i, lp, text in step} for step in steps]
+
+
+@pytest.mark.parametrize("top", [0, 1, 2, 5])
+def test_logprobs_render_as_vllms_server_renders_them(top):
+    """Against vLLM's own OpenAI server functions, fed the same engine output (streamed in pieces too)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    token_ids, steps = _vllm_steps(STEPS)
+    chat_server = SimpleNamespace(return_tokens_as_token_ids=False)
+    chat_server._get_decoded_token = OpenAIServingChat._get_decoded_token
+    chat_server._get_top_logprobs = lambda *a, **k: OpenAIServingChat._get_top_logprobs(chat_server, *a, **k)
+    chat = OpenAIServingChat._create_chat_logprobs(chat_server, token_ids, steps, None, top).model_dump()
+    completion_server = SimpleNamespace(return_tokens_as_token_ids=False)
+    completion_server._get_decoded_token = OpenAIServingCompletion._get_decoded_token
+    completion = OpenAIServingCompletion._create_completion_logprobs(
+        completion_server, token_ids, steps, top, None
+    ).model_dump()
+
+    assert ResponseShape(True, "r", "m", top).final("", "stop", 1, 3, logprobs=STEPS)["choices"][0]["logprobs"] == chat
+    shape = ResponseShape(False, "r", "m", top)
+    assert shape.final("", "stop", 1, 3, logprobs=STEPS)["choices"][0]["logprobs"] == completion
+    streamed = ResponseShape(False, "r", "m", top)
+    pieces = [streamed.chunk("", None, logprobs=part)["choices"][0]["logprobs"] for part in (STEPS[:1], STEPS[1:])]
+    assert [offset for piece in pieces for offset in piece["text_offset"]] == completion["text_offset"]
+    assert ResponseShape(True, "r", "m").chunk("x", None, logprobs=STEPS)["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_asked_reach_the_engines_options():
+    from pydantic import ValidationError
+
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert CompletionRequest(model="m", prompt="hi", logprobs=3).sampling().logprobs == 3
+    assert CompletionRequest(model="m", prompt="hi").sampling().logprobs is None
+    assert ChatCompletionRequest(model="m", messages=messages, logprobs=True).sampling().logprobs == 0
+    assert ChatCompletionRequest(model="m", messages=messages, logprobs=True, top_logprobs=4).sampling().logprobs == 4
+    assert ChatCompletionRequest(model="m", messages=messages, top_logprobs=4).sampling().logprobs is None
+    for bad in ({"logprobs": 21}, {"logprobs": -1}):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="hi", **bad)
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=messages, logprobs=True, top_logprobs=21)
+
+
 # ---- the router's /metrics, in-process (FastAPI over httpx's ASGI transport, a stand-in dispatcher) ----------
 
 
@@ -272,9 +331,8 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "frequency_penalty": -1,
         "stop_token_ids": [2],
         "include_stop_str_in_output": True,
-        "logprobs": True,
-        "top_logprobs": 2,
         "prompt_logprobs": 1,
+        "logprob_token_ids": [3],
         "echo": True,
         "best_of": 2,
         "use_beam_search": True,
