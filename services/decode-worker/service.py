@@ -218,7 +218,10 @@ class DecodeService:
             if out.finished:
                 self.worker.count_preemptions(out.kv_transfer_params)
             if o.token_ids or not handed_over:
-                piece = o.text if text is None else text.feed(o.token_ids)
+                # a token that stopped the engine (end of sequence, stop_token_ids) shows no text, as in vLLM
+                piece = (
+                    o.text if text is None else text.feed(o.token_ids[:-1] if finish_reason == "stop" else o.token_ids)
+                )
                 self.worker.refine_length(held, piece)
                 yield TokenDelta(
                     text=piece,

@@ -22,26 +22,28 @@ LogprobSteps = list[list[tuple[int, float, str]]]  # TokenDelta.logprobs
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
-_CROSSES_ENGINES = "a request's output so far is the next engine's prompt, so it would not be exact"
+_OUTPUT_ALONE = (
+    "vLLM counts them on the output alone, and a request's output so far is the prompt of the engine that continues it"
+)
+_STRUCTURED = "structured output is not done"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "presence_penalty": ((0, 0.0), f"penalties on the output alone: {_CROSSES_ENGINES}"),
-    "frequency_penalty": ((0, 0.0), f"penalties on the output alone: {_CROSSES_ENGINES}"),
-    "stop_token_ids": (([],), "stop strings are"),
+    "presence_penalty": ((0, 0.0), _OUTPUT_ALONE),
+    "frequency_penalty": ((0, 0.0), _OUTPUT_ALONE),
     "include_stop_str_in_output": ((False,), "stop strings are cut from the output"),
-    "prompt_logprobs": ((0,), "logprobs are returned for the output alone"),
-    "logprob_token_ids": (([],), "logprobs are returned for the likeliest tokens"),
+    "prompt_logprobs": ((0,), "logprobs come for the output alone"),
+    "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
     "echo": ((False,), "the prompt is not returned"),
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
-    "suffix": (("",), "no insertion"),
-    "response_format": (({"type": "text"},), "no structured output"),
-    "structured_outputs": ((), "no structured output"),
-    "guided_json": ((), "no structured output"),
-    "guided_regex": ((), "no structured output"),
-    "guided_choice": ((), "no structured output"),
-    "guided_grammar": ((), "no structured output"),
-    "tools": (([],), "no tool calling"),
-    "tool_choice": (("none", "auto"), "no tool calling"),
+    "suffix": (("",), "insertion is not done"),
+    "response_format": (({"type": "text"},), _STRUCTURED),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "tools": (([],), "tool calling is not done"),
+    "tool_choice": (("none", "auto"), "tool calling is not done"),
 }
 
 
@@ -60,6 +62,9 @@ class _Common(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=2**63 - 1)  # vLLM extension: no end of sequence before this many tokens
     # token id -> added to its logit, clamped to [-100, 100] as OpenAI does
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] = Field(
+        default=[], max_length=300
+    )  # vLLM extension
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -160,6 +165,7 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or {},
+            stop_token_ids=self.stop_token_ids,
             logprobs=self.logprob_count,
         )
 

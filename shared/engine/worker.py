@@ -91,6 +91,7 @@ def sampling_params(
         min_tokens=max(0, min(options.min_tokens - generated, max_tokens)),
         logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
         logprobs=options.logprobs,
+        stop_token_ids=options.stop_token_ids or None,
         stop=options.stop or None,
         seed=options.seed,
         ignore_eos=options.ignore_eos,
@@ -379,10 +380,14 @@ class EngineWorker:
 
     def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
         """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and
-        those of `logit_bias`) checked."""
+        those of `logit_bias` and `stop_token_ids`) checked."""
         tok = self.tokenizer
-        if any(int(t) >= len(tok) for t in req.sampling.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must lie in [0, {len(tok)})", param="logit_bias")
+        for param, ids in (
+            ("logit_bias", map(int, req.sampling.logit_bias)),
+            ("stop_token_ids", req.sampling.stop_token_ids),
+        ):
+            if any(t >= len(tok) for t in ids):
+                raise InvalidRequest(f"{param} token ids must lie in [0, {len(tok)})", param=param)
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("`messages` must not be empty", param="messages")

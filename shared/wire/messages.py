@@ -275,6 +275,7 @@ class SamplingOptions(Message):
     repetition_penalty: float = 1.0  # on the prompt's tokens and the output's alike, so exact across engines
     min_tokens: int = 0  # of the whole output (an engine that resumes it owes only the rest)
     logit_bias: dict[str, float] = {}  # token id (MessagePack maps keep string keys) -> added to its logit
+    stop_token_ids: list[int] = []  # end the output (their text not shown), as the end-of-sequence token does
     logprobs: int | None = None  # how many of the likeliest tokens each step comes with; None: no logprobs
 
 

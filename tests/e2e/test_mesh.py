@@ -231,6 +231,8 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
         {"repetition_penalty": 1.8},  # on prompt and output tokens: the same set after the hand-over
         {"min_tokens": 5, "logit_bias": {str(eos): 100}},  # no end before 5 tokens, then at once
         {"logit_bias": {str(plain["token_ids"][3]): 4.0}},
+        {"stop_token_ids": [plain["token_ids"][5]]},  # decode's: it ends there, its text not shown
+        {"stop_token_ids": [plain["token_ids"][0]]},  # prefill's
     ]:
         vllm_fields = {name: value for name, value in fields.items() if name != "logit_bias"}
         out = client.completions.create(
@@ -242,7 +244,11 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
             extra_body={"return_token_ids": True} | vllm_fields,
         ).choices[0]
         expected = reference.generate(16, prompt_token_ids=ids, **fields)
-        assert (out.token_ids, out.finish_reason) == (expected["token_ids"], expected["finish_reason"]), fields
+        assert (out.token_ids, out.finish_reason, out.text) == (
+            expected["token_ids"],
+            expected["finish_reason"],
+            expected["text"],
+        ), fields
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
 
 
@@ -565,6 +571,7 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
         ),
         ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [999999]}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
         (
             "/v1/chat/completions",

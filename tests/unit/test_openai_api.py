@@ -47,8 +47,9 @@ def test_vllms_sampling_fields_reach_the_engines_options_checked_and_clamped():
     from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
 
     fields = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "min_tokens": 3, "logit_bias": {"7": 250, "9": -2}}
-    options = CompletionRequest(model="m", prompt="hi", **fields).sampling()
+    options = CompletionRequest(model="m", prompt="hi", stop_token_ids=[4, 2], **fields).sampling()
     assert (options.top_k, options.min_p, options.repetition_penalty, options.min_tokens) == (5, 0.1, 1.3, 3)
+    assert options.stop_token_ids == [4, 2]
     assert options.logit_bias == {"7": 100.0, "9": -2.0}  # OpenAI's range
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4)
     assert chat.sampling().max_tokens == 4
@@ -61,6 +62,7 @@ def test_vllms_sampling_fields_reach_the_engines_options_checked_and_clamped():
         {"top_k": -2},
         {"min_p": 1.5},
         {"min_tokens": -1},
+        {"stop_token_ids": [-1]},
     ):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt="hi", **bad)
@@ -71,13 +73,20 @@ def test_sampling_params_owe_a_resumed_engine_only_the_rest_of_min_tokens():
     from llmesh.wire.messages import SamplingOptions
 
     options = SamplingOptions(
-        max_tokens=10, min_tokens=4, logit_bias={"7": 5.0}, repetition_penalty=1.2, top_k=3, min_p=0.2
+        max_tokens=10,
+        min_tokens=4,
+        logit_bias={"7": 5.0},
+        repetition_penalty=1.2,
+        top_k=3,
+        min_p=0.2,
+        stop_token_ids=[6],
     )
     prefill = sampling_params(options, max_tokens=1, kv_transfer_params={})  # the first token only
     decode = sampling_params(options, max_tokens=9, kv_transfer_params={}, generated=1)
     late = sampling_params(options, max_tokens=3, kv_transfer_params={}, generated=7)
     assert (prefill.min_tokens, decode.min_tokens, late.min_tokens) == (1, 3, 0)
     assert (decode.logit_bias, decode.repetition_penalty, decode.top_k, decode.min_p) == ({7: 5.0}, 1.2, 3, 0.2)
+    assert decode.stop_token_ids == [6]
     assert sampling_params(SamplingOptions(), max_tokens=2, kv_transfer_params={}).logit_bias is None
 
 
@@ -329,7 +338,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
     refused = {
         "presence_penalty": 0.5,
         "frequency_penalty": -1,
-        "stop_token_ids": [2],
         "include_stop_str_in_output": True,
         "prompt_logprobs": 1,
         "logprob_token_ids": [3],
