@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import httpx
@@ -116,9 +116,10 @@ class Streamed:
     text: str
     token_ids: list[int]
     chunks: int
+    logprobs: list[tuple[str, float]] = field(default_factory=list)  # each token's text and logprob, if asked
 
 
-async def stream(mesh, ids: list[int], keep: int, on_token=None) -> Streamed:
+async def stream(mesh, ids: list[int], keep: int, on_token=None, logprobs: int | None = None) -> Streamed:
     """Stream a long greedy completion through the router, calling `await on_token(n, request_id)`
     after the n-th chunk (while the stream waits), and hang up after `keep` chunks or when it
     returns true.
@@ -135,7 +136,8 @@ async def stream(mesh, ids: list[int], keep: int, on_token=None) -> Streamed:
                 "ignore_eos": True,
                 "stream": True,
                 "return_token_ids": True,
-            },
+            }
+            | ({"logprobs": logprobs} if logprobs is not None else {}),
         ) as resp:
             assert resp.status_code == 200, await resp.aread()
             got = Streamed(resp.headers["x-request-id"], "", [], 0)
@@ -146,6 +148,9 @@ async def stream(mesh, ids: list[int], keep: int, on_token=None) -> Streamed:
                 assert "error" not in event, event
                 got.text += event["choices"][0]["text"]
                 got.token_ids += event["choices"][0]["token_ids"]
+                if logprobs is not None:
+                    asked = event["choices"][0]["logprobs"]
+                    got.logprobs += zip(asked["tokens"], asked["token_logprobs"])
                 got.chunks += 1
                 if (on_token is not None and await on_token(got.chunks, got.request_id)) or got.chunks == keep:
                     return got
@@ -209,6 +214,8 @@ def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: 
         return
     common = min(len(streamed.text), len(expected["text"]))  # a last, incomplete character may be held back
     assert streamed.text[:common] == expected["text"][:common], (streamed.request_id, streamed.text, expected["text"])
+    if streamed.logprobs:  # texts and values: those of the engine that made the output so far count too
+        assert streamed.logprobs == [(step[0][2], step[0][1]) for step in expected["steps"]], streamed.request_id
 
 
 def resumes(mesh, request_id: str, count: int, wait_s: float = 15) -> list[tuple[str, int, str]]:
@@ -323,7 +330,7 @@ def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_wo
             moved_at.append(time.monotonic())
         return len(moved) == 3 and time.monotonic() > moved_at[-1] + 1.0
 
-    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token))
+    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token, logprobs=5))
     assert len(moved) == 3 and moved[0] != moved[1] and moved[0] == moved[2]
     assert_exact(mesh, reference, ids, streamed)
     hand_overs = resumes(mesh, streamed.request_id, 3)
