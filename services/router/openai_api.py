@@ -17,6 +17,7 @@ from llmesh.wire.messages import ChatMessage, SamplingOptions
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 LogprobSteps = list[list[tuple[int, float, str]]]  # TokenDelta.logprobs
 
@@ -56,15 +57,13 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: Int64 | None = None
-    top_k: int = Field(default=0, ge=-1)  # vLLM extension: 0 or -1 for every token
+    top_k: int = Field(default=0, ge=-1, le=2**63 - 1)  # vLLM extension: 0 or -1 for every token
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM extension
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM extension: on prompt and output alike
     min_tokens: int = Field(default=0, ge=0, le=2**63 - 1)  # vLLM extension: no end of sequence before this many tokens
     # token id -> added to its logit, clamped to [-100, 100] as OpenAI does
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] = Field(
-        default=[], max_length=300
-    )  # vLLM extension
+    stop_token_ids: list[TokenId] = Field(default=[], max_length=300)  # vLLM extension: they end the output
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
