@@ -132,6 +132,12 @@ class _Common(BaseModel):
         return {str(int(key)): min(max(value, -100.0), 100.0) for key, value in bias.items()}
 
     @model_validator(mode="after")
+    def _stream_options(self) -> _Common:
+        if self.stream_options is not None and not self.stream:  # (vLLM's error)
+            raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
+        return self
+
+    @model_validator(mode="after")
     def _min_tokens(self) -> _Common:
         if self.min_tokens and self.stop:
             raise InvalidRequest("min_tokens with stop strings is not supported", param="min_tokens")
@@ -216,8 +222,17 @@ class _ChatMessageIn(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[_ChatPart]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported, not {str(part.get('type'))[:40]!r}")
+        return content
+
     def to_message(self) -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """Text parts joined by newlines, as vLLM joins them for a chat template that takes text."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
 
 

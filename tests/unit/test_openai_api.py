@@ -159,6 +159,18 @@ def test_logprobs_asked_reach_the_engines_options():
         ChatCompletionRequest(model="m", messages=messages, logprobs=True, top_logprobs=21)
 
 
+def test_chat_text_parts_join_as_vllm_joins_them_and_other_parts_are_named_in_the_error():
+    from pydantic import ValidationError
+
+    from llmesh_router.openai_api import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}])
+    assert chat.messages[0].to_message().content == "first\nsecond"  # vLLM's renderers/chat_utils.py
+    with pytest.raises(ValidationError, match="only text content parts are supported, not 'image_url'"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+
+
 # ---- the router's /metrics, in-process (FastAPI over httpx's ASGI transport, a stand-in dispatcher) ----------
 
 
@@ -384,3 +396,5 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         for bad in ({"min_tokens": 2, "stop": "x"}, {"min_tokens": 5, "max_tokens": 4}):
             resp = await client.post("/v1/completions", json=completion | bad)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text
+        resp = await client.post("/v1/completions", json=completion | {"stream_options": {"include_usage": True}})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options", resp.text
