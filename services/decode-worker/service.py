@@ -32,7 +32,7 @@ from typing import Any
 from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
-from llmesh.engine.detokenizer import ContinuedText, logprob_steps
+from llmesh.engine.detokenizer import LOGPROB_CONTEXT, ContinuedText, logprob_steps
 from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
 from llmesh.engine.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
@@ -43,6 +43,7 @@ from llmesh.wire.messages import (
     DurableTail,
     KvHandle,
     LengthPrediction,
+    LogprobSteps,
     MigrateCommand,
     Migrated,
     MigrateOutcome,
@@ -234,10 +235,10 @@ class DecodeService:
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)
 
-    def _logprobs(self, held: HeldRequest, output: Any) -> list[list[tuple[int, float, str]]]:
+    def _logprobs(self, held: HeldRequest, output: Any) -> LogprobSteps:
         """The logprobs of `output`'s new tokens (the last of `held.token_ids`), with the output before them."""
         end = len(held.token_ids) - len(output.token_ids)
-        before = held.token_ids[max(end - 4, len(held.token_ids) - held.generated) : end]
+        before = held.token_ids[max(end - LOGPROB_CONTEXT, len(held.token_ids) - held.generated) : end]
         return logprob_steps(self.worker.tokenizer, output.logprobs, before)
 
     def _name_admission(self, held: HeldRequest, kind: str, token_ids: list[int], cache_salt: str | None) -> None:

@@ -12,14 +12,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmesh.wire.errors import InvalidRequest, MeshError
-from llmesh.wire.messages import ChatMessage, SamplingOptions
+from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-LogprobSteps = list[list[tuple[int, float, str]]]  # TokenDelta.logprobs
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.

@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llmesh.wire.messages import LogprobSteps
+
 CONTEXT_TOKENS = 5  # before the outputs: enough for tokenizers that merge a space into a word
+LOGPROB_CONTEXT = 4  # output tokens before a candidate that vLLM completes its text with (a character's bytes)
 REPLAYED_TOKENS = 24  # of the outputs streamed so far, replayed to learn what the stream holds back: a
 # character is at most 4 byte tokens, so a few characters find the last place text was released
 # (replaying the whole stream made a resume's cost on the event loop grow with the stream's length)
@@ -63,9 +66,7 @@ class ContinuedText:
         return "".join(self.step(t) for t in token_ids)
 
 
-def logprob_steps(
-    tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_before: Sequence[int]
-) -> list[list[tuple[int, float, str]]]:
+def logprob_steps(tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_before: Sequence[int]) -> LogprobSteps:
     """vLLM's logprobs of new tokens (a dict a token, the sampled one first) with each candidate's text as
     a monolithic engine's would be: vLLM decodes a candidate alone, or, where that ends in an incomplete
     character, with the few output tokens before it, which a resumed engine does not have;
@@ -74,11 +75,11 @@ def logprob_steps(
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
     texts = LogprobsProcessor(tokenizer, None, None, None, None, None)  # for its _verify_tokens alone
-    context, out = list(output_before[-4:]), []
+    context, out = list(output_before[-LOGPROB_CONTEXT:]), []
     for step in steps:
         ids = list(step)
         # (vLLM's own correction of a candidate against the sampled tokens before it, called as vLLM calls it)
         decoded = texts._verify_tokens(convert_ids_list_to_tokens(tokenizer, ids), ids, context_token_ids=context)
         out.append([(token, step[token].logprob, text) for token, text in zip(ids, decoded)])
-        context = [*context, ids[0]][-4:]
+        context = [*context, ids[0]][-LOGPROB_CONTEXT:]
     return out

@@ -292,6 +292,11 @@ class PrefillRequest(Message):
     priority: int = 0  # vLLM's convention: lower is more urgent
 
 
+# per token: the sampled token, then the likeliest, each (token id, logprob, text), as vLLM's engine gives them
+# (the sampled one once, also where it is among the likeliest)
+LogprobSteps = list[list[tuple[int, float, str]]]
+
+
 class TokenDelta(Message):
     """One step of generated output; the last one carries finish_reason."""
 
@@ -301,9 +306,7 @@ class TokenDelta(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # a whole request's first delta: its prompt as the worker tokenized it
-    # with SamplingOptions.logprobs, per token: the sampled token, then the likeliest (token id, logprob, text), as
-    # vLLM's engine gives them (the sampled one once, also where it is among the likeliest)
-    logprobs: list[list[tuple[int, float, str]]] | None = None
+    logprobs: LogprobSteps | None = None  # with SamplingOptions.logprobs
 
 
 class KvHandle(Message):
