@@ -6,19 +6,21 @@ import itertools
 import json
 import math
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmesh.wire.errors import InvalidRequest, MeshError
-from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions
+from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_CHOICES = 128  # OpenAI's limit on n (each choice is a request of its own to admission and the workers)
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
@@ -63,7 +65,7 @@ class _Common(BaseModel):
     # token id -> added to its logit, clamped to [-100, 100] as OpenAI does
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     stop_token_ids: list[TokenId] = Field(default=[], max_length=300)  # vLLM extension: they end the output
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: completion token ids in each choice
@@ -104,13 +106,6 @@ class _Common(BaseModel):
                 raise InvalidRequest(f"{name}={json.dumps(value)[:100]} is not supported ({reason})", param=name)
         return data
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
     @field_validator("cache_salt")
     @classmethod
     def _salt(cls, salt: str | None) -> str | None:
@@ -134,6 +129,12 @@ class _Common(BaseModel):
     def _stream_options(self) -> _Common:
         if self.stream_options is not None and not self.stream:  # (vLLM's error)
             raise InvalidRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
+        return self
+
+    @model_validator(mode="after")
+    def _choice_seeds(self) -> _Common:
+        if self.seed is not None and self.seed + self.n - 1 > 2**63 - 1:
+            raise InvalidRequest("seed + n - 1 must fit in 64 bits (choice i samples with seed + i)", param="seed")
         return self
 
     @model_validator(mode="after")
@@ -172,6 +173,14 @@ class _Common(BaseModel):
             stop_token_ids=self.stop_token_ids,
             logprobs=self.logprob_count,
         )
+
+    def choice_samplings(self) -> list[SamplingOptions]:
+        """One a choice: choice i samples with seed + i, as vLLM's parallel sampling does (so choice i of a
+        seeded request is what a request for one choice with seed + i gives)."""
+        options = self.sampling()
+        if options.seed is None:
+            return [options] * self.n
+        return [options.model_copy(update={"seed": options.seed + i}) for i in range(self.n)]
 
     @property
     def logprob_count(self) -> int | None:
@@ -286,6 +295,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One choice of a whole (not streamed) answer."""
+
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    token_ids: list[int] | None = None  # with return_token_ids
+    logprobs: LogprobSteps | None = None
+
+    @classmethod
+    def of(cls, deltas: list[TokenDelta], with_token_ids: bool) -> Choice:
+        """The choice that these deltas, all of its stream, make."""
+        return cls(
+            "".join(d.text for d in deltas),
+            deltas[-1].finish_reason,
+            deltas[-1].completion_tokens,
+            [t for d in deltas for t in d.token_ids] if with_token_ids else None,
+            [step for d in deltas for step in d.logprobs or ()],
+        )
+
+
 class ResponseShape:
     """Builds the OpenAI objects of one endpoint, so the handler code is shared by both."""
 
@@ -295,15 +326,15 @@ class ResponseShape:
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs)."""
         self.chat, self.id, self.model, self.top = chat, request_id, model, logprobs
         self.created = int(time.time())
-        self._templates: dict[tuple[str | None, bool], tuple[bytes, bytes]] = {}
-        self._text_offset = 0  # of the next token's text, for completions' logprobs
+        self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
+        self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _logprobs(self, steps: LogprobSteps | None) -> dict[str, Any] | None:
-        """A choice's `logprobs` for these tokens, as vLLM's server renders them (each step's candidates
-        start with the sampled token; -inf is -9999.0)."""
+    def _logprobs(self, steps: LogprobSteps | None, index: int) -> dict[str, Any] | None:
+        """Choice `index`'s `logprobs` for these tokens, as vLLM's server renders them (each step's
+        candidates start with the sampled token; -inf is -9999.0)."""
         if self.top is None:
             return None
         steps = steps or []
@@ -319,8 +350,8 @@ class ResponseShape:
                 ]
             }
         tokens = [step[0][2] for step in steps]
-        offsets = list(itertools.accumulate(map(len, tokens), initial=self._text_offset))
-        self._text_offset = offsets.pop()
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._text_offsets.get(index, 0)))
+        self._text_offsets[index] = offsets.pop()
         return {
             "text_offset": offsets,
             "token_logprobs": [max(step[0][1], -9999.0) for step in steps],
@@ -335,15 +366,17 @@ class ResponseShape:
         first: bool = False,
         token_ids: list[int] | None = None,
         logprobs: LogprobSteps | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
+        """A streamed chunk of choice `index`; `first`: the choice's first."""
         if self.chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             )
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(logprobs)}
+            choice = {"index": index, "text": text}
+        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(logprobs, index)}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
@@ -355,16 +388,17 @@ class ResponseShape:
         first: bool = False,
         token_ids: list[int] | None = None,
         logprobs: LogprobSteps | None = None,
+        index: int = 0,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
         extension, and logprobs are rendered in full)."""
         if (self.chat and not text and not first) or token_ids is not None or self.top is not None:
-            return sse(self.chunk(text, finish_reason, first, token_ids, logprobs))  # (an empty chat delta: no content)
-        key = (finish_reason, first)
+            return sse(self.chunk(text, finish_reason, first, token_ids, logprobs, index))  # (an empty chat delta)
+        key = (finish_reason, first, index)
         template = self._templates.get(key)
         if template is None:
-            head, _, tail = sse(self.chunk(self._TEXT_MARK, finish_reason, first)).rpartition(
+            head, _, tail = sse(self.chunk(self._TEXT_MARK, finish_reason, first, index=index)).rpartition(
                 json.dumps(self._TEXT_MARK).encode()
             )
             template = self._templates[key] = head, tail
@@ -374,21 +408,20 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
 
-    def final(
-        self,
-        text: str,
-        finish_reason: str | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-        token_ids: list[int] | None = None,
-        logprobs: LogprobSteps | None = None,
-    ) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(logprobs)}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
+    def final(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        """The whole answer; its usage counts the prompt once and every choice's tokens, as vLLM does."""
+        rendered = []
+        for index, c in enumerate(choices):
+            body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
+            choice: dict[str, Any] = {
+                "index": index,
+                **body,
+                "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c.logprobs, index),
+            }
+            if c.token_ids is not None:
+                choice["token_ids"] = c.token_ids
+            rendered.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, [choice], usage=usage(prompt_tokens, completion_tokens))
+        completion_tokens = sum(c.completion_tokens for c in choices)
+        return self._envelope(obj, rendered, usage=usage(prompt_tokens, completion_tokens))

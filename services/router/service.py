@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -27,6 +29,7 @@ from .dispatch import Dispatcher, Generation
 from .metrics import RequestTimes, RouterMetrics
 from .openai_api import (
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     ResponseShape,
     error_body,
@@ -127,11 +130,13 @@ def create_app(
                 "request.id": request_id,
                 "model": body.model,
                 "stream": body.stream,
+                "n": body.n,
                 "endpoint": endpoint,
                 "api_key.name": key.name if key else "",
             },
         )
         parent = trace.set_span_in_context(span)
+        samplings = body.choice_samplings()
         served = registry.catalogue.get(body.model)  # its targets, where the request sets none
         gen = Generation(
             request_id=request_id,
@@ -139,24 +144,28 @@ def create_app(
             prompt=None if chat else body.prompt_text,  # type: ignore[union-attr]
             prompt_token_ids=None if chat else body.prompt_token_ids,  # type: ignore[union-attr]
             messages=[m.to_message() for m in body.messages] if chat else None,  # type: ignore[union-attr]
-            sampling=body.sampling(),
+            sampling=samplings[0],
             deadline=time.time() + request_timeout_s,
             cache_salt=body.cache_salt,
             priority=body.priority,
             ttft_slo_s=_seconds(body.ttft_slo_ms or (served.ttft_slo_ms if served else None)),
             tpot_slo_s=_seconds(body.tpot_slo_ms or (served.tpot_slo_ms if served else None)),
         )
-        shape = ResponseShape(chat, request_id, body.model, gen.sampling.logprobs)
-        deltas = dispatcher.generate(gen, parent)
-        times = metrics.request(body.model)
+        shape = ResponseShape(chat, request_id, body.model, body.logprob_count)
+        choices = [gen]  # one generation a choice, each a request of its own through the mesh
+        if body.n > 1:
+            choices = [replace(gen, request_id=f"{request_id}-{i}", sampling=s) for i, s in enumerate(samplings)]
+        streams = [dispatcher.generate(choice, parent) for choice in choices]
+        times = [metrics.request(body.model) for _ in choices]
         done = False
 
-        def finish(status: int, exc: BaseException | None = None, finished_reason: str | None = None) -> None:
+        def finish(status: int, exc: BaseException | None = None, finish_reasons: Sequence[str | None] = ()) -> None:
             nonlocal done
             if done:
                 return
             done = True
-            times.ended(finished_reason or ("abort" if status == 499 else "error"))
+            for choice_times, reason in itertools.zip_longest(times, finish_reasons):
+                choice_times.ended(reason or ("abort" if status == 499 else "error"))
             metrics.requests.labels(endpoint, str(status)).inc()
             span.set_attribute("http.status_code", status)
             if exc is not None:
@@ -164,63 +173,60 @@ def create_app(
                 span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
 
+        async def close_streams() -> None:  # a stream closed before its end aborts its request in the worker
+            for stream in streams:
+                await stream.aclose()
+
+        ids = body.return_token_ids
         try:
-            # Wait for the first token before answering, so that errors found by the workers
+            # Wait for every choice's first token before answering, so that errors found by the workers
             # (context too long, no capacity) still get their proper HTTP status.
-            first = times.seen(await _unless_disconnected(request, anext(deltas)))
+            firsts = await _unless_disconnected(request, _first_of_each(streams))
+            lasts = [choice_times.seen(delta) for choice_times, delta in zip(times, firsts)]
             if not body.stream:
-                parts = [first]
-                if first.finish_reason is None:
-                    parts += await _unless_disconnected(request, _collect(deltas, times))
-                last = parts[-1]
-                finish(200, finished_reason=last.finish_reason)
-                token_ids = [t for p in parts for t in p.token_ids] if body.return_token_ids else None
-                return JSONResponse(
-                    shape.final(
-                        "".join(p.text for p in parts),
-                        last.finish_reason,
-                        last.prompt_tokens,
-                        last.completion_tokens,
-                        token_ids,
-                        [step for p in parts for step in p.logprobs or ()],
-                    )
-                )
+                rests = await _unless_disconnected(request, _rest_of_each(streams, times))
+                answer = [Choice.of([first, *rest], ids) for first, rest in zip(firsts, rests)]
+                finish(200, finish_reasons=[c.finish_reason for c in answer])
+                return JSONResponse(shape.final(answer, firsts[0].prompt_tokens))
         except MeshError as exc:
-            await deltas.aclose()
+            await close_streams()
             finish(exc.http_status, exc)
             metrics.errors.labels(exc.code).inc()
             return error_response(exc)
         except _ClientGone:
-            await deltas.aclose()  # the dispatcher aborts the request in the worker
+            await close_streams()  # the dispatcher aborts the request in the worker
             finish(499)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         except BaseException as exc:
-            await deltas.aclose()
+            await close_streams()
             finish(499 if isinstance(exc, asyncio.CancelledError) else 500, exc)
             raise
 
         async def events() -> AsyncIterator[bytes]:
-            last = first
             try:
-                ids = body.return_token_ids
-                yield shape.chunk_event(
-                    first.text, first.finish_reason, True, first.token_ids if ids else None, first.logprobs
-                )
-                async for delta in with_keepalive(deltas, SSE_KEEPALIVE_S):
-                    if delta is None:  # a silence (e.g. waiting for a worker): proxies and clients keep the stream
-                        yield b": keep-alive\n\n"
-                        continue
-                    last = times.seen(delta)
+                for index, first in enumerate(firsts):
                     yield shape.chunk_event(
-                        delta.text,
-                        delta.finish_reason,
-                        token_ids=delta.token_ids if ids else None,
-                        logprobs=delta.logprobs,
+                        first.text, first.finish_reason, True, first.token_ids if ids else None, first.logprobs, index
                     )
+                async with aclosing(merged(streams, SSE_KEEPALIVE_S)) as rest:
+                    async for item in rest:
+                        if item is None:  # a silence (e.g. waiting for a worker): proxies and clients keep the stream
+                            yield b": keep-alive\n\n"
+                            continue
+                        index, delta = item
+                        lasts[index] = times[index].seen(delta)
+                        yield shape.chunk_event(
+                            delta.text,
+                            delta.finish_reason,
+                            token_ids=delta.token_ids if ids else None,
+                            logprobs=delta.logprobs,
+                            index=index,
+                        )
                 if body.include_usage:
-                    yield sse(shape.usage_chunk(last.prompt_tokens, last.completion_tokens))
+                    completion_tokens = sum(last.completion_tokens for last in lasts)
+                    yield sse(shape.usage_chunk(lasts[0].prompt_tokens, completion_tokens))
                 yield sse("[DONE]")
-                finish(200, finished_reason=last.finish_reason)
+                finish(200, finish_reasons=[last.finish_reason for last in lasts])
             except MeshError as exc:  # mid-stream failure: an OpenAI error event, then the end
                 metrics.errors.labels(exc.code).inc()
                 finish(exc.http_status, exc)
@@ -232,7 +238,7 @@ def create_app(
                 finish(internal.http_status, exc)
                 yield sse(error_body(internal))
             finally:
-                await deltas.aclose()  # client gone: the dispatcher aborts the request in the worker
+                await close_streams()  # client gone: the dispatcher aborts the requests in their workers
                 finish(499)
 
         return StreamingResponse(
@@ -242,23 +248,50 @@ def create_app(
     return app
 
 
-async def _collect(deltas: AsyncIterator[TokenDelta], times: RequestTimes) -> list[TokenDelta]:
-    return [times.seen(d) async for d in deltas]
+async def _first_of_each(streams: Sequence[AsyncIterator[T]]) -> list[T]:
+    """The first item of every stream, awaited together; the first to fail stops the others, and its
+    error is raised. Each stream is idle when this returns or raises."""
+    if len(streams) == 1:
+        return [await anext(streams[0])]
+    pending = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    try:
+        await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in pending]
+    finally:
+        for task in pending:
+            await cancel_and_wait(task)
 
 
-async def with_keepalive(items: AsyncIterator[T], every_s: float) -> AsyncIterator[T | None]:
-    """`items`, and None after each `every_s` without one. One task pulls `items` into a queue and one
-    timer a period watches for silence: nothing is created per item (a stream's tokens are the router's
-    hottest path)."""
+async def _rest_of_each(
+    streams: Sequence[AsyncIterator[TokenDelta]], times: list[RequestTimes]
+) -> list[list[TokenDelta]]:
+    rests: list[list[TokenDelta]] = [[] for _ in streams]
+    async with aclosing(merged(streams, None)) as items:
+        async for item in items:
+            if item is not None:
+                rests[item[0]].append(times[item[0]].seen(item[1]))
+    return rests
+
+
+async def merged(
+    streams: Sequence[AsyncIterator[T]], keepalive_s: float | None
+) -> AsyncGenerator[tuple[int, T] | None, None]:
+    """Every stream's items as (its index, item) as they come, and None after each `keepalive_s` (if
+    any) without one. A task a stream pulls it into one queue and one timer a period watches for
+    silence: nothing is created per item (a stream's tokens are the router's hottest path). The first
+    stream to fail ends them all with its error; closing this closes them."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[T | None | _Ended] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, T] | None | _Ended] = asyncio.Queue()
     last_at = loop.time()
-    timer: asyncio.TimerHandle  # the silence watch's next check
+    timer: asyncio.TimerHandle | None = None  # the silence watch's next check
 
-    async def pull() -> None:
+    async def pull(index: int, items: AsyncIterator[T]) -> None:
         try:
             async for item in items:
-                queue.put_nowait(item)
+                queue.put_nowait((index, item))
             queue.put_nowait(_Ended(None))
         except BaseException as exc:  # (cancelled: by the consumer's end, or by a bug that must not hang it)
             queue.put_nowait(_Ended(exc))
@@ -266,28 +299,37 @@ async def with_keepalive(items: AsyncIterator[T], every_s: float) -> AsyncIterat
 
     def watch() -> None:
         nonlocal timer
+        assert keepalive_s is not None
         silent_s = loop.time() - last_at
-        if silent_s >= every_s and queue.empty():
+        if silent_s >= keepalive_s and queue.empty():
             queue.put_nowait(None)
             silent_s = 0.0
-        timer = loop.call_later(every_s - silent_s, watch)
+        timer = loop.call_later(keepalive_s - silent_s, watch)
 
-    puller = asyncio.create_task(pull())
-    timer = loop.call_later(every_s, watch)
+    pullers = [asyncio.create_task(pull(index, stream)) for index, stream in enumerate(streams)]
+    if keepalive_s is not None:
+        timer = loop.call_later(keepalive_s, watch)
     try:
-        while not isinstance(item := await queue.get(), _Ended):
+        running = len(pullers)
+        while running:
+            item = await queue.get()
+            if isinstance(item, _Ended):
+                if item.error is not None:
+                    raise item.error
+                running -= 1
+                continue
             last_at = loop.time()
             yield item
-        if item.error is not None:
-            raise item.error
     finally:
-        timer.cancel()
-        await cancel_and_wait(puller)
+        if timer is not None:
+            timer.cancel()
+        for puller in pullers:
+            await cancel_and_wait(puller)
 
 
 @dataclass(frozen=True, slots=True)
 class _Ended:
-    """The end of `with_keepalive`'s items, or the error that ended them."""
+    """The end of one of `merged`'s streams, or the error that ended it."""
 
     error: BaseException | None
 

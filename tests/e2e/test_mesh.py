@@ -280,6 +280,40 @@ def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, r
     assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
 
 
+def test_n_choices_are_each_a_request_through_prefill_and_decode(client, reference):
+    """Greedy, every choice is the monolithic engine's output: each token within a bf16 tie of the likeliest
+    given those before it (the choices share the engines' batches, and vLLM is not batch-invariant).
+    Streamed and sampled with a seed, each choice gets its own seed and ends."""
+    ids = token_prompt(300, seed=3434)
+    whole = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=16, temperature=0, n=3, extra_body={"return_token_ids": True}
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage.prompt_tokens == 300
+    assert whole.usage.completion_tokens == sum(len(c.token_ids) for c in whole.choices)
+    for choice in whole.choices:
+        assert max(reference.greedy_gaps(ids, choice.token_ids)) < BF16_TIE, choice
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Lists are"}],
+            max_tokens=12,
+            temperature=1.0,
+            seed=5,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in (0, 1)
+    ]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 2 and all(texts) and texts[0] != texts[1]
+    assert chunks[-1].usage.completion_tokens <= 24
+
+
 def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference, mesh):
     prompts = [token_prompt(40 + 97 * i, seed=100 + i) for i in range(16)]
     aclient = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=120)
@@ -555,7 +589,8 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "invalid_request"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "invalid_request"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "seed": 2**63 - 1}, 400, "invalid_request"),
         ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model_not_found"),
         (
             "/v1/completions",

@@ -1,7 +1,7 @@
 """schemathesis over the router's own OpenAPI schema, against the session mesh (real engines): valid
 and invalid requests to every endpoint, streaming and not, get no 5xx, no hang, and every error in
-OpenAI's shape. Generated requests ask for at most 32 tokens (the suite's time) and name the served
-model half the time, so that valid ones reach the engines (how many depends on hypothesis's draws:
+OpenAI's shape. Generated requests ask for at most 32 tokens and 2 choices (the suite's time) and name
+the served model half the time, so that valid ones reach the engines (how many depends on hypothesis's draws:
 the router's own checks refuse most generated bodies)."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ OPERATIONS = [
     ("GET", "/metrics", 5),
 ]
 MAX_TOKENS = 32
+MAX_CHOICES = 2
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +37,20 @@ def schema(mesh):
     loaded.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
     # schemathesis stops reading a stream after 20 events by default, and the router rightly takes
     # the closed connection as a client that left (499, the request aborted): read every event
-    loaded.config.max_stream_events = MAX_TOKENS + 8
+    loaded.config.max_stream_events = MAX_CHOICES * MAX_TOKENS + 8
     return loaded
 
 
 def bounded(case, served: bool):
-    """The case asking for at most MAX_TOKENS tokens (invalid values are left for the router to refuse)."""
+    """The case asking for at most MAX_TOKENS tokens and MAX_CHOICES choices (invalid values are left for
+    the router to refuse)."""
     if isinstance(case.body, dict):
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field, most in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES)):
             value = case.body.get(field)
-            if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS):
-                case.body[field] = MAX_TOKENS
+            if (value is None and field != "n") or (
+                isinstance(value, int) and not isinstance(value, bool) and value > most
+            ):
+                case.body[field] = most
         if served:
             case.body["model"] = MODEL
     return case

@@ -1,8 +1,9 @@
+import itertools
 import json
 
 import pytest
 
-from llmesh_router.openai_api import ResponseShape, sse
+from llmesh_router.openai_api import Choice, ResponseShape, sse
 
 TEXTS = ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab", "ünïcødé ✓ 🚀", "\x00 nul", '"\\u0000"']
 
@@ -11,12 +12,12 @@ TEXTS = ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab", "ünïcød
 @pytest.mark.parametrize("model", ["m", 'odd "model"\x00 \\u0000'])
 def test_chunk_event_renders_exactly_the_chunk(chat, model):
     shape = ResponseShape(chat, "req-1", model)
-    for first in (True, False):
-        for finish_reason in (None, "stop", "length"):
-            for text in TEXTS:  # each (finish_reason, first) renders from the cached template after its first text
-                event = shape.chunk_event(text, finish_reason, first)
-                assert event == sse(shape.chunk(text, finish_reason, first))
-                assert json.loads(event.removeprefix(b"data: "))["choices"][0]["finish_reason"] == finish_reason
+    for first, finish_reason, index in itertools.product((True, False), (None, "stop", "length"), (0, 3)):
+        for text in TEXTS:  # each (finish_reason, first, index) renders from the cached template after its first text
+            event = shape.chunk_event(text, finish_reason, first, index=index)
+            assert event == sse(shape.chunk(text, finish_reason, first, index=index))
+            choice = json.loads(event.removeprefix(b"data: "))["choices"][0]
+            assert (choice["finish_reason"], choice["index"]) == (finish_reason, index)
 
 
 @pytest.mark.parametrize(
@@ -132,12 +133,17 @@ def test_logprobs_render_as_vllms_server_renders_them(top):
         completion_server, token_ids, steps, top, None
     ).model_dump()
 
-    assert ResponseShape(True, "r", "m", top).final("", "stop", 1, 3, logprobs=STEPS)["choices"][0]["logprobs"] == chat
-    shape = ResponseShape(False, "r", "m", top)
-    assert shape.final("", "stop", 1, 3, logprobs=STEPS)["choices"][0]["logprobs"] == completion
+    choice = Choice("", "stop", 3, logprobs=STEPS)
+    assert ResponseShape(True, "r", "m", top).final([choice], 1)["choices"][0]["logprobs"] == chat
+    assert ResponseShape(False, "r", "m", top).final([choice, choice], 1)["choices"][1]["logprobs"] == completion
     streamed = ResponseShape(False, "r", "m", top)
-    pieces = [streamed.chunk("", None, logprobs=part)["choices"][0]["logprobs"] for part in (STEPS[:1], STEPS[1:])]
-    assert [offset for piece in pieces for offset in piece["text_offset"]] == completion["text_offset"]
+    pieces = [  # two choices' streams interleaved: each its own text offsets
+        streamed.chunk("", None, logprobs=part, index=index)["choices"][0]["logprobs"]
+        for part in (STEPS[:1], STEPS[1:])
+        for index in (0, 1)
+    ]
+    for index in (0, 1):
+        assert [offset for piece in pieces[index::2] for offset in piece["text_offset"]] == completion["text_offset"]
     assert ResponseShape(True, "r", "m").chunk("x", None, logprobs=STEPS)["choices"][0]["logprobs"] is None
 
 
@@ -175,8 +181,9 @@ def test_chat_text_parts_join_as_vllm_joins_them_and_other_parts_are_named_in_th
 
 
 class _Dispatcher:
-    """Streams `outputs` (token ids per delta) for each request of a served model, once `go` is set;
-    meanwhile a request of `queued_model` counts as waiting in the router's queue."""
+    """Streams `outputs` (token ids per delta; a token's text: x, or <seed> for a seeded request) for
+    each request of a served model, once `go` is set; meanwhile a request of `queued_model` counts as
+    waiting in the router's queue."""
 
     def __init__(self, metrics, registry, outputs: list[list[int]], queued_model: str = ""):
         import asyncio
@@ -184,27 +191,40 @@ class _Dispatcher:
         self.metrics, self.registry, self.outputs, self.queued_model = metrics, registry, outputs, queued_model
         self.go = asyncio.Event()
         self.go.set()
+        self.requests: list = []  # the Generations asked for
+        self.ends: list[str] = []  # how each stream that yielded ended: "finished", or "closed" before its end
+        self.refused_suffix = ""  # requests whose id ends so are refused as at capacity
 
     async def generate(self, gen, parent):
-        from llmesh.wire.errors import ModelNotFound
+        import asyncio
+
+        from llmesh.wire.errors import AtCapacity, ModelNotFound
         from llmesh.wire.messages import TokenDelta
 
+        self.requests.append(gen)
         if gen.model == self.queued_model:
             with self.metrics.queued(gen.model):
                 await self.go.wait()
         await self.go.wait()
         if gen.model not in self.registry.models():
             raise ModelNotFound(f"no {gen.model}")
-        done = 0
-        for i, ids in enumerate(self.outputs):
-            done += len(ids)
-            yield TokenDelta(
-                text="x" * len(ids),
-                token_ids=ids,
-                prompt_tokens=5,
-                completion_tokens=done,
-                finish_reason="length" if i == len(self.outputs) - 1 else None,
-            )
+        if gen.request_id.endswith(self.refused_suffix or "\0"):
+            raise AtCapacity("every worker is full")
+        done, finished = 0, False
+        try:
+            for i, ids in enumerate(self.outputs):
+                await asyncio.sleep(0)  # other requests' deltas between this one's
+                done += len(ids)
+                yield TokenDelta(
+                    text=("x" if gen.sampling.seed is None else f"<{gen.sampling.seed}>") * len(ids),
+                    token_ids=ids,
+                    prompt_tokens=5,
+                    completion_tokens=done,
+                    finish_reason="length" if i == len(self.outputs) - 1 else None,
+                )
+            finished = True
+        finally:
+            self.ends.append("finished" if finished else "closed")
 
 
 def _router(outputs, queued_model=""):
@@ -307,51 +327,141 @@ async def test_running_and_waiting_requests_per_served_model():
     assert after["vllm:request_success_total{finished_reason=length,model_name=n}"] == 1
 
 
+def _events(body: str) -> list:
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_n_choices_are_requests_of_their_own_choice_i_seeded_with_seed_plus_i(chat):
+    """As vLLM's parallel sampling: choice i is the request for one choice with seed + i; usage counts the
+    prompt once and every choice's tokens; streamed, the choices' chunks interleave, each with its index."""
+    dispatcher, client = _router([[1], [2, 3]])
+    path, prompt = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
+    body = {"model": "m", prompt: [{"role": "user", "content": "hi"}] if chat else "hi", "n": 3, "seed": 7}
+    async with client:
+        whole = (await client.post(path, json=body)).json()
+        streamed = await client.post(path, json=body | {"stream": True, "stream_options": {"include_usage": True}})
+    texts = ["<7>" * 3, "<8>" * 3, "<9>" * 3]
+    assert [(c["index"], c["message"]["content"] if chat else c["text"]) for c in whole["choices"]] == [
+        *enumerate(texts)
+    ]
+    assert [c["finish_reason"] for c in whole["choices"]] == ["length"] * 3
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+    ids = [gen.request_id for gen in dispatcher.requests[:3]]
+    assert ids == [f"{whole['id']}-{i}" for i in range(3)]
+    assert [gen.sampling.seed for gen in dispatcher.requests] == [7, 8, 9] * 2
+
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    *chunks, usage = _events(streamed.text)
+    assert usage["usage"]["completion_tokens"] == 9 and not usage["choices"]
+    choices = [chunk["choices"][0] for chunk in chunks]
+    assert [c["index"] for c in choices][:3] == [0, 1, 2]  # every choice's first chunk, then the rest as they come
+    for index, text in enumerate(texts):
+        mine = [c for c in choices if c["index"] == index]
+        assert "".join(c["delta"].get("content", "") if chat else c["text"] for c in mine) == text
+        assert [c["finish_reason"] for c in mine] == [None, "length"]
+        assert not chat or mine[0]["delta"]["role"] == "assistant"
+    assert dispatcher.ends == ["finished"] * 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_choice_refused_before_its_first_token_refuses_the_request_and_closes_the_others(stream):
+    dispatcher, client = _router([[1], [2]])
+    dispatcher.refused_suffix = "-1"
+    async with client:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 3, "stream": stream})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "at_capacity"
+        text = (await client.get("/metrics")).text
+    assert dispatcher.ends and set(dispatcher.ends) == {"closed"}  # the workers are told to abort
+    assert _samples(text)["vllm:num_requests_running{model_name=m}"] == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"n": 0}, {"n": 129}, {"n": 2, "seed": 2**63 - 1}],
+)
+def test_n_out_of_range_or_seeds_past_64_bits_are_refused(fields):
+    from pydantic import ValidationError
+
+    from llmesh.wire.errors import InvalidRequest
+    from llmesh_router.openai_api import CompletionRequest
+
+    with pytest.raises((ValidationError, InvalidRequest)):
+        CompletionRequest(model="m", prompt="hi", **fields)
+    assert CompletionRequest(model="m", prompt="hi", n=2, seed=2**63 - 2).choice_samplings()[1].seed == 2**63 - 1
+    assert [o.seed for o in CompletionRequest(model="m", prompt="hi", n=2).choice_samplings()] == [None, None]
+
+
 async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
     import asyncio
 
-    from llmesh_router.service import with_keepalive
+    from llmesh_router.service import merged
 
     async def items():
         yield 1
         await asyncio.sleep(0.25)  # two periods of silence
         yield 2
 
-    got = [item async for item in with_keepalive(items(), 0.1)]
-    assert got[0] == 1 and got[-1] == 2 and got[1:-1] == [None, None]
+    got = [item async for item in merged([items()], 0.1)]
+    assert got[0] == (0, 1) and got[-1] == (0, 2) and got[1:-1] == [None, None]
 
 
-async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_stream():
+async def test_merged_streams_interleave_as_they_come_and_end_when_the_last_does():
     import asyncio
 
-    import pytest
+    from llmesh_router.service import merged
 
-    from llmesh_router.service import with_keepalive
+    a_went, b_went, a_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    async def failing():
-        yield 1
-        raise ValueError("worker broke")
+    async def a():
+        yield "a0"
+        yield "a1"
+        a_went.set()
+        await b_went.wait()
+        yield "a2"
+        a_done.set()
 
-    got = []
-    with pytest.raises(ValueError, match="worker broke"):
-        async for item in with_keepalive(failing(), 10):
-            got.append(item)
-    assert got == [1]
+    async def b():
+        await a_went.wait()
+        yield "b0"
+        b_went.set()
+        await a_done.wait()
+        yield "b1"
 
-    ended = asyncio.Event()
+    got = [item async for item in merged([a(), b()], None)]
+    assert got == [(0, "a0"), (0, "a1"), (1, "b0"), (0, "a2"), (1, "b1")]
 
-    async def endless():
+
+async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_streams():
+    import asyncio
+
+    from llmesh_router.service import merged
+
+    ended: list[str] = []
+
+    async def endless(name):
         try:
             while True:
                 yield 0
                 await asyncio.sleep(0.01)
         finally:
-            ended.set()  # e.g. the dispatcher aborting the request in its worker
+            ended.append(name)  # e.g. the dispatcher aborting the request in its worker
 
-    reader = with_keepalive(endless(), 10)
-    assert await anext(reader) == 0
+    async def failing():
+        yield 1
+        await asyncio.sleep(0.03)
+        raise ValueError("worker broke")
+
+    got = []
+    with pytest.raises(ValueError, match="worker broke"):
+        async for item in merged([failing(), endless("beside the failed one")], 10):
+            got.append(item)
+    assert (0, 1) in got and ended == ["beside the failed one"]
+
+    reader = merged([endless("a"), endless("b")], 10)
+    assert (await anext(reader))[1] == 0
     await reader.aclose()
-    assert ended.is_set()
+    assert sorted(ended[1:]) == ["a", "b"]
 
 
 async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_them_never_ignored():
