@@ -7,7 +7,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +21,7 @@ PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_CHOICES = 128  # OpenAI's limit on n (each choice is a request of its own to admission and the workers)
+MAX_GENERATIONS = 256  # prompts × n in one request
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
@@ -47,6 +48,14 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": (([],), "tool calling is not done"),
     "tool_choice": (("none", "auto"), "tool calling is not done"),
 }
+
+
+class Prompt(NamedTuple):
+    """One prompt of a request, in one of its forms (the others None)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[ChatMessage] | None
 
 
 class _Common(BaseModel):
@@ -187,13 +196,17 @@ class _Common(BaseModel):
         """How many of the likeliest tokens each output token comes with; None: no logprobs."""
         return None
 
+    def inputs(self) -> list[Prompt]:
+        """The request's prompts, in order (several for completions given a list of them)."""
+        raise NotImplementedError
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[Int64]
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]  # one prompt or several, each a text or token ids
     max_tokens: PositiveInt64 | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -201,23 +214,22 @@ class CompletionRequest(_Common):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise ValueError("only one prompt per request is supported")
-        return self
-
     @property
-    def prompt_text(self) -> str | None:
+    def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
-            return self.prompt
-        return self.prompt[0] if self.prompt and isinstance(self.prompt[0], str) else None
-
-    @property
-    def prompt_token_ids(self) -> list[int] | None:
-        if isinstance(self.prompt, list) and all(isinstance(t, int) for t in self.prompt):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], (str, list)):
             return list(self.prompt)  # type: ignore[arg-type]
-        return None
+        return [list(self.prompt)]  # type: ignore[arg-type]
+
+    def inputs(self) -> list[Prompt]:
+        return [Prompt(p, None, None) if isinstance(p, str) else Prompt(None, p, None) for p in self.prompts]
+
+    @model_validator(mode="after")
+    def _generations(self) -> CompletionRequest:
+        if len(self.prompts) * self.n > MAX_GENERATIONS:
+            raise InvalidRequest(f"prompts × n must not exceed {MAX_GENERATIONS}", param="n")
+        return self
 
 
 class _ChatPart(BaseModel):
@@ -252,6 +264,9 @@ class ChatCompletionRequest(_Common):
     @property
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def inputs(self) -> list[Prompt]:
+        return [Prompt(None, None, [m.to_message() for m in self.messages])]
 
     @model_validator(mode="before")
     @classmethod

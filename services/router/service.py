@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -136,25 +136,28 @@ def create_app(
             },
         )
         parent = trace.set_span_in_context(span)
-        samplings = body.choice_samplings()
+        deadline, arrival = time.time() + request_timeout_s, time.monotonic()
         served = registry.catalogue.get(body.model)  # its targets, where the request sets none
-        gen = Generation(
-            request_id=request_id,
-            model=body.model,
-            prompt=None if chat else body.prompt_text,  # type: ignore[union-attr]
-            prompt_token_ids=None if chat else body.prompt_token_ids,  # type: ignore[union-attr]
-            messages=[m.to_message() for m in body.messages] if chat else None,  # type: ignore[union-attr]
-            sampling=samplings[0],
-            deadline=time.time() + request_timeout_s,
-            cache_salt=body.cache_salt,
-            priority=body.priority,
-            ttft_slo_s=_seconds(body.ttft_slo_ms or (served.ttft_slo_ms if served else None)),
-            tpot_slo_s=_seconds(body.tpot_slo_ms or (served.tpot_slo_ms if served else None)),
-        )
+        inputs, samplings = body.inputs(), body.choice_samplings()
+        # a generation a choice of each prompt (choice j of prompt i at index i·n + j, as vLLM orders them),
+        # each a request of its own through the mesh
+        choices = [
+            Generation(
+                request_id=request_id if len(inputs) * body.n == 1 else f"{request_id}-{i * body.n + j}",
+                model=body.model,
+                **prompt._asdict(),
+                sampling=options,
+                deadline=deadline,
+                cache_salt=body.cache_salt,
+                priority=body.priority,
+                ttft_slo_s=_seconds(body.ttft_slo_ms or (served.ttft_slo_ms if served else None)),
+                tpot_slo_s=_seconds(body.tpot_slo_ms or (served.tpot_slo_ms if served else None)),
+                arrival=arrival,
+            )
+            for i, prompt in enumerate(inputs)
+            for j, options in enumerate(samplings)
+        ]
         shape = ResponseShape(chat, request_id, body.model, body.logprob_count)
-        choices = [gen]  # one generation a choice, each a request of its own through the mesh
-        if body.n > 1:
-            choices = [replace(gen, request_id=f"{request_id}-{i}", sampling=s) for i, s in enumerate(samplings)]
         streams = [dispatcher.generate(choice, parent) for choice in choices]
         times = [metrics.request(body.model) for _ in choices]
         done = False
@@ -177,6 +180,10 @@ def create_app(
             for stream in streams:
                 await stream.aclose()
 
+        def prompt_tokens(deltas: list[TokenDelta]) -> int:
+            """Each prompt's tokens once (from its first choice's delta), as vLLM's usage counts them."""
+            return sum(delta.prompt_tokens for delta in deltas[:: body.n])
+
         ids = body.return_token_ids
         try:
             # Wait for every choice's first token before answering, so that errors found by the workers
@@ -187,7 +194,7 @@ def create_app(
                 rests = await _unless_disconnected(request, _rest_of_each(streams, times))
                 answer = [Choice.of([first, *rest], ids) for first, rest in zip(firsts, rests)]
                 finish(200, finish_reasons=[c.finish_reason for c in answer])
-                return JSONResponse(shape.final(answer, firsts[0].prompt_tokens))
+                return JSONResponse(shape.final(answer, prompt_tokens(firsts)))
         except MeshError as exc:
             await close_streams()
             finish(exc.http_status, exc)
@@ -224,7 +231,7 @@ def create_app(
                         )
                 if body.include_usage:
                     completion_tokens = sum(last.completion_tokens for last in lasts)
-                    yield sse(shape.usage_chunk(lasts[0].prompt_tokens, completion_tokens))
+                    yield sse(shape.usage_chunk(prompt_tokens(lasts), completion_tokens))
                 yield sse("[DONE]")
                 finish(200, finish_reasons=[last.finish_reason for last in lasts])
             except MeshError as exc:  # mid-stream failure: an OpenAI error event, then the end

@@ -280,19 +280,20 @@ def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, r
     assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
 
 
-def test_n_choices_are_each_a_request_through_prefill_and_decode(client, reference):
-    """Greedy, every choice is the monolithic engine's output: each token within a bf16 tie of the likeliest
-    given those before it (the choices share the engines' batches, and vLLM is not batch-invariant).
-    Streamed and sampled with a seed, each choice gets its own seed and ends."""
-    ids = token_prompt(300, seed=3434)
+def test_n_choices_of_several_prompts_are_each_a_request_through_prefill_and_decode(client, reference):
+    """Greedy, every choice of each prompt is the monolithic engine's output for that prompt: each token
+    within a bf16 tie of the likeliest given those before it (the choices share the engines' batches,
+    and vLLM is not batch-invariant). Streamed and sampled with a seed, each choice gets its own seed."""
+    prompts = [token_prompt(300, seed=3434), token_prompt(90, seed=3535)]
     whole = client.completions.create(
-        model=MODEL, prompt=ids, max_tokens=16, temperature=0, n=3, extra_body={"return_token_ids": True}
+        model=MODEL, prompt=prompts, max_tokens=16, temperature=0, n=2, extra_body={"return_token_ids": True}
     )
-    assert [c.index for c in whole.choices] == [0, 1, 2]
-    assert whole.usage.prompt_tokens == 300
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]  # prompt i's choice j at i·n + j
+    assert whole.usage.prompt_tokens == 300 + 90
     assert whole.usage.completion_tokens == sum(len(c.token_ids) for c in whole.choices)
     for choice in whole.choices:
-        assert max(reference.greedy_gaps(ids, choice.token_ids)) < BF16_TIE, choice
+        gaps = reference.greedy_gaps(prompts[choice.index // 2], choice.token_ids)
+        assert max(gaps) < BF16_TIE, (choice, gaps)
     chunks = list(
         client.chat.completions.create(
             model=MODEL,

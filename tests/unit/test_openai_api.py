@@ -376,18 +376,36 @@ async def test_a_choice_refused_before_its_first_token_refuses_the_request_and_c
     assert _samples(text)["vllm:num_requests_running{model_name=m}"] == 0
 
 
+async def test_several_prompts_each_with_n_choices_in_vllms_order():
+    dispatcher, client = _router([[1], [2]])
+    async with client:
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": [[4, 5], [6]], "n": 2, "seed": 1})
+        one = await client.post("/v1/completions", json={"model": "m", "prompt": ["only"]})
+    body = resp.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["<1><1>", "<2><2>"] * 2  # each prompt's choices: seed + j
+    assert [(g.prompt_token_ids, g.sampling.seed) for g in dispatcher.requests[:4]] == [
+        ([4, 5], 1),
+        ([4, 5], 2),
+        ([6], 1),
+        ([6], 2),
+    ]
+    assert body["usage"] == {"prompt_tokens": 2 * 5, "completion_tokens": 4 * 2, "total_tokens": 18}
+    assert dispatcher.requests[4].prompt == "only" and dispatcher.requests[4].request_id == one.json()["id"]
+
+
 @pytest.mark.parametrize(
     "fields",
-    [{"n": 0}, {"n": 129}, {"n": 2, "seed": 2**63 - 1}],
+    [{"n": 0}, {"n": 129}, {"n": 2, "seed": 2**63 - 1}, {"n": 128, "prompt": ["a", "b", "c"]}],
 )
-def test_n_out_of_range_or_seeds_past_64_bits_are_refused(fields):
+def test_n_out_of_range_too_many_generations_or_seeds_past_64_bits_are_refused(fields):
     from pydantic import ValidationError
 
     from llmesh.wire.errors import InvalidRequest
     from llmesh_router.openai_api import CompletionRequest
 
     with pytest.raises((ValidationError, InvalidRequest)):
-        CompletionRequest(model="m", prompt="hi", **fields)
+        CompletionRequest(**{"model": "m", "prompt": "hi", **fields})
     assert CompletionRequest(model="m", prompt="hi", n=2, seed=2**63 - 2).choice_samplings()[1].seed == 2**63 - 1
     assert [o.seed for o in CompletionRequest(model="m", prompt="hi", n=2).choice_samplings()] == [None, None]
 
