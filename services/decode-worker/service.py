@@ -32,7 +32,7 @@ from typing import Any
 from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
-from llmesh.engine.detokenizer import LOGPROB_CONTEXT, ContinuedText, logprob_steps
+from llmesh.engine.detokenizer import LOGPROB_CONTEXT, ContinuedText, logprob_steps, prompt_logprob_steps, prompt_text
 from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
 from llmesh.engine.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
@@ -178,7 +178,10 @@ class DecodeService:
                     if not computed:  # the prompt is computed once the first token is out
                         computed = len(token_ids)
                         self.worker.prefill_meter.finished(computed)
-                        delta = delta.model_copy(update={"prompt_token_ids": token_ids})  # the router may resume it
+                        update: dict[str, Any] = {"prompt_token_ids": token_ids}  # the router may resume it
+                        if req.sampling.echo:
+                            update["prompt_text"] = prompt_text(self.worker.tokenizer, req.prompt, token_ids)
+                        delta = delta.model_copy(update=update)
                     yield delta
             finally:
                 if not computed:
@@ -231,6 +234,7 @@ class DecodeService:
                     prompt_tokens=held.prompt_tokens,
                     completion_tokens=held.generated,
                     logprobs=o.logprobs and self._logprobs(held, o),
+                    prompt_logprobs=prompt_logprob_steps(self.worker.tokenizer, token_ids, out.prompt_logprobs),
                 )
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)

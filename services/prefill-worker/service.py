@@ -9,7 +9,7 @@ import time
 
 from opentelemetry import trace
 
-from llmesh.engine.detokenizer import logprob_steps
+from llmesh.engine.detokenizer import logprob_steps, prompt_logprob_steps, prompt_text
 from llmesh.engine.worker import EngineWorker, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
@@ -48,7 +48,7 @@ class PrefillService:
             finally:
                 self.worker.prefill_meter.finished(computed)
             assert final is not None
-            o = final.outputs[0]
+            o, tokenizer = final.outputs[0], self.worker.tokenizer
             # "stop" (EOS or a stop string) ends the request here; "length" only if 1 token was asked for.
             finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
             kv_params = final.kv_transfer_params or {}
@@ -86,7 +86,9 @@ class PrefillService:
                     finish_reason=finish,
                     prompt_tokens=len(token_ids),
                     completion_tokens=len(o.token_ids),
-                    logprobs=o.logprobs and logprob_steps(self.worker.tokenizer, o.logprobs, []),
+                    logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),
+                    prompt_text=prompt_text(tokenizer, req.prompt, token_ids) if req.sampling.echo else None,
+                    prompt_logprobs=prompt_logprob_steps(tokenizer, token_ids, final.prompt_logprobs),
                 ),
                 kv=kv,
                 fingerprint=self.worker.fingerprint,

@@ -35,7 +35,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "include_stop_str_in_output": ((False,), "stop strings are cut from the output"),
     "prompt_logprobs": ((0,), "logprobs come for the output alone"),
     "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
-    "echo": ((False,), "the prompt is not returned"),
+    "echo": ((False,), "a chat's last message is not echoed"),
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
     "suffix": (("",), "insertion is not done"),
@@ -110,6 +110,8 @@ class _Common(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         """A 400 naming the field, not a 200 that ignored it (raised as is: pydantic passes it through)."""
         for name, (accepted, reason) in UNSUPPORTED.items():
+            if name in cls.model_fields:  # done by this endpoint
+                continue
             value = data.get(name) if isinstance(data, dict) else None
             if value is not None and value not in accepted:
                 raise InvalidRequest(f"{name}={json.dumps(value)[:100]} is not supported ({reason})", param=name)
@@ -181,6 +183,7 @@ class _Common(BaseModel):
             logit_bias=self.logit_bias or {},
             stop_token_ids=self.stop_token_ids,
             logprobs=self.logprob_count,
+            echo=self.echoes,
         )
 
     def choice_samplings(self) -> list[SamplingOptions]:
@@ -201,6 +204,11 @@ class _Common(BaseModel):
         raise NotImplementedError
 
     @property
+    def echoes(self) -> bool:
+        """Whether each choice's text (and logprobs) begins with its prompt's."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
@@ -209,10 +217,15 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]  # one prompt or several, each a text or token ids
     max_tokens: PositiveInt64 | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # with logprobs, the prompt's too (its first token has none): how evaluation harnesses score
 
     @property
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -310,6 +323,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def echoed(delta: TokenDelta) -> TokenDelta:
+    """A choice's first delta with its prompt's text (and logprobs, if it has any) before its own, as vLLM's
+    server echoes a prompt."""
+    update: dict[str, Any] = {"text": (delta.prompt_text or "") + delta.text}
+    if delta.logprobs is not None:
+        update["logprobs"] = [*(delta.prompt_logprobs or ()), *delta.logprobs]
+    return delta.model_copy(update=update)
+
+
+def _clamped(logprob: float | None) -> float | None:
+    """As vLLM's server gives a logprob: -inf as -9999.0 (JSON has no infinity); None (a prompt's first token's)."""
+    return None if logprob is None else max(logprob, -9999.0)
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     """One choice of a whole (not streamed) answer."""
@@ -355,8 +382,8 @@ class ResponseShape:
         steps = steps or []
         if self.chat:
 
-            def entry(text: str, logprob: float) -> dict[str, Any]:
-                return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode(errors="replace"))}
+            def entry(text: str, logprob: float | None) -> dict[str, Any]:
+                return {"token": text, "logprob": _clamped(logprob), "bytes": list(text.encode(errors="replace"))}
 
             return {
                 "content": [
@@ -369,9 +396,11 @@ class ResponseShape:
         self._text_offsets[index] = offsets.pop()
         return {
             "text_offset": offsets,
-            "token_logprobs": [max(step[0][1], -9999.0) for step in steps],
+            "token_logprobs": [_clamped(step[0][1]) for step in steps],
             "tokens": tokens,
-            "top_logprobs": [{t: max(lp, -9999.0) for _, lp, t in step[: self.top + 1]} for step in steps],
+            "top_logprobs": [
+                None if step[0][1] is None else {t: _clamped(lp) for _, lp, t in step[: self.top + 1]} for step in steps
+            ],
         }
 
     def chunk(

@@ -32,6 +32,7 @@ from .openai_api import (
     Choice,
     CompletionRequest,
     ResponseShape,
+    echoed,
     error_body,
     error_response,
     sse,
@@ -189,6 +190,8 @@ def create_app(
             # Wait for every choice's first token before answering, so that errors found by the workers
             # (context too long, no capacity) still get their proper HTTP status.
             firsts = await _unless_disconnected(request, _first_of_each(streams))
+            if body.echoes:
+                firsts = [echoed(delta) for delta in firsts]
             lasts = [choice_times.seen(delta) for choice_times, delta in zip(times, firsts)]
             if not body.stream:
                 rests = await _unless_disconnected(request, _rest_of_each(streams, times))

@@ -83,3 +83,23 @@ def logprob_steps(tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_bef
         out.append([(token, step[token].logprob, text) for token, text in zip(ids, decoded)])
         context = [*context, ids[0]][-LOGPROB_CONTEXT:]
     return out
+
+
+def prompt_text(tokenizer: Any, text: str | None, token_ids: Sequence[int]) -> str:
+    """A prompt's text as an echo shows it: as given, else decoded as vLLM's server decodes token prompts."""
+    return tokenizer.decode(token_ids) if text is None else text
+
+
+def prompt_logprob_steps(
+    tokenizer: Any, token_ids: Sequence[int], prompt_logprobs: Sequence[Mapping[int, Any] | None] | None
+) -> LogprobSteps | None:
+    """vLLM's prompt logprobs (the prompt's own token first, then the likeliest; its texts are vLLM's, the
+    whole prompt being on the engine), the first token's, which has none, with logprob None."""
+    if not prompt_logprobs:
+        return None
+    first = token_ids[0]
+    return [[(first, None, tokenizer.decode(first))]] + [
+        [(token, logprob.logprob, logprob.decoded_token) for token, logprob in step.items()]
+        for step in prompt_logprobs[1:]
+        if step is not None
+    ]

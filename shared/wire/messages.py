@@ -277,6 +277,9 @@ class SamplingOptions(Message):
     logit_bias: dict[str, float] = {}  # token id (MessagePack maps keep string keys) -> added to its logit
     stop_token_ids: list[int] = []  # end the output (their text not shown), as the end-of-sequence token does
     logprobs: int | None = None  # how many of the likeliest tokens each step comes with; None: no logprobs
+    # the first delta carries the prompt: its text and, with logprobs, its logprobs (the engine that computes the
+    # prompt computes them: a resumed engine does not)
+    echo: bool = False
 
 
 class PrefillRequest(Message):
@@ -292,9 +295,10 @@ class PrefillRequest(Message):
     priority: int = 0  # vLLM's convention: lower is more urgent
 
 
-# per token: the sampled token, then the likeliest, each (token id, logprob, text), as vLLM's engine gives them
-# (the sampled one once, also where it is among the likeliest)
-LogprobSteps = list[list[tuple[int, float, str]]]
+# per token: the sampled token (a prompt's own token), then the likeliest, each (token id, logprob, text), as
+# vLLM's engine gives them (the sampled one once, also where it is among the likeliest); a logprob of None: none
+# (a prompt's first token)
+LogprobSteps = list[list[tuple[int, float | None, str]]]
 
 
 class TokenDelta(Message):
@@ -307,6 +311,8 @@ class TokenDelta(Message):
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # a whole request's first delta: its prompt as the worker tokenized it
     logprobs: LogprobSteps | None = None  # with SamplingOptions.logprobs
+    prompt_text: str | None = None  # the first delta's, with SamplingOptions.echo: as given, else decoded
+    prompt_logprobs: LogprobSteps | None = None  # the first delta's, with SamplingOptions.echo and logprobs
 
 
 class KvHandle(Message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -233,6 +234,19 @@ def reference_engine(model_path: str, log_dir: Path, tensor_parallel_size: int =
             os.killpg(proc.pid, 9)
             proc.wait()
         log.close()
+
+
+def assert_echoed_as_vllm(choice, expected: dict, top: int) -> None:
+    """A completion choice asked with `echo` and `logprobs=top` against the monolithic engine's answer for
+    its prompt with `prompt_logprobs` and `logprobs` of `top`: the prompt's text before the output's, and
+    every token's text, logprob and candidates as vLLM's server renders them."""
+    steps = expected["prompt_steps"] + expected["steps"]
+    assert choice.text == expected["prompt_text"] + expected["text"]
+    got = choice.logprobs
+    assert got.tokens == [step[0][2] for step in steps]
+    assert got.token_logprobs == [step[0][1] for step in steps]
+    assert got.top_logprobs == [None] + [{text: lp for _, lp, text in step[: top + 1]} for step in steps[1:]]
+    assert got.text_offset == list(itertools.accumulate(map(len, got.tokens[:-1]), initial=0))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,10 @@ Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) 
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str}. Greedy
 sampling. With "top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie,
-three ways too), and as "steps" vLLM's candidates [token, logprob, text], the sampled one first;
+three ways too). Where logprobs were asked for ("top", or "logprobs" in "sampling"), "steps" gives
+vLLM's candidates a step, [token, logprob, text], the sampled one first; with "prompt_logprobs" in
+"sampling", "prompt_steps" the prompt's, as vLLM's server shows them (the first token's logprob None,
+its text decoded) and "prompt_text" the prompt decoded, as the server echoes token prompts;
 with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the end-of-sequence
 token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings).
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
@@ -67,7 +70,7 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
         params = SamplingParams(
             max_tokens=req["max_tokens"],
             temperature=0.0,
-            logprobs=TOP if req.get("top") else None,
+            **({"logprobs": TOP} if req.get("top") else {}),
             ignore_eos=bool(req.get("ignore_eos")),
             **sampling(req.get("sampling", {})),
         )
@@ -80,10 +83,17 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             "text": final.outputs[0].text,
             "finish_reason": final.outputs[0].finish_reason,
         }
-        if req.get("top"):  # per step: the likeliest tokens and their logprobs; and as vLLM gives them, with text
+        if req.get("top"):  # per step: the likeliest tokens and their logprobs
             answer["top"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]
+        if final.outputs[0].logprobs is not None:  # as vLLM gives them, with text
             answer["steps"] = [
                 [[t, lp.logprob, lp.decoded_token] for t, lp in s.items()] for s in final.outputs[0].logprobs
+            ]
+        if final.prompt_logprobs is not None:
+            ids, tokenizer = final.prompt_token_ids, engine.tokenizer
+            answer["prompt_text"] = tokenizer.decode(ids)
+            answer["prompt_steps"] = [[[ids[0], None, tokenizer.decode(ids[0])]]] + [
+                [[t, lp.logprob, lp.decoded_token] for t, lp in s.items()] for s in final.prompt_logprobs[1:]
             ]
         if req.get("timing"):  # for bench/: time to first token, time per later token
             answer |= {

@@ -43,7 +43,7 @@ from llmesh.wire.messages import (
     encode,
 )
 
-from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_B, extra_workers, launched
+from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_B, assert_echoed_as_vllm, extra_workers, launched
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MODEL = "llmesh/tiny-llama"
@@ -278,6 +278,29 @@ def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, r
     ]
     assert [c.model_dump() for c in content] == [c.model_dump() for c in whole.logprobs.content]
     assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
+
+
+def test_echo_gives_each_prompt_with_its_logprobs_as_the_monolithic_engine_computes_them(client, reference):
+    """How evaluation harnesses (lm-eval's loglikelihood) score text: prompts echoed with logprobs and one
+    token generated. The prefill computes each whole prompt, also where the store holds its blocks
+    (vLLM needs every position's logits), and its text is the prompt decoded, or as given."""
+    prompts = [token_prompt(300, seed=3636), token_prompt(130, seed=3737)]
+    expected = [reference.generate(1, prompt_token_ids=ids, prompt_logprobs=1, logprobs=1) for ids in prompts]
+    for _ in range(2):  # the second time, the store holds the prompts' blocks
+        out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True)
+        for choice, answer in zip(out.choices, expected):
+            assert_echoed_as_vllm(choice, answer, top=1)
+    text = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=4, temperature=0)
+    assert text.choices[0].text == "Lists are" + plain.choices[0].text and text.choices[0].logprobs is None
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=1, echo=True, stream=True
+    )
+    tokens = [token for chunk in streamed for token in chunk.choices[0].logprobs.tokens]
+    whole = client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=6, temperature=0, logprobs=1, echo=True
+    )
+    assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == 130 + 6
 
 
 def test_n_choices_of_several_prompts_are_each_a_request_through_prefill_and_decode(client, reference):

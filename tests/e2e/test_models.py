@@ -14,12 +14,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from llmesh.engine.models import resolve_model
 from llmesh.wire.messages import PlacementRequest, PlacementStatus, Subjects
 
-from .conftest import MODEL_B, extra_workers, reference_engine
+from .conftest import MODEL_B, assert_echoed_as_vllm, extra_workers, reference_engine
 from .test_live_migration import NEAR_TIE, command
 from .test_mesh import MODEL, token_prompt
 
@@ -94,6 +95,11 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
         parted_b = [(ids, out) for ids, out, solo in zip(prompts * 2, outputs_b, expected_b * 2) if out != solo]
         gaps_b = [max(reference_b.greedy_gaps(ids, out)) for ids, out in parted_b]
         alone_b = complete(mesh, MODEL_B, prompts[2])
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=mesh.api_key, max_retries=0, timeout=60)
+        echo_b = client.completions.create(  # the prompt's logprobs from a decode worker running the request whole
+            model=MODEL_B, prompt=prompts[1], max_tokens=1, temperature=0, echo=True, logprobs=2
+        )
+        expected_echo_b = reference_b.generate(1, prompt_token_ids=prompts[1], prompt_logprobs=2, logprobs=2)
         status = placement(mesh, op="status")
         b_workers = [w.worker_id for w in status.workers if w.model == MODEL_B]
         for worker_id in b_workers:  # evicted by hand: drained, they exit
@@ -109,6 +115,7 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
     print(f"{len(parted_b)} of {len(outputs_b)} outputs for {MODEL_B} parted from its solo engine's: gaps {gaps_b}")
     assert max(gaps_b, default=0) <= NEAR_TIE, gaps_b
     assert alone_b == expected_b[2]  # alone in its batch: exact
+    assert_echoed_as_vllm(echo_b.choices[0], expected_echo_b, top=2)
     assert [(a["model"], a["role"], a["outcome"], a["how"]) for a in activations] == [
         (MODEL_B, "decode", "accepted", "from a standby")
     ], what_happened(mesh, status)

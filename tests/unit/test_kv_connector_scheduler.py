@@ -38,6 +38,7 @@ class FakeRequest:
     status: RequestStatus = RequestStatus.WAITING
     lora_request: Any = None
     cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False  # (vLLM sets it for prompt logprobs)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -169,6 +170,19 @@ def test_a_prefill_loads_the_leading_blocks_another_instance_stored_and_does_not
     meta = producer.build_connector_meta(output({"p": 8}, [new(request, [4, 5, 6], 32)]))
     assert [(t.block_ids, t.hashes, t.last_block_tokens) for t in meta.loads] == [([4, 5], hashes[:2], 0)]
     assert [(s.block_ids, s.hashes) for s in meta.saves] == [([6], hashes[2:])]
+
+
+def test_a_prefill_asking_for_prompt_logprobs_loads_nothing_but_still_saves_its_blocks():
+    """vLLM computes such a prompt whole (its logprobs need every position's logits)."""
+    hashes = block_hashes(FP, prompt(40), SIZE, partial=True)
+    producer = side(producer=True, lookup=FakeLookup(held=set(hashes)))
+    request = FakeRequest(
+        "p", prompt(40), kv_transfer_params={"do_remote_decode": True}, skip_reading_prefix_cache=True
+    )
+    assert producer.get_num_new_matched_tokens(request, 0) == (0, False)
+    producer.update_state_after_alloc(request, blocks([4, 5, 6]), 0)
+    meta = producer.build_connector_meta(output({"p": 40}, [new(request, [4, 5, 6])]))
+    assert not meta.loads and [(s.block_ids, s.hashes) for s in meta.saves] == [([4, 5, 6], hashes)]
 
 
 def test_a_prompt_of_whole_blocks_never_asks_to_load_its_last_token():

@@ -147,6 +147,35 @@ def test_logprobs_render_as_vllms_server_renders_them(top):
     assert ResponseShape(True, "r", "m").chunk("x", None, logprobs=STEPS)["choices"][0]["logprobs"] is None
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_an_echoed_prompts_logprobs_render_as_vllms_server_renders_them(top):
+    """The prompt's first token has no logprob (vLLM: None, its text decoded); a delta echoed puts the
+    prompt's text and steps before its own."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    from llmesh.wire.messages import TokenDelta
+    from llmesh_router.openai_api import echoed
+
+    prompt_steps = [[(1, None, "<s>")], *STEPS[:2]]
+    delta = TokenDelta(
+        text=" out", token_ids=[4], prompt_text="the prompt", prompt_logprobs=prompt_steps, logprobs=STEPS[2:]
+    )
+    first = echoed(delta)
+    assert first.text == "the prompt out" and first.logprobs == [*prompt_steps, *STEPS[2:]]
+    token_ids, steps = _vllm_steps(first.logprobs[1:])
+    server = SimpleNamespace(return_tokens_as_token_ids=False)
+    server._get_decoded_token = OpenAIServingCompletion._get_decoded_token
+    expected = OpenAIServingCompletion._create_completion_logprobs(
+        server, [1, *token_ids], [None, *steps], top, SimpleNamespace(decode=lambda token: "<s>")
+    ).model_dump()
+    assert (
+        ResponseShape(False, "r", "m", top).final([Choice.of([first], False)], 3)["choices"][0]["logprobs"] == expected
+    )
+    assert echoed(delta.model_copy(update={"logprobs": None})).logprobs is None  # no logprobs asked: text alone
+
+
 def test_logprobs_asked_reach_the_engines_options():
     from pydantic import ValidationError
 
@@ -511,6 +540,8 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
     async with client:
         for name, value in refused.items():
             for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+                if name == "echo" and path == "/v1/completions":
+                    continue  # done for completions (a prompt's text and logprobs)
                 resp = await client.post(path, json=body | {name: value})
                 error = resp.json()["error"]
                 assert resp.status_code == 400 and error["param"] == name and name in error["message"], resp.text

@@ -117,6 +117,8 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._seed(request)  # build_connector_meta sees only the request's scheduling data
+        if request.skip_reading_prefix_cache:  # it asks for prompt logprobs: vLLM computes its whole prompt
+            return 0, False
         params = request.kv_transfer_params or {}
         # decode: what its handle lists and the store holds (a whole request: once preempted, it stored its prompt)
         prefill = self._prefills(params)
