@@ -231,6 +231,7 @@ class DecodeService:
                     text=piece,
                     token_ids=list(o.token_ids),
                     finish_reason=finish_reason,
+                    stop_reason=o.stop_reason if finish_reason == "stop" else None,
                     prompt_tokens=held.prompt_tokens,
                     completion_tokens=held.generated,
                     logprobs=o.logprobs and self._logprobs(held, o),

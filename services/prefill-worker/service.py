@@ -84,6 +84,7 @@ class PrefillService:
                     text=o.text,
                     token_ids=list(o.token_ids),
                     finish_reason=finish,
+                    stop_reason=o.stop_reason if finish == "stop" else None,
                     prompt_tokens=len(token_ids),
                     completion_tokens=len(o.token_ids),
                     logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),

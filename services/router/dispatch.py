@@ -635,9 +635,9 @@ class Dispatcher:
 
 def _filtered(delta: TokenDelta, stops: StopFilter) -> TokenDelta:
     """`delta` with its text passed through the stop filter (finishing it at a stop string)."""
-    text, hit = stops.feed(delta.text)
-    if hit:
-        return delta.model_copy(update={"text": text, "finish_reason": "stop"})
+    text, stop = stops.feed(delta.text)
+    if stop is not None:
+        return delta.model_copy(update={"text": text, "finish_reason": "stop", "stop_reason": stop})
     if delta.finish_reason is not None:
         text += stops.flush()
     return delta if text == delta.text else delta.model_copy(update={"text": text})

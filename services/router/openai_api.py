@@ -170,7 +170,7 @@ class _Common(BaseModel):
     def sampling(self) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingOptions(
-            max_tokens=self.max_tokens,
+            max_tokens=1 if self.max_tokens == 0 else self.max_tokens,  # 0: an echo's prompt alone, after 1 token
             temperature=self.temperature,
             top_p=self.top_p,
             stop=stop,
@@ -215,7 +215,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]  # one prompt or several, each a text or token ids
-    max_tokens: PositiveInt64 | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = 16  # 0 with echo: the prompt alone, as vLLM
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # with logprobs, the prompt's too (its first token has none): how evaluation harnesses score
 
@@ -237,6 +237,14 @@ class CompletionRequest(_Common):
 
     def inputs(self) -> list[Prompt]:
         return [Prompt(p, None, None) if isinstance(p, str) else Prompt(None, p, None) for p in self.prompts]
+
+    @model_validator(mode="after")
+    def _nothing_generated_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest(
+                "max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens"
+            )
+        return self
 
     @model_validator(mode="after")
     def _generations(self) -> CompletionRequest:
@@ -323,12 +331,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def echoed(delta: TokenDelta) -> TokenDelta:
-    """A choice's first delta with its prompt's text (and logprobs, if it has any) before its own, as vLLM's
-    server echoes a prompt."""
-    update: dict[str, Any] = {"text": (delta.prompt_text or "") + delta.text}
+def echoed(delta: TokenDelta, prompt_alone: bool = False) -> TokenDelta:
+    """A choice's first delta with its prompt's text (and logprobs, if it has any) before its own, or
+    instead of its own (`prompt_alone`: max_tokens 0), as vLLM's server echoes a prompt."""
+    text, steps = ("", []) if prompt_alone else (delta.text, delta.logprobs or [])
+    update: dict[str, Any] = {"text": (delta.prompt_text or "") + text}
     if delta.logprobs is not None:
-        update["logprobs"] = [*(delta.prompt_logprobs or ()), *delta.logprobs]
+        update["logprobs"] = [*(delta.prompt_logprobs or ()), *steps]
     return delta.model_copy(update=update)
 
 
@@ -346,6 +355,7 @@ class Choice:
     completion_tokens: int
     token_ids: list[int] | None = None  # with return_token_ids
     logprobs: LogprobSteps | None = None
+    stop_reason: str | int | None = None
 
     @classmethod
     def of(cls, deltas: list[TokenDelta], with_token_ids: bool) -> Choice:
@@ -356,6 +366,7 @@ class Choice:
             deltas[-1].completion_tokens,
             [t for d in deltas for t in d.token_ids] if with_token_ids else None,
             [step for d in deltas for step in d.logprobs or ()],
+            deltas[-1].stop_reason,
         )
 
 
@@ -411,6 +422,7 @@ class ResponseShape:
         token_ids: list[int] | None = None,
         logprobs: LogprobSteps | None = None,
         index: int = 0,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         """A streamed chunk of choice `index`; `first`: the choice's first."""
         if self.chat:
@@ -420,7 +432,11 @@ class ResponseShape:
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}
-        choice |= {"finish_reason": finish_reason, "logprobs": self._logprobs(logprobs, index)}
+        choice |= {
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+            "logprobs": self._logprobs(logprobs, index),
+        }
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
@@ -433,12 +449,18 @@ class ResponseShape:
         token_ids: list[int] | None = None,
         logprobs: LogprobSteps | None = None,
         index: int = 0,
+        stop_reason: str | int | None = None,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
-        extension, and logprobs are rendered in full)."""
-        if (self.chat and not text and not first) or token_ids is not None or self.top is not None:
-            return sse(self.chunk(text, finish_reason, first, token_ids, logprobs, index))  # (an empty chat delta)
+        extension, logprobs and a stop reason are rendered in full)."""
+        if (
+            (self.chat and not text and not first)  # (an empty chat delta)
+            or token_ids is not None
+            or self.top is not None
+            or stop_reason is not None
+        ):
+            return sse(self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason))
         key = (finish_reason, first, index)
         template = self._templates.get(key)
         if template is None:
@@ -461,6 +483,7 @@ class ResponseShape:
                 "index": index,
                 **body,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
                 "logprobs": self._logprobs(c.logprobs, index),
             }
             if c.token_ids is not None:

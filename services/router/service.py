@@ -191,7 +191,7 @@ def create_app(
             # (context too long, no capacity) still get their proper HTTP status.
             firsts = await _unless_disconnected(request, _first_of_each(streams))
             if body.echoes:
-                firsts = [echoed(delta) for delta in firsts]
+                firsts = [echoed(delta, prompt_alone=body.max_tokens == 0) for delta in firsts]
             lasts = [choice_times.seen(delta) for choice_times, delta in zip(times, firsts)]
             if not body.stream:
                 rests = await _unless_disconnected(request, _rest_of_each(streams, times))
@@ -216,7 +216,13 @@ def create_app(
             try:
                 for index, first in enumerate(firsts):
                     yield shape.chunk_event(
-                        first.text, first.finish_reason, True, first.token_ids if ids else None, first.logprobs, index
+                        first.text,
+                        first.finish_reason,
+                        True,
+                        first.token_ids if ids else None,
+                        first.logprobs,
+                        index,
+                        first.stop_reason,
                     )
                 async with aclosing(merged(streams, SSE_KEEPALIVE_S)) as rest:
                     async for item in rest:
@@ -231,6 +237,7 @@ def create_app(
                             token_ids=delta.token_ids if ids else None,
                             logprobs=delta.logprobs,
                             index=index,
+                            stop_reason=delta.stop_reason,
                         )
                 if body.include_usage:
                     completion_tokens = sum(last.completion_tokens for last in lasts)

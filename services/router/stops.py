@@ -16,20 +16,21 @@ class StopFilter:
         self._text = ""  # everything received
         self._emitted = 0  # characters of it already released
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Text safe to release now, and whether a stop string was reached (then nothing follows)."""
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Text safe to release now, and the stop string reached, if one was (then nothing follows; the
+        earliest in the text, of two there at once the first listed)."""
         if not self._stops:
-            return delta, False
+            return delta, None
         self._text += delta
         search_from = max(self._emitted - self._hold, 0)
-        hits = [i for i in (self._text.find(s, search_from) for s in self._stops) if i != -1]
+        hits = [(i, stop) for stop in self._stops if (i := self._text.find(stop, search_from)) != -1]
         if hits:
-            end = min(hits)
+            end, stop = min(hits, key=lambda hit: hit[0])
             out, self._emitted = self._text[self._emitted : end], max(end, self._emitted)
-            return out, True
+            return out, stop
         safe = max(len(self._text) - self._hold, self._emitted)
         out, self._emitted = self._text[self._emitted : safe], safe
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         """The held-back tail, once the output ended for another reason."""

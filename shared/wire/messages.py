@@ -307,6 +307,8 @@ class TokenDelta(Message):
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    # with finish_reason "stop", vLLM's: the stop string or stop token id that ended it (None: end of sequence)
+    stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # a whole request's first delta: its prompt as the worker tokenized it

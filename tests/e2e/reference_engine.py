@@ -3,7 +3,7 @@
 Arguments: model, max_model_len, block_size[, tensor_parallel_size].
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
--> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str}. Greedy
+-> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str, "stop_reason": ...}. Greedy
 sampling. With "top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie,
 three ways too). Where logprobs were asked for ("top", or "logprobs" in "sampling"), "steps" gives
 vLLM's candidates a step, [token, logprob, text], the sampled one first; with "prompt_logprobs" in
@@ -82,6 +82,7 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             "token_ids": list(final.outputs[0].token_ids),
             "text": final.outputs[0].text,
             "finish_reason": final.outputs[0].finish_reason,
+            "stop_reason": final.outputs[0].stop_reason,
         }
         if req.get("top"):  # per step: the likeliest tokens and their logprobs
             answer["top"] = [{str(t): lp.logprob for t, lp in step.items()} for step in final.outputs[0].logprobs]

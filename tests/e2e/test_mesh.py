@@ -167,6 +167,7 @@ def test_stop_sequences_and_seeded_sampling(client):
     stop = text[5:8]
     stopped = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=30, temperature=0, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    assert stopped.choices[0].stop_reason == stop  # vLLM's field: the stop string (None at the end of sequence)
     seeded = [
         client.completions.create(model=MODEL, prompt="Lists are", max_tokens=15, temperature=0.9, top_p=0.9, seed=7)
         .choices[0]
@@ -244,9 +245,10 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
             extra_body={"return_token_ids": True} | vllm_fields,
         ).choices[0]
         expected = reference.generate(16, prompt_token_ids=ids, **fields)
-        assert (out.token_ids, out.finish_reason, out.text) == (
+        assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (
             expected["token_ids"],
             expected["finish_reason"],
+            expected["stop_reason"],
             expected["text"],
         ), fields
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
@@ -290,6 +292,11 @@ def test_echo_gives_each_prompt_with_its_logprobs_as_the_monolithic_engine_compu
         out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True)
         for choice, answer in zip(out.choices, expected):
             assert_echoed_as_vllm(choice, answer, top=1)
+    alone = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=0, temperature=0, logprobs=1, echo=True
+    )
+    assert alone.choices[0].logprobs.tokens == out.choices[0].logprobs.tokens[:-1]  # the prompt's, nothing after
+    assert alone.choices[0].text == expected[0]["prompt_text"]
     text = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=4, temperature=0)
     assert text.choices[0].text == "Lists are" + plain.choices[0].text and text.choices[0].logprobs is None

@@ -13,11 +13,18 @@ TEXTS = ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab", "ünïcød
 def test_chunk_event_renders_exactly_the_chunk(chat, model):
     shape = ResponseShape(chat, "req-1", model)
     for first, finish_reason, index in itertools.product((True, False), (None, "stop", "length"), (0, 3)):
-        for text in TEXTS:  # each (finish_reason, first, index) renders from the cached template after its first text
-            event = shape.chunk_event(text, finish_reason, first, index=index)
-            assert event == sse(shape.chunk(text, finish_reason, first, index=index))
+        stop_reasons = (None, "END", 7) if finish_reason == "stop" else (None,)
+        for text, stop_reason in itertools.product(
+            TEXTS, stop_reasons
+        ):  # a template each (finish_reason, first, index)
+            event = shape.chunk_event(text, finish_reason, first, index=index, stop_reason=stop_reason)
+            assert event == sse(shape.chunk(text, finish_reason, first, index=index, stop_reason=stop_reason))
             choice = json.loads(event.removeprefix(b"data: "))["choices"][0]
-            assert (choice["finish_reason"], choice["index"]) == (finish_reason, index)
+            assert (choice["finish_reason"], choice["stop_reason"], choice["index"]) == (
+                finish_reason,
+                stop_reason,
+                index,
+            )
 
 
 @pytest.mark.parametrize(
@@ -174,6 +181,17 @@ def test_an_echoed_prompts_logprobs_render_as_vllms_server_renders_them(top):
         ResponseShape(False, "r", "m", top).final([Choice.of([first], False)], 3)["choices"][0]["logprobs"] == expected
     )
     assert echoed(delta.model_copy(update={"logprobs": None})).logprobs is None  # no logprobs asked: text alone
+    alone = echoed(delta, prompt_alone=True)  # max_tokens 0
+    assert (alone.text, alone.logprobs) == ("the prompt", prompt_steps)
+
+
+def test_max_tokens_0_is_an_echo_of_the_prompt_alone_and_refused_without_echo():
+    from llmesh.wire.errors import InvalidRequest
+    from llmesh_router.openai_api import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="hi", max_tokens=0, echo=True).sampling().max_tokens == 1
+    with pytest.raises(InvalidRequest, match="0 only with echo"):
+        CompletionRequest(model="m", prompt="hi", max_tokens=0)
 
 
 def test_logprobs_asked_reach_the_engines_options():
