@@ -223,9 +223,8 @@ class DecodeService:
                 self.worker.count_preemptions(out.kv_transfer_params)
             if o.token_ids or not handed_over:
                 # a token that stopped the engine (end of sequence, stop_token_ids) shows no text, as in vLLM
-                piece = (
-                    o.text if text is None else text.feed(o.token_ids[:-1] if finish_reason == "stop" else o.token_ids)
-                )
+                hidden = finish_reason == "stop" and not params.include_stop_str_in_output
+                piece = o.text if text is None else text.feed(o.token_ids[:-1] if hidden else o.token_ids)
                 self.worker.refine_length(held, piece)
                 yield TokenDelta(
                     text=piece,

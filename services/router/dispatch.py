@@ -297,7 +297,7 @@ class Dispatcher:
             cache_salt=gen.cache_salt,
             priority=gen.priority,
         )
-        stops = StopFilter(gen.sampling.stop)
+        stops = StopFilter(gen.sampling.stop, gen.sampling.include_stop_str_in_output)
         try:
             if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
                 self.metrics.prefill_sites.labels("decode").inc()

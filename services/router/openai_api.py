@@ -32,7 +32,6 @@ _STRUCTURED = "structured output is not done"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((0, 0.0), _OUTPUT_ALONE),
     "frequency_penalty": ((0, 0.0), _OUTPUT_ALONE),
-    "include_stop_str_in_output": ((False,), "stop strings are cut from the output"),
     "prompt_logprobs": ((0,), "logprobs come for the output alone"),
     "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
     "echo": ((False,), "a chat's last message is not echoed"),
@@ -74,6 +73,7 @@ class _Common(BaseModel):
     # token id -> added to its logit, clamped to [-100, 100] as OpenAI does
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     stop_token_ids: list[TokenId] = Field(default=[], max_length=300)  # vLLM extension: they end the output
+    include_stop_str_in_output: bool = False  # vLLM extension: the stop string or token's text kept at the end
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -182,6 +182,7 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or {},
             stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprob_count,
             echo=self.echoes,
         )

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 
 class StopFilter:
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
+        """`include`: the stop string stays at the end of the output (vLLM's include_stop_str_in_output),
+        and text is released at once, as vLLM releases it then."""
         self._stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._include = include
+        self._lookback = max((len(s) for s in self._stops), default=1) - 1  # a stop may begin this far back
+        self._hold = 0 if include else self._lookback
         self._text = ""  # everything received
         self._emitted = 0  # characters of it already released
 
@@ -22,10 +26,11 @@ class StopFilter:
         if not self._stops:
             return delta, None
         self._text += delta
-        search_from = max(self._emitted - self._hold, 0)
+        search_from = max(self._emitted - self._lookback, 0)
         hits = [(i, stop) for stop in self._stops if (i := self._text.find(stop, search_from)) != -1]
         if hits:
-            end, stop = min(hits, key=lambda hit: hit[0])
+            start, stop = min(hits, key=lambda hit: hit[0])
+            end = start + len(stop) if self._include else start
             out, self._emitted = self._text[self._emitted : end], max(end, self._emitted)
             return out, stop
         safe = max(len(self._text) - self._hold, self._emitted)

@@ -93,6 +93,7 @@ def sampling_params(
         logprobs=options.logprobs,
         prompt_logprobs=options.logprobs if options.echo and not generated else None,
         stop_token_ids=options.stop_token_ids or None,
+        include_stop_str_in_output=options.include_stop_str_in_output,
         stop=options.stop or None,
         seed=options.seed,
         ignore_eos=options.ignore_eos,

@@ -276,6 +276,7 @@ class SamplingOptions(Message):
     min_tokens: int = 0  # of the whole output (an engine that resumes it owes only the rest)
     logit_bias: dict[str, float] = {}  # token id (MessagePack maps keep string keys) -> added to its logit
     stop_token_ids: list[int] = []  # end the output (their text not shown), as the end-of-sequence token does
+    include_stop_str_in_output: bool = False  # the text of the stop string or token that ended the output shown
     logprobs: int | None = None  # how many of the likeliest tokens each step comes with; None: no logprobs
     # the first delta carries the prompt: its text and, with logprobs, its logprobs (the engine that computes the
     # prompt computes them: a resumed engine does not)

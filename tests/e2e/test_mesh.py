@@ -162,12 +162,25 @@ def test_chat_streaming_and_non_streaming(client):
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_stop_sequences_and_seeded_sampling(client):
+def test_stop_sequences_and_seeded_sampling(client, reference):
     text = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=30, temperature=0).choices[0].text
     stop = text[5:8]
     stopped = client.completions.create(model=MODEL, prompt="Lists are", max_tokens=30, temperature=0, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
     assert stopped.choices[0].stop_reason == stop  # vLLM's field: the stop string (None at the end of sequence)
+    for stream in (False, True):
+        kept = client.completions.create(
+            model=MODEL,
+            prompt="Lists are",
+            max_tokens=30,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            extra_body={"include_stop_str_in_output": True},
+        )
+        kept_text = "".join(c.choices[0].text for c in kept) if stream else kept.choices[0].text
+        expected = reference.generate(30, prompt="Lists are", stop=[stop], include_stop_str_in_output=True)
+        assert kept_text == expected["text"] and kept_text.endswith(stop), (kept_text, expected["text"])
     seeded = [
         client.completions.create(model=MODEL, prompt="Lists are", max_tokens=15, temperature=0.9, top_p=0.9, seed=7)
         .choices[0]
@@ -234,6 +247,8 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
         {"logit_bias": {str(plain["token_ids"][3]): 4.0}},
         {"stop_token_ids": [plain["token_ids"][5]]},  # decode's: it ends there, its text not shown
         {"stop_token_ids": [plain["token_ids"][0]]},  # prefill's
+        {"stop_token_ids": [plain["token_ids"][5]], "include_stop_str_in_output": True},  # its text shown
+        {"stop_token_ids": [plain["token_ids"][0]], "include_stop_str_in_output": True},
     ]:
         vllm_fields = {name: value for name, value in fields.items() if name != "logit_bias"}
         out = client.completions.create(

@@ -535,7 +535,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
     refused = {
         "presence_penalty": 0.5,
         "frequency_penalty": -1,
-        "include_stop_str_in_output": True,
         "prompt_logprobs": 1,
         "logprob_token_ids": [3],
         "echo": True,

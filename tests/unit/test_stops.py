@@ -3,8 +3,8 @@ import pytest
 from llmesh_router.stops import StopFilter
 
 
-def run(stops, deltas):
-    f, out = StopFilter(stops), []
+def run(stops, deltas, include=False):
+    f, out = StopFilter(stops, include), []
     for d in deltas:
         text, stop = f.feed(d)
         out.append(text)
@@ -34,3 +34,23 @@ def test_nothing_that_may_start_a_stop_is_released_early():
     assert f.feed("abcE") == ("ab", None)
     assert f.feed("N") == ("c", None)
     assert f.feed("D!") == ("", "END")
+
+
+@pytest.mark.parametrize(
+    "stops, deltas, expected",
+    [
+        (["XY"], ["abX", "Ycd"], ("abXY", "XY")),  # spans the boundary: kept, the rest cut
+        (["XY"], ["ab", "cXYd"], ("abcXY", "XY")),
+        (["XY"], ["abX", "Zcd"], ("abXZcd", None)),
+        (["long stop", "s"], ["long st", "op"], ("long s", "s")),
+    ],
+)
+def test_stop_filter_keeping_the_stop_string(stops, deltas, expected):
+    assert run(stops, deltas, include=True) == expected
+
+
+def test_kept_stop_strings_hold_nothing_back():
+    f = StopFilter(["END"], include=True)
+    assert f.feed("abcE") == ("abcE", None)
+    assert f.feed("N") == ("N", None)
+    assert f.feed("D!") == ("D", "END")
