@@ -12,12 +12,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from llmesh.wire import telemetry
 from llmesh.wire.errors import InvalidRequest, MeshError
@@ -43,6 +45,7 @@ from .registry import WorkerRegistry
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2
+CLOSE_STREAMS_S = 5.0  # the most a request's cleanup (its aborts to the workers) may take once its client is gone
 SSE_KEEPALIVE_S = 15.0  # a stream silent this long gets an SSE comment (proxies cut idle streams at 60 s)
 
 
@@ -177,9 +180,12 @@ def create_app(
                 span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
 
-        async def close_streams() -> None:  # a stream closed before its end aborts its request in the worker
-            for stream in streams:
-                await stream.aclose()
+        async def close_streams() -> None:
+            """A stream closed before its end aborts its request in the worker: shielded (Starlette cancels
+            a stream whose client is gone at every await) and bounded."""
+            with anyio.move_on_after(CLOSE_STREAMS_S, shield=True):
+                for stream in streams:
+                    await stream.aclose()
 
         def prompt_tokens(deltas: list[TokenDelta]) -> int:
             """Each prompt's tokens once (from its first choice's delta), as vLLM's usage counts them."""
@@ -212,6 +218,8 @@ def create_app(
             finish(499 if isinstance(exc, asyncio.CancelledError) else 500, exc)
             raise
 
+        client_gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
         async def events() -> AsyncIterator[bytes]:
             try:
                 for index, first in enumerate(firsts):
@@ -224,7 +232,7 @@ def create_app(
                         index,
                         first.stop_reason,
                     )
-                async with aclosing(merged(streams, SSE_KEEPALIVE_S)) as rest:
+                async with aclosing(merged(streams, SSE_KEEPALIVE_S, client_gone)) as rest:
                     async for item in rest:
                         if item is None:  # a silence (e.g. waiting for a worker): proxies and clients keep the stream
                             yield b": keep-alive\n\n"
@@ -244,6 +252,8 @@ def create_app(
                     yield sse(shape.usage_chunk(prompt_tokens(lasts), completion_tokens))
                 yield sse("[DONE]")
                 finish(200, finish_reasons=[last.finish_reason for last in lasts])
+            except _ClientGone:
+                pass  # (finally: its requests aborted)
             except MeshError as exc:  # mid-stream failure: an OpenAI error event, then the end
                 metrics.errors.labels(exc.code).inc()
                 finish(exc.http_status, exc)
@@ -258,11 +268,37 @@ def create_app(
                 await close_streams()  # client gone: the dispatcher aborts the requests in their workers
                 finish(499)
 
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": request_id}
+        return _ClosingStream(
+            events(),
+            client_gone,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
         )
 
     return app
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that tells its body at once when the client is gone (`client_gone`) and closes
+    it however it ends. Starlette only cancels the task iterating a body whose client is gone, and that
+    lands where the task waits, which one with tokens always ready may never do; or it leaves the body
+    suspended, while its choices' streams go on in the workers."""
+
+    def __init__(self, content: AsyncIterator[bytes], client_gone: asyncio.Future[None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.client_gone = client_gone
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        await super().listen_for_disconnect(receive)
+        if not self.client_gone.done():
+            self.client_gone.set_result(None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def _first_of_each(streams: Sequence[AsyncIterator[T]]) -> list[T]:
@@ -278,8 +314,7 @@ async def _first_of_each(streams: Sequence[AsyncIterator[T]]) -> list[T]:
                 raise task.exception()  # type: ignore[misc]
         return [task.result() for task in pending]
     finally:
-        for task in pending:
-            await cancel_and_wait(task)
+        await cancel_and_wait(*pending)
 
 
 async def _rest_of_each(
@@ -294,12 +329,13 @@ async def _rest_of_each(
 
 
 async def merged(
-    streams: Sequence[AsyncIterator[T]], keepalive_s: float | None
+    streams: Sequence[AsyncIterator[T]], keepalive_s: float | None, client_gone: asyncio.Future[None] | None = None
 ) -> AsyncGenerator[tuple[int, T] | None, None]:
     """Every stream's items as (its index, item) as they come, and None after each `keepalive_s` (if
     any) without one. A task a stream pulls it into one queue and one timer a period watches for
     silence: nothing is created per item (a stream's tokens are the router's hottest path). The first
-    stream to fail ends them all with its error; closing this closes them."""
+    stream to fail ends them all with its error, and `client_gone` done with _ClientGone; closing this
+    closes them."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, T] | None | _Ended] = asyncio.Queue()
     last_at = loop.time()
@@ -323,9 +359,14 @@ async def merged(
             silent_s = 0.0
         timer = loop.call_later(keepalive_s - silent_s, watch)
 
+    def stop(_: asyncio.Future[None]) -> None:
+        queue.put_nowait(_Ended(_ClientGone()))
+
     pullers = [asyncio.create_task(pull(index, stream)) for index, stream in enumerate(streams)]
     if keepalive_s is not None:
         timer = loop.call_later(keepalive_s, watch)
+    if client_gone is not None:
+        client_gone.add_done_callback(stop)
     try:
         running = len(pullers)
         while running:
@@ -340,8 +381,9 @@ async def merged(
     finally:
         if timer is not None:
             timer.cancel()
-        for puller in pullers:
-            await cancel_and_wait(puller)
+        if client_gone is not None:
+            client_gone.remove_done_callback(stop)
+        await cancel_and_wait(*pullers)
 
 
 @dataclass(frozen=True, slots=True)

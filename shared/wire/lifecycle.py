@@ -65,14 +65,21 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
 async def cancel_and_wait(*tasks: asyncio.Future) -> None:
     """Cancel `tasks` and wait until each has ended, reading how (a cancelled task left running still
     holds what it was using, e.g. a generator it is inside; one that failed meanwhile would log its
-    error as never retrieved). The caller's own cancellation still propagates."""
+    error as never retrieved). The caller's own cancellation, if it comes meanwhile, propagates once they
+    have ended (anyio's, as Starlette's for a client gone, comes again at every await until then)."""
     for task in tasks:
         task.cancel()
+    cancelled: asyncio.CancelledError | None = None
     for task in tasks:
-        if not task.done():
-            await asyncio.wait({task})
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError as exc:
+                cancelled = exc
         if not task.cancelled():
             task.exception()
+    if cancelled is not None:
+        raise cancelled
 
 
 GRACE_S = 8.0  # after a signal, how long `main` may take to shut down before it is cancelled

@@ -271,6 +271,8 @@ class _Dispatcher:
                 )
             finished = True
         finally:
+            if not finished:
+                await asyncio.sleep(0)  # as the dispatcher's abort to the worker does: an await in the cleanup
             self.ends.append("finished" if finished else "closed")
 
 
@@ -411,6 +413,53 @@ async def test_n_choices_are_requests_of_their_own_choice_i_seeded_with_seed_plu
     assert dispatcher.ends == ["finished"] * 6
 
 
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_client_gone_mid_stream_closes_every_choice_and_ends_the_request(n):
+    """Starlette cancels the stream's task at every await once the client is gone (anyio's cancel scope):
+    the cleanup still closes each choice's stream (the dispatcher's abort to its worker) and counts the
+    request as ended (it was left running in the metrics, found on `make run`)."""
+    import asyncio
+
+    dispatcher, client = _router([[i] for i in range(100_000)])
+    app = client._transport.app
+    sent: list[dict] = []
+    body = json.dumps({"model": "m", "prompt": "hi", "n": n, "stream": True}).encode()
+    requested = False
+
+    async def receive():
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        while len(sent) < 50:  # chunks flowing: then the client hangs up
+            await asyncio.sleep(0.001)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"router")],
+        "client": ("127.0.0.1", 1),
+        "server": ("router", 80),
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    assert dispatcher.ends == ["closed"] * n
+    async with client:
+        samples = _samples((await client.get("/metrics")).text)
+    assert samples["vllm:num_requests_running{model_name=m}"] == 0
+    assert samples["vllm:request_success_total{finished_reason=abort,model_name=m}"] == n
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_choice_refused_before_its_first_token_refuses_the_request_and_closes_the_others(stream):
     dispatcher, client = _router([[1], [2]])
@@ -455,6 +504,37 @@ def test_n_out_of_range_too_many_generations_or_seeds_past_64_bits_are_refused(f
         CompletionRequest(**{"model": "m", "prompt": "hi", **fields})
     assert CompletionRequest(model="m", prompt="hi", n=2, seed=2**63 - 2).choice_samplings()[1].seed == 2**63 - 1
     assert [o.seed for o in CompletionRequest(model="m", prompt="hi", n=2).choice_samplings()] == [None, None]
+
+
+async def test_cancel_and_wait_waits_for_the_tasks_cleanup_through_its_callers_own_cancellation():
+    """anyio cancels a task again at every await (Starlette's, once a client is gone): the tasks still end
+    before the caller's cancellation goes on, so nothing they hold (a stream they are inside) is left."""
+    import asyncio
+
+    from llmesh.wire.lifecycle import cancel_and_wait
+
+    cleaned = asyncio.Event()
+
+    async def holds_a_stream():
+        try:
+            await asyncio.sleep(10)
+        finally:
+            for _ in range(5):  # a cleanup that awaits (an abort sent to a worker)
+                await asyncio.sleep(0)
+            cleaned.set()
+
+    async def caller(task):
+        await cancel_and_wait(task)
+
+    held = asyncio.create_task(holds_a_stream())
+    await asyncio.sleep(0)
+    outer = asyncio.create_task(caller(held))
+    for _ in range(3):  # cancelled again and again, as anyio does
+        await asyncio.sleep(0)
+        outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert cleaned.is_set() and held.cancelled()
 
 
 async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
