@@ -25,13 +25,8 @@ MAX_GENERATIONS = 256  # prompts × n in one request
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
-_OUTPUT_ALONE = (
-    "vLLM counts them on the output alone, and a request's output so far is the prompt of the engine that continues it"
-)
 _STRUCTURED = "structured output is not done"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "presence_penalty": ((0, 0.0), _OUTPUT_ALONE),
-    "frequency_penalty": ((0, 0.0), _OUTPUT_ALONE),
     "prompt_logprobs": ((0,), "logprobs come for the output alone"),
     "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
     "echo": ((False,), "a chat's last message is not echoed"),
@@ -69,6 +64,8 @@ class _Common(BaseModel):
     top_k: int = Field(default=0, ge=-1, le=2**63 - 1)  # vLLM extension: 0 or -1 for every token
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM extension
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM extension: on prompt and output alike
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)  # null: 0, as OpenAI's default
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0, le=2**63 - 1)  # vLLM extension: no end of sequence before this many tokens
     # token id -> added to its logit, clamped to [-100, 100] as OpenAI does
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
@@ -179,6 +176,8 @@ class _Common(BaseModel):
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
             min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or {},
             stop_token_ids=self.stop_token_ids,

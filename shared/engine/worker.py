@@ -78,16 +78,24 @@ def sampling_params(
     **extra: Any,
 ) -> Any:
     """vLLM sampling parameters of a request of which `generated` tokens were generated elsewhere (its
-    prompt here ends with them), with our KV parameters and the current trace context."""
+    prompt here ends with them), with our KV parameters and the current trace context. Presence and
+    frequency penalties count those tokens too (llmesh.engine.penalties applies every penalty then)."""
     from vllm import SamplingParams
 
+    from llmesh.engine.penalties import OUTPUT_PENALTIES, output_penalties
+
+    penalties = {}
+    if options.frequency_penalty or options.presence_penalty:
+        penalties[OUTPUT_PENALTIES] = output_penalties(
+            options.repetition_penalty, options.frequency_penalty, options.presence_penalty, generated
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=options.temperature,
         top_p=options.top_p,
         top_k=options.top_k,
         min_p=options.min_p,
-        repetition_penalty=options.repetition_penalty,
+        repetition_penalty=1.0 if penalties else options.repetition_penalty,
         min_tokens=max(0, min(options.min_tokens - generated, max_tokens)),
         logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
         logprobs=options.logprobs,
@@ -97,7 +105,7 @@ def sampling_params(
         stop=options.stop or None,
         seed=options.seed,
         ignore_eos=options.ignore_eos,
-        extra_args={"kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()}},
+        extra_args={"kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()}, **penalties},
         **extra,
     )
 
@@ -180,6 +188,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
         else None,
         disable_log_stats=True,
+        logits_processors=["llmesh.engine.penalties:OutputPenalties"],
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
             kv_connector_module_path="llmesh.engine.kv_connector",

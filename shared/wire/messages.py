@@ -273,6 +273,8 @@ class SamplingOptions(Message):
     top_k: int = 0  # 0 or -1: every token
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # on the prompt's tokens and the output's alike, so exact across engines
+    frequency_penalty: float = 0.0  # OpenAI's, on the whole output (an engine that resumes it counts its prompt's end)
+    presence_penalty: float = 0.0
     min_tokens: int = 0  # of the whole output (an engine that resumes it owes only the rest)
     logit_bias: dict[str, float] = {}  # token id (MessagePack maps keep string keys) -> added to its logit
     stop_token_ids: list[int] = []  # end the output (their text not shown), as the end-of-sequence token does

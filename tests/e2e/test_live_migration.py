@@ -119,10 +119,12 @@ class Streamed:
     logprobs: list[tuple[str, float]] = field(default_factory=list)  # each token's text and logprob, if asked
 
 
-async def stream(mesh, ids: list[int], keep: int, on_token=None, logprobs: int | None = None) -> Streamed:
-    """Stream a long greedy completion through the router, calling `await on_token(n, request_id)`
-    after the n-th chunk (while the stream waits), and hang up after `keep` chunks or when it
-    returns true.
+async def stream(
+    mesh, ids: list[int], keep: int, on_token=None, logprobs: int | None = None, **sampling: float
+) -> Streamed:
+    """Stream a long greedy completion through the router (with more `sampling` fields), calling
+    `await on_token(n, request_id)` after the n-th chunk (while the stream waits), and hang up after
+    `keep` chunks or when it returns true.
     The request generates up to the context limit, so it outlives the commands sent meanwhile."""
     async with httpx.AsyncClient(timeout=120, headers=mesh.headers) as http:
         async with http.stream(
@@ -137,7 +139,8 @@ async def stream(mesh, ids: list[int], keep: int, on_token=None, logprobs: int |
                 "stream": True,
                 "return_token_ids": True,
             }
-            | ({"logprobs": logprobs} if logprobs is not None else {}),
+            | ({"logprobs": logprobs} if logprobs is not None else {})
+            | sampling,
         ) as resp:
             assert resp.status_code == 200, await resp.aread()
             got = Streamed(resp.headers["x-request-id"], "", [], 0)
@@ -197,12 +200,12 @@ def same_tokens(tokens: list[int], expected: dict, near_tie: float, name: str, d
     )
 
 
-def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0) -> None:
+def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0, **sampling: float) -> None:
     """The streamed tokens (a token or more each chunk: deltas merge while a reader lags) and a
-    monolithic engine's output agree token for token, and so does the text. With `near_tie`, they
-    may part where the stream took a token within that many nats of the reference's choice
-    (recomputed KV is not bit-identical to decoded KV)."""
-    expected = reference.generate(len(streamed.token_ids), prompt_token_ids=ids, top=True, ignore_eos=True)
+    monolithic engine's output (with the same `sampling` fields) agree token for token, and so does
+    the text. With `near_tie`, they may part where the stream took a token within that many nats of the
+    reference's choice (recomputed KV is not bit-identical to decoded KV)."""
+    expected = reference.generate(len(streamed.token_ids), prompt_token_ids=ids, top=True, ignore_eos=True, **sampling)
     assert len(streamed.token_ids) >= streamed.chunks
     if not same_tokens(
         streamed.token_ids,
@@ -330,9 +333,11 @@ def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_wo
             moved_at.append(time.monotonic())
         return len(moved) == 3 and time.monotonic() > moved_at[-1] + 1.0
 
-    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token, logprobs=5))
+    # penalties on the whole output: each engine counts the output before it, the end of its prompt
+    penalties = {"frequency_penalty": 0.2, "presence_penalty": 0.3}
+    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token, logprobs=5, **penalties))
     assert len(moved) == 3 and moved[0] != moved[1] and moved[0] == moved[2]
-    assert_exact(mesh, reference, ids, streamed)
+    assert_exact(mesh, reference, ids, streamed, **penalties)
     hand_overs = resumes(mesh, streamed.request_id, 3)
     assert len(hand_overs) == 3 and {kv for _, _, kv in hand_overs} == {"handle"}, hand_overs
     trace = one_trace(mesh, streamed.request_id, 3)  # the three hand-overs, in the request's trace

@@ -243,6 +243,9 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
     plain = reference.generate(16, prompt_token_ids=ids)
     for fields in [
         {"repetition_penalty": 1.8},  # on prompt and output tokens: the same set after the hand-over
+        # on the output alone: decode counts the prefill's token, its prompt's end (negative: repeats, so a change)
+        {"frequency_penalty": -2.0},
+        {"presence_penalty": -1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
         {"min_tokens": 5, "logit_bias": {str(eos): 100}},  # no end before 5 tokens, then at once
         {"logit_bias": {str(plain["token_ids"][3]): 4.0}},
         {"stop_token_ids": [plain["token_ids"][5]]},  # decode's: it ends there, its text not shown
