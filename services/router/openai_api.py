@@ -429,17 +429,32 @@ class ResponseShape:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             )
-            choice = {"index": index, "delta": delta}
+            body: dict[str, Any] = {"delta": delta}
         else:
-            choice = {"index": index, "text": text}
-        choice |= {
+            body = {"text": text}
+        choice = self._choice(index, body, finish_reason, stop_reason, logprobs, token_ids)
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def _choice(
+        self,
+        index: int,
+        body: dict[str, Any],
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        logprobs: LogprobSteps | None,
+        token_ids: list[int] | None,
+    ) -> dict[str, Any]:
+        """Choice `index` of a chunk or of a whole answer, around its `body` (its text, as each shows it)."""
+        choice = {
+            "index": index,
+            **body,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
             "logprobs": self._logprobs(logprobs, index),
         }
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return choice
 
     def chunk_event(
         self,
@@ -475,20 +490,19 @@ class ResponseShape:
         return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
 
     def final(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
-        """The whole answer; its usage counts the prompt once and every choice's tokens, as vLLM does."""
-        rendered = []
-        for index, c in enumerate(choices):
-            body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
-            choice: dict[str, Any] = {
-                "index": index,
-                **body,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-                "logprobs": self._logprobs(c.logprobs, index),
-            }
-            if c.token_ids is not None:
-                choice["token_ids"] = c.token_ids
-            rendered.append(choice)
+        """The whole answer; its usage counts `prompt_tokens` (each prompt's once) and every choice's tokens,
+        as vLLM does."""
+        rendered = [
+            self._choice(
+                index,
+                {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text},
+                c.finish_reason,
+                c.stop_reason,
+                c.logprobs,
+                c.token_ids,
+            )
+            for index, c in enumerate(choices)
+        ]
         obj = "chat.completion" if self.chat else "text_completion"
         completion_tokens = sum(c.completion_tokens for c in choices)
         return self._envelope(obj, rendered, usage=usage(prompt_tokens, completion_tokens))

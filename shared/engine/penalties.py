@@ -36,31 +36,33 @@ class _Penalized:
     repetition: torch.Tensor  # [1] float32, as vLLM keeps a batch's penalties
     frequency: torch.Tensor  # [1, 1]
     presence: torch.Tensor  # [1, 1]
-    prompt: Sequence[int]  # the engine's prompt, the earlier output at its end
-    earlier: Sequence[int]
+    prompt_mask: torch.Tensor  # [1, vocab]: the tokens of the engine's prompt (the earlier output at its end)
+    earlier_counts: torch.Tensor  # [1, vocab]: of the output generated before this engine
     output: Sequence[int]  # this engine's output: vLLM's own list, growing every step
 
 
 class OutputPenalties(LogitsProcessor):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
         self.device = device
+        self.vocab = vllm_config.model_config.get_vocab_size()
         self.requests: dict[int, _Penalized] = {}  # by the request's row in the batch
 
     def is_argmax_invariant(self) -> bool:
         return False  # penalties change which token is likeliest
 
-    @staticmethod
-    def _added(params: SamplingParams, prompt: list[int] | None, output: list[int]) -> _Penalized | None:
+    def _added(self, params: SamplingParams, prompt: list[int] | None, output: list[int]) -> _Penalized | None:
+        """A request's penalties and what of them is fixed for its life here, on the device once."""
         spec = (params.extra_args or {}).get(OUTPUT_PENALTIES)
         if spec is None:
             return None
         prompt = prompt or []
+        earlier = prompt[len(prompt) - spec["earlier"] :] if spec["earlier"] else []
         return _Penalized(
-            torch.tensor([spec["repetition"]], dtype=torch.float32),
-            torch.tensor([[spec["frequency"]]], dtype=torch.float32),
-            torch.tensor([[spec["presence"]]], dtype=torch.float32),
-            prompt,
-            prompt[len(prompt) - spec["earlier"] :] if spec["earlier"] else [],
+            torch.tensor([spec["repetition"]], dtype=torch.float32).to(self.device),
+            torch.tensor([[spec["frequency"]]], dtype=torch.float32).to(self.device),
+            torch.tensor([[spec["presence"]]], dtype=torch.float32).to(self.device),
+            _bin_counts(prompt, self.vocab, self.device) > 0,
+            _bin_counts(earlier, self.vocab, self.device),
             output,
         )
 
@@ -70,14 +72,12 @@ class OutputPenalties(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         from vllm._custom_ops import apply_repetition_penalties
 
-        vocab = logits.shape[1]
         for row, request in self.requests.items():
-            prompt_mask = _bin_counts(request.prompt, vocab, logits.device) > 0
-            counts = _bin_counts([*request.earlier, *request.output], vocab, logits.device)
+            counts = request.earlier_counts + _bin_counts(request.output, self.vocab, self.device)
             view = logits[row : row + 1]
-            apply_repetition_penalties(view, prompt_mask, counts > 0, request.repetition.to(logits.device))
-            view -= request.frequency.to(logits.device) * counts  # (vLLM's apply_penalties, a row at a time)
-            view -= request.presence.to(logits.device) * (counts > 0)
+            apply_repetition_penalties(view, request.prompt_mask, counts > 0, request.repetition)
+            view -= request.frequency * counts  # (vLLM's apply_penalties, a row at a time)
+            view -= request.presence * (counts > 0)
         return logits
 
 

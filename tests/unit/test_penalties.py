@@ -23,6 +23,8 @@ def _monolithic(logits, prompt, output, repetition, frequency, presence):
 @pytest.mark.parametrize("earlier", [0, 1, 5, 12])
 @pytest.mark.parametrize("repetition, frequency, presence", [(1.0, 0.7, 0.0), (1.0, 0.0, -1.3), (1.3, 0.3, 0.1)])
 def test_penalties_over_the_whole_output_equal_one_engines_bit_for_bit(earlier, repetition, frequency, presence):
+    from types import SimpleNamespace
+
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
@@ -34,7 +36,8 @@ def test_penalties_over_the_whole_output_equal_one_engines_bit_for_bit(earlier, 
     output = torch.randint(0, vocab // 4, (12,), generator=generator).tolist()  # repeats, so counts > 1
     logits = torch.randn((3, vocab), generator=generator).to(torch.bfloat16).to(torch.float32)  # ties, as bf16 gives
 
-    processor = OutputPenalties(None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab))
+    processor = OutputPenalties(config, torch.device("cpu"), False)  # type: ignore[arg-type]
     params = SamplingParams(extra_args={OUTPUT_PENALTIES: output_penalties(repetition, frequency, presence, earlier)})
     own = output[earlier:]  # this engine's output so far: vLLM's list
     processor.update_state(BatchUpdate(3, [], [(1, params, prompt + output[:earlier], own)], []))
