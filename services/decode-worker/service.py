@@ -206,9 +206,7 @@ class DecodeService:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
         span, first = trace.get_current_span(), True
-        async for out in self.worker.engine.generate(
-            tokens_prompt(token_ids, cache_salt), params, request_id=engine_request_id
-        ):
+        async for out in self.worker.generate(tokens_prompt(token_ids, cache_salt), params, engine_request_id):
             o = out.outputs[0]
             if first:
                 span.add_event("first output")

@@ -40,7 +40,7 @@ class PrefillService:
             self.worker.prefill_meter.started()
             computed = 0
             try:
-                async for out in self.worker.engine.generate(
+                async for out in self.worker.generate(
                     tokens_prompt(token_ids, req.cache_salt), params, request_id=f"prefill-{req.request_id}"
                 ):
                     final = out

@@ -25,7 +25,7 @@ MAX_GENERATIONS = 256  # prompts × n in one request
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
-_STRUCTURED = "structured output is not done"
+_GUIDED = "removed from vLLM: use structured_outputs or response_format"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((0,), "logprobs come for the output alone"),
     "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
@@ -33,15 +33,68 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
     "suffix": (("",), "insertion is not done"),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
+    "guided_json": ((), _GUIDED),
+    "guided_regex": ((), _GUIDED),
+    "guided_choice": ((), _GUIDED),
+    "guided_grammar": ((), _GUIDED),
     "tools": (([],), "tool calling is not done"),
     "tool_choice": (("none", "auto"), "tool calling is not done"),
 }
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar or json_object), and options."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None  # EBNF (GBNF, Lark)
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [
+            name
+            for name in ("json_schema", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:  # (vLLM's rule)
+            raise InvalidRequest(
+                "structured output takes exactly one of json, regex, choice, grammar and json_object"
+                + (f", not {len(given)}" if given else ""),
+                param="structured_outputs",
+            )
+        return self
+
+
+class _JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format` (vLLM's structural tags are not done)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:  # (vLLM's error)
+            raise InvalidRequest(
+                "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+                param="response_format",
+            )
+        return self
 
 
 class Prompt(NamedTuple):
@@ -80,6 +133,8 @@ class _Common(BaseModel):
     priority: Int64 = 0  # vLLM extension: lower is more urgent (read by the dispatch policy)
     ttft_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: this request's time-to-first-token target
     tpot_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: its time-per-output-token target
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension
 
     @model_validator(mode="before")
     @classmethod
@@ -184,7 +239,28 @@ class _Common(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprob_count,
             echo=self.echoes,
+            structured=self.structured(),
         )
+
+    def structured(self) -> dict[str, Any] | None:
+        """vLLM's StructuredOutputsParams fields, from `structured_outputs` or `response_format`."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            given = self.structured_outputs
+            return given.model_dump(by_alias=True, exclude_none=True) if given is not None else None
+        if self.structured_outputs is not None:  # (vLLM's rule: one constraint)
+            raise InvalidRequest(
+                "response_format and structured_outputs each give a constraint: give one", param="response_format"
+            )
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        assert fmt.json_schema is not None  # (validated)
+        return {"json": fmt.json_schema.json_schema}
+
+    @model_validator(mode="after")
+    def _one_structure(self) -> _Common:
+        self.structured()
+        return self
 
     def choice_samplings(self) -> list[SamplingOptions]:
         """One a choice: choice i samples with seed + i, as vLLM's parallel sampling does (so choice i of a

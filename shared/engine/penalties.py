@@ -3,7 +3,7 @@
 vLLM counts them on the output alone (`apply_penalties`), and the output a request generated on another
 engine (the prefill's first token, a decode before a migration) is the prompt of the engine that
 continues it. So a request with either penalty has every penalty applied here instead, knowing how many
-of its prompt's last tokens were generated (`SamplingParams.extra_args[OUTPUT_PENALTIES]`), with vLLM's
+of its prompt's last tokens were generated (llmesh.engine.resumed), with vLLM's
 own operations in vLLM's order (repetition, frequency, presence), and none left to vLLM's sampler.
 vLLM runs custom logits processors after its own (min_tokens, logit_bias) and before its penalties,
 where these would have run: the logits are the monolithic engine's bit for bit.
@@ -19,16 +19,18 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from llmesh.engine.resumed import earlier_output
+
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
 
-OUTPUT_PENALTIES = "output_penalties"  # extra_args key: {"repetition", "frequency", "presence", "earlier"}
+OUTPUT_PENALTIES = "output_penalties"  # extra_args key: {"repetition", "frequency", "presence"}
 
 
-def output_penalties(repetition: float, frequency: float, presence: float, earlier: int) -> dict[str, Any]:
-    """The extra_args entry of a request whose last `earlier` prompt tokens are output generated elsewhere."""
-    return {"repetition": repetition, "frequency": frequency, "presence": presence, "earlier": earlier}
+def output_penalties(repetition: float, frequency: float, presence: float) -> dict[str, Any]:
+    """The extra_args entry of a request whose penalties are applied here."""
+    return {OUTPUT_PENALTIES: {"repetition": repetition, "frequency": frequency, "presence": presence}}
 
 
 @dataclass
@@ -56,7 +58,7 @@ class OutputPenalties(LogitsProcessor):
         if spec is None:
             return None
         prompt = prompt or []
-        earlier = prompt[len(prompt) - spec["earlier"] :] if spec["earlier"] else []
+        earlier = earlier_output(prompt, params.extra_args)
         return _Penalized(
             torch.tensor([spec["repetition"]], dtype=torch.float32).to(self.device),
             torch.tensor([[spec["frequency"]]], dtype=torch.float32).to(self.device),

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -79,16 +79,17 @@ def sampling_params(
 ) -> Any:
     """vLLM sampling parameters of a request of which `generated` tokens were generated elsewhere (its
     prompt here ends with them), with our KV parameters and the current trace context. Presence and
-    frequency penalties count those tokens too (llmesh.engine.penalties applies every penalty then)."""
+    frequency penalties count those tokens too (llmesh.engine.penalties applies every penalty then), and a
+    structured output's grammar starts past them (llmesh.engine.resumed)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    from llmesh.engine.penalties import OUTPUT_PENALTIES, output_penalties
+    from llmesh.engine.penalties import output_penalties
+    from llmesh.engine.resumed import earlier_output_args
 
     penalties = {}
     if options.frequency_penalty or options.presence_penalty:
-        penalties[OUTPUT_PENALTIES] = output_penalties(
-            options.repetition_penalty, options.frequency_penalty, options.presence_penalty, generated
-        )
+        penalties = output_penalties(options.repetition_penalty, options.frequency_penalty, options.presence_penalty)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=options.temperature,
@@ -105,7 +106,12 @@ def sampling_params(
         stop=options.stop or None,
         seed=options.seed,
         ignore_eos=options.ignore_eos,
-        extra_args={"kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()}, **penalties},
+        structured_outputs=StructuredOutputsParams(**options.structured) if options.structured else None,
+        extra_args={
+            "kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()},
+            **earlier_output_args(generated),
+            **penalties,
+        },
         **extra,
     )
 
@@ -388,6 +394,25 @@ class EngineWorker:
             prompt, SamplingParams(max_tokens=2, temperature=0.0), request_id=f"warmup-{self.worker_id}"
         ):
             pass
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        """The engine's outputs for one request. What vLLM refuses before it starts (its checks of the
+        parameters: a schema or grammar it cannot compile) is the client's error, as in vLLM's server."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        async with aclosing(self.engine.generate(prompt, params, request_id=request_id)) as outputs:
+            try:
+                first = await anext(outputs)
+            except VLLMClientError as exc:
+                raise InvalidRequest(str(exc)) from exc
+            except EngineGenerateError as exc:
+                if isinstance(exc.__cause__, ValueError):
+                    raise InvalidRequest(str(exc.__cause__)) from exc
+                raise
+            yield first
+            async for out in outputs:
+                yield out
 
     def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
         """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and

@@ -283,6 +283,9 @@ class SamplingOptions(Message):
     # the first delta carries the prompt: its text and, with logprobs, its logprobs (the engine that computes the
     # prompt computes them: a resumed engine does not)
     echo: bool = False
+    # a structured output: vLLM's StructuredOutputsParams fields (one constraint: json, regex, choice, grammar or
+    # json_object); each engine's grammar follows the whole output (an engine that resumes it starts past its start)
+    structured: dict[str, Any] | None = None
 
 
 class PrefillRequest(Message):

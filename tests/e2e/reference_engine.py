@@ -10,7 +10,7 @@ vLLM's candidates a step, [token, logprob, text], the sampled one first; with "p
 "sampling", "prompt_steps" the prompt's, as vLLM's server shows them (the first token's logprob None,
 its text decoded) and "prompt_text" the prompt decoded, as the server echoes token prompts;
 with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the end-of-sequence
-token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings).
+token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings, structured_outputs a dict).
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
 the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
 tokens before it (0 where greedy decoding would have chosen it).
@@ -109,6 +109,10 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
 def sampling(fields: dict) -> dict:
     if "logit_bias" in fields:
         fields = fields | {"logit_bias": {int(token): bias for token, bias in fields["logit_bias"].items()}}
+    if "structured_outputs" in fields:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        fields = fields | {"structured_outputs": StructuredOutputsParams(**fields["structured_outputs"])}
     return fields
 
 

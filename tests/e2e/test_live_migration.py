@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -120,7 +121,7 @@ class Streamed:
 
 
 async def stream(
-    mesh, ids: list[int], keep: int, on_token=None, logprobs: int | None = None, **sampling: float
+    mesh, ids: list[int], keep: int, on_token=None, logprobs: int | None = None, **sampling: Any
 ) -> Streamed:
     """Stream a long greedy completion through the router (with more `sampling` fields), calling
     `await on_token(n, request_id)` after the n-th chunk (while the stream waits), and hang up after
@@ -200,7 +201,7 @@ def same_tokens(tokens: list[int], expected: dict, near_tie: float, name: str, d
     )
 
 
-def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0, **sampling: float) -> None:
+def assert_exact(mesh, reference, ids: list[int], streamed: Streamed, near_tie: float = 0.0, **sampling: Any) -> None:
     """The streamed tokens (a token or more each chunk: deltas merge while a reader lags) and a
     monolithic engine's output (with the same `sampling` fields) agree token for token, and so does
     the text. With `near_tie`, they may part where the stream took a token within that many nats of the
@@ -333,11 +334,17 @@ def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_wo
             moved_at.append(time.monotonic())
         return len(moved) == 3 and time.monotonic() > moved_at[-1] + 1.0
 
-    # penalties on the whole output: each engine counts the output before it, the end of its prompt
-    penalties = {"frequency_penalty": 0.2, "presence_penalty": 0.3}
-    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token, logprobs=5, **penalties))
+    # penalties on the whole output and a grammar: each engine counts the output before it, the end of its
+    # prompt, and its grammar starts past it (one that never ends, so the output outlives the moves)
+    fields = {
+        "frequency_penalty": 0.2,
+        "presence_penalty": 0.3,
+        "structured_outputs": {"grammar": "root ::= [a-z ] root"},
+    }
+    streamed = asyncio.run(stream(mesh, ids, 100_000, on_token, logprobs=5, **fields))
     assert len(moved) == 3 and moved[0] != moved[1] and moved[0] == moved[2]
-    assert_exact(mesh, reference, ids, streamed, **penalties)
+    assert set(streamed.text) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert_exact(mesh, reference, ids, streamed, **fields)
     hand_overs = resumes(mesh, streamed.request_id, 3)
     assert len(hand_overs) == 3 and {kv for _, _, kv in hand_overs} == {"handle"}, hand_overs
     trace = one_trace(mesh, streamed.request_id, 3)  # the three hand-overs, in the request's trace

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import signal
@@ -270,6 +271,65 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
             expected["text"],
         ), fields
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
+
+
+STRUCTURES = [
+    {
+        "json": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"}},
+            "required": ["name", "size"],
+        },
+        "disable_any_whitespace": True,
+    },
+    {"regex": "(alpha|beta)( [0-9]{2}){6}"},
+    {"choice": ["the quick brown fox jumps over", "a lazy dog sleeps in the sun", "lists are"]},
+    {"grammar": 'root ::= "(" item (", " item)* ")"\nitem ::= [a-z]+'},
+    {"json_object": True, "disable_any_whitespace": True},
+]
+
+
+@pytest.mark.parametrize("structure", STRUCTURES, ids=lambda s: next(iter(s)))
+def test_structured_output_is_the_monolithic_engines_across_prefill_and_decode(client, reference, structure):
+    """The prefill samples the first token under the grammar; decode's grammar starts past it (its prompt's
+    last token), as the monolithic engine's stands: without that, decode's grammar would start over."""
+    ids = token_prompt(200, seed=3434)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"return_token_ids": True, "structured_outputs": structure},
+    ).choices[0]
+    expected = reference.generate(40, prompt_token_ids=ids, structured_outputs=structure)
+    assert (out.token_ids, out.finish_reason, out.text) == (
+        expected["token_ids"],
+        expected["finish_reason"],
+        expected["text"],
+    )
+    assert len(out.token_ids) > 2  # decode's part is under test
+    if "json" in structure and out.finish_reason == "stop":
+        assert set(json.loads(out.text)) == {"name", "size"}
+    if "choice" in structure:
+        assert out.text in structure["choice"]
+
+
+def test_response_format_json_schema_in_chat_streamed_and_whole_is_the_monolithic_engines(client, reference, tokenizer):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    chat = [{"role": "user", "content": "Answer in JSON."}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=30, temperature=0, response_format=fmt
+    )
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=30, temperature=0, response_format=fmt, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    template = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(template, add_special_tokens=False)  # as the workers apply it
+    expected = reference.generate(30, prompt_token_ids=ids, structured_outputs={"json": schema})
+    assert whole.choices[0].message.content == text == expected["text"]
+    assert text.startswith("{")
 
 
 def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):
@@ -657,6 +717,25 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [999999]}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
+        # vLLM refuses these structures when the request reaches it (the prefill worker's engine): a 400 still
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(a"}},
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "structured_outputs": {"grammar": "root ::= nothing"}},
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "structured_outputs": {"json": {"type": "no-such-type"}}},
+            400,
+            "invalid_request",
+        ),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "cache_salt": "a/b"},

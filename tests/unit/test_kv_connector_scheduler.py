@@ -39,6 +39,8 @@ class FakeRequest:
     lora_request: Any = None
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False  # (vLLM sets it for prompt logprobs)
+    sampling_params: Any = None
+    structured_output_request: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -138,6 +140,37 @@ def test_a_decode_loads_all_but_its_last_token_at_and_around_block_boundaries(le
     loaded = -(-length // SIZE)
     assert load.block_ids == ids[:loaded] and load.hashes == handle["block_hashes"][:loaded]
     assert load.last_block_tokens == length % SIZE
+
+
+def test_a_resumed_requests_grammar_accepts_its_earlier_output_once_before_its_first_step():
+    from vllm import SamplingParams
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    from llmesh.engine.resumed import earlier_output_args
+
+    class Grammar(StructuredOutputGrammar):  # a test double: what it was given
+        def __init__(self):
+            self.accepted: list[list[int]] = []
+
+        def accept_tokens(self, request_id, tokens):
+            self.accepted.append(list(tokens))
+            return True
+
+        validate_tokens = rollback = fill_bitmask = is_terminated = reset = lambda *args: None
+
+    handle = prefilled(40)
+    for earlier, grammar in ((3, Grammar()), (0, Grammar())):
+        request = FakeRequest(
+            f"d{earlier}",
+            prompt(40 + earlier),
+            kv_transfer_params=handle,
+            sampling_params=SamplingParams(extra_args=earlier_output_args(earlier)),
+            structured_output_request=SimpleNamespace(grammar=grammar),
+        )
+        decode = side(consumer=True)
+        for _ in range(2):  # vLLM may ask again before it schedules the request
+            decode.get_num_new_matched_tokens(request, 0)
+        assert grammar.accepted == ([prompt(40 + earlier)[-earlier:]] if earlier else [])
 
 
 def test_a_chunked_prefill_saves_each_full_block_as_it_is_computed_and_the_partial_tail_last():

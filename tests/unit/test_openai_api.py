@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from llmesh.wire.errors import InvalidRequest
 from llmesh_router.openai_api import Choice, ResponseShape, sse
 
 TEXTS = ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab", "ünïcødé ✓ 🚀", "\x00 nul", '"\\u0000"']
@@ -83,6 +84,52 @@ def test_vllms_sampling_fields_reach_the_engines_options_checked_and_clamped():
         {"stop_token_ids": [-1]},
     ):
         with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="hi", **bad)
+
+
+def test_structured_outputs_and_response_format_reach_the_engines_options_as_vllms_server_combines_them():
+    from pydantic import ValidationError
+
+    from llmesh.engine.worker import sampling_params
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+            {"json": schema},
+        ),
+        ({"structured_outputs": {"regex": "[ab]+", "disable_any_whitespace": True}}, {"regex": "[ab]+"}),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, {"choice": ["x", "y"]}),
+        ({"structured_outputs": {"json": schema}}, {"json": schema}),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, {"grammar": 'root ::= "a"'}),
+    ]
+    for fields, constraint in cases:
+        for request in (CompletionRequest(model="m", prompt="hi", **fields), ChatCompletionRequest(**chat, **fields)):
+            options = request.sampling()
+            if constraint is None:
+                assert options.structured is None
+                continue
+            assert options.structured is not None and constraint.items() <= options.structured.items()
+            params = sampling_params(options, max_tokens=4, kv_transfer_params={}, generated=2)
+            assert params.structured_outputs is not None and params.extra_args["earlier_output"] == 2
+    assert CompletionRequest(
+        model="m", prompt="hi", structured_outputs={"regex": "a", "disable_any_whitespace": True}
+    ).sampling().structured == {"regex": "a", "disable_any_whitespace": True, "disable_additional_properties": False}
+    for bad in (
+        {"structured_outputs": {}},  # no constraint
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},  # two
+        {"structured_outputs": {"choice": []}},
+        {"structured_outputs": {"structural_tag": "{}"}},  # not done
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema"}},  # no schema (vLLM's error)
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+        {"response_format": {"type": "structural_tag", "format": {}}},
+    ):
+        with pytest.raises((ValidationError, InvalidRequest)):
             CompletionRequest(model="m", prompt="hi", **bad)
 
 
@@ -619,8 +666,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "best_of": 2,
         "use_beam_search": True,
         "suffix": "end",
-        "response_format": {"type": "json_object"},
-        "structured_outputs": {"json": {}},
         "guided_json": {},
         "guided_regex": "a+",
         "guided_choice": ["a"],

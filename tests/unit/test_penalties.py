@@ -28,7 +28,8 @@ def test_penalties_over_the_whole_output_equal_one_engines_bit_for_bit(earlier, 
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from llmesh.engine.penalties import OUTPUT_PENALTIES, OutputPenalties, output_penalties
+    from llmesh.engine.penalties import OutputPenalties, output_penalties
+    from llmesh.engine.resumed import earlier_output_args
 
     generator = torch.Generator().manual_seed(earlier)
     vocab = 64
@@ -38,7 +39,7 @@ def test_penalties_over_the_whole_output_equal_one_engines_bit_for_bit(earlier, 
 
     config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab))
     processor = OutputPenalties(config, torch.device("cpu"), False)  # type: ignore[arg-type]
-    params = SamplingParams(extra_args={OUTPUT_PENALTIES: output_penalties(repetition, frequency, presence, earlier)})
+    params = SamplingParams(extra_args=output_penalties(repetition, frequency, presence) | earlier_output_args(earlier))
     own = output[earlier:]  # this engine's output so far: vLLM's list
     processor.update_state(BatchUpdate(3, [], [(1, params, prompt + output[:earlier], own)], []))
     got = processor.apply(logits.clone())
@@ -65,4 +66,5 @@ def test_a_request_without_output_penalties_is_left_to_vllm():
         SamplingOptions(repetition_penalty=1.2, frequency_penalty=0.5), max_tokens=4, kv_transfer_params={}, generated=3
     )
     assert isinstance(both, SamplingParams) and both.repetition_penalty == 1.0 and both.frequency_penalty == 0.0
-    assert both.extra_args["output_penalties"] == {"repetition": 1.2, "frequency": 0.5, "presence": 0.0, "earlier": 3}
+    assert both.extra_args["output_penalties"] == {"repetition": 1.2, "frequency": 0.5, "presence": 0.0}
+    assert both.extra_args["earlier_output"] == 3

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from llmesh.engine.resumed import resume_grammar
 from llmesh.policies.preemption import RateEstimate, swap_or_recompute
 from llmesh.wire.config import ConnectorConfig
 from llmesh.wire.errors import InvalidRequest, MeshError
@@ -80,6 +81,7 @@ class ConnectorScheduler:
         self._planned_exports: list[BlockTransfer] = []
         self._saves: dict[str, _SaveState] = {}
         self._durable_tails: set[str] = set()  # tail ids of requests migrating away: their tail is durable
+        self._resumed: set[str] = set()  # requests whose grammar was brought past their earlier output
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -117,6 +119,9 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._seed(request)  # build_connector_meta sees only the request's scheduling data
+        if request.request_id not in self._resumed:  # vLLM asks before the request's first step (and may ask again)
+            self._resumed.add(request.request_id)
+            resume_grammar(request)  # the one scheduler-side hook a request passes before it runs
         if request.skip_reading_prefix_cache:  # it asks for prompt logprobs: vLLM computes its whole prompt
             return 0, False
         params = request.kv_transfer_params or {}
@@ -346,6 +351,7 @@ class ConnectorScheduler:
         self._load_plans.pop(request.request_id, None)
         self._reused_blocks.pop(request.request_id, None)
         self._decided.pop(request.request_id, None)
+        self._resumed.discard(request.request_id)
         preemptions = self._preemptions.pop(request.request_id, None)
         extra = {"preemptions": preemptions} if preemptions else {}
         if state is None or not state.producer:

@@ -1,0 +1,46 @@
+"""A request resumed on this engine: the output generated before it here (the prefill's first token, a
+decode's before a migration or a failover) ends the engine's prompt. vLLM takes all of it as prompt;
+what must count those tokens as output reads how many there are in `SamplingParams.extra_args`:
+the penalties (llmesh.engine.penalties) and a structured output's grammar (`resume_grammar`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+EARLIER_OUTPUT = "earlier_output"  # extra_args key: how many of the prompt's last tokens are earlier output
+
+log = logging.getLogger("llmesh.engine.resumed")
+
+
+def earlier_output_args(generated: int) -> dict[str, Any]:
+    """The extra_args entry of a request whose last `generated` prompt tokens are its earlier output."""
+    return {EARLIER_OUTPUT: generated} if generated else {}
+
+
+def earlier_output(prompt: list[int], extra_args: dict[str, Any] | None) -> list[int]:
+    """The output a request generated before this engine: the end of its prompt here."""
+    count = (extra_args or {}).get(EARLIER_OUTPUT, 0)
+    return prompt[len(prompt) - count :] if count else []
+
+
+def resume_grammar(request: Request) -> None:
+    """Advance a structured-output request's grammar past its earlier output, as the monolithic engine's
+    grammar stands after generating it: called once, before the request's first step on this engine (its
+    grammar is compiled by then: vLLM schedules nothing of a request whose grammar is not)."""
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    structured = request.structured_output_request
+    if structured is None or not request.sampling_params:
+        return
+    earlier = earlier_output(request.prompt_token_ids or [], request.sampling_params.extra_args)
+    grammar = structured.grammar
+    if not earlier or not isinstance(grammar, StructuredOutputGrammar):
+        return
+    if not grammar.accept_tokens(request.request_id, earlier):
+        # Not expected: the engine before this one generated them under the same grammar.
+        log.error("request %s: its grammar rejects its earlier output %s", request.request_id, earlier[:32])
