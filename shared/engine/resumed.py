@@ -1,7 +1,8 @@
 """A request resumed on this engine: the output generated before it here (the prefill's first token, a
 decode's before a migration or a failover) ends the engine's prompt. vLLM takes all of it as prompt;
 what must count those tokens as output reads how many there are in `SamplingParams.extra_args`:
-the penalties (llmesh.engine.penalties) and a structured output's grammar (`resume_grammar`).
+the penalties (llmesh.engine.penalties), a structured output's grammar (`resume_grammar`) and a seeded
+request's random stream (`continue_seeded_streams`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from vllm.v1.request import Request
 
 EARLIER_OUTPUT = "earlier_output"  # extra_args key: how many of the prompt's last tokens are earlier output
@@ -44,3 +46,38 @@ def resume_grammar(request: Request) -> None:
     if not grammar.accept_tokens(request.request_id, earlier):
         # Not expected: the engine before this one generated them under the same grammar.
         log.error("request %s: its grammar rejects its earlier output %s", request.request_id, earlier[:32])
+
+
+def skip_draws(generator: torch.Generator, draws: int) -> None:
+    """Move a request's seeded generator past `draws` of vLLM's sampling steps, a draw a step: on CPU
+    one integer (`TopKTopPSampler.forward_cpu` seeds each step's noise from it); on CUDA an
+    exponential per vocabulary entry, which moves the Philox offset by 4 (vLLM's own rewind of a
+    discarded sample assumes as much). Not for `use_fp64_gumbel` or ROCm's sampler."""
+    import torch
+
+    if generator.device.type == "cpu":
+        torch.randint(0, 2**31, (draws,), generator=generator, dtype=torch.long)
+    else:
+        generator.set_offset(generator.get_offset() + 4 * draws)
+
+
+def continue_seeded_streams() -> None:
+    """Make a seeded request resumed on this engine sample on from where the monolithic engine's random
+    stream stands after its earlier output, not from the seed's start: vLLM makes a request's generator
+    when its state is created in the model runner (once a request: a preempted one keeps it), so the
+    generator skips the earlier output's draws there. Called by the vLLM plugin in the mesh's engines."""
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    made = CachedRequestState.__post_init__
+    if getattr(made, "continues_seeded_streams", False):
+        return
+
+    def __post_init__(self: CachedRequestState) -> None:
+        made(self)
+        if self.generator is not None and self.sampling_params is not None:
+            draws = len(earlier_output(self.prompt_token_ids or [], self.sampling_params.extra_args))
+            if draws:
+                skip_draws(self.generator, draws)
+
+    __post_init__.continues_seeded_streams = True  # type: ignore[attr-defined]
+    CachedRequestState.__post_init__ = __post_init__  # type: ignore[method-assign]

@@ -1,8 +1,8 @@
 """A vLLM general plugin (entry point `vllm.general_plugins`), loaded by vLLM in every engine
 process: the API process, the EngineCore and each Worker.
 
-It does nothing unless `MESH_ENGINE_SPIN_S` or `MESH_ENGINE_CORES` is set, which the mesh's
-workers set from their settings (so a plain vLLM server in the same environment runs as shipped):
+It does nothing unless `MESH_ENGINE_SPIN_S`, `MESH_ENGINE_CORES` or `MESH_ENGINE_RESUMES` is set,
+which the mesh's workers set (so a plain vLLM server in the same environment runs as shipped):
 
 - `MESH_ENGINE_CORES`: the cores the engine computes on (`VLLM_CPU_OMP_THREADS_BIND`'s syntax);
   the EngineCore process is kept on them. vLLM binds only the Workers' compute threads, so the
@@ -18,6 +18,9 @@ workers set from their settings (so a plain vLLM server in the same environment 
   100% CPU; fine with cores to spare, but on a host with about one core per engine the
   spinning steals the core from the compute and from every other service. 0 sleeps at once (a
   wake-up costs tens of microseconds per step).
+
+- `MESH_ENGINE_RESUMES`: a seeded request resumed on the engine samples on from where the monolithic
+  engine's random stream stands after its earlier output (llmesh.engine.resumed).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ def _keep_on(cores: set[int]) -> None:
 
 
 def register() -> None:
+    if os.environ.get("MESH_ENGINE_RESUMES"):
+        from llmesh.engine.resumed import continue_seeded_streams
+
+        continue_seeded_streams()
     cores = engine_cores(os.environ.get("MESH_ENGINE_CORES", ""))
     if cores and multiprocessing.current_process().name.startswith("EngineCore"):
         _keep_on(cores)

@@ -355,6 +355,7 @@ class EngineWorker:
 
     @classmethod
     async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
+        os.environ["MESH_ENGINE_RESUMES"] = "1"  # for llmesh.engine.vllm_plugin in the engine's processes
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
         if settings.cpu_cores:
@@ -381,19 +382,28 @@ class EngineWorker:
         return worker
 
     async def _warm_up(self) -> None:
-        """Run one request before announcing the worker.
+        """Run two requests before announcing the worker.
 
         vLLM-CPU 0.32 was seen dying with SIGILL when its very first forward pass had only a
         few tokens (a long first pass avoids it), and warm engines also answer the first user faster.
+        With logprobs, whose ranks vLLM counts with a function `torch.compile`d on its first call (2 s
+        here, stalling every request on the engine), and with a structured output, whose grammar backend
+        (xgrammar) vLLM imports on its first one, on its scheduler's thread.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
 
         prompt = TokensPrompt(prompt_token_ids=WARMUP_PROMPT)
-        async for _ in self.engine.generate(
-            prompt, SamplingParams(max_tokens=2, temperature=0.0), request_id=f"warmup-{self.worker_id}"
+        for kind, params in (
+            ("", SamplingParams(max_tokens=2, temperature=0.0, logprobs=1)),
+            (
+                "-grammar",
+                SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="a")),
+            ),
         ):
-            pass
+            async for _ in self.engine.generate(prompt, params, request_id=f"warmup{kind}-{self.worker_id}"):
+                pass
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         """The engine's outputs for one request. What vLLM refuses before it starts (its checks of the

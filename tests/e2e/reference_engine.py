@@ -3,14 +3,15 @@
 Arguments: model, max_model_len, block_size[, tensor_parallel_size].
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
--> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str, "stop_reason": ...}. Greedy
-sampling. With "top": true it adds each step's five likeliest tokens and logprobs (bf16 logits tie,
-three ways too). Where logprobs were asked for ("top", or "logprobs" in "sampling"), "steps" gives
-vLLM's candidates a step, [token, logprob, text], the sampled one first; with "prompt_logprobs" in
-"sampling", "prompt_steps" the prompt's, as vLLM's server shows them (the first token's logprob None,
-its text decoded) and "prompt_text" the prompt decoded, as the server echoes token prompts;
-with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates past the end-of-sequence
-token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are strings, structured_outputs a dict).
+-> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str, "stop_reason": ...}.
+Greedy sampling unless "sampling" says otherwise. With "top": true it adds each step's five likeliest
+tokens and logprobs (bf16 logits tie, three ways too). Where logprobs were asked for ("top", or
+"logprobs" in "sampling"), "steps" gives vLLM's candidates a step, [token, logprob, text], the sampled
+one first; with "prompt_logprobs" in "sampling", "prompt_steps" the prompt's, as vLLM's server shows
+them (the first token's logprob None, its text decoded) and "prompt_text" the prompt decoded, as the
+server echoes token prompts; with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates
+past the end-of-sequence token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are
+strings, structured_outputs a dict).
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
 the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
 tokens before it (0 where greedy decoding would have chosen it).
@@ -68,11 +69,9 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             continue
         started, stamps = time.perf_counter(), []
         params = SamplingParams(
-            max_tokens=req["max_tokens"],
-            temperature=0.0,
-            **({"logprobs": TOP} if req.get("top") else {}),
-            ignore_eos=bool(req.get("ignore_eos")),
-            **sampling(req.get("sampling", {})),
+            **{"max_tokens": req["max_tokens"], "temperature": 0.0, "ignore_eos": bool(req.get("ignore_eos"))}
+            | ({"logprobs": TOP} if req.get("top") else {})
+            | sampling(req.get("sampling", {}))
         )
         async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
             stamps.append(time.perf_counter())

@@ -334,9 +334,12 @@ def test_repeated_migrations_there_and_back_are_exact(mesh, reference, decode_wo
             moved_at.append(time.monotonic())
         return len(moved) == 3 and time.monotonic() > moved_at[-1] + 1.0
 
-    # penalties on the whole output and a grammar: each engine counts the output before it, the end of its
-    # prompt, and its grammar starts past it (one that never ends, so the output outlives the moves)
+    # penalties on the whole output, a grammar and seeded sampling: each engine counts the output before it,
+    # the end of its prompt, and its grammar (one that never ends, so the output outlives the moves) and its
+    # random stream start past it
     fields = {
+        "temperature": 0.8,
+        "seed": 11,
         "frequency_penalty": 0.2,
         "presence_penalty": 0.3,
         "structured_outputs": {"grammar": "root ::= [a-z ] root"},

@@ -182,13 +182,20 @@ def test_stop_sequences_and_seeded_sampling(client, reference):
         kept_text = "".join(c.choices[0].text for c in kept) if stream else kept.choices[0].text
         expected = reference.generate(30, prompt="Lists are", stop=[stop], include_stop_str_in_output=True)
         assert kept_text == expected["text"] and kept_text.endswith(stop), (kept_text, expected["text"])
-    seeded = [
-        client.completions.create(model=MODEL, prompt="Lists are", max_tokens=15, temperature=0.9, top_p=0.9, seed=7)
-        .choices[0]
-        .text
-        for _ in range(2)
-    ]
-    assert seeded[0] == seeded[1]
+
+
+def test_seeded_sampling_is_the_monolithic_engines_across_prefill_and_decode(client, reference):
+    """The prefill samples the first token from the seed's stream; decode's stream starts past that draw,
+    where the monolithic engine's stands: without that, decode would draw the first token's noise again."""
+    ids = token_prompt(120, seed=3535)
+    fields = {"temperature": 0.9, "top_p": 0.9, "top_k": 50}
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=24, seed=7, n=2, extra_body={"return_token_ids": True} | fields
+    )
+    for choice in out.choices:  # choice i samples with seed + i
+        expected = reference.generate(24, prompt_token_ids=ids, seed=7 + choice.index, **fields)
+        assert (choice.token_ids, choice.text) == (expected["token_ids"], expected["text"])
+    assert out.choices[0].token_ids != out.choices[1].token_ids
 
 
 @pytest.fixture(scope="module")
