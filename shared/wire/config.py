@@ -304,11 +304,12 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
     enforce_eager: bool = Field(True, description="Disable graph capture (required on CPU).")
     engine_spin_s: float | None = Field(
         None,
-        ge=0,
+        gt=0,
         description="How long the engine's scheduler and model processes busy-wait for each other "
         "before sleeping (vLLM: 1 s, keeping two processes per active engine at 100% CPU). Empty: 0.02 on CPU, "
         "where the mesh's services need those cores (measured: a third less engine CPU at the same latency), "
-        "vLLM's own on GPU hosts. Applied by the llmesh vLLM plugin (llmesh.engine.vllm_plugin).",
+        "vLLM's own on GPU hosts. Above 0: with none, vLLM's wake-up notices get lost and steps wait 5 s "
+        "(measured). Applied by the llmesh vLLM plugin (llmesh.engine.vllm_plugin).",
     )
     capacity: int = Field(
         256,

@@ -16,9 +16,13 @@ def test_kv_blocks_caps_the_engine_only_when_set(monkeypatch, value, expected):
     assert WorkerSettings().kv_blocks == expected
 
 
-def test_kv_blocks_must_be_positive(monkeypatch):
+def test_kv_blocks_and_the_engines_spin_must_be_positive(monkeypatch):
     monkeypatch.setenv("MESH_KV_BLOCKS", "0")
     with pytest.raises(pydantic.ValidationError, match="kv_blocks"):
+        WorkerSettings()
+    monkeypatch.delenv("MESH_KV_BLOCKS")
+    monkeypatch.setenv("MESH_ENGINE_SPIN_S", "0")  # vLLM's wake-ups get lost without any spin
+    with pytest.raises(pydantic.ValidationError, match="engine_spin_s"):
         WorkerSettings()
 
 
