@@ -24,9 +24,14 @@ def earlier_output_args(generated: int) -> dict[str, Any]:
     return {EARLIER_OUTPUT: generated} if generated else {}
 
 
+def earlier_output_count(extra_args: dict[str, Any] | None) -> int:
+    """How many tokens a request generated before this engine (the end of its prompt here)."""
+    return (extra_args or {}).get(EARLIER_OUTPUT, 0)
+
+
 def earlier_output(prompt: list[int], extra_args: dict[str, Any] | None) -> list[int]:
     """The output a request generated before this engine: the end of its prompt here."""
-    count = (extra_args or {}).get(EARLIER_OUTPUT, 0)
+    count = earlier_output_count(extra_args)
     return prompt[len(prompt) - count :] if count else []
 
 
@@ -75,7 +80,7 @@ def continue_seeded_streams() -> None:
     def __post_init__(self: CachedRequestState) -> None:
         made(self)
         if self.generator is not None and self.sampling_params is not None:
-            draws = len(earlier_output(self.prompt_token_ids or [], self.sampling_params.extra_args))
+            draws = earlier_output_count(self.sampling_params.extra_args)
             if draws:
                 skip_draws(self.generator, draws)
 
