@@ -18,11 +18,12 @@ worker that stops heart-beating fails the request at once, not at the deadline).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from opentelemetry import context, trace
 
@@ -147,6 +148,7 @@ class Generation:
     messages: list[ChatMessage] | None
     sampling: SamplingOptions  # max_tokens None: the rest of the context
     deadline: float  # wall-clock (time.time())
+    tools: list[dict[str, Any]] | None = None  # a chat's, for its template
     cache_salt: str | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent
     ttft_slo_s: float | None = None  # None: the router's default
@@ -195,6 +197,7 @@ class Dispatcher:
             return len(gen.prompt_token_ids)
         if gen.messages is not None:
             chars = sum(len(m.content) for m in gen.messages) + CHAT_TEMPLATE_CHARS * len(gen.messages)
+            chars += len(json.dumps(gen.tools)) if gen.tools else 0  # (as templates list them, roughly)
         else:
             chars = len(gen.prompt or "")
         return max(1, round(chars * self._tokens_per_char))
@@ -291,6 +294,7 @@ class Dispatcher:
             prompt=gen.prompt,
             prompt_token_ids=gen.prompt_token_ids,
             messages=gen.messages,
+            tools=gen.tools,
             sampling=gen.sampling,
             deadline=gen.deadline,
             predicted_length=predicted,

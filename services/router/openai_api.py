@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta
+
+from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, ToolCallStream, tool_calling
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -22,6 +24,7 @@ TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_CHOICES = 128  # OpenAI's limit on n (each choice is a request of its own to admission and the workers)
 MAX_GENERATIONS = 256  # prompts × n in one request
+MAX_TOOLS = 128  # OpenAI's limit on tools
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
@@ -37,8 +40,8 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_regex": ((), _GUIDED),
     "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED),
-    "tools": (([],), "tool calling is not done"),
-    "tool_choice": (("none", "auto"), "tool calling is not done"),
+    "tools": ((), "tools are for chat completions"),
+    "tool_choice": (("none",), "tools are for chat completions"),
 }
 
 
@@ -103,6 +106,7 @@ class Prompt(NamedTuple):
     prompt: str | None
     prompt_token_ids: list[int] | None
     messages: list[ChatMessage] | None
+    tools: list[dict[str, Any]] | None = None  # a chat's tools, for its template
 
 
 class _Common(BaseModel):
@@ -244,6 +248,8 @@ class _Common(BaseModel):
 
     def structured(self) -> dict[str, Any] | None:
         """vLLM's StructuredOutputsParams fields, from `structured_outputs` or `response_format`."""
+        if self.tool_calling is not None:  # (vLLM's: the call's constraint replaces theirs)
+            return self.tool_calling.constraint()
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             given = self.structured_outputs
@@ -273,6 +279,11 @@ class _Common(BaseModel):
     @property
     def logprob_count(self) -> int | None:
         """How many of the likeliest tokens each output token comes with; None: no logprobs."""
+        return None
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        """The call the output is forced to make (None: the output is text)."""
         return None
 
     def inputs(self) -> list[Prompt]:
@@ -336,8 +347,11 @@ class _ChatPart(BaseModel):
 
 class _ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[_ChatPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[_ChatPart] | None = None  # None: empty (an assistant turn that called tools)
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -348,22 +362,48 @@ class _ChatMessageIn(BaseModel):
         return content
 
     def to_message(self) -> ChatMessage:
-        """Text parts joined by newlines, as vLLM joins them for a chat template that takes text."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
+        """Text parts joined by newlines, as vLLM joins them for a chat template that takes text; tool
+        calls as templates take them (an assistant's; none where it made none, as vLLM drops an empty list)."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or ())
+        return ChatMessage(
+            role="system" if self.role == "developer" else self.role,
+            content=content,
+            tool_calls=[c.for_template() for c in self.tool_calls or ()] or None if self.role == "assistant" else None,
+            tool_call_id=self.tool_call_id if self.role == "tool" else None,
+            name=self.name,
+        )
 
 
 class ChatCompletionRequest(_Common):
     messages: list[_ChatMessageIn] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # read with logprobs alone, as vLLM does
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool | None = True
+    _tool_calling: ToolCalling | None = PrivateAttr(default=None)
 
     @property
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        return self._tool_calling
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        self._tool_calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.tool_calling is not None and self.tool_calling.function is not None and self.structured_outputs:
+            raise InvalidRequest(  # (vLLM's rule)
+                "You can only either use constraints for structured outputs or tools, not both.",
+                param="structured_outputs",
+            )
+        return self
+
     def inputs(self) -> list[Prompt]:
-        return [Prompt(None, None, [m.to_message() for m in self.messages])]
+        tools = [t.model_dump() for t in self.tools] if self.tools else None
+        return [Prompt(None, None, [m.to_message() for m in self.messages], tools)]
 
     @model_validator(mode="before")
     @classmethod
@@ -451,12 +491,16 @@ class ResponseShape:
 
     _TEXT_MARK = "\x00"  # stands for a chunk's text in its template (JSON: "\u0000")
 
-    def __init__(self, chat: bool, request_id: str, model: str, logprobs: int | None = None):
-        """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs)."""
-        self.chat, self.id, self.model, self.top = chat, request_id, model, logprobs
+    def __init__(
+        self, chat: bool, request_id: str, model: str, logprobs: int | None = None, tools: ToolCalling | None = None
+    ):
+        """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
+        `tools`: the call a chat's output makes (None: its output is text)."""
+        self.chat, self.id, self.model, self.top, self.tools = chat, request_id, model, logprobs, tools
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
+        self._tool_streams: dict[int, ToolCallStream] = {}  # a choice's calls so far, streamed
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -501,11 +545,16 @@ class ResponseShape:
         stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         """A streamed chunk of choice `index`; `first`: the choice's first."""
-        if self.chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            )
+        if self.chat and self.tools is not None:
+            calls = self._tool_streams.setdefault(index, self.tools.stream())
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if tool_calls := calls.delta(text):
+                delta["tool_calls"] = tool_calls
             body: dict[str, Any] = {"delta": delta}
+            finish_reason = self.tools.finish_reason(finish_reason, calls.announced)
+        elif self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            body = {"delta": delta}
         else:
             body = {"text": text}
         choice = self._choice(index, body, finish_reason, stop_reason, logprobs, token_ids)
@@ -550,6 +599,7 @@ class ResponseShape:
             or token_ids is not None
             or self.top is not None
             or stop_reason is not None
+            or self.tools is not None
         ):
             return sse(self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason))
         key = (finish_reason, first, index)
@@ -561,6 +611,11 @@ class ResponseShape:
             template = self._templates[key] = head, tail
         return template[0] + json.dumps(text).encode() + template[1]
 
+    def _message(self, text: str) -> dict[str, Any]:
+        if self.tools is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": "", "tool_calls": self.tools.calls(text)}
+
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
@@ -571,8 +626,8 @@ class ResponseShape:
         rendered = [
             self._choice(
                 index,
-                {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text},
-                c.finish_reason,
+                {"message": self._message(c.text)} if self.chat else {"text": c.text},
+                self.tools.finish_reason(c.finish_reason) if self.tools is not None else c.finish_reason,
                 c.stop_reason,
                 c.logprobs,
                 c.token_ids,

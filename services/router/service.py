@@ -161,7 +161,7 @@ def create_app(
             for i, prompt in enumerate(inputs)
             for j, options in enumerate(samplings)
         ]
-        shape = ResponseShape(chat, request_id, body.model, body.logprob_count)
+        shape = ResponseShape(chat, request_id, body.model, body.logprob_count, body.tool_calling)
         streams = [dispatcher.generate(choice, parent) for choice in choices]
         times = [metrics.request(body.model) for _ in choices]
         done = False

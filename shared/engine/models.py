@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import inspect
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,8 +24,12 @@ EMBEDDED = {
 VOCAB_SIZE = 2000
 SEED = 1234
 SEEDS = {"llmesh/tiny-llama-b": 4321, "llmesh/tiny-llama-c": 9876}  # the weights' seed, where not SEED
+# a tool-use template's parts, kept plain: tools as a system turn, an assistant's calls as JSON
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|system|>\n{{ tools | tojson }}{{ eos_token }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['tool_calls'] is defined %}{{ m['tool_calls'] | map(attribute='function') | list | tojson }}{% endif %}"
+    "{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -35,6 +40,7 @@ def resolve_model(name: str, model_dir: Path) -> str:
         return name
     target = Path(model_dir) / name.split("/", 1)[1]
     if (target / "config.json").exists():
+        _current_chat_template(target)
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -48,6 +54,15 @@ def resolve_model(name: str, model_dir: Path) -> str:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _current_chat_template(target: Path) -> None:
+    """A model built by an earlier version gets this version's chat template (the weights stay)."""
+    path = target / "chat_template.jinja"
+    if path.exists() and path.read_text() != CHAT_TEMPLATE:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(CHAT_TEMPLATE)
+        tmp.replace(path)
 
 
 def _corpus() -> list[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
+import jinja2
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -437,9 +438,15 @@ class EngineWorker:
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("`messages` must not be empty", param="messages")
-            text = tok.apply_chat_template(
-                [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True
-            )
+            try:
+                text = tok.apply_chat_template(
+                    [m.model_dump(exclude_none=True) for m in req.messages],  # (a template tests what is defined)
+                    tools=req.tools,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            except jinja2.TemplateError as exc:  # (a template's raise_exception: roles out of order, say)
+                raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
             return tok.encode(text, add_special_tokens=False)
         if req.prompt_token_ids is not None:
             vocab = len(tok)

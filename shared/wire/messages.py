@@ -261,6 +261,11 @@ class LengthHead(Message):
 class ChatMessage(Message):
     role: str
     content: str
+    # an assistant turn's tool calls, each {"id", "type": "function", "function": {"name", "arguments"}} with its
+    # arguments a JSON object (as chat templates take them, not OpenAI's string)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+    name: str | None = None
 
 
 class SamplingOptions(Message):
@@ -294,6 +299,7 @@ class PrefillRequest(Message):
     prompt: str | None = None  # completions, as text
     prompt_token_ids: list[int] | None = None  # completions, as token ids
     messages: list[ChatMessage] | None = None  # chat; the worker applies the chat template
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
     sampling: SamplingOptions  # the first token is sampled here, as a monolithic engine would
     deadline: float  # unix time
     predicted_length: LengthPrediction | None = None

@@ -339,6 +339,100 @@ def test_response_format_json_schema_in_chat_streamed_and_whole_is_the_monolithi
     assert text.startswith("{")
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+
+
+def streamed_calls(chunks) -> tuple[list[tuple[str, str]], str | None]:
+    """A streamed answer's tool calls (name, arguments), as a client accumulates them, and its finish reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or ():
+                if call.id:
+                    calls[call.index] = [call.function.name, ""]
+                calls[call.index][1] += call.function.arguments or ""
+    return [(name, arguments) for name, arguments in calls.values()], finish
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_tool_calls_streamed_and_whole_are_the_monolithic_engines_constrained_output(
+    client, reference, tokenizer, choice
+):
+    """The tools and a history of calls and results reach the chat template; the output is the monolithic
+    engine's under vLLM's own constraint for the choice, read back as OpenAI's tool calls."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    tools = [WEATHER, TIME]
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    chat = [
+        {"role": "user", "content": "What is the time?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": "noon"},
+        {"role": "user", "content": "And the weather in Oslo for two days?"},
+    ]
+    # (this random model pads JSON with whitespace: this seed shows a call within 60 tokens)
+    sampling = {"temperature": 0.0} if choice == "named" else {"temperature": 0.7, "seed": 5}
+    asked = {"model": MODEL, "messages": chat, "tools": tools, "tool_choice": tool_choice, "max_tokens": 60} | sampling
+    whole = client.chat.completions.create(**asked, extra_body={"return_token_ids": True})
+    calls, finish = streamed_calls(client.chat.completions.create(**asked, stream=True))
+
+    theirs = ChatCompletionRequest(**asked)
+    schema = get_json_schema_from_tools(theirs.tool_choice, theirs.tools, theirs.parallel_tool_calls)
+    template_messages = [dict(m) for m in chat]
+    template_messages[1] = {**chat[1], "content": "", "tool_calls": [{**chat[1]["tool_calls"][0]}]}
+    template_messages[1]["tool_calls"][0]["function"] = {"name": "get_time", "arguments": {}}  # (as vLLM parses it)
+    vllm_tools = [t.model_dump() for t in theirs.tools]  # (as vLLM's server hands them to the template)
+    text = tokenizer.apply_chat_template(
+        template_messages, tools=vllm_tools, add_generation_prompt=True, tokenize=False
+    )
+    assert '"get_weather"' in text and '"get_time", "arguments": {}' in text
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = reference.generate(60, prompt_token_ids=ids, structured_outputs={"json": schema}, **sampling)
+
+    answer = whole.choices[0]
+    assert whole.usage.prompt_tokens == len(ids) and answer.message.content == ""
+    got = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls or ()]
+    if choice == "named":
+        assert got == calls == [("get_weather", expected["text"])]
+        assert answer.finish_reason == finish == expected["finish_reason"]
+    else:  # (the array may not close in time: read back as vLLM reads what it gave)
+        from pydantic import TypeAdapter, ValidationError
+        from vllm.entrypoints.generate.base.protocol import FunctionDefinition
+        from vllm.tool_parsers.streaming import extract_required_tool_call_streaming
+
+        try:
+            read = TypeAdapter(list[FunctionDefinition]).validate_json(expected["text"])
+        except ValidationError:
+            read = []
+        assert got == [(f.name, json.dumps(f.parameters, ensure_ascii=False)) for f in read]
+        revealed, _ = extract_required_tool_call_streaming(
+            previous_text="", current_text=expected["text"], tool_call_idx=None, tool_call_id_type="random"
+        )
+        assert calls == [(c.function.name, c.function.arguments) for c in (revealed.tool_calls if revealed else ())]
+        assert calls, expected["text"]  # a call was streamed
+        reason = "tool_calls" if expected["finish_reason"] == "stop" else expected["finish_reason"]
+        assert answer.finish_reason == finish == reason
+    assert answer.token_ids == expected["token_ids"]
+
+
 def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):
     """Values and texts (each candidate's text, which vLLM corrects with the output before it) as the
     monolithic engine gives them, for the prefill's first token and decode's after it, in both APIs."""
