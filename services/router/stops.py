@@ -21,15 +21,16 @@ class StopFilter:
         self._emitted = 0  # characters of it already released
 
     def feed(self, delta: str) -> tuple[str, str | None]:
-        """Text safe to release now, and the stop string reached, if one was (then nothing follows; the
-        earliest in the text, of two there at once the first listed)."""
+        """Text safe to release now, and the stop string reached, if one was (then nothing follows): as
+        vLLM's detokenizer picks it, the one that ends earliest in the text, of two ending together the
+        first listed."""
         if not self._stops:
             return delta, None
         self._text += delta
         search_from = max(self._emitted - self._lookback, 0)
         hits = [(i, stop) for stop in self._stops if (i := self._text.find(stop, search_from)) != -1]
         if hits:
-            start, stop = min(hits, key=lambda hit: hit[0])
+            start, stop = min(hits, key=lambda hit: hit[0] + len(hit[1]))
             end = start + len(stop) if self._include else start
             out, self._emitted = self._text[self._emitted : end], max(end, self._emitted)
             return out, stop

@@ -20,8 +20,10 @@ def run(stops, deltas, include=False):
         (["XY"], ["abX", "Ycd"], ("ab", "XY")),  # spans the boundary
         (["XY"], ["ab", "cXYd"], ("abc", "XY")),
         (["XY"], ["abX", "Zcd"], ("abXZcd", None)),  # a false start is released
-        (["long stop", "s"], ["long st", "op"], ("long ", "s")),  # the earliest stop wins
-        (["Y", "XY", "X"], ["aXY"], ("a", "XY")),  # of two at once, the first listed
+        (["long stop", "s"], ["long st", "op"], ("long ", "s")),  # the stop that ends first wins
+        (["Y", "XY", "X"], ["aXY"], ("a", "X")),  # of several at once, the one that ends first
+        (["abcdef", "cd"], ["xabcdefy"], ("xab", "cd")),  # (not the one that starts first)
+        (["Y", "XY"], ["aXY"], ("aX", "Y")),  # of two that end together, the first listed
         (["XY"], ["X"], ("X", None)),  # held back, released at the end
     ],
 )
@@ -54,3 +56,24 @@ def test_kept_stop_strings_hold_nothing_back():
     assert f.feed("abcE") == ("abcE", None)
     assert f.feed("N") == ("N", None)
     assert f.feed("D!") == ("D", "END")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_output_and_stop_are_vllms_detokenizers_for_any_deltas(include):
+    """Against vLLM's own stop check, run as its detokenizer runs it on each step's new text."""
+    import random
+
+    from vllm.v1.engine.detokenizer import check_stop_strings
+
+    rng = random.Random(5)
+    for _ in range(3000):
+        stops = ["".join(rng.choices("abc", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 4))]
+        deltas = ["".join(rng.choices("abcd", k=rng.randint(0, 4))) for _ in range(rng.randint(1, 8))]
+        text, stop = "", None
+        for delta in deltas:
+            text += delta
+            if (hit := check_stop_strings(text, len(delta), stops, include)) is not None:
+                stop, truncate_to = hit
+                text = text if truncate_to == -1 else text[:truncate_to]
+                break
+        assert run(stops, deltas, include) == (text, stop), (stops, deltas)
