@@ -593,13 +593,19 @@ class ResponseShape:
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
-        extension, logprobs and a stop reason are rendered in full)."""
+        extension, logprobs and a stop reason are rendered in full). Text that reveals nothing of a tool
+        call yet is no event (as vLLM's server sends none), unless the chunk carries more."""
+        if self.tools is not None:
+            chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason)
+            choice = chunk["choices"][0]
+            if choice["delta"] or choice["finish_reason"] or token_ids is not None or self.top is not None:
+                return sse(chunk)
+            return b""
         if (
             (self.chat and not text and not first)  # (an empty chat delta)
             or token_ids is not None
             or self.top is not None
             or stop_reason is not None
-            or self.tools is not None
         ):
             return sse(self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason))
         key = (finish_reason, first, index)
