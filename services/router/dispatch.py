@@ -149,6 +149,8 @@ class Generation:
     sampling: SamplingOptions  # max_tokens None: the rest of the context
     deadline: float  # wall-clock (time.time())
     tools: list[dict[str, Any]] | None = None  # a chat's, for its template
+    template_kwargs: dict[str, Any] | None = None  # a chat's other template variables
+    add_special_tokens: bool | None = None  # None: the endpoint's default
     cache_salt: str | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent
     ttft_slo_s: float | None = None  # None: the router's default
@@ -295,6 +297,8 @@ class Dispatcher:
             prompt_token_ids=gen.prompt_token_ids,
             messages=gen.messages,
             tools=gen.tools,
+            template_kwargs=gen.template_kwargs,
+            add_special_tokens=gen.add_special_tokens,
             sampling=gen.sampling,
             deadline=gen.deadline,
             predicted_length=predicted,

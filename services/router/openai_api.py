@@ -42,6 +42,18 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), _GUIDED),
     "tools": ((), "tools are for chat completions"),
     "tool_choice": (("none",), "tools are for chat completions"),
+    "bad_words": (([],), "not done: use logit_bias for single tokens"),
+    "skip_special_tokens": ((True,), "special tokens' text is always skipped"),
+    "spaces_between_special_tokens": ((True,), "special tokens' text is always skipped"),
+    "truncate_prompt_tokens": ((), "prompts are not truncated"),
+    "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
+    "thinking_token_budget": ((), "not done"),
+    "watermarking": ((), "not done"),
+    "repetition_detection": ((), "not done"),
+    "prompt_embeds": ((), "prompts are text or token ids"),
+    "return_token_offsets": ((False,), "not done"),
+    "return_prompt_text": ((False,), "not done"),
+    "vllm_xargs": (({},), "custom logits processors' arguments are not passed on"),
 }
 
 
@@ -107,6 +119,8 @@ class Prompt(NamedTuple):
     prompt_token_ids: list[int] | None
     messages: list[ChatMessage] | None
     tools: list[dict[str, Any]] | None = None  # a chat's tools, for its template
+    template_kwargs: dict[str, Any] | None = None  # a chat's other template variables
+    add_special_tokens: bool | None = None  # None: the endpoint's default
 
 
 class _Common(BaseModel):
@@ -139,6 +153,8 @@ class _Common(BaseModel):
     tpot_slo_ms: float | None = Field(default=None, gt=0)  # mesh extension: its time-per-output-token target
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM extension
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # vLLM extension
+    return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs' tokens as "token_id:<id>"
 
     @model_validator(mode="before")
     @classmethod
@@ -244,6 +260,7 @@ class _Common(BaseModel):
             logprobs=self.logprob_count,
             echo=self.echoes,
             structured=self.structured(),
+            allowed_token_ids=self.allowed_token_ids,
         )
 
     def structured(self) -> dict[str, Any] | None:
@@ -305,6 +322,7 @@ class CompletionRequest(_Common):
     max_tokens: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = 16  # 0 with echo: the prompt alone, as vLLM
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # with logprobs, the prompt's too (its first token has none): how evaluation harnesses score
+    add_special_tokens: bool = True  # vLLM extension: the tokenizer's (its BOS) before a text prompt
 
     @property
     def logprob_count(self) -> int | None:
@@ -323,7 +341,12 @@ class CompletionRequest(_Common):
         return [list(self.prompt)]  # type: ignore[arg-type]
 
     def inputs(self) -> list[Prompt]:
-        return [Prompt(p, None, None) if isinstance(p, str) else Prompt(None, p, None) for p in self.prompts]
+        return [
+            Prompt(p, None, None, add_special_tokens=self.add_special_tokens)
+            if isinstance(p, str)
+            else Prompt(None, p, None)
+            for p in self.prompts
+        ]
 
     @model_validator(mode="after")
     def _nothing_generated_only_with_echo(self) -> CompletionRequest:
@@ -381,6 +404,13 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool | None = True
+    # vLLM extensions: the chat template's variables
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the tokenizer's, besides the template's (vLLM's default: no)
     _tool_calling: ToolCalling | None = PrivateAttr(default=None)
 
     @property
@@ -401,9 +431,39 @@ class ChatCompletionRequest(_Common):
             )
         return self
 
+    @model_validator(mode="after")
+    def _template_variables(self) -> ChatCompletionRequest:
+        """vLLM's checks."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        if unexpected := {"chat_template", "tokenize"} & (self.chat_template_kwargs or {}).keys():
+            raise InvalidRequest(
+                f"Found unexpected chat template kwargs from request: {unexpected}", param="chat_template_kwargs"
+            )
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's variables besides messages and tools, merged as vLLM's server merges them: the
+        request's fields over its chat_template_kwargs (unset ones not), and enable_thinking from
+        reasoning_effort unless given."""
+        given = self.chat_template_kwargs or {}
+        fields = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
+        }
+        if self.reasoning_effort is not None and "enable_thinking" not in given:
+            fields["enable_thinking"] = self.reasoning_effort != "none"
+        return given | {k: v for k, v in fields.items() if v not in (None, "auto")}
+
     def inputs(self) -> list[Prompt]:
         tools = [t.model_dump() for t in self.tools] if self.tools else None
-        return [Prompt(None, None, [m.to_message() for m in self.messages], tools)]
+        messages = [m.to_message() for m in self.messages]
+        return [Prompt(None, None, messages, tools, self.template_kwargs(), self.add_special_tokens)]
 
     @model_validator(mode="before")
     @classmethod
@@ -492,11 +552,19 @@ class ResponseShape:
     _TEXT_MARK = "\x00"  # stands for a chunk's text in its template (JSON: "\u0000")
 
     def __init__(
-        self, chat: bool, request_id: str, model: str, logprobs: int | None = None, tools: ToolCalling | None = None
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        logprobs: int | None = None,
+        tools: ToolCalling | None = None,
+        tokens_as_ids: bool = False,
     ):
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
-        `tools`: the call a chat's output makes (None: its output is text)."""
+        `tools`: the call a chat's output makes (None: its output is text); `tokens_as_ids`: logprobs' tokens
+        as "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
         self.chat, self.id, self.model, self.top, self.tools = chat, request_id, model, logprobs, tools
+        self.tokens_as_ids = tokens_as_ids
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
@@ -511,6 +579,8 @@ class ResponseShape:
         if self.top is None:
             return None
         steps = steps or []
+        if self.tokens_as_ids:
+            steps = [[(t, lp, f"token_id:{t}") for t, lp, _ in step] for step in steps]
         if self.chat:
 
             def entry(text: str, logprob: float | None) -> dict[str, Any]:

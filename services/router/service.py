@@ -161,7 +161,9 @@ def create_app(
             for i, prompt in enumerate(inputs)
             for j, options in enumerate(samplings)
         ]
-        shape = ResponseShape(chat, request_id, body.model, body.logprob_count, body.tool_calling)
+        shape = ResponseShape(
+            chat, request_id, body.model, body.logprob_count, body.tool_calling, body.return_tokens_as_token_ids
+        )
         streams = [dispatcher.generate(choice, parent) for choice in choices]
         times = [metrics.request(body.model) for _ in choices]
         done = False

@@ -70,6 +70,14 @@ CPU_ENGINE_SPIN_S = 0.02
 WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
 
 
+# transformers' apply_chat_template parameters that are not template variables (a request's chat_template_kwargs
+# holding them would change how it runs, not what the template sees)
+_APPLY_CHAT_TEMPLATE_OWN = frozenset(
+    {"chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict"}
+    | {"return_assistant_tokens_mask", "tokenizer_kwargs", "conversation", "tools"}
+)
+
+
 def sampling_params(
     options: SamplingOptions,
     *,
@@ -100,6 +108,7 @@ def sampling_params(
         repetition_penalty=1.0 if penalties else options.repetition_penalty,
         min_tokens=max(0, min(options.min_tokens - generated, max_tokens)),
         logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
+        allowed_token_ids=options.allowed_token_ids,
         logprobs=options.logprobs,
         prompt_logprobs=options.logprobs if options.echo and not generated else None,
         stop_token_ids=options.stop_token_ids or None,
@@ -432,22 +441,26 @@ class EngineWorker:
         for param, ids in (
             ("logit_bias", map(int, req.sampling.logit_bias)),
             ("stop_token_ids", req.sampling.stop_token_ids),
+            ("allowed_token_ids", req.sampling.allowed_token_ids or ()),
         ):
             if any(t >= len(tok) for t in ids):
                 raise InvalidRequest(f"{param} token ids must lie in [0, {len(tok)})", param=param)
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("`messages` must not be empty", param="messages")
+            variables = {"add_generation_prompt": True, **(req.template_kwargs or {})}
             try:
                 text = tok.apply_chat_template(
                     [m.model_dump(exclude_none=True) for m in req.messages],  # (a template tests what is defined)
                     tools=req.tools,
                     tokenize=False,
-                    add_generation_prompt=True,
+                    **{k: v for k, v in variables.items() if k not in _APPLY_CHAT_TEMPLATE_OWN},
                 )
-            except jinja2.TemplateError as exc:  # (a template's raise_exception: roles out of order, say)
+            # (a template's raise_exception: roles out of order, say; transformers' own: a final message to
+            # continue that is not the assistant's)
+            except (jinja2.TemplateError, ValueError) as exc:
                 raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
-            return tok.encode(text, add_special_tokens=False)
+            return tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         if req.prompt_token_ids is not None:
             vocab = len(tok)
             if any(not 0 <= t < vocab for t in req.prompt_token_ids):
@@ -455,7 +468,7 @@ class EngineWorker:
             return list(req.prompt_token_ids)
         if req.prompt is None:
             raise InvalidRequest("either `prompt` or `messages` is required", param="prompt")
-        return tok.encode(req.prompt)
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
 
     def max_tokens(self, req: PrefillRequest, prompt_len: int) -> int:
         """The request's output budget, resolved against the context (an error if it does not fit)."""

@@ -291,6 +291,7 @@ class SamplingOptions(Message):
     # a structured output: vLLM's StructuredOutputsParams fields (one constraint: json, regex, choice, grammar or
     # json_object); each engine's grammar follows the whole output (an engine that resumes it starts past its start)
     structured: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled (vLLM's)
 
 
 class PrefillRequest(Message):
@@ -300,6 +301,10 @@ class PrefillRequest(Message):
     prompt_token_ids: list[int] | None = None  # completions, as token ids
     messages: list[ChatMessage] | None = None  # chat; the worker applies the chat template
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI's tools, for the chat template
+    # chat: the template's other variables (add_generation_prompt, continue_final_message, documents, a request's
+    # chat_template_kwargs), as vLLM's server merges them
+    template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # the tokenizer's (its BOS); None: vLLM's default, chat no, text yes
     sampling: SamplingOptions  # the first token is sampled here, as a monolithic engine would
     deadline: float  # unix time
     predicted_length: LengthPrediction | None = None

@@ -433,6 +433,37 @@ def test_tool_calls_streamed_and_whole_are_the_monolithic_engines_constrained_ou
     assert answer.token_ids == expected["token_ids"]
 
 
+def test_template_variables_special_tokens_and_allowed_tokens_reach_the_engines_as_vllms_server_passes_them(
+    client, reference, tokenizer
+):
+    chat = [{"role": "user", "content": "Say a word."}, {"role": "assistant", "content": "The word is"}]
+    continued = client.chat.completions.create(
+        model=MODEL,
+        messages=chat,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True},
+    )
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert text.endswith("The word is")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = reference.generate(12, prompt_token_ids=ids)
+    assert continued.usage.prompt_tokens == len(ids) and continued.choices[0].token_ids == expected["token_ids"]
+
+    allowed = tokenizer.encode(" the a of and to in is", add_special_tokens=False)
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"add_special_tokens": False, "allowed_token_ids": allowed, "return_token_ids": True},
+    )
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=False)  # (no <s>)
+    expected = reference.generate(20, prompt_token_ids=ids, allowed_token_ids=allowed)
+    assert completion.usage.prompt_tokens == len(ids) and completion.choices[0].token_ids == expected["token_ids"]
+    assert set(expected["token_ids"]) <= set(allowed) and len(expected["token_ids"]) == 20
+
+
 def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):
     """Values and texts (each candidate's text, which vLLM corrects with the output before it) as the
     monolithic engine gives them, for the prefill's first token and decode's after it, in both APIs."""

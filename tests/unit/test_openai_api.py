@@ -672,6 +672,18 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "guided_grammar": "root ::= a",
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required",
+        "bad_words": ["no"],
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "truncate_prompt_tokens": 5,
+        "chat_template": "{{ messages }}",
+        "thinking_token_budget": 10,
+        "watermarking": {"key": 1},
+        "repetition_detection": {"max_pattern_size": 4},
+        "prompt_embeds": "AAAA",
+        "return_token_offsets": True,
+        "return_prompt_text": True,
+        "vllm_xargs": {"a": 1},
     }
     assert set(refused) == set(UNSUPPORTED)
     _, client = _router([[1]])
@@ -697,3 +709,49 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text
         resp = await client.post("/v1/completions", json=completion | {"stream_options": {"include_usage": True}})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options", resp.text
+
+
+def test_chat_template_variables_merge_as_vllms_server_merges_them():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
+
+    from llmesh_router.openai_api import ChatCompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Su"}]}
+    for fields in (
+        {},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"chat_template_kwargs": {"enable_thinking": False, "add_generation_prompt": False, "x": 1}},
+        {"reasoning_effort": "none", "documents": [{"title": "a", "text": "b"}]},
+        {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+    ):
+        theirs = VllmRequest(**chat, **fields).build_chat_params(None, "string").chat_template_kwargs
+        ours = ChatCompletionRequest(**chat, **fields).inputs()[0].template_kwargs
+        assert ours == {k: v for k, v in theirs.items() if v is not None}, fields
+    for bad, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt's default
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ):
+        with pytest.raises(InvalidRequest) as error:
+            ChatCompletionRequest(**chat, **bad)
+        assert error.value.param == param
+
+
+def test_add_special_tokens_allowed_token_ids_and_token_ids_as_logprob_tokens():
+    from llmesh.engine.worker import sampling_params
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    assert CompletionRequest(model="m", prompt=["a"]).inputs()[0].add_special_tokens is True
+    assert CompletionRequest(model="m", prompt=[[1]]).inputs()[0].add_special_tokens is None  # (ids: as given)
+    assert CompletionRequest(model="m", prompt="a", add_special_tokens=False).inputs()[0].add_special_tokens is False
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest(**chat).inputs()[0].add_special_tokens is False
+    options = CompletionRequest(model="m", prompt="a", allowed_token_ids=[5, 7]).sampling()
+    assert sampling_params(options, max_tokens=3, kv_transfer_params={}).allowed_token_ids == [5, 7]
+    with pytest.raises(ValueError):
+        CompletionRequest(model="m", prompt="a", allowed_token_ids=[])
+    steps = [[(5, -0.5, "a"), (5, -0.5, "a"), (7, -1.0, "b")]]
+    chat_lp = ResponseShape(True, "id", "m", logprobs=1, tokens_as_ids=True)._logprobs(steps, 0)
+    assert chat_lp["content"][0]["token"] == "token_id:5"
+    assert [e["token"] for e in chat_lp["content"][0]["top_logprobs"]] == ["token_id:5"]
+    text_lp = ResponseShape(False, "id", "m", logprobs=2, tokens_as_ids=True)._logprobs(steps, 0)
+    assert text_lp["tokens"] == ["token_id:5"] and text_lp["top_logprobs"] == [{"token_id:5": -0.5, "token_id:7": -1.0}]
