@@ -138,7 +138,9 @@ class DecodeService:
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
             )
-            text = ContinuedText(self.worker.tokenizer, req.prompt_token_ids, req.output_token_ids)
+            text = ContinuedText(
+                self.worker.tokenizer, req.prompt_token_ids, req.output_token_ids, req.sampling.skip_special_tokens
+            )
             async for delta in self._stream(
                 held, held.engine_request_id, list(held.token_ids), req.cache_salt, params, req.predicted_length, text
             ):

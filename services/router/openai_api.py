@@ -43,8 +43,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((), "tools are for chat completions"),
     "tool_choice": (("none",), "tools are for chat completions"),
     "bad_words": (([],), "not done: use logit_bias for single tokens"),
-    "skip_special_tokens": ((True,), "special tokens' text is always skipped"),
-    "spaces_between_special_tokens": ((True,), "special tokens' text is always skipped"),
+    "spaces_between_special_tokens": ((True,), "not done"),
     "truncate_prompt_tokens": ((), "prompts are not truncated"),
     "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
     "thinking_token_budget": ((), "not done"),
@@ -155,6 +154,7 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM extension
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # vLLM extension
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs' tokens as "token_id:<id>"
+    skip_special_tokens: bool = True  # vLLM extension: false shows special tokens' text
 
     @model_validator(mode="before")
     @classmethod
@@ -261,6 +261,7 @@ class _Common(BaseModel):
             echo=self.echoes,
             structured=self.structured(),
             allowed_token_ids=self.allowed_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def structured(self) -> dict[str, Any] | None:

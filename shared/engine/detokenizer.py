@@ -27,13 +27,17 @@ REPLAYED_TOKENS = 24  # of the outputs streamed so far, replayed to learn what t
 
 
 class ContinuedText:
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], streamed_ids: Sequence[int]):
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int], streamed_ids: Sequence[int], skip_special_tokens: bool = True
+    ):
         self._tokenizer = tokenizer
         # skipped, as vLLM skips them: the tokenizer's named ones and any added token marked special
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | {
-            i for i, t in added.items() if t.special
-        }
+        self._special = (
+            set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added.items() if t.special}
+            if skip_special_tokens
+            else set()
+        )
         replayed = streamed_ids[-REPLAYED_TOKENS:]
         earlier = streamed_ids[: len(streamed_ids) - len(replayed)]
         self._tokens = self._pieces([*prompt_ids[-CONTEXT_TOKENS:], *earlier[-CONTEXT_TOKENS:]][-CONTEXT_TOKENS:])

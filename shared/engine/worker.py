@@ -109,6 +109,7 @@ def sampling_params(
         min_tokens=max(0, min(options.min_tokens - generated, max_tokens)),
         logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
         allowed_token_ids=options.allowed_token_ids,
+        skip_special_tokens=options.skip_special_tokens,
         logprobs=options.logprobs,
         prompt_logprobs=options.logprobs if options.echo and not generated else None,
         stop_token_ids=options.stop_token_ids or None,

@@ -292,6 +292,7 @@ class SamplingOptions(Message):
     # json_object); each engine's grammar follows the whole output (an engine that resumes it starts past its start)
     structured: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled (vLLM's)
+    skip_special_tokens: bool = True  # special tokens show no text (vLLM's default)
 
 
 class PrefillRequest(Message):

@@ -463,6 +463,25 @@ def test_template_variables_special_tokens_and_allowed_tokens_reach_the_engines_
     assert completion.usage.prompt_tokens == len(ids) and completion.choices[0].token_ids == expected["token_ids"]
     assert set(expected["token_ids"]) <= set(allowed) and len(expected["token_ids"]) == 20
 
+    # special tokens' text shown, by the prefill's detokenizer and decode's (the allowed ones make them likely)
+    specials = tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"])
+    for skip in (False, True):
+        shown = client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"allowed_token_ids": [*specials, *allowed[:3]], "skip_special_tokens": skip},
+        ).choices[0]
+        expected = reference.generate(
+            16,
+            prompt_token_ids=tokenizer.encode("Once upon a time"),
+            allowed_token_ids=[*specials, *allowed[:3]],
+            skip_special_tokens=skip,
+        )
+        assert shown.text == expected["text"]
+        assert ("<|" in shown.text) is not skip, shown.text
+
 
 def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):
     """Values and texts (each candidate's text, which vLLM corrects with the output before it) as the

@@ -41,6 +41,24 @@ def test_special_tokens_show_no_text(tokenizer):
     assert text.feed(tokenizer.encode(" hello", add_special_tokens=False)) == " hello"
 
 
+def test_special_tokens_text_adds_up_to_vllms_detokenizers_when_asked(tokenizer):
+    """skip_special_tokens false: the legs' texts, split anywhere, add up to what vLLM's detokenizer (a
+    tokenizers DecodeStream primed with the prompt) shows."""
+    from tokenizers.decoders import DecodeStream
+
+    rng = random.Random(3)
+    specials = tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>", "</s>"])
+    prompt = [rng.randrange(10, tokenizer.vocab_size) for _ in range(20)]
+    outputs = [rng.choice(specials) if rng.random() < 0.3 else rng.randrange(10, 400) for _ in range(60)]
+    stream = DecodeStream(ids=prompt, skip_special_tokens=False)
+    expected = "".join(stream.step(tokenizer.backend_tokenizer, t) or "" for t in outputs)
+    assert "<|user|>" in expected
+    for k in range(len(outputs)):
+        shown = ContinuedText(tokenizer, prompt, [], skip_special_tokens=False).feed(outputs[:k])
+        rest = ContinuedText(tokenizer, prompt, outputs[:k], skip_special_tokens=False).feed(outputs[k:])
+        assert shown + rest == expected, k
+
+
 def test_logprob_texts_of_a_resumed_leg_are_those_of_one_stream(tokenizer):
     """vLLM completes a byte token's text with the output before it: a leg resumed after any token
     names every candidate as one engine running the whole stream would."""

@@ -673,7 +673,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required",
         "bad_words": ["no"],
-        "skip_special_tokens": False,
         "spaces_between_special_tokens": False,
         "truncate_prompt_tokens": 5,
         "chat_template": "{{ messages }}",
