@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from llmesh.wire.errors import InvalidRequest
 
@@ -80,19 +80,11 @@ class ToolCallIn(BaseModel):
         return call if self.id is None else {"id": self.id, **call}
 
 
-class _CallRead(BaseModel):
-    """One element of a "required" output: vLLM's FunctionDefinition as it reads it back."""
-
-    name: str
-    parameters: dict[str, Any] | None = None
+_CALLS = TypeAdapter(list[FunctionDefinition])  # how vLLM reads a "required" output back
 
 
 def _params(params: dict[str, Any] | None) -> dict[str, Any]:
     return params if params else {"type": "object", "properties": {}}  # (a function without any: an empty object)
-
-
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -109,25 +101,6 @@ class ToolCalling:
         if self.function is not None:
             function = next(t.function for t in self.tools if t.function.name == self.function)
             return {"json": _params(function.parameters)}
-        schema: dict[str, Any] = {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "anyOf": [
-                    {
-                        "properties": {
-                            "name": {"type": "string", "enum": [t.function.name]},
-                            "parameters": _params(t.function.parameters),
-                        },
-                        "required": ["name", "parameters"],
-                    }
-                    for t in self.tools
-                ],
-            },
-        }
-        if not self.parallel:
-            schema["maxItems"] = 1
         defs: dict[str, Any] = {}  # each tool's $defs, hoisted to the array's (where its $refs point)
         for tool in self.tools:
             for name, definition in ((tool.function.parameters or {}).get("$defs") or {}).items():
@@ -135,12 +108,21 @@ class ToolCalling:
                     raise InvalidRequest(
                         f"Tool definition '{name}' has multiple schemas, which is not supported.", param="tools"
                     )
+        calls = [
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": {k: v for k, v in _params(t.function.parameters).items() if k != "$defs"},
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
         if defs:
             schema["$defs"] = defs
-            for item in schema["items"]["anyOf"]:
-                item["properties"]["parameters"] = {
-                    k: v for k, v in item["properties"]["parameters"].items() if k != "$defs"
-                }
         return {"json": schema}
 
     def calls(self, text: str) -> list[dict[str, Any]]:
@@ -149,8 +131,8 @@ class ToolCalling:
         if self.function is not None:
             return [_call(self.function, text)] if text.strip() else []
         try:
-            read = [_CallRead.model_validate(item) for item in json.loads(text)]
-        except (ValueError, TypeError, ValidationError):
+            read = _CALLS.validate_json(text)
+        except ValidationError:
             return []
         calls = [_call(c.name, json.dumps(c.parameters, ensure_ascii=False)) for c in read]
         return calls if self.parallel else calls[:1]
@@ -163,8 +145,9 @@ class ToolCalling:
         return ToolCallStream(self)
 
 
-def _call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
-    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"  # (vLLM's form)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 @dataclass
@@ -175,7 +158,6 @@ class ToolCallStream:
     calling: ToolCalling
     text: str = ""
     announced: bool = False  # a call has been sent
-    _id: str = field(default_factory=new_call_id)
 
     def delta(self, text: str) -> list[dict[str, Any]] | None:
         previous, self.text = self.text, self.text + text
@@ -183,7 +165,7 @@ class ToolCallStream:
             if self.announced:
                 return [{"index": 0, "function": {"arguments": text}}] if text else None
             self.announced = True
-            return [{"index": 0, **_call(self.calling.function, text, self._id)}]
+            return [{"index": 0, **_call(self.calling.function, text)}]
         deltas = _required_deltas(previous, self.text)
         self.announced = self.announced or bool(deltas)
         if deltas and not self.calling.parallel:
