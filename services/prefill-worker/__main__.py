@@ -2,7 +2,12 @@
 
 from llmesh.engine.worker import run_worker
 
-from .service import PrefillService
+
+def handlers(worker):
+    from .service import PrefillService  # after `run_worker` set the engine's OpenMP threads: it loads torch
+
+    return {worker.subject: PrefillService(worker).prefill}
+
 
 if __name__ == "__main__":
-    run_worker("prefill", lambda worker: {worker.subject: PrefillService(worker).prefill})
+    run_worker("prefill", handlers)

@@ -21,11 +21,19 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import runpy
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from llmesh.engine.vllm_plugin import engine_cores, keep_on
+from llmesh.wire.config import WorkerSettings
+
+log = logging.getLogger(__name__)
 _prepared = False
+_service_cores: set[int] = set()  # this process's cores before torch loaded (OMP_PROC_BIND binds it to the engine's)
 
 
 def prepared() -> bool:
@@ -37,8 +45,6 @@ def omp_env(cores: str) -> dict[str, str]:
     """What vLLM sets for a CPU Worker's OpenMP runtime before it starts one (`configure_omp_envs` in
     vllm/utils/ompmultiprocessing.py, its branch without an LD_PRELOADed OpenMP). The runtime reads it
     once, when torch loads it, so a forked Worker must inherit it from the process that imported torch."""
-    from llmesh.engine.vllm_plugin import engine_cores
-
     ids = sorted(engine_cores(cores))
     return {
         "OMP_NUM_THREADS": str(len(ids)),
@@ -70,7 +76,8 @@ def normal_priority() -> bool:
 
 def prepare(cores: str) -> None:
     """Everything a worker does before its model matters. No threads: the engine's processes are forked."""
-    global _prepared
+    global _prepared, _service_cores
+    _service_cores = os.sched_getaffinity(0)
     if cores:
         os.environ.update(omp_env(cores))
     import torch  # noqa: F401
@@ -89,6 +96,42 @@ def prepare(cores: str) -> None:
     gc.collect()
     gc.freeze()  # vLLM's EngineCore collects every generation as it starts: 0.6-1.0 s unfrozen (measured)
     _prepared = True
+
+
+def forks_its_engine(settings: WorkerSettings) -> bool:
+    """Whether a worker started cold prepares as a standby does, so that its engine's processes are forked:
+    where its engine has one rank on cores it was given. Several ranks need a core set each; cores that vLLM
+    picks are not known before torch loads."""
+    one_rank = settings.tensor_parallel_size == 1 == settings.pipeline_parallel_size
+    return one_rank and bool(engine_cores(settings.cpu_cores)) and "|" not in settings.cpu_cores
+
+
+def prepare_cold_start(settings: WorkerSettings) -> None:
+    """A worker started as `python -m llmesh_prefill|llmesh_decode` prepares as a standby does where it may
+    (`forks_its_engine`): its EngineCore and Worker are then forked from it instead of spawned as two more
+    interpreters importing torch and vLLM again, about two thirds of a cold start (docs/activation-notes.md).
+    Before torch loads, or the OpenMP runtime has read its settings: otherwise vLLM spawns them."""
+    if _prepared or not forks_its_engine(settings):  # a standby that became this worker has prepared
+        return
+    if "torch" in sys.modules:
+        log.warning("torch was loaded before the worker could set its engine's OpenMP threads: spawning the engine")
+        return
+    prepare(settings.cpu_cores)
+
+
+@contextmanager
+def forking_on(cores: str) -> Iterator[None]:
+    """While vLLM forks a prepared worker's engine processes: every thread of this one on the engine's
+    `cores`, which the EngineCore inherits (llmesh.engine.vllm_plugin keeps a spawned one there), then back
+    on the cores it had before torch loaded, so that the service runs anywhere, as a spawning worker's does."""
+    engine = engine_cores(cores)
+    if engine:
+        keep_on(engine)
+    try:
+        yield
+    finally:
+        if engine and _service_cores:
+            keep_on(_service_cores)
 
 
 def become(command: dict) -> None:

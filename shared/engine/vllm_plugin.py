@@ -43,7 +43,7 @@ def engine_cores(bind: str) -> set[int]:
     return cores
 
 
-def _keep_on(cores: set[int]) -> None:
+def keep_on(cores: set[int]) -> None:
     """Every thread of this process (and those it starts later) on `cores`."""
     for thread_id in os.listdir("/proc/self/task"):
         try:
@@ -59,7 +59,7 @@ def register() -> None:
         continue_seeded_streams()
     cores = engine_cores(os.environ.get("MESH_ENGINE_CORES", ""))
     if cores and multiprocessing.current_process().name.startswith("EngineCore"):
-        _keep_on(cores)
+        keep_on(cores)
     spin = os.environ.get("MESH_ENGINE_SPIN_S")
     if not spin:
         return

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -379,7 +379,9 @@ class EngineWorker:
         if spin is not None:
             os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.engine.vllm_plugin in the engine's processes
         # before any thread of ours
-        engine = _start_engine(engine_args(settings, role), _stat_loggers(settings), settings.kv_cache_bytes)
+        engine = _start_engine(
+            engine_args(settings, role), _stat_loggers(settings), settings.kv_cache_bytes, settings.cpu_cores
+        )
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         try:
             bus = await Bus.connect(settings.nats_url, f"{role}-worker")
@@ -756,11 +758,11 @@ class EngineWorker:
                 del self._held[request_id]
 
 
-def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0) -> Any:
+def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0, cores: str = "") -> Any:
     """vLLM's AsyncLLM for `args` (as `AsyncLLM.from_engine_args` builds it), with `kv_cache_bytes` of KV
-    space when given (`size_kv_space`). In a pre-started process (llmesh.engine.standby) its engine-core and
-    model processes are forked, inheriting its imports, where vLLM's CPU platform chose to spawn fresh
-    interpreters (while it made the config)."""
+    space when given (`size_kv_space`). In a prepared process (llmesh.engine.standby: pre-started, or a cold
+    worker whose engine has one rank on `cores`) its engine-core and model processes are forked, inheriting
+    its imports, where vLLM's CPU platform chose to spawn fresh interpreters (while it made the config)."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor.abstract import Executor
@@ -768,15 +770,18 @@ def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0) -> Any:
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     if kv_cache_bytes:
         log.info("KV space: %d bytes a rank (placement's share)", size_kv_space(config, kv_cache_bytes))
-    if standby.prepared():
+    forked = standby.prepared()
+    if forked:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-    return AsyncLLM(
-        vllm_config=config,
-        executor_class=Executor.get_class(config),
-        log_requests=args.enable_log_requests,
-        log_stats=not args.disable_log_stats,
-        stat_loggers=stat_loggers,
-    )
+        log.info("forking the engine's processes from this prepared one (cores %r)", cores)
+    with standby.forking_on(cores) if forked else nullcontext():
+        return AsyncLLM(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_requests=args.enable_log_requests,
+            log_stats=not args.disable_log_stats,
+            stat_loggers=stat_loggers,
+        )
 
 
 def run_worker(role: Role, make_handlers: Any) -> None:
@@ -784,6 +789,7 @@ def run_worker(role: Role, make_handlers: Any) -> None:
     `make_handlers(worker)` gives {subject: handler}."""
     settings = WorkerSettings()
     setup_logging(f"{role}-worker", settings.log_level)
+    standby.prepare_cold_start(settings)
 
     async def main(stop: asyncio.Event) -> None:
         worker = await EngineWorker.create(settings, role)

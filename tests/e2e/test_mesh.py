@@ -17,10 +17,12 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
-from llmesh.deploy.launcher import start_service
+from llmesh.deploy.launcher import engine_cores, start_service
 from llmesh.engine.detokenizer import ContinuedText
+from llmesh.engine.vllm_plugin import engine_cores as cores_named
 from llmesh.wire.bus import Bus
 from llmesh.wire.errors import KVFingerprintMismatch, MeshError
 from llmesh.wire.messages import (
@@ -133,6 +135,26 @@ def test_models_and_health(client, mesh):
     assert [m.id for m in client.models.list().data] == [MODEL, MODEL_B]
     health = httpx.get(f"{mesh.url}/health").json()
     assert health["status"] == "ok" and health["workers"] == {"prefill": 1, "decode": 1}
+
+
+def test_each_engine_is_forked_from_its_worker_onto_its_cores_and_the_service_runs_on_every_core(mesh):
+    """`make run` gives each single-rank engine its cores, so its worker prepares before torch loads
+    (llmesh.engine.standby) and forks the EngineCore and the model Worker from itself instead of spawning
+    two fresh interpreters; they compute on the engine's cores, and the service is back on all of its own."""
+    workers = [
+        psutil.Process(pid)
+        for pid, program in launched(mesh).items()
+        if program.endswith(("llmesh_prefill", "llmesh_decode"))
+    ]
+    assert len(workers) == 2
+    for worker in workers:
+        cores = sorted(cores_named(worker.environ()["MESH_CPU_CORES"]))
+        (engine,) = [p for p in worker.children() if p.name().startswith("VLLM::EngineCor")]
+        (model,) = [p for p in engine.children() if p.name().startswith("VLLM::Worker")]
+        assert engine.cpu_affinity() == model.cpu_affinity() == cores, worker.cmdline()
+        assert {frozenset(os.sched_getaffinity(t.id)) for t in worker.threads()} == {frozenset(os.sched_getaffinity(0))}
+        log = (mesh.logs / f"{worker.cmdline()[2].removeprefix('llmesh_')}-worker.log").read_text()
+        assert "forking the engine's processes from this prepared one" in log
 
 
 def test_completions_streaming_equals_non_streaming(client, reference):
@@ -982,13 +1004,17 @@ def test_a_decode_resumed_inside_a_character_shows_the_rest_of_the_text(mesh, to
 
 def start_extra_worker(mesh, model_dir, role: str, worker_id: str, **env: str):
     """Another worker of the mesh's model beside the ones `make run` started (a fixture body)."""
-    env = {
-        "MESH_NATS_URL": mesh.nats_url,
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_WORKER_ID": worker_id,
-        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-    } | env
+    env = (
+        {
+            "MESH_NATS_URL": mesh.nats_url,
+            "MESH_MODEL_DIR": str(model_dir),
+            "MESH_WORKER_ID": worker_id,
+            "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
+        }
+        | engine_cores().get(f"{role}-worker", {})
+        | env
+    )  # the cores `make run` gives the role
     with extra_workers(mesh):
         child = start_service(f"{role}-worker", env, mesh.logs / f"{worker_id}.log")
         try:

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from llmesh.deploy.launcher import start_service
+from llmesh.deploy.launcher import engine_cores, start_service
 
 from .conftest import BLOCK_SIZE, MAX_MODEL_LEN, extra_workers
 from .test_live_migration import NEAR_TIE, assert_exact, move, other_decode, resumed_after, resumes, stream
@@ -44,7 +44,7 @@ def small_kv_workers(mesh, model_dir):
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_KV_BLOCKS": str(KV_BLOCKS),
         "MESH_TRACE_DIR": str(mesh.trace_dir),
-    }
+    } | engine_cores().get("decode-worker", {})  # the cores `make run` gives a decode worker
     with extra_workers(mesh):
         children = {
             choice: start_service(

@@ -44,3 +44,42 @@ def test_a_standby_prepares_at_idle_priority_only_where_it_may_take_the_normal_p
     thread.start()
     thread.join()
     assert seen == [(allowed, allowed), (True, True)]
+
+
+@pytest.mark.parametrize(
+    "env, forks",
+    [
+        ({"MESH_CPU_CORES": "1"}, True),
+        ({"MESH_CPU_CORES": "0-3"}, True),
+        ({"MESH_CPU_CORES": ""}, False),  # vLLM picks the cores, after torch has loaded
+        ({"MESH_CPU_CORES": "auto"}, False),
+        ({"MESH_CPU_CORES": "0-1", "MESH_TENSOR_PARALLEL_SIZE": "2"}, False),  # it needs a core set a rank
+        ({"MESH_CPU_CORES": "0-1", "MESH_PIPELINE_PARALLEL_SIZE": "2"}, False),
+    ],
+)
+def test_a_cold_worker_forks_its_engine_only_where_it_has_one_rank_on_cores_it_was_given(monkeypatch, env, forks):
+    from llmesh.wire.config import WorkerSettings
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert standby.forks_its_engine(WorkerSettings()) is forks
+
+
+def test_a_worker_module_loads_no_torch_before_it_can_set_its_engines_openmp_threads():
+    """torch reads the OpenMP settings once, as it loads: a worker's `__main__` must not load it before
+    `run_worker` prepares (a worker that finds it loaded spawns its engine, as vLLM ships)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, llmesh_prefill.__main__, llmesh_decode.__main__; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_a_worker_that_finds_torch_loaded_does_not_prepare(monkeypatch, caplog):
+    import torch  # noqa: F401  (loaded in this test process by other tests anyway)
+
+    from llmesh.wire.config import WorkerSettings
+
+    monkeypatch.setenv("MESH_CPU_CORES", "0")
+    standby.prepare_cold_start(WorkerSettings())
+    assert not standby.prepared() and "spawning the engine" in caplog.text
