@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://{args.host}:{args.port}"
         print(
             f"llmesh: starting (nats {nats_url}{' over TLS' if tls else ''}, credentials in {args.secrets}); "
-            "engines take about a minute to load...",
+            "engines take half a minute or so to load...",
             flush=True,
         )
         give_up = time.monotonic() + 600

@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -153,8 +154,8 @@ def test_each_engine_is_forked_from_its_worker_onto_its_cores_and_the_service_ru
         (model,) = [p for p in engine.children() if p.name().startswith("VLLM::Worker")]
         assert engine.cpu_affinity() == model.cpu_affinity() == cores, worker.cmdline()
         assert {frozenset(os.sched_getaffinity(t.id)) for t in worker.threads()} == {frozenset(os.sched_getaffinity(0))}
-        log = (mesh.logs / f"{worker.cmdline()[2].removeprefix('llmesh_')}-worker.log").read_text()
-        assert "forking the engine's processes from this prepared one" in log
+        log = Path(os.readlink(f"/proc/{worker.pid}/fd/1"))  # where the launcher sends its output
+        assert "forking the engine's processes from this prepared one" in log.read_text()
 
 
 def test_completions_streaming_equals_non_streaming(client, reference):

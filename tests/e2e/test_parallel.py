@@ -36,14 +36,14 @@ MAX_TOKENS = int(os.environ.get("MESH_TEST_TP_TOKENS", "24"))
 
 
 @pytest.fixture(scope="module")
-def expected(model_path, tmp_path_factory):
-    """The greedy tokens of monolithic engines with 1 and 2 ranks, by their size (each stopped
-    before any mesh starts: this machine's two cores are what both ranks of every engine use)."""
-    answers = {}
-    for ranks in (1, 2):
-        with reference_engine(model_path, tmp_path_factory.mktemp(f"reference-tp{ranks}"), ranks) as engine:
-            answers[ranks] = [engine.generate(MAX_TOKENS, prompt_token_ids=ids)["token_ids"] for ids in PROMPTS]
-    return answers
+def expected(model_path, reference, tmp_path_factory):
+    """The greedy tokens of monolithic engines with 1 rank (the session's) and 2, by their size (the one with 2
+    stopped before any mesh starts: this machine's two cores are what both ranks of every engine use)."""
+    with reference_engine(model_path, tmp_path_factory.mktemp("reference-tp2"), 2) as engine:  # loading with it
+        return {
+            ranks: [monolith.generate(MAX_TOKENS, prompt_token_ids=ids)["token_ids"] for ids in PROMPTS]
+            for ranks, monolith in ((1, reference), (2, engine))
+        }
 
 
 def complete(mesh, ids: list[int]) -> list[int]:
@@ -65,7 +65,7 @@ def complete(mesh, ids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 2), (2, 1)])
 def test_tensor_parallel_prefill_and_decode_are_exact(
-    prefill_ranks, decode_ranks, expected, tmp_path, model_dir, model_path
+    prefill_ranks, decode_ranks, expected, reference, tmp_path, model_dir
 ):
     env = {
         "MESH_PREFILL_TENSOR_PARALLEL_SIZE": str(prefill_ranks),
@@ -91,9 +91,8 @@ def test_tensor_parallel_prefill_and_decode_are_exact(
     parted = [
         (ids, tokens) for ids, tokens, reference in zip(PROMPTS, outputs, expected[decode_ranks]) if tokens != reference
     ]
-    if parted:
-        with reference_engine(model_path, tmp_path, decode_ranks) as engine:
-            gaps = [max(engine.greedy_gaps(ids, tokens)) for ids, tokens in parted]
+    if parted:  # (decoded with 1 rank: the session's monolith)
+        gaps = [max(reference.greedy_gaps(ids, tokens)) for ids, tokens in parted]
         print(
             f"{prefill_ranks} -> {decode_ranks} ranks: {len(parted)} of {len(PROMPTS)} outputs parted from the "
             f"monolith's, the chosen tokens at most {max(gaps):.3f} nats below its likeliest"
