@@ -182,7 +182,9 @@ class DecodeService:
                         self.worker.prefill_meter.finished(computed)
                         update: dict[str, Any] = {"prompt_token_ids": token_ids}  # the router may resume it
                         if req.sampling.echo:
-                            update["prompt_text"] = prompt_text(self.worker.tokenizer, req.prompt, token_ids)
+                            update["prompt_text"] = prompt_text(
+                                self.worker.tokenizer, req.prompt, req.prompt_token_ids or token_ids
+                            )
                         delta = delta.model_copy(update=update)
                     yield delta
             finally:

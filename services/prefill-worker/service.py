@@ -88,7 +88,9 @@ class PrefillService:
                     prompt_tokens=len(token_ids),
                     completion_tokens=len(o.token_ids),
                     logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),
-                    prompt_text=prompt_text(tokenizer, req.prompt, token_ids) if req.sampling.echo else None,
+                    prompt_text=prompt_text(tokenizer, req.prompt, req.prompt_token_ids or token_ids)
+                    if req.sampling.echo
+                    else None,
                     prompt_logprobs=prompt_logprob_steps(tokenizer, token_ids, final.prompt_logprobs),
                 ),
                 kv=kv,

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from opentelemetry import context, trace
 
@@ -151,6 +151,8 @@ class Generation:
     tools: list[dict[str, Any]] | None = None  # a chat's, for its template
     template_kwargs: dict[str, Any] | None = None  # a chat's other template variables
     add_special_tokens: bool | None = None  # None: the endpoint's default
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     cache_salt: str | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent
     ttft_slo_s: float | None = None  # None: the router's default
@@ -299,6 +301,8 @@ class Dispatcher:
             tools=gen.tools,
             template_kwargs=gen.template_kwargs,
             add_special_tokens=gen.add_special_tokens,
+            truncate_prompt_tokens=gen.truncate_prompt_tokens,
+            truncation_side=gen.truncation_side,
             sampling=gen.sampling,
             deadline=gen.deadline,
             predicted_length=predicted,

@@ -44,7 +44,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none",), "tools are for chat completions"),
     "bad_words": (([],), "not done: use logit_bias for single tokens"),
     "spaces_between_special_tokens": ((True,), "not done"),
-    "truncate_prompt_tokens": ((), "prompts are not truncated"),
     "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
     "thinking_token_budget": ((), "not done"),
     "watermarking": ((), "not done"),
@@ -155,6 +154,10 @@ class _Common(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # vLLM extension
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs' tokens as "token_id:<id>"
     skip_special_tokens: bool = True  # vLLM extension: false shows special tokens' text
+    # vLLM extension: keep this many prompt tokens (-1: as many as the context allows), from the end `truncation_side`
+    # names ("left" keeps the last ones; None: the tokenizer's side)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
 
     @model_validator(mode="before")
     @classmethod

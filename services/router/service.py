@@ -150,6 +150,8 @@ def create_app(
                 request_id=request_id if len(inputs) * body.n == 1 else f"{request_id}-{i * body.n + j}",
                 model=body.model,
                 **prompt._asdict(),
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+                truncation_side=body.truncation_side,
                 sampling=options,
                 deadline=deadline,
                 cache_salt=body.cache_salt,

@@ -90,7 +90,8 @@ def logprob_steps(tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_bef
 
 
 def prompt_text(tokenizer: Any, text: str | None, token_ids: Sequence[int]) -> str:
-    """A prompt's text as an echo shows it: as given, else decoded as vLLM's server decodes token prompts."""
+    """A prompt's text as an echo shows it: as given, else decoded as vLLM's server decodes token prompts
+    (`token_ids` as given: it decodes them before any truncation)."""
     return tokenizer.decode(token_ids) if text is None else text
 
 

@@ -439,8 +439,14 @@ class EngineWorker:
 
     def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
         """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and
-        those of `logit_bias` and `stop_token_ids`) checked."""
+        those of `logit_bias` and `stop_token_ids`) checked; truncated as asked."""
+        keep = kept_prompt_tokens(req.truncate_prompt_tokens, self.max_model_len, req.sampling.max_tokens)
+        return truncated(self._prompt_token_ids(req, keep), keep, req.truncation_side or self.tokenizer.truncation_side)
+
+    def _prompt_token_ids(self, req: PrefillRequest, keep: int | None) -> list[int]:
         tok = self.tokenizer
+        # (a text's truncation without a side given is the tokenizer's own, as vLLM's server encodes it)
+        encode = {"truncation": True, "max_length": keep} if keep is not None and req.truncation_side is None else {}
         for param, ids in (
             ("logit_bias", map(int, req.sampling.logit_bias)),
             ("stop_token_ids", req.sampling.stop_token_ids),
@@ -463,7 +469,7 @@ class EngineWorker:
             # continue that is not the assistant's)
             except (jinja2.TemplateError, ValueError) as exc:
                 raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
-            return tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            return tok.encode(text, add_special_tokens=bool(req.add_special_tokens), **encode)
         if req.prompt_token_ids is not None:
             vocab = len(tok)
             if any(not 0 <= t < vocab for t in req.prompt_token_ids):
@@ -471,7 +477,7 @@ class EngineWorker:
             return list(req.prompt_token_ids)
         if req.prompt is None:
             raise InvalidRequest("either `prompt` or `messages` is required", param="prompt")
-        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, **encode)
 
     def max_tokens(self, req: PrefillRequest, prompt_len: int) -> int:
         """The request's output budget, resolved against the context (an error if it does not fit)."""
@@ -756,6 +762,27 @@ class EngineWorker:
         finally:
             if self._held.get(request_id) is held:
                 del self._held[request_id]
+
+
+def kept_prompt_tokens(truncate: int | None, max_model_len: int, max_tokens: int | None) -> int | None:
+    """How many prompt tokens `truncate_prompt_tokens` keeps (None: all), as vLLM's server counts them
+    (`TokenizeParams`): -1 is the context, less a token for the output where an output length is asked."""
+    if truncate is None:
+        return None
+    if truncate > max_model_len:  # (vLLM's error)
+        raise InvalidRequest(
+            f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {max_model_len}. "
+            "Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    return truncate if truncate >= 0 else max_model_len - 1 if max_tokens else max_model_len
+
+
+def truncated(ids: list[int], keep: int | None, side: str) -> list[int]:
+    """`ids` cut to `keep` from the `side` end ("left": the last ones kept), as vLLM's server cuts them."""
+    if keep is None or keep >= len(ids):
+        return ids
+    return ids[len(ids) - keep :] if side == "left" else ids[:keep]
 
 
 def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0, cores: str = "") -> Any:

@@ -306,6 +306,8 @@ class PrefillRequest(Message):
     # chat_template_kwargs), as vLLM's server merges them
     template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # the tokenizer's (its BOS); None: vLLM's default, chat no, text yes
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: as many as the context allows)
+    truncation_side: Literal["left", "right"] | None = None  # the end truncation cuts (None: the tokenizer's)
     sampling: SamplingOptions  # the first token is sampled here, as a monolithic engine would
     deadline: float  # unix time
     predicted_length: LengthPrediction | None = None

@@ -456,7 +456,7 @@ def test_tool_calls_streamed_and_whole_are_the_monolithic_engines_constrained_ou
     assert answer.token_ids == expected["token_ids"]
 
 
-def test_template_variables_special_tokens_and_allowed_tokens_reach_the_engines_as_vllms_server_passes_them(
+def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_the_engines_as_vllms_server_passes_them(
     client, reference, tokenizer
 ):
     chat = [{"role": "user", "content": "Say a word."}, {"role": "assistant", "content": "The word is"}]
@@ -504,6 +504,19 @@ def test_template_variables_special_tokens_and_allowed_tokens_reach_the_engines_
         )
         assert shown.text == expected["text"]
         assert ("<|" in shown.text) is not skip, shown.text
+
+    # truncated prompts: a text's from the left, echoed whole (as vLLM's server echoes it); token ids from the right
+    text = "Once upon a time there was a small village by the sea, where the fishermen told stories every night."
+    ids = tokenizer.encode(text)
+    for prompt, fields, kept, echoed in (
+        (text, {"truncate_prompt_tokens": 9, "truncation_side": "left"}, ids[-9:], text),
+        (ids, {"truncate_prompt_tokens": 7, "truncation_side": "right"}, ids[:7], tokenizer.decode(ids)),
+    ):
+        cut = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, echo=True, extra_body=fields
+        )
+        assert cut.usage.prompt_tokens == len(kept)
+        assert cut.choices[0].text == echoed + reference.generate(10, prompt_token_ids=kept)["text"]
 
 
 def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):

@@ -674,7 +674,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "tool_choice": "required",
         "bad_words": ["no"],
         "spaces_between_special_tokens": False,
-        "truncate_prompt_tokens": 5,
         "chat_template": "{{ messages }}",
         "thinking_token_budget": 10,
         "watermarking": {"key": 1},
