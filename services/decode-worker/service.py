@@ -139,7 +139,11 @@ class DecodeService:
                 detokenize=False,
             )
             text = ContinuedText(
-                self.worker.tokenizer, req.prompt_token_ids, req.output_token_ids, req.sampling.skip_special_tokens
+                self.worker.tokenizer,
+                req.prompt_token_ids,
+                req.output_token_ids,
+                req.sampling.skip_special_tokens,
+                req.sampling.spaces_between_special_tokens,
             )
             async for delta in self._stream(
                 held, held.engine_request_id, list(held.token_ids), req.cache_salt, params, req.predicted_length, text

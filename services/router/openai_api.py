@@ -43,7 +43,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((), "tools are for chat completions"),
     "tool_choice": (("none",), "tools are for chat completions"),
     "bad_words": (([],), "not done: use logit_bias for single tokens"),
-    "spaces_between_special_tokens": ((True,), "not done"),
     "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
     "thinking_token_budget": ((), "not done"),
     "watermarking": ((), "not done"),
@@ -154,6 +153,7 @@ class _Common(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # vLLM extension
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs' tokens as "token_id:<id>"
     skip_special_tokens: bool = True  # vLLM extension: false shows special tokens' text
+    spaces_between_special_tokens: bool = True  # vLLM extension: false joins added tokens' text (those shown)
     # vLLM extension: keep this many prompt tokens (-1: as many as the context allows), from the end `truncation_side`
     # names ("left" keeps the last ones; None: the tokenizer's side)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
@@ -265,6 +265,7 @@ class _Common(BaseModel):
             structured=self.structured(),
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
     def structured(self) -> dict[str, Any] | None:

@@ -28,7 +28,12 @@ REPLAYED_TOKENS = 24  # of the outputs streamed so far, replayed to learn what t
 
 class ContinuedText:
     def __init__(
-        self, tokenizer: Any, prompt_ids: Sequence[int], streamed_ids: Sequence[int], skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        streamed_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         # skipped, as vLLM skips them: the tokenizer's named ones and any added token marked special
@@ -38,6 +43,12 @@ class ContinuedText:
             if skip_special_tokens
             else set()
         )
+        # shown, where their spaces are not: an added token's text after another's is its own alone, without the
+        # space the stream puts before it (vLLM's fast detokenizer)
+        self._added = (
+            {} if skip_special_tokens or spaces_between_special_tokens else {i: t.content for i, t in added.items()}
+        )
+        self._after_added = False
         replayed = streamed_ids[-REPLAYED_TOKENS:]
         earlier = streamed_ids[: len(streamed_ids) - len(replayed)]
         self._tokens = self._pieces([*prompt_ids[-CONTEXT_TOKENS:], *earlier[-CONTEXT_TOKENS:]][-CONTEXT_TOKENS:])
@@ -51,6 +62,15 @@ class ContinuedText:
 
     def step(self, token_id: int) -> str:
         """The text `token_id` releases (empty while a character is incomplete, or for a special token)."""
+        text = self._step(token_id)
+        if self._added:
+            added = self._added.get(token_id)
+            if added is not None and self._after_added:
+                text = added
+            self._after_added = added is not None
+        return text
+
+    def _step(self, token_id: int) -> str:
         pieces = self._pieces([token_id])
         if not pieces:
             return ""

@@ -110,6 +110,7 @@ def sampling_params(
         logit_bias={int(token): bias for token, bias in options.logit_bias.items()} or None,
         allowed_token_ids=options.allowed_token_ids,
         skip_special_tokens=options.skip_special_tokens,
+        spaces_between_special_tokens=options.spaces_between_special_tokens,
         logprobs=options.logprobs,
         prompt_logprobs=options.logprobs if options.echo and not generated else None,
         stop_token_ids=options.stop_token_ids or None,
@@ -441,7 +442,8 @@ class EngineWorker:
         """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and
         those of `logit_bias` and `stop_token_ids`) checked; truncated as asked."""
         keep = kept_prompt_tokens(req.truncate_prompt_tokens, self.max_model_len, req.sampling.max_tokens)
-        return truncated(self._prompt_token_ids(req, keep), keep, req.truncation_side or self.tokenizer.truncation_side)
+        ids = self._prompt_token_ids(req, keep)
+        return ids if keep is None else truncated(ids, keep, req.truncation_side or self.tokenizer.truncation_side)
 
     def _prompt_token_ids(self, req: PrefillRequest, keep: int | None) -> list[int]:
         tok = self.tokenizer
@@ -778,9 +780,9 @@ def kept_prompt_tokens(truncate: int | None, max_model_len: int, max_tokens: int
     return truncate if truncate >= 0 else max_model_len - 1 if max_tokens else max_model_len
 
 
-def truncated(ids: list[int], keep: int | None, side: str) -> list[int]:
+def truncated(ids: list[int], keep: int, side: str) -> list[int]:
     """`ids` cut to `keep` from the `side` end ("left": the last ones kept), as vLLM's server cuts them."""
-    if keep is None or keep >= len(ids):
+    if keep >= len(ids):
         return ids
     return ids[len(ids) - keep :] if side == "left" else ids[:keep]
 

@@ -293,6 +293,7 @@ class SamplingOptions(Message):
     structured: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled (vLLM's)
     skip_special_tokens: bool = True  # special tokens show no text (vLLM's default)
+    spaces_between_special_tokens: bool = True  # false (with special tokens shown): none between two added tokens
 
 
 class PrefillRequest(Message):

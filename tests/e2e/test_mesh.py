@@ -488,19 +488,24 @@ def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_t
 
     # special tokens' text shown, by the prefill's detokenizer and decode's (the allowed ones make them likely)
     specials = tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"])
-    for skip in (False, True):
+    for skip, spaces in ((False, True), (True, True), (False, False)):
         shown = client.completions.create(
             model=MODEL,
             prompt="Once upon a time",
             max_tokens=16,
             temperature=0,
-            extra_body={"allowed_token_ids": [*specials, *allowed[:3]], "skip_special_tokens": skip},
+            extra_body={
+                "allowed_token_ids": [*specials, *allowed[:3]],
+                "skip_special_tokens": skip,
+                "spaces_between_special_tokens": spaces,
+            },
         ).choices[0]
         expected = reference.generate(
             16,
             prompt_token_ids=tokenizer.encode("Once upon a time"),
             allowed_token_ids=[*specials, *allowed[:3]],
             skip_special_tokens=skip,
+            spaces_between_special_tokens=spaces,
         )
         assert shown.text == expected["text"]
         assert ("<|" in shown.text) is not skip, shown.text

@@ -75,3 +75,31 @@ def test_logprob_texts_of_a_resumed_leg_are_those_of_one_stream(tokenizer):
     assert "".join(step[0][2] for step in whole) == tokenizer.decode(outputs)
     for k in range(1, len(outputs)):
         assert logprob_steps(tokenizer, steps[:k], []) + logprob_steps(tokenizer, steps[k:], outputs[:k]) == whole, k
+
+
+def test_added_tokens_without_spaces_between_them_add_up_to_vllms_fast_detokenizers(tokenizer):
+    """skip_special_tokens and spaces_between_special_tokens false: the legs' texts, split anywhere, add up to
+    what vLLM's detokenizer for fast tokenizers shows (an added token after another: its own text alone). With a
+    decoder that joins tokens with spaces (WordPiece's), which puts one between two added tokens too."""
+    import copy
+    from types import SimpleNamespace
+
+    from tokenizers import decoders
+    from vllm import SamplingParams
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    spacing = copy.deepcopy(tokenizer)
+    spacing.backend_tokenizer.decoder = decoders.WordPiece()
+    rng = random.Random(5)
+    specials = spacing.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>", "</s>"])
+    prompt = [rng.randrange(10, spacing.vocab_size) for _ in range(20)] + specials[:1]
+    outputs = [rng.choice(specials) if rng.random() < 0.5 else rng.randrange(10, 400) for _ in range(60)]
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    vllms = FastIncrementalDetokenizer(
+        spacing, SimpleNamespace(sampling_params=params, prompt_token_ids=prompt, request_id="r")
+    )
+    expected = "".join(vllms.decode_next(t) for t in outputs)
+    assert "><|" in expected and "> <|" in ContinuedText(spacing, prompt, [], False).feed(outputs)
+    for k in range(len(outputs)):
+        shown = ContinuedText(spacing, prompt, [], False, False).feed(outputs[:k])
+        assert shown + ContinuedText(spacing, prompt, outputs[:k], False, False).feed(outputs[k:]) == expected, k

@@ -252,7 +252,8 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
         def apply_chat_template(self, messages, **kwargs):
             raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    worker = type("Worker", (), {"tokenizer": Tokenizer()})()
+    worker = object.__new__(EngineWorker)  # what prompt_token_ids reads of an engine's worker
+    worker.tokenizer, worker.max_model_len = Tokenizer(), 64
     req = PrefillRequest(
         request_id="r",
         model="m",
