@@ -134,6 +134,7 @@ class DecodeService:
                 req.sampling.model_copy(update={"stop": []}),
                 max_tokens=total - done,
                 generated=done,
+                tokenizer=self.worker.tokenizer,
                 kv_transfer_params=kv_params | {"tail_id": held.tail_id},
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
@@ -172,6 +173,7 @@ class DecodeService:
             params = sampling_params(
                 req.sampling,
                 max_tokens=max_tokens,
+                tokenizer=self.worker.tokenizer,
                 output_kind=RequestOutputKind.DELTA,
                 kv_transfer_params={"save_prompt": True, "tail_id": held.tail_id},
             )

@@ -34,7 +34,12 @@ class PrefillService:
             predicted=req.predicted_length,
             priority=req.priority,
         ):
-            params = sampling_params(req.sampling, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            params = sampling_params(
+                req.sampling,
+                max_tokens=1,
+                kv_transfer_params={"do_remote_decode": True},
+                tokenizer=self.worker.tokenizer,
+            )
             final = None
             started = time.monotonic()
             self.worker.prefill_meter.started()

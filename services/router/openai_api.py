@@ -25,6 +25,7 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_CHOICES = 128  # OpenAI's limit on n (each choice is a request of its own to admission and the workers)
 MAX_GENERATIONS = 256  # prompts × n in one request
 MAX_TOOLS = 128  # OpenAI's limit on tools
+MAX_BAD_WORDS = 128  # vLLM's default limit (VLLM_MAX_NUM_BAD_WORDS, on their tokenizations: the workers apply it)
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
@@ -42,7 +43,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), _GUIDED),
     "tools": ((), "tools are for chat completions"),
     "tool_choice": (("none",), "tools are for chat completions"),
-    "bad_words": (([],), "not done: use logit_bias for single tokens"),
     "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
     "thinking_token_budget": ((), "not done"),
     "watermarking": ((), "not done"),
@@ -154,6 +154,7 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprobs' tokens as "token_id:<id>"
     skip_special_tokens: bool = True  # vLLM extension: false shows special tokens' text
     spaces_between_special_tokens: bool = True  # vLLM extension: false joins added tokens' text (those shown)
+    bad_words: list[str] = Field(default=[], max_length=MAX_BAD_WORDS)  # vLLM extension: words never generated
     # vLLM extension: keep this many prompt tokens (-1: as many as the context allows), from the end `truncation_side`
     # names ("left" keeps the last ones; None: the tokenizer's side)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
@@ -266,6 +267,7 @@ class _Common(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            bad_words=list(dict.fromkeys(self.bad_words)),  # (as vLLM dedupes them)
         )
 
     def structured(self) -> dict[str, Any] | None:

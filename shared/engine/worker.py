@@ -84,17 +84,28 @@ def sampling_params(
     max_tokens: int,
     kv_transfer_params: dict[str, Any],
     generated: int = 0,
+    tokenizer: Any = None,
     **extra: Any,
 ) -> Any:
     """vLLM sampling parameters of a request of which `generated` tokens were generated elsewhere (its
     prompt here ends with them), with our KV parameters and the current trace context. Presence and
-    frequency penalties count those tokens too (llmesh.engine.penalties applies every penalty then), and a
-    structured output's grammar starts past them (llmesh.engine.resumed)."""
+    frequency penalties count those tokens too (llmesh.engine.penalties applies every penalty then), so do
+    bad words (llmesh.engine.bad_words: their tokens from `tokenizer`), and a structured output's grammar
+    starts past them (llmesh.engine.resumed)."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import StructuredOutputsParams
 
+    from llmesh.engine.bad_words import bad_words_args
     from llmesh.engine.penalties import output_penalties
     from llmesh.engine.resumed import earlier_output_args
+
+    banned = {}
+    if options.bad_words:
+        try:
+            banned = bad_words_args(options.bad_words, tokenizer)
+        except VLLMClientError as exc:  # (vLLM's: a word of no tokens, of tokens past the vocabulary, too many)
+            raise InvalidRequest(str(exc), param="bad_words") from exc
 
     penalties = {}
     if options.frequency_penalty or options.presence_penalty:
@@ -123,6 +134,7 @@ def sampling_params(
             "kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()},
             **earlier_output_args(generated),
             **penalties,
+            **banned,
         },
         **extra,
     )
@@ -206,7 +218,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
         else None,
         disable_log_stats=True,
-        logits_processors=["llmesh.engine.penalties:OutputPenalties"],
+        logits_processors=["llmesh.engine.penalties:OutputPenalties", "llmesh.engine.bad_words:OutputBadWords"],
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
             kv_connector_module_path="llmesh.engine.kv_connector",

@@ -294,6 +294,7 @@ class SamplingOptions(Message):
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled (vLLM's)
     skip_special_tokens: bool = True  # special tokens show no text (vLLM's default)
     spaces_between_special_tokens: bool = True  # false (with special tokens shown): none between two added tokens
+    bad_words: list[str] = []  # vLLM's: never generated (a word's last token is banned after the rest of it)
 
 
 class PrefillRequest(Message):

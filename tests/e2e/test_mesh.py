@@ -524,6 +524,40 @@ def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_t
         assert cut.choices[0].text == echoed + reference.generate(10, prompt_token_ids=kept)["text"]
 
 
+def test_bad_words_are_banned_over_the_whole_output_as_the_monolithic_engine_bans_them(
+    client, reference, tokenizer, mesh
+):
+    """A two-token bad word whose first token the prefill generated: the decode engine, which holds that token
+    in its prompt, bans the second after it, as one engine bans it after its own output."""
+
+    def as_a_bad_word(text: str) -> list[int]:  # the ids vLLM bans for a word (it also tries a leading space)
+        return tokenizer.encode(text.lstrip(), add_special_tokens=False)
+
+    for seed in range(7000, 7040):  # a prompt whose first two output tokens are a word as vLLM tokenizes it
+        ids = token_prompt(60, seed=seed)
+        plain = reference.generate(12, prompt_token_ids=ids)["token_ids"]
+        word = tokenizer.decode(plain[:2])
+        if word.strip() and as_a_bad_word(word) == plain[:2]:
+            break
+    else:
+        pytest.fail("no prompt of 40 began its output with a two-token word")
+    for bad in ([word], [tokenizer.decode(plain[:1]).strip() or word, "zebra"]):
+        out = client.completions.create(
+            model=MODEL,
+            prompt=ids,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"bad_words": bad, "return_token_ids": True},
+        ).choices[0]
+        expected = reference.generate(12, prompt_token_ids=ids, bad_words=bad)["token_ids"]
+        assert out.token_ids == expected != plain, bad
+    assert expected[:1] != plain[:1]  # the prefill banned a one-token word
+    resp = httpx.post(  # (vLLM's error: a word of no tokens)
+        f"{mesh.url}/v1/completions", headers=mesh.headers, json={"model": MODEL, "prompt": "a", "bad_words": ["   "]}
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
+
+
 def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, reference):
     """Values and texts (each candidate's text, which vLLM corrects with the output before it) as the
     monolithic engine gives them, for the prefill's first token and decode's after it, in both APIs."""

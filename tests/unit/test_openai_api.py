@@ -672,7 +672,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "guided_grammar": "root ::= a",
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required",
-        "bad_words": ["no"],
         "chat_template": "{{ messages }}",
         "thinking_token_budget": 10,
         "watermarking": {"key": 1},
