@@ -32,7 +32,13 @@ from typing import Any
 from opentelemetry import trace
 from vllm.sampling_params import RequestOutputKind
 
-from llmesh.engine.detokenizer import LOGPROB_CONTEXT, ContinuedText, logprob_steps, prompt_logprob_steps, prompt_text
+from llmesh.engine.detokenizer import (
+    LOGPROB_CONTEXT,
+    ContinuedText,
+    echoed_prompt,
+    logprob_steps,
+    prompt_logprob_steps,
+)
 from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
 from llmesh.engine.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
@@ -186,12 +192,12 @@ class DecodeService:
                     if not computed:  # the prompt is computed once the first token is out
                         computed = len(token_ids)
                         self.worker.prefill_meter.finished(computed)
-                        update: dict[str, Any] = {"prompt_token_ids": token_ids}  # the router may resume it
-                        if req.sampling.echo:
-                            update["prompt_text"] = prompt_text(
-                                self.worker.tokenizer, req.prompt, req.prompt_token_ids or token_ids
-                            )
-                        delta = delta.model_copy(update=update)
+                        delta = delta.model_copy(  # the router may resume it from its prompt
+                            update={
+                                "prompt_token_ids": token_ids,
+                                "prompt_text": echoed_prompt(self.worker.tokenizer, req, token_ids),
+                            }
+                        )
                     yield delta
             finally:
                 if not computed:

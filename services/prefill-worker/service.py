@@ -9,7 +9,7 @@ import time
 
 from opentelemetry import trace
 
-from llmesh.engine.detokenizer import logprob_steps, prompt_logprob_steps, prompt_text
+from llmesh.engine.detokenizer import echoed_prompt, logprob_steps, prompt_logprob_steps
 from llmesh.engine.worker import EngineWorker, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
@@ -93,9 +93,7 @@ class PrefillService:
                     prompt_tokens=len(token_ids),
                     completion_tokens=len(o.token_ids),
                     logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),
-                    prompt_text=prompt_text(tokenizer, req.prompt, req.prompt_token_ids or token_ids)
-                    if req.sampling.echo
-                    else None,
+                    prompt_text=echoed_prompt(tokenizer, req, token_ids),
                     prompt_logprobs=prompt_logprob_steps(tokenizer, token_ids, final.prompt_logprobs),
                 ),
                 kv=kv,

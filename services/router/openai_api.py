@@ -267,7 +267,7 @@ class _Common(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            bad_words=list(dict.fromkeys(self.bad_words)),  # (as vLLM dedupes them)
+            bad_words=self.bad_words,
         )
 
     def structured(self) -> dict[str, Any] | None:

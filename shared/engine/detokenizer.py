@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmesh.wire.messages import LogprobSteps
+from llmesh.wire.messages import LogprobSteps, PrefillRequest
 
 CONTEXT_TOKENS = 5  # before the outputs: enough for tokenizers that merge a space into a word
 LOGPROB_CONTEXT = 4  # output tokens before a candidate that vLLM completes its text with (a character's bytes)
@@ -109,10 +109,12 @@ def logprob_steps(tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_bef
     return out
 
 
-def prompt_text(tokenizer: Any, text: str | None, token_ids: Sequence[int]) -> str:
-    """A prompt's text as an echo shows it: as given, else decoded as vLLM's server decodes token prompts
-    (`token_ids` as given: it decodes them before any truncation)."""
-    return tokenizer.decode(token_ids) if text is None else text
+def echoed_prompt(tokenizer: Any, req: PrefillRequest, token_ids: Sequence[int]) -> str | None:
+    """A request's prompt text as its echo shows it (None without an echo): as given, else decoded as vLLM's
+    server decodes token prompts, as given, before any truncation (`token_ids`: the prompt as tokenized)."""
+    if not req.sampling.echo:
+        return None
+    return tokenizer.decode(req.prompt_token_ids or token_ids) if req.prompt is None else req.prompt
 
 
 def prompt_logprob_steps(

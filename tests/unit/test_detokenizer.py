@@ -6,8 +6,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from llmesh.engine.detokenizer import ContinuedText
+from llmesh.engine.detokenizer import ContinuedText, echoed_prompt
 from llmesh.engine.models import build_tokenizer
+from llmesh.wire.messages import PrefillRequest, SamplingOptions
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +104,13 @@ def test_added_tokens_without_spaces_between_them_add_up_to_vllms_fast_detokeniz
     for k in range(len(outputs)):
         shown = ContinuedText(spacing, prompt, [], False, False).feed(outputs[:k])
         assert shown + ContinuedText(spacing, prompt, outputs[:k], False, False).feed(outputs[k:]) == expected, k
+
+
+def test_an_echo_shows_the_prompt_as_given_before_any_truncation(tokenizer):
+    def request(echo, **prompt):
+        return PrefillRequest(request_id="r", model="m", sampling=SamplingOptions(echo=echo), deadline=0, **prompt)
+
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    assert echoed_prompt(tokenizer, request(False, prompt="one two"), ids) is None
+    assert echoed_prompt(tokenizer, request(True, prompt=" one  two"), ids[1:]) == " one  two"  # as typed
+    assert echoed_prompt(tokenizer, request(True, prompt_token_ids=ids), ids[1:]) == tokenizer.decode(ids)  # whole
