@@ -7,7 +7,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -16,6 +16,9 @@ from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta
 
 from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, ToolCallStream, tool_calling
+
+if TYPE_CHECKING:
+    from .auto_tools import AutoToolCalling, AutoToolStream
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -428,6 +431,12 @@ class ChatCompletionRequest(_Common):
     def tool_calling(self) -> ToolCalling | None:
         return self._tool_calling
 
+    @property
+    def auto_tools(self) -> bool:
+        """Whether the output may call tools in the model's own format (tool_choice "auto", the default with
+        tools), read back by its parser (`auto_tools`)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
         self._tool_calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -536,18 +545,18 @@ class Choice:
     text: str
     finish_reason: str | None
     completion_tokens: int
-    token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
     logprobs: LogprobSteps | None = None
     stop_reason: str | int | None = None
 
     @classmethod
-    def of(cls, deltas: list[TokenDelta], with_token_ids: bool) -> Choice:
+    def of(cls, deltas: list[TokenDelta]) -> Choice:
         """The choice that these deltas, all of its stream, make."""
         return cls(
             "".join(d.text for d in deltas),
             deltas[-1].finish_reason,
             deltas[-1].completion_tokens,
-            [t for d in deltas for t in d.token_ids] if with_token_ids else None,
+            [t for d in deltas for t in d.token_ids],
             [step for d in deltas for step in d.logprobs or ()],
             deltas[-1].stop_reason,
         )
@@ -564,18 +573,20 @@ class ResponseShape:
         request_id: str,
         model: str,
         logprobs: int | None = None,
-        tools: ToolCalling | None = None,
+        tools: ToolCalling | AutoToolCalling | None = None,
         tokens_as_ids: bool = False,
+        with_token_ids: bool = False,
     ):
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
-        `tools`: the call a chat's output makes (None: its output is text); `tokens_as_ids`: logprobs' tokens
-        as "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+        `tools`: how a chat's output is read as calls (None: its output is text); `tokens_as_ids`: logprobs'
+        tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids); `with_token_ids`: each choice's
+        token ids shown (vLLM's return_token_ids)."""
         self.chat, self.id, self.model, self.top, self.tools = chat, request_id, model, logprobs, tools
-        self.tokens_as_ids = tokens_as_ids
+        self.tokens_as_ids, self.with_token_ids = tokens_as_ids, with_token_ids
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
-        self._tool_streams: dict[int, ToolCallStream] = {}  # a choice's calls so far, streamed
+        self._tool_streams: dict[int, ToolCallStream | AutoToolStream] = {}  # a choice's calls so far, streamed
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -621,14 +632,13 @@ class ResponseShape:
         index: int = 0,
         stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
-        """A streamed chunk of choice `index`; `first`: the choice's first."""
+        """A streamed chunk of choice `index` (`token_ids`: the tokens of its `text`); `first`: the choice's
+        first."""
         if self.chat and self.tools is not None:
             calls = self._tool_streams.setdefault(index, self.tools.stream())
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if tool_calls := calls.delta(text):
-                delta["tool_calls"] = tool_calls
-            body: dict[str, Any] = {"delta": delta}
-            finish_reason = self.tools.finish_reason(finish_reason, calls.announced)
+            body: dict[str, Any] = {"delta": delta | calls.delta(text, token_ids or (), finish_reason is not None)}
+            finish_reason = calls.finish_reason(finish_reason)
         elif self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             body = {"delta": delta}
@@ -654,7 +664,7 @@ class ResponseShape:
             "stop_reason": stop_reason,
             "logprobs": self._logprobs(logprobs, index),
         }
-        if token_ids is not None:
+        if self.with_token_ids:
             choice["token_ids"] = token_ids
         return choice
 
@@ -669,18 +679,18 @@ class ResponseShape:
         stop_reason: str | int | None = None,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
-        envelope for every token, and only the text changes (`token_ids`, vLLM's `return_token_ids`
+        envelope for every token, and only the text changes (token ids, vLLM's `return_token_ids`
         extension, logprobs and a stop reason are rendered in full). Text that reveals nothing of a tool
         call yet is no event (as vLLM's server sends none), unless the chunk carries more."""
         if self.tools is not None:
             chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason)
             choice = chunk["choices"][0]
-            if choice["delta"] or choice["finish_reason"] or token_ids is not None or self.top is not None:
+            if choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None:
                 return sse(chunk)
             return b""
         if (
             (self.chat and not text and not first)  # (an empty chat delta)
-            or token_ids is not None
+            or self.with_token_ids
             or self.top is not None
             or stop_reason is not None
         ):
@@ -694,10 +704,11 @@ class ResponseShape:
             template = self._templates[key] = head, tail
         return template[0] + json.dumps(text).encode() + template[1]
 
-    def _message(self, text: str) -> dict[str, Any]:
+    def _answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message and finish reason."""
         if self.tools is None:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": "", "tool_calls": self.tools.calls(text)}
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        return self.tools.answer(choice.text, choice.token_ids or (), choice.finish_reason)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -706,17 +717,14 @@ class ResponseShape:
     def final(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         """The whole answer; its usage counts `prompt_tokens` (each prompt's once) and every choice's tokens,
         as vLLM does."""
-        rendered = [
-            self._choice(
-                index,
-                {"message": self._message(c.text)} if self.chat else {"text": c.text},
-                self.tools.finish_reason(c.finish_reason) if self.tools is not None else c.finish_reason,
-                c.stop_reason,
-                c.logprobs,
-                c.token_ids,
-            )
-            for index, c in enumerate(choices)
-        ]
+        rendered = []
+        for index, c in enumerate(choices):
+            if self.chat:
+                message, finish_reason = self._answer(c)
+                body: dict[str, Any] = {"message": message}
+            else:
+                body, finish_reason = {"text": c.text}, c.finish_reason
+            rendered.append(self._choice(index, body, finish_reason, c.stop_reason, c.logprobs, c.token_ids))
         obj = "chat.completion" if self.chat else "text_completion"
         completion_tokens = sum(c.completion_tokens for c in choices)
         return self._envelope(obj, rendered, usage=usage(prompt_tokens, completion_tokens))

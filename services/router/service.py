@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -27,6 +28,7 @@ from llmesh.wire.lifecycle import cancel_and_wait
 from llmesh.wire.messages import ROLES, TokenDelta
 
 from .auth import ApiKey, KeyRing
+from .auto_tools import AutoToolCalling, AutoToolParsers
 from .dispatch import Dispatcher, Generation
 from .metrics import RequestTimes, RouterMetrics
 from .openai_api import (
@@ -41,6 +43,7 @@ from .openai_api import (
     validation_error,
 )
 from .registry import WorkerRegistry
+from .tools import ToolCalling
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,10 +62,13 @@ def create_app(
     metrics: RouterMetrics,
     request_timeout_s: float,
     keys: KeyRing | None = None,
+    auto_tools: AutoToolParsers | None = None,
 ) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
-    for probes and scrapers, do not: bind them to a private address, as vLLM's server does)."""
+    for probes and scrapers, do not: bind them to a private address, as vLLM's server does).
+    `auto_tools`: the catalogue's tool-call parsers (none: tool_choice "auto" is refused)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
+    auto_tools = auto_tools or AutoToolParsers((), Path())
     tracer = telemetry.tracer("llmesh.router")
     keyring = keys or KeyRing(())
 
@@ -126,6 +132,11 @@ def create_app(
     ) -> Response:
         endpoint = request.url.path
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        samplings = body.choice_samplings()
+        tools: ToolCalling | AutoToolCalling | None = body.tool_calling
+        if isinstance(body, ChatCompletionRequest) and body.auto_tools:
+            tools = auto_tools.calling(body)  # (vLLM's 400 where the model has no parser)
+            samplings = [options.model_copy(update=tools.sampling_update) for options in samplings]
         span = tracer.start_span(
             "router request",
             kind=trace.SpanKind.SERVER,
@@ -142,7 +153,7 @@ def create_app(
         parent = trace.set_span_in_context(span)
         deadline, arrival = time.time() + request_timeout_s, time.monotonic()
         served = registry.catalogue.get(body.model)  # its targets, where the request sets none
-        inputs, samplings = body.inputs(), body.choice_samplings()
+        inputs = body.inputs()
         # a generation a choice of each prompt (choice j of prompt i at index i·n + j, as vLLM orders them),
         # each a request of its own through the mesh
         choices = [
@@ -164,7 +175,13 @@ def create_app(
             for j, options in enumerate(samplings)
         ]
         shape = ResponseShape(
-            chat, request_id, body.model, body.logprob_count, body.tool_calling, body.return_tokens_as_token_ids
+            chat,
+            request_id,
+            body.model,
+            body.logprob_count,
+            tools,
+            body.return_tokens_as_token_ids,
+            body.return_token_ids,
         )
         streams = [dispatcher.generate(choice, parent) for choice in choices]
         times = [metrics.request(body.model) for _ in choices]
@@ -195,7 +212,6 @@ def create_app(
             """Each prompt's tokens once (from its first choice's delta), as vLLM's usage counts them."""
             return sum(delta.prompt_tokens for delta in deltas[:: body.n])
 
-        ids = body.return_token_ids
         try:
             # Wait for every choice's first token before answering, so that errors found by the workers
             # (context too long, no capacity) still get their proper HTTP status.
@@ -205,7 +221,7 @@ def create_app(
             lasts = [choice_times.seen(delta) for choice_times, delta in zip(times, firsts)]
             if not body.stream:
                 rests = await _unless_disconnected(request, _rest_of_each(streams, times))
-                answer = [Choice.of([first, *rest], ids) for first, rest in zip(firsts, rests)]
+                answer = [Choice.of([first, *rest]) for first, rest in zip(firsts, rests)]
                 finish(200, finish_reasons=[c.finish_reason for c in answer])
                 return JSONResponse(shape.final(answer, prompt_tokens(firsts)))
         except MeshError as exc:
@@ -231,7 +247,7 @@ def create_app(
                         first.text,
                         first.finish_reason,
                         True,
-                        first.token_ids if ids else None,
+                        first.token_ids,
                         first.logprobs,
                         index,
                         first.stop_reason,
@@ -246,7 +262,7 @@ def create_app(
                         yield shape.chunk_event(
                             delta.text,
                             delta.finish_reason,
-                            token_ids=delta.token_ids if ids else None,
+                            token_ids=delta.token_ids,
                             logprobs=delta.logprobs,
                             index=index,
                             stop_reason=delta.stop_reason,

@@ -1,6 +1,6 @@
 """Tool calling, as vLLM's server does it for a forced call (`tool_choice` "required" or a named function):
 the output constrained to JSON by the tools' schemas, then read back as OpenAI's `tool_calls`, whole or
-streamed. "auto" needs a parser for each model family's own call format, which the mesh does not have.
+streamed. "auto" reads a model's own call format with vLLM's parser of it (`auto_tools`).
 
 The constraint, the reading of a whole output and the streamed deltas follow vLLM 0.32
 (`vllm/tool_parsers/utils.py`, `vllm/parser/abstract_parser.py`, `vllm/tool_parsers/streaming.py`, Apache-2.0);
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from llmesh.wire.errors import InvalidRequest
 
-# vLLM's error for "auto" without a parser, reworded for the mesh
+# vLLM's error for "auto" without a parser, reworded for the mesh (its setting named)
 AUTO_REFUSED = (
-    'tool_choice "auto" is not supported: it needs a parser of the model\'s own tool-call format; '
+    'tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call format: the mesh '
+    "has none for this model (its `tool_call_parser` in MESH_MODELS, vLLM's --tool-call-parser); "
     'use "required" or a named function (or "none")'
 )
 
@@ -141,6 +143,10 @@ class ToolCalling:
         """OpenAI's: "tool_calls" where a "required" output ended by itself (a named call's stays "stop")."""
         return "tool_calls" if reason == "stop" and self.function is None and called else reason
 
+    def answer(self, text: str, token_ids: Sequence[int], reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole output's message and finish reason."""
+        return {"role": "assistant", "content": "", "tool_calls": self.calls(text)}, self.finish_reason(reason)
+
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
 
@@ -159,18 +165,26 @@ class ToolCallStream:
     text: str = ""
     announced: bool = False  # a call has been sent
 
-    def delta(self, text: str) -> list[dict[str, Any]] | None:
+    def delta(self, text: str, token_ids: Sequence[int] = (), finished: bool = False) -> dict[str, Any]:
+        """The chat delta's fields (its tool_calls) this text makes; none while no call can be told yet."""
+        calls = self._calls(text)
+        return {"tool_calls": calls} if calls else {}
+
+    def _calls(self, text: str) -> list[dict[str, Any]]:
         previous, self.text = self.text, self.text + text
         if self.calling.function is not None:
             if self.announced:
-                return [{"index": 0, "function": {"arguments": text}}] if text else None
+                return [{"index": 0, "function": {"arguments": text}}] if text else []
             self.announced = True
             return [{"index": 0, **_call(self.calling.function, text)}]
         deltas = _required_deltas(previous, self.text)
         self.announced = self.announced or bool(deltas)
         if deltas and not self.calling.parallel:
             deltas = [d for d in deltas if d["index"] == 0]
-        return deltas or None
+        return deltas
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self.calling.finish_reason(reason, self.announced)
 
 
 @dataclass
@@ -308,7 +322,7 @@ def _required_deltas(previous: str, current: str) -> list[dict[str, Any]]:
 def tool_calling(
     tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None
 ) -> ToolCalling | None:
-    """A request's forced call (None where the output is text: no tools, or "none"), with vLLM's errors."""
+    """A request's forced call (None where the output is text, or "auto": `auto_tools`), with vLLM's errors."""
     if tools is not None and not tools:
         raise InvalidRequest(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
@@ -321,7 +335,7 @@ def tool_calling(
     if tools is None:
         raise InvalidRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if choice == "auto":
-        raise InvalidRequest(AUTO_REFUSED, param="tool_choice")
+        return None
     if choice == "required":
         return ToolCalling(tuple(tools), None, parallel is not False)
     assert isinstance(choice, NamedToolChoice)  # (the field's type)

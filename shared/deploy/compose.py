@@ -163,7 +163,7 @@ def control_plane(address: str, listen: str) -> dict[str, Any]:
         "./docker/prometheus/control-plane.yml:/etc/prometheus/prometheus.yml:ro",
         f"./docker/prometheus/hosts:{HOST_TARGETS.rsplit('/', 1)[0]}:ro",
     ]
-    del compose["volumes"]["models"], compose["volumes"]["kv-data"]
+    del compose["volumes"]["kv-data"]  # (models: the router's tokenizers, for tool-call parsers)
     return compose
 
 

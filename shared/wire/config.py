@@ -122,6 +122,13 @@ class ServedModel(BaseModel):
         "False: aggregated, as vLLM serves alone: decode workers only, each running whole requests, one engine "
         "per replica instead of two (for models too small for the hand-over to pay, or hosts short of cores).",
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's parser of the model's own tool-call format (its `--tool-call-parser`: \"hermes\", "
+        '"llama3_json", "mistral", "pythonic", ...), with which the router reads the calls of a chat whose '
+        '`tool_choice` is "auto" (the default with tools). None: "auto" is refused, as vLLM\'s server refuses it '
+        "without `--enable-auto-tool-choice`.",
+    )
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -144,7 +151,8 @@ class ModelSettings(BaseSettings):
     models: list[ServedModel] | None = Field(
         None,
         description="The models the mesh serves, as a JSON list of {name, model, ttft_slo_ms, tpot_slo_ms, "
-        'tensor_parallel_size, disaggregated}, e.g. [{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct"}]; '
+        "tensor_parallel_size, disaggregated, tool_call_parser}, e.g. "
+        '[{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct", "tool_call_parser": "llama3_json"}]; '
         "a worker serves the one MESH_SERVED_MODEL_NAME names (default: the first). The router lists them all and "
         "a request for one that no worker serves waits for one (MESH_MODEL_WAIT_S); other names get 404. `make run` "
         "starts workers for each, or for those MESH_STARTED_MODELS lists (comma-separated). Empty: the one model "
@@ -156,6 +164,7 @@ class ModelSettings(BaseSettings):
         "MESH_MODELS: taken from there.",
     )
     served_model_name: str = Field("", description="Name clients use in `model`; default: the model.")
+    model_dir: Path = Field(Path.home() / ".cache" / "llmesh", description="Where the embedded model is built.")
 
     @field_validator("models", mode="before")
     @classmethod
@@ -247,7 +256,6 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
     NATS_USER: ClassVar[str] = "worker"
 
     worker_id: str = Field("", description="Unique worker name; default: <role>-<host>-<pid>.")
-    model_dir: Path = Field(Path.home() / ".cache" / "llmesh", description="Where the embedded model is built.")
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(  # vLLM's ModelDType
         "bfloat16", description="Weights and KV dtype."
     )

@@ -28,8 +28,12 @@ MAX_MODEL_LEN = 8192  # a long context makes long requests: the tiny model decod
 BLOCK_SIZE = 128
 STARTUP_S = 420
 MODEL_B = "tiny-b"  # in the catalogue of the session's mesh, served by no worker it starts (placement activates it)
-# served aggregated: placement activates a decode worker alone, which runs its requests whole
-CATALOGUE = [{"name": EMBEDDED_MODEL}, {"name": MODEL_B, "model": "llmesh/tiny-llama-b", "disaggregated": False}]
+# served aggregated: placement activates a decode worker alone, which runs its requests whole. The first
+# reads tool calls in vLLM's pythonic format (tool_choice "auto"); the second has no parser.
+CATALOGUE = [
+    {"name": EMBEDDED_MODEL, "tool_call_parser": "pythonic"},
+    {"name": MODEL_B, "model": "llmesh/tiny-llama-b", "disaggregated": False},
+]
 
 
 class Mesh:

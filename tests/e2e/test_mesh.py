@@ -456,6 +456,57 @@ def test_tool_calls_streamed_and_whole_are_the_monolithic_engines_constrained_ou
     assert answer.token_ids == expected["token_ids"]
 
 
+def test_auto_tool_calls_are_the_monolithic_engines_output_read_by_the_models_parser(client, reference, tokenizer):
+    """tool_choice "auto" (the default with tools) on the session's model, whose catalogue entry names vLLM's
+    pythonic parser: an output constrained to a call list is read back, whole and streamed (over the
+    prefill's and decode's legs), as that parser reads the monolithic engine's; a plain output stays text;
+    a model without a parser refuses "auto" with vLLM's 400."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser import ParserManager
+
+    calls_only = r"\[get_weather\(city='Oslo'\), get_time\(\)\]"
+    asked = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "The weather in Oslo, and the time?"}],
+        "tools": [WEATHER, TIME],
+        "max_tokens": 60,
+        "temperature": 0,
+    }
+    forced = asked | {"extra_body": {"structured_outputs": {"regex": calls_only}, "return_token_ids": True}}
+    whole = client.chat.completions.create(**forced)
+    calls, finish = streamed_calls(client.chat.completions.create(**forced, stream=True))
+    plain = client.chat.completions.create(**asked)
+
+    theirs = ChatCompletionRequest(**asked)
+    text = tokenizer.apply_chat_template(
+        asked["messages"], tools=[t.model_dump() for t in theirs.tools], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = reference.generate(60, prompt_token_ids=ids, structured_outputs={"regex": calls_only})
+    parser = ParserManager.get_parser(tool_parser_name="pythonic", enable_auto_tools=True, tokenizer=tokenizer)
+    _, _, read = parser(tokenizer, theirs.tools).parse(expected["text"], theirs, True, expected["token_ids"])
+    answer = whole.choices[0]
+    assert answer.token_ids == expected["token_ids"] and answer.message.content is None
+    got = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+    assert (
+        got
+        == calls
+        == [(c.name, c.arguments) for c in read]
+        == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    )
+    assert answer.finish_reason == finish == "tool_calls"
+    as_text = reference.generate(60, prompt_token_ids=ids)
+    assert (plain.choices[0].message.content, plain.choices[0].finish_reason) == (
+        as_text["text"],
+        as_text["finish_reason"],
+    )
+    assert not plain.choices[0].message.tool_calls
+
+    with pytest.raises(openai.BadRequestError, match="tool_call_parser") as refused:
+        client.chat.completions.create(**asked | {"model": MODEL_B})
+    assert refused.value.param == "tool_choice"
+
+
 def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_the_engines_as_vllms_server_passes_them(
     client, reference, tokenizer
 ):

@@ -224,9 +224,7 @@ def test_an_echoed_prompts_logprobs_render_as_vllms_server_renders_them(top):
     expected = OpenAIServingCompletion._create_completion_logprobs(
         server, [1, *token_ids], [None, *steps], top, SimpleNamespace(decode=lambda token: "<s>")
     ).model_dump()
-    assert (
-        ResponseShape(False, "r", "m", top).final([Choice.of([first], False)], 3)["choices"][0]["logprobs"] == expected
-    )
+    assert ResponseShape(False, "r", "m", top).final([Choice.of([first])], 3)["choices"][0]["logprobs"] == expected
     assert echoed(delta.model_copy(update={"logprobs": None})).logprobs is None  # no logprobs asked: text alone
     alone = echoed(delta, prompt_alone=True)  # max_tokens 0
     assert (alone.text, alone.logprobs) == ("the prompt", prompt_steps)

@@ -68,8 +68,6 @@ def test_a_tool_choice_replaces_response_format_and_a_named_one_refuses_structur
         ({"tools": []}, "tools", "must not be an empty array"),
         ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
         ({"tools": [TIME], "tool_choice": {"function": {"name": "nope"}}}, "tool_choice", "does not match any"),
-        ({"tools": [TIME]}, "tool_choice", '"auto" is not supported'),  # "auto" by default with tools
-        ({"tools": [TIME], "tool_choice": "auto"}, "tool_choice", '"auto" is not supported'),
     ],
 )
 def test_bad_tool_fields_are_vllms_errors(fields, param, message):
