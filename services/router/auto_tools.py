@@ -27,6 +27,7 @@ from llmesh.engine.models import resolve_model
 from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import InvalidRequest
 
+from .openai_api import validation_error
 from .tools import AUTO_REFUSED
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class _ModelParser:
                 body.model_dump(mode="json", by_alias=True, exclude_none=True, include=_PARSED_FIELDS)
             )
         except ValidationError as exc:  # (vLLM's server refuses these before its parser sees them)
-            raise InvalidRequest(f"vLLM's chat request refuses this one: {exc}") from exc
+            raise validation_error([dict(e) for e in exc.errors()]) from exc
         calling = AutoToolCalling(self, request, body.template_kwargs())
         given = request.structured_outputs
         request = calling.parser().adjust_request(request)
