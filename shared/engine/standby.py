@@ -93,9 +93,33 @@ def prepare(cores: str) -> None:
 
     import llmesh.engine.worker  # noqa: F401
 
+    compile_logprob_ranks()
     gc.collect()
     gc.freeze()  # vLLM's EngineCore collects every generation as it starts: 0.6-1.0 s unfrozen (measured)
     _prepared = True
+
+
+def compile_logprob_ranks() -> bool:
+    """vLLM counts each sampled token's rank (for logprobs) with a `torch.compile`d function, compiled on an
+    engine's first request with logprobs (1.8-5 s on this machine, which the worker's warm-up pays). Compiled
+    here instead, for any batch and vocabulary, the engine's forked processes inherit it. Only for a CPU
+    engine whose kernels are single-threaded (one core), where the kernel compiled is the one the engine
+    would compile: it runs once here, and an OpenMP team started in this process would not survive the fork."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or torch.get_num_threads() != 1:
+        return False
+    from torch._dynamo.decorators import mark_dynamic, mark_unbacked
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    logprobs, sampled = torch.zeros(2, 64), torch.zeros(2, 1)
+    mark_unbacked(logprobs, 0)  # (as vLLM's sampler marks the batch: any size, 1 included)
+    mark_unbacked(sampled, 0)
+    mark_dynamic(logprobs, 1)  # any vocabulary
+    with torch._inductor.config.patch(compile_threads=1):  # no compile workers in a process that forks
+        batched_count_greater_than(logprobs, sampled)
+    return True
 
 
 def forks_its_engine(settings: WorkerSettings) -> bool:

@@ -420,16 +420,19 @@ class EngineWorker:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
 
-        prompt = TokensPrompt(prompt_token_ids=WARMUP_PROMPT)
+        prompt, took = TokensPrompt(prompt_token_ids=WARMUP_PROMPT), []
         for kind, params in (
-            ("", SamplingParams(max_tokens=2, temperature=0.0, logprobs=1)),
+            ("logprobs", SamplingParams(max_tokens=2, temperature=0.0, logprobs=1)),
             (
-                "-grammar",
+                "grammar",
                 SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="a")),
             ),
         ):
-            async for _ in self.engine.generate(prompt, params, request_id=f"warmup{kind}-{self.worker_id}"):
+            started = time.monotonic()
+            async for _ in self.engine.generate(prompt, params, request_id=f"warmup-{kind}-{self.worker_id}"):
                 pass
+            took.append(f"{kind} {time.monotonic() - started:.2f} s")
+        log.info("warm-up: %s", ", ".join(took))
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         """The engine's outputs for one request. What vLLM refuses before it starts (its checks of the

@@ -83,3 +83,38 @@ def test_a_worker_that_finds_torch_loaded_does_not_prepare(monkeypatch, caplog):
     monkeypatch.setenv("MESH_CPU_CORES", "0")
     standby.prepare_cold_start(WorkerSettings())
     assert not standby.prepared() and "spawning the engine" in caplog.text
+
+
+def test_vllms_logprob_rank_count_compiled_before_the_fork_serves_the_engines_any_batch_and_vocabulary():
+    """What a one-core engine's forked processes inherit: nothing compiled on their requests with logprobs,
+    whatever the batch and vocabulary, counts equal to the eager ones, and no thread or process left in the
+    one that forks. With more threads (an OpenMP team would not survive the fork) nothing is compiled."""
+    import subprocess
+    import sys
+
+    probe = """
+import os, sys, torch
+from llmesh.engine import standby
+threads = len(os.listdir("/proc/self/task"))
+print(standby.compile_logprob_ranks())
+if torch.get_num_threads() == 1:
+    import psutil
+    assert len(os.listdir("/proc/self/task")) == threads and not psutil.Process().children()
+    pid = os.fork()
+    if pid == 0:
+        from torch._dynamo.decorators import mark_unbacked
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+        from torch._dynamo.utils import counters
+        frames = counters["frames"]["total"]
+        for batch, vocab in ((1, 2000), (3, 2000), (5, 128256)):
+            logprobs = torch.randn(batch, vocab).log_softmax(-1)
+            sampled = logprobs.gather(-1, torch.randint(vocab, (batch, 1)))
+            mark_unbacked(logprobs, 0), mark_unbacked(sampled, 0)  # (as vLLM's sampler calls it)
+            assert torch.equal(batched_count_greater_than(logprobs, sampled), (logprobs >= sampled).sum(-1))
+        os._exit(0 if counters["frames"]["total"] == frames else 3)  # (a frame compiled: not inherited)
+    assert os.waitpid(pid, 0)[1] == 0
+"""
+    for threads, compiled in (("1", "True"), ("2", "False")):
+        env = os.environ | {"OMP_NUM_THREADS": threads}
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.split()[-1] == compiled, done.stderr[-3000:]
