@@ -16,10 +16,10 @@ from llmesh.wire.bus import Bus
 from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.wire.messages import Subjects, WorkerInfo
 
-from .auto_tools import AutoToolParsers
 from .dispatch import Dispatcher
 from .lengths import LengthTagger
 from .metrics import RouterMetrics
+from .parsed_tools import ToolParsers
 from .registry import WorkerRegistry
 from .scheduler import Scheduler
 from .service import create_app
@@ -50,7 +50,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
     if parsed := [m for m in settings.catalogue() if m.tool_call_parser]:
         log.info("loading the tool-call parsers of %s", ", ".join(f"{m.name} ({m.tool_call_parser})" for m in parsed))
-    auto_tools = await asyncio.to_thread(AutoToolParsers, parsed, settings.model_dir)
+    tool_parsers = await asyncio.to_thread(ToolParsers, parsed, settings.model_dir)
     bus = await Bus.connect(settings.nats_url, "router")
     policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
     registry = WorkerRegistry(settings.missed_heartbeats, settings.catalogue())
@@ -87,7 +87,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         log.info("the OpenAI API needs one of %d API keys", len(keys))
     else:
         log.warning("no API keys configured: anyone who reaches %s:%d can use the API", settings.host, settings.port)
-    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys, auto_tools)
+    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys, tool_parsers)
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
     server = _Server(

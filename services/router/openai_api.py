@@ -18,7 +18,7 @@ from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, Tok
 from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, ToolCallStream, tool_calling
 
 if TYPE_CHECKING:
-    from .auto_tools import AutoToolCalling, AutoToolStream
+    from .parsed_tools import ParsedToolCalls, ParsedToolStream
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -433,8 +433,8 @@ class ChatCompletionRequest(_Common):
 
     @property
     def auto_tools(self) -> bool:
-        """Whether the output may call tools in the model's own format (tool_choice "auto", the default with
-        tools), read back by its parser (`auto_tools`)."""
+        """Whether the output may call tools in the model's own format or answer in text (tool_choice "auto",
+        the default with tools), which needs the model's parser (`parsed_tools`)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="after")
@@ -573,7 +573,7 @@ class ResponseShape:
         request_id: str,
         model: str,
         logprobs: int | None = None,
-        tools: ToolCalling | AutoToolCalling | None = None,
+        tools: ToolCalling | ParsedToolCalls | None = None,
         tokens_as_ids: bool = False,
         with_token_ids: bool = False,
     ):
@@ -586,7 +586,7 @@ class ResponseShape:
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
-        self._tool_streams: dict[int, ToolCallStream | AutoToolStream] = {}  # a choice's calls so far, streamed
+        self._tool_streams: dict[int, ToolCallStream | ParsedToolStream] = {}  # a choice's calls so far, streamed
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}

@@ -28,7 +28,6 @@ from llmesh.wire.lifecycle import cancel_and_wait
 from llmesh.wire.messages import ROLES, TokenDelta
 
 from .auth import ApiKey, KeyRing
-from .auto_tools import AutoToolCalling, AutoToolParsers
 from .dispatch import Dispatcher, Generation
 from .metrics import RequestTimes, RouterMetrics
 from .openai_api import (
@@ -42,6 +41,7 @@ from .openai_api import (
     sse,
     validation_error,
 )
+from .parsed_tools import ParsedToolCalls, ToolParsers
 from .registry import WorkerRegistry
 from .tools import ToolCalling
 
@@ -62,13 +62,13 @@ def create_app(
     metrics: RouterMetrics,
     request_timeout_s: float,
     keys: KeyRing | None = None,
-    auto_tools: AutoToolParsers | None = None,
+    tool_parsers: ToolParsers | None = None,
 ) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
     for probes and scrapers, do not: bind them to a private address, as vLLM's server does).
-    `auto_tools`: the catalogue's tool-call parsers (none: tool_choice "auto" is refused)."""
+    `tool_parsers`: the catalogue's tool-call parsers (none: tool_choice "auto" is refused)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
-    auto_tools = auto_tools or AutoToolParsers((), Path())
+    tool_parsers = tool_parsers or ToolParsers((), Path())
     tracer = telemetry.tracer("llmesh.router")
     keyring = keys or KeyRing(())
 
@@ -133,10 +133,10 @@ def create_app(
         endpoint = request.url.path
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         samplings = body.choice_samplings()
-        tools: ToolCalling | AutoToolCalling | None = body.tool_calling
-        if isinstance(body, ChatCompletionRequest) and body.auto_tools:
-            tools = auto_tools.calling(body)  # (vLLM's 400 where the model has no parser)
-            samplings = [options.model_copy(update=tools.sampling_update) for options in samplings]
+        tools: ToolCalling | ParsedToolCalls | None = body.tool_calling
+        if isinstance(body, ChatCompletionRequest) and (parsed := tool_parsers.calling(body)) is not None:
+            tools = parsed  # the model's parser reads its calls, and may constrain them in its own format
+            samplings = [options.model_copy(update=parsed.sampling_update) for options in samplings]
         span = tracer.start_span(
             "router request",
             kind=trace.SpanKind.SERVER,

@@ -1,6 +1,6 @@
 """Tool calling, as vLLM's server does it for a forced call (`tool_choice` "required" or a named function):
 the output constrained to JSON by the tools' schemas, then read back as OpenAI's `tool_calls`, whole or
-streamed. "auto" reads a model's own call format with vLLM's parser of it (`auto_tools`).
+streamed, for models without a parser of their own call format (`parsed_tools`), which refuse "auto".
 
 The constraint, the reading of a whole output and the streamed deltas follow vLLM 0.32
 (`vllm/tool_parsers/utils.py`, `vllm/parser/abstract_parser.py`, `vllm/tool_parsers/streaming.py`, Apache-2.0);
@@ -322,7 +322,7 @@ def _required_deltas(previous: str, current: str) -> list[dict[str, Any]]:
 def tool_calling(
     tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None
 ) -> ToolCalling | None:
-    """A request's forced call (None where the output is text, or "auto": `auto_tools`), with vLLM's errors."""
+    """A request's forced call (None where the output is text, or "auto": `parsed_tools`), with vLLM's errors."""
     if tools is not None and not tools:
         raise InvalidRequest(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",

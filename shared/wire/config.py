@@ -125,9 +125,10 @@ class ServedModel(BaseModel):
     tool_call_parser: str | None = Field(
         None,
         description="vLLM's parser of the model's own tool-call format (its `--tool-call-parser`: \"hermes\", "
-        '"llama3_json", "mistral", "pythonic", ...), with which the router reads the calls of a chat whose '
-        '`tool_choice` is "auto" (the default with tools). None: "auto" is refused, as vLLM\'s server refuses it '
-        "without `--enable-auto-tool-choice`.",
+        '"llama3_json", "mistral", "pythonic", ...), with which the router reads a chat\'s calls as vLLM\'s server '
+        'does with it: "auto" (the default with tools), and "required" and named calls, constrained in that format '
+        'where the parser has one. None: "auto" is refused, as vLLM\'s server refuses it without '
+        "`--enable-auto-tool-choice`, and forced calls are JSON.",
     )
 
     @property

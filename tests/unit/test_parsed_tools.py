@@ -1,6 +1,6 @@
-"""tool_choice "auto" at the router: a model's own call format read back by vLLM 0.32's parser of it, whole
-and streamed however the output's deltas are cut (each leg of a disaggregated or migrated request sends its
-own), against what vLLM's server makes of the same output with the same parser."""
+"""Tool calls at the router for a model with a parser of its own call format: every tool choice read back by
+vLLM 0.32's parser, whole and streamed however the output's deltas are cut (each leg of a disaggregated or
+migrated request sends its own), against what vLLM's server makes of the same output with the same parser."""
 
 import json
 import random
@@ -10,25 +10,39 @@ import pytest
 from llmesh.engine.models import build_tokenizer
 from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import InvalidRequest
-from llmesh_router.auto_tools import AutoToolParsers
 from llmesh_router.openai_api import ChatCompletionRequest, Choice, ResponseShape
+from llmesh_router.parsed_tools import ToolParsers
 
 from .test_tools import CHAT, TIME, WEATHER
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# a model's outputs under each tool choice: its parser's format, or JSON where the parser reads JSON for a
+# forced call (pythonic)
 OUTPUTS = {
-    "pythonic": [
+    ("pythonic", "auto"): [
         "[get_weather(city='Paris', unit='c'), get_time()]",
         "[get_weather(city='Oslo \"N\" [x]')]",
         "A plain answer, no call.",
         "[get_weather(city='Par",  # cut by max_tokens
     ],
-    "hermes": [
+    ("pythonic", "required"): [
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+        '[{"name": "get_weather", "parameters": {"city": "Par',
+    ],
+    ("pythonic", "named"): ['{"city": "Paris", "unit": "c"}'],
+    ("hermes", "auto"): [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
         'Let me look.<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>',
         "A plain answer, no call.",
     ],
+    ("hermes", "required"): [
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>',
+    ],
+    ("hermes", "named"): ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
 }
+PARSERS = sorted({name for name, _ in OUTPUTS})
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +55,8 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def parsers(tokenizer_dir):
-    catalogue = [ServedModel(name=p, model=str(tokenizer_dir), tool_call_parser=p) for p in OUTPUTS]
-    return AutoToolParsers([*catalogue, ServedModel(name="plain", model=str(tokenizer_dir))], tokenizer_dir)
+    catalogue = [ServedModel(name=p, model=str(tokenizer_dir), tool_call_parser=p) for p in PARSERS]
+    return ToolParsers([*catalogue, ServedModel(name="plain", model=str(tokenizer_dir))], tokenizer_dir)
 
 
 def theirs(tokenizer_dir, name: str, **fields):
@@ -62,33 +76,45 @@ def plain_calls(tool_calls) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls or ()]
 
 
-@pytest.mark.parametrize("name", list(OUTPUTS))
+@pytest.mark.parametrize("name, choice", list(OUTPUTS))
 @pytest.mark.parametrize("parallel", [True, False])
-def test_calls_whole_and_streamed_are_what_vllms_parser_reads_cut_anywhere(parsers, tokenizer_dir, name, parallel):
-    fields = {"tools": [WEATHER, TIME]} | ({} if parallel else {"parallel_tool_calls": False})
+def test_calls_whole_and_streamed_are_what_vllms_server_reads_cut_anywhere(
+    parsers, tokenizer_dir, name, choice, parallel
+):
+    fields = {"tools": [WEATHER, TIME], "tool_choice": NAMED if choice == "named" else choice}
+    fields |= {} if parallel else {"parallel_tool_calls": False}
     their_request, their_parser, tokenizer = theirs(tokenizer_dir, name, **fields)
     body = ChatCompletionRequest(**CHAT | {"model": name}, **fields)
-    assert body.auto_tools and body.tool_calling is None  # "auto": the default with tools
+    assert body.tool_calling is None if choice == "auto" else body.tool_calling is not None  # (theirs without a parser)
     rng = random.Random(3)
-    for text in OUTPUTS[name]:
+    for text in OUTPUTS[name, choice]:
         ids = tokenizer.encode(text, add_special_tokens=False)
+        # vLLM's server (chat_completion_full_generator): the parser's reading, the message and finish reason
         _, content, calls = their_parser().parse(
             text, their_request, enable_auto_tools=True, model_output_token_ids=ids
         )
         expected = [(c.name, c.arguments) for c in calls or ()][: None if parallel else 1]
-        calling = parsers.calling(body)
-        whole = ResponseShape(True, "id", name, tools=calling).final([Choice(text, "stop", len(ids), ids)], 3)
-        choice = whole["choices"][0]
-        assert plain_calls(choice["message"].get("tool_calls")) == expected
-        assert choice["message"]["content"] == content
-        assert choice["finish_reason"] == ("tool_calls" if expected else "stop")
-        assert all(c["id"].startswith("chatcmpl-tool-") for c in choice["message"].get("tool_calls") or ())
+        if choice == "auto":
+            finish = "tool_calls" if expected else "stop"
+        else:
+            content, finish = content or "", "tool_calls" if choice == "required" else "stop"
+        whole = ResponseShape(True, "id", name, tools=parsers.calling(body)).final(
+            [Choice(text, "stop", len(ids), ids)], 3
+        )
+        answer = whole["choices"][0]
+        assert plain_calls(answer["message"].get("tool_calls")) == expected
+        assert (answer["message"]["content"], answer["finish_reason"]) == (content, finish)
+        assert all(c["id"].startswith("chatcmpl-tool-") for c in answer["message"].get("tool_calls") or ())
 
-        for _ in range(5):  # deltas of one to several tokens, as the legs of a request send them
-            cuts = sorted(rng.sample(range(1, len(ids)), k=min(len(ids) - 1, rng.randint(1, 8))))
+        # deltas of one to several tokens, as the legs of a request send them (whole characters: the workers'
+        # detokenizers hold a character's first bytes back)
+        boundaries = [k for k in range(1, len(ids)) if text.startswith(tokenizer.decode(ids[:k]))]
+        for _ in range(5):
+            cuts = sorted(rng.sample(boundaries, k=min(len(boundaries), rng.randint(1, 8))))
             pieces = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
             shape, parser = ResponseShape(True, "id", name, tools=parsers.calling(body)), their_parser()
-            streamed: dict[int, list[str]] = {}
+            ours: dict[int, list[str]] = {}
+            their_calls: dict[int, list[str]] = {}
             shown, their_shown, done = "", "", 0
             for i, piece in enumerate(pieces):
                 delta_text = tokenizer.decode(ids[: done + len(piece)])[len(tokenizer.decode(ids[:done])) :]
@@ -96,20 +122,28 @@ def test_calls_whole_and_streamed_are_what_vllms_parser_reads_cut_anywhere(parse
                 last = i == len(pieces) - 1
                 event = shape.chunk_event(delta_text, "stop" if last else None, i == 0, piece, index=0)
                 their = parser.parse_delta(delta_text, piece, their_request, [], finished=last)
-                their_shown += (their.content or "") if their else ""
+                if their:  # (vLLM's server streams these, less calls past the first without parallel calls)
+                    their_shown += their.content or ""
+                    accumulate(their_calls, [c.model_dump() for c in their.tool_calls if parallel or c.index == 0])
                 if not event:
                     continue
                 chunk = json.loads(event[6:])["choices"][0]
                 shown += chunk["delta"].get("content") or ""
-                for call in chunk["delta"].get("tool_calls") or ():
-                    if call.get("id"):
-                        streamed[call["index"]] = [call["function"]["name"], ""]
-                    streamed[call["index"]][1] += call["function"].get("arguments") or ""
+                accumulate(ours, chunk["delta"].get("tool_calls"))
                 if last:
-                    assert chunk["finish_reason"] == ("tool_calls" if streamed else "stop")
-            assert shown == their_shown
+                    called = bool(their_calls) and choice != "named"  # (vLLM: tools streamed, not a named call)
+                    assert chunk["finish_reason"] == ("tool_calls" if called else "stop")
+            assert (shown, ours) == (their_shown, their_calls), pieces
             if not text.endswith("Par"):  # (a call cut short streams what it had)
-                assert [tuple(c) for c in streamed.values()] == expected, pieces
+                assert [tuple(c) for c in ours.values()] == expected, pieces
+
+
+def accumulate(calls: dict[int, list[str]], deltas) -> None:
+    """A client's reading of streamed call deltas: a call's first (with its id) names it."""
+    for call in deltas or ():
+        if call.get("id"):
+            calls[call["index"]] = [call["function"]["name"], ""]
+        calls[call["index"]][1] += call["function"].get("arguments") or ""
 
 
 def test_a_parser_adjusts_the_requests_sampling_as_vllms_server_does(parsers):
@@ -128,4 +162,4 @@ def test_auto_without_a_parser_is_vllms_400_naming_the_setting_and_a_bad_parser_
         assert refused.value.param == "tool_choice"
     assert not ChatCompletionRequest(**CHAT | {"model": "plain"}, tools=[WEATHER], tool_choice="none").auto_tools
     with pytest.raises(ValueError, match="'odd': tool_call_parser 'nope'"):
-        AutoToolParsers([ServedModel(name="odd", model=str(tokenizer_dir), tool_call_parser="nope")], tokenizer_dir)
+        ToolParsers([ServedModel(name="odd", model=str(tokenizer_dir), tool_call_parser="nope")], tokenizer_dir)

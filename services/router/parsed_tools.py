@@ -1,15 +1,17 @@
-"""tool_choice "auto" (the default with tools): a chat's output, which may call tools in its model's own
-format, read back by vLLM's parser of that format (a catalogue model's `tool_call_parser`, vLLM's
-`--tool-call-parser`). It runs here, in the router, which sees each choice's whole output whichever engines
-generated it.
-
-As vLLM 0.32's server does it (`vllm/entrypoints/openai/chat_completion/serving.py`, Apache-2.0):
-- the parser adjusts the request first (some keep special tokens, some constrain the calls' format);
+"""Tool calls read by vLLM's parser of a model's own call format: a catalogue model's `tool_call_parser`
+(vLLM's `--tool-call-parser` with `--enable-auto-tool-choice`). It runs here, in the router, which sees each
+choice's whole output whichever engines generated it. Where a model has one, every chat that may call its
+tools (`tool_choice` "auto", the default with tools, "required" or a named function) is read by it, as vLLM
+0.32's server reads them (`vllm/entrypoints/openai/chat_completion/serving.py`, Apache-2.0):
+- the parser adjusts the request first (a forced call constrained in the model's own format, or as JSON
+  where the parser reads that; Hermes keeps special tokens);
 - a stream's deltas go through one parser per choice (`Parser.parse_delta`), a whole output through
   `Parser.parse`, each into content and calls;
-- a choice whose output called a tool finishes with "tool_calls" (streamed: where it stopped by itself);
+- the finish reason is "tool_calls" where "auto" called a tool, or a "required" output stopped by itself
+  (streamed: where a call was streamed and the output stopped by itself, a named call's excepted);
 - with `parallel_tool_calls` false only the first call is kept.
 
+A model without a parser refuses "auto" (vLLM's 400) and forces its calls as JSON (`tools.ToolCalling`).
 vLLM is imported only where a model has a parser, when the router starts (a bad parser name, or one the
 model's tokenizer cannot serve, stops it there, as it stops vLLM's server).
 """
@@ -47,18 +49,22 @@ _PARSED_FIELDS = {
 }
 
 
-class AutoToolParsers:
+class ToolParsers:
     """Each catalogue model's parser and tokenizer, loaded once."""
 
     def __init__(self, catalogue: Iterable[ServedModel], model_dir: Path):
         self._models = {m.name: _ModelParser(m, model_dir) for m in catalogue if m.tool_call_parser}
 
-    def calling(self, body: ChatCompletionRequest) -> AutoToolCalling:
-        """The request's reading of calls, its request adjusted by the model's parser (vLLM's error where the
-        model has none)."""
+    def calling(self, body: ChatCompletionRequest) -> ParsedToolCalls | None:
+        """How the request's calls are read: by its model's parser, its request adjusted by it; None where
+        the output cannot call tools or the model has no parser (vLLM's 400 for "auto" there)."""
+        if not body.tools or body.tool_choice == "none":
+            return None
         model = self._models.get(body.model)
         if model is None:
-            raise InvalidRequest(AUTO_REFUSED, param="tool_choice")
+            if body.auto_tools:
+                raise InvalidRequest(AUTO_REFUSED, param="tool_choice")
+            return None
         return model.calling(body)
 
 
@@ -80,7 +86,7 @@ class _ModelParser:
         assert parser_class is not None  # (a tool parser is named)
         self.parser_class = parser_class
 
-    def calling(self, body: ChatCompletionRequest) -> AutoToolCalling:
+    def calling(self, body: ChatCompletionRequest) -> ParsedToolCalls:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
 
         try:
@@ -89,7 +95,7 @@ class _ModelParser:
             )
         except ValidationError as exc:  # (vLLM's server refuses these before its parser sees them)
             raise validation_error([dict(e) for e in exc.errors()]) from exc
-        calling = AutoToolCalling(self, request, body.template_kwargs())
+        calling = ParsedToolCalls(self, request, body.template_kwargs())
         given = request.structured_outputs
         request = calling.parser().adjust_request(request)
         calling.request = request
@@ -102,12 +108,14 @@ class _ModelParser:
         return calling
 
 
-class AutoToolCalling:
+class ParsedToolCalls:
     """One request's reading of its choices' calls."""
 
     def __init__(self, model: _ModelParser, request: Any, template_kwargs: dict[str, Any]):
         self.model, self.request, self.template_kwargs = model, request, template_kwargs
         self.sampling_update: dict[str, Any] = {}  # SamplingOptions' fields as the parser adjusted them
+        choice = request.tool_choice
+        self.required, self.named = choice == "required", not isinstance(choice, str | None)
 
     def parser(self) -> Any:
         """A parser of one output (vLLM's parsers keep each stream's state)."""
@@ -115,12 +123,11 @@ class AutoToolCalling:
             self.model.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs
         )
 
-    @property
-    def single(self) -> bool:
-        return self.request.parallel_tool_calls is False
+    def kept(self, calls: list[Any]) -> list[Any]:
+        return calls[:1] if self.request.parallel_tool_calls is False else calls
 
-    def stream(self) -> AutoToolStream:
-        return AutoToolStream(self, self.parser())
+    def stream(self) -> ParsedToolStream:
+        return ParsedToolStream(self, self.parser())
 
     def answer(self, text: str, token_ids: Sequence[int], reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole output's message and finish reason."""
@@ -129,23 +136,26 @@ class AutoToolCalling:
         _, content, calls = self.parser().parse(
             text, self.request, enable_auto_tools=True, model_output_token_ids=token_ids
         )
-        if not calls:
-            return {"role": "assistant", "content": content}, reason
         tool_calls = [
             {
                 "id": c.id or make_tool_call_id(),
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             }
-            for c in (calls[:1] if self.single else calls)
+            for c in self.kept(calls or [])
         ]
+        if self.required or self.named:
+            finish = "tool_calls" if self.required and reason == "stop" else reason
+            return {"role": "assistant", "content": content or "", "tool_calls": tool_calls}, finish
+        if not tool_calls:
+            return {"role": "assistant", "content": content}, reason
         return {"role": "assistant", "content": content, "tool_calls": tool_calls}, "tool_calls"
 
 
-class AutoToolStream:
+class ParsedToolStream:
     """One choice's streamed output, read delta by delta."""
 
-    def __init__(self, calling: AutoToolCalling, parser: Any):
+    def __init__(self, calling: ParsedToolCalls, parser: Any):
         self.calling, self.parser = calling, parser
         self.called = False  # a call has been streamed
 
@@ -162,9 +172,9 @@ class AutoToolStream:
             return {}
         self.called = self.called or bool(message.tool_calls)
         delta = message.model_dump(exclude_unset=True)  # (as vLLM renders its chunks)
-        if self.calling.single and delta.get("tool_calls"):
+        if delta.get("tool_calls") and self.calling.request.parallel_tool_calls is False:
             delta["tool_calls"] = [c for c in delta["tool_calls"] if c["index"] == 0]
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.called and reason == "stop" else reason
+        return "tool_calls" if self.called and not self.calling.named and reason == "stop" else reason
