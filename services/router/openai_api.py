@@ -274,9 +274,13 @@ class _Common(BaseModel):
         )
 
     def structured(self) -> dict[str, Any] | None:
-        """vLLM's StructuredOutputsParams fields, from `structured_outputs` or `response_format`."""
+        """vLLM's StructuredOutputsParams fields: a forced call's constraint, else the request's own."""
         if self.tool_calling is not None:  # (vLLM's: the call's constraint replaces theirs)
             return self.tool_calling.constraint()
+        return self.requested_structure()
+
+    def requested_structure(self) -> dict[str, Any] | None:
+        """vLLM's StructuredOutputsParams fields, from `structured_outputs` or `response_format`."""
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             given = self.structured_outputs

@@ -102,9 +102,12 @@ class _ModelParser:
         calling.sampling_update["skip_special_tokens"] = request.skip_special_tokens
         if request.structured_outputs is not given:  # the parser's constraint (the calls' format)
             fields = dataclasses.asdict(request.structured_outputs)
-            calling.sampling_update["structured"] = {
+            structured: dict[str, Any] | None = {
                 k: v for k, v in fields.items() if v is not None and not k.startswith("_")
             }
+        else:  # none (a parser that reads a forced call in the model's format unconstrained): the request's own
+            structured = body.requested_structure()
+        calling.sampling_update["structured"] = structured
         return calling
 
 

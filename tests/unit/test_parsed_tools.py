@@ -42,13 +42,21 @@ OUTPUTS = {
     ],
     ("hermes", "named"): ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
 }
-PARSERS = sorted({name for name, _ in OUTPUTS})
+# parsers of the sampling check besides those of OUTPUTS: mistral constrains a forced call as JSON of its own
+# form; dots leaves it unconstrained, read in its own format
+PARSERS = sorted({name for name, _ in OUTPUTS} | {"mistral", "dots"})
+CALL_TOKENS = ["[TOOL_CALLS]", "<dots_function_call>", "</dots_function_call>"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
+    from transformers import AutoTokenizer
+
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)  # with the tokens two more parsers look for
+    tokenizer.add_tokens(CALL_TOKENS, special_tokens=True)
+    tokenizer.save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # (what vLLM's loader reads first)
     return path
 
@@ -146,12 +154,34 @@ def accumulate(calls: dict[int, list[str]], deltas) -> None:
         calls[call["index"]][1] += call["function"].get("arguments") or ""
 
 
+@pytest.mark.parametrize("name", PARSERS)
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+@pytest.mark.parametrize("response_format", [None, {"type": "json_object"}])
+def test_the_engines_constraint_and_special_tokens_are_vllms_servers(
+    parsers, tokenizer_dir, name, choice, response_format
+):
+    """What the engines get is what vLLM's server gives its engine (`to_sampling_params` of the request its
+    parser adjusted): the parser's constraint, or the request's own where the parser sets none."""
+    fields = {"tools": [WEATHER, TIME], "tool_choice": NAMED if choice == "named" else choice}
+    fields |= {"response_format": response_format} if response_format else {}
+    their_request, _, _ = theirs(tokenizer_dir, name, **fields)
+    from vllm.sampling_params import StructuredOutputsParams
+
+    their = their_request.to_sampling_params(16, {})
+    update = parsers.calling(ChatCompletionRequest(**CHAT | {"model": name}, **fields)).sampling_update
+    assert update.keys() == {"skip_special_tokens", "structured"}
+    assert update["skip_special_tokens"] == their.skip_special_tokens
+    structured = update["structured"] and StructuredOutputsParams(**update["structured"])  # (as the workers make it)
+    assert structured == their.structured_outputs
+
+
 def test_a_parser_adjusts_the_requests_sampling_as_vllms_server_does(parsers):
     """Hermes keeps special tokens (its tags may be ones); pythonic changes nothing."""
     body = ChatCompletionRequest(**CHAT | {"model": "hermes"}, tools=[WEATHER])
-    assert parsers.calling(body).sampling_update == {"skip_special_tokens": False}
+    assert parsers.calling(body).sampling_update == {"skip_special_tokens": False, "structured": None}
     body = ChatCompletionRequest(**CHAT | {"model": "pythonic"}, tools=[WEATHER], structured_outputs={"regex": "x"})
-    assert parsers.calling(body).sampling_update == {"skip_special_tokens": True}  # (its constraint kept)
+    assert parsers.calling(body).sampling_update == {"skip_special_tokens": True, "structured": body.structured()}
+    assert body.structured()["regex"] == "x"  # (the request's own constraint kept)
 
 
 def test_auto_without_a_parser_is_vllms_400_naming_the_setting_and_a_bad_parser_stops_the_start(parsers, tokenizer_dir):
