@@ -95,11 +95,8 @@ class _ModelParser:
             )
         except ValidationError as exc:  # (vLLM's server refuses these before its parser sees them)
             raise validation_error([dict(e) for e in exc.errors()]) from exc
-        calling = ParsedToolCalls(self, request, body.template_kwargs())
-        given = request.structured_outputs
-        request = calling.parser().adjust_request(request)
-        calling.request = request
-        calling.sampling_update["skip_special_tokens"] = request.skip_special_tokens
+        template_kwargs, given = body.template_kwargs(), request.structured_outputs
+        request = self.parser(request.tools, template_kwargs).adjust_request(request)
         if request.structured_outputs is not given:  # the parser's constraint (the calls' format)
             fields = dataclasses.asdict(request.structured_outputs)
             structured: dict[str, Any] | None = {
@@ -107,24 +104,28 @@ class _ModelParser:
             }
         else:  # none (a parser that reads a forced call in the model's format unconstrained): the request's own
             structured = body.requested_structure()
-        calling.sampling_update["structured"] = structured
-        return calling
+        update = {"skip_special_tokens": request.skip_special_tokens, "structured": structured}
+        return ParsedToolCalls(self, request, template_kwargs, update)
+
+    def parser(self, tools: Any, template_kwargs: dict[str, Any]) -> Any:
+        """A parser of one output (vLLM's parsers keep each stream's state)."""
+        return self.parser_class(self.tokenizer, tools, chat_template_kwargs=template_kwargs)
 
 
 class ParsedToolCalls:
     """One request's reading of its choices' calls."""
 
-    def __init__(self, model: _ModelParser, request: Any, template_kwargs: dict[str, Any]):
+    def __init__(
+        self, model: _ModelParser, request: Any, template_kwargs: dict[str, Any], sampling_update: dict[str, Any]
+    ):
+        """`request`: vLLM's, as the parser adjusted it; `sampling_update`: SamplingOptions' fields as it did."""
         self.model, self.request, self.template_kwargs = model, request, template_kwargs
-        self.sampling_update: dict[str, Any] = {}  # SamplingOptions' fields as the parser adjusted them
+        self.sampling_update = sampling_update
         choice = request.tool_choice
         self.required, self.named = choice == "required", not isinstance(choice, str | None)
 
     def parser(self) -> Any:
-        """A parser of one output (vLLM's parsers keep each stream's state)."""
-        return self.model.parser_class(
-            self.model.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs
-        )
+        return self.model.parser(self.request.tools, self.template_kwargs)
 
     def kept(self, calls: list[Any]) -> list[Any]:
         return calls[:1] if self.request.parallel_tool_calls is False else calls
