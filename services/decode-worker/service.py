@@ -136,11 +136,15 @@ class DecodeService:
                 )
             # Text is made here, continuing the stream's (llmesh.engine.detokenizer); stop strings, which need
             # the text, are the router's to find.
+            reasoning, constrained = self.worker.reasoning_kwargs(
+                req.sampling, req.prompt_token_ids, req.output_token_ids
+            )
             params = sampling_params(
                 req.sampling.model_copy(update={"stop": []}),
                 max_tokens=total - done,
                 generated=done,
                 tokenizer=self.worker.tokenizer,
+                constrained=constrained,
                 kv_transfer_params=kv_params | {"tail_id": held.tail_id},
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
@@ -153,7 +157,14 @@ class DecodeService:
                 req.sampling.spaces_between_special_tokens,
             )
             async for delta in self._stream(
-                held, held.engine_request_id, list(held.token_ids), req.cache_salt, params, req.predicted_length, text
+                held,
+                held.engine_request_id,
+                list(held.token_ids),
+                req.cache_salt,
+                params,
+                req.predicted_length,
+                text,
+                reasoning,
             ):
                 yield delta
             if held.migration is not None and not held.finished:
@@ -183,11 +194,18 @@ class DecodeService:
                 output_kind=RequestOutputKind.DELTA,
                 kv_transfer_params={"save_prompt": True, "tail_id": held.tail_id},
             )
+            reasoning, _ = self.worker.reasoning_kwargs(req.sampling, token_ids)
             self.worker.prefill_meter.started()  # its prompt's KV goes to the store too
             computed = 0
             try:
                 async for delta in self._stream(
-                    held, held.engine_request_id, token_ids, req.cache_salt, params, req.predicted_length
+                    held,
+                    held.engine_request_id,
+                    token_ids,
+                    req.cache_salt,
+                    params,
+                    req.predicted_length,
+                    reasoning=reasoning,
                 ):
                     if not computed:  # the prompt is computed once the first token is out
                         computed = len(token_ids)
@@ -214,15 +232,19 @@ class DecodeService:
         params: Any,
         predicted: LengthPrediction | None,
         text: ContinuedText | None = None,
+        reasoning: dict[str, Any] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """The engine's output as token deltas (`held.generated` tokens already generated elsewhere),
-        counted on `held`, with their text from `text` if given (else the engine's); the actual length
+        counted on `held`, with their text from `text` if given (else the engine's), started with `reasoning`
+        (generate()'s reasoning arguments: llmesh.engine.reasoning); the actual length
         goes back to the predictor at the end."""
         if predicted is not None:
             trace.get_current_span().set_attribute("length.bucket", predicted.label)
         finish_reason = None
         span, first = trace.get_current_span(), True
-        async for out in self.worker.generate(tokens_prompt(token_ids, cache_salt), params, engine_request_id):
+        async for out in self.worker.generate(
+            tokens_prompt(token_ids, cache_salt), params, engine_request_id, **(reasoning or {})
+        ):
             o = out.outputs[0]
             if first:
                 span.add_event("first output")

@@ -40,13 +40,14 @@ class PrefillService:
                 kv_transfer_params={"do_remote_decode": True},
                 tokenizer=self.worker.tokenizer,
             )
+            reasoning, _ = self.worker.reasoning_kwargs(req.sampling, token_ids)
             final = None
             started = time.monotonic()
             self.worker.prefill_meter.started()
             computed = 0
             try:
                 async for out in self.worker.generate(
-                    tokens_prompt(token_ids, req.cache_salt), params, request_id=f"prefill-{req.request_id}"
+                    tokens_prompt(token_ids, req.cache_salt), params, f"prefill-{req.request_id}", **reasoning
                 ):
                     final = out
                 computed = len(token_ids)

@@ -19,7 +19,7 @@ from llmesh.wire.messages import Subjects, WorkerInfo
 from .dispatch import Dispatcher
 from .lengths import LengthTagger
 from .metrics import RouterMetrics
-from .parsed_tools import ToolParsers
+from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
 from .scheduler import Scheduler
 from .service import create_app
@@ -48,9 +48,10 @@ async def publish_traffic(bus: Bus, scheduler: Scheduler, router_id: str, every_
 
 async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     telemetry.setup_tracing("router", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
-    if parsed := [m for m in settings.catalogue() if m.tool_call_parser]:
-        log.info("loading the tool-call parsers of %s", ", ".join(f"{m.name} ({m.tool_call_parser})" for m in parsed))
-    tool_parsers = await asyncio.to_thread(ToolParsers, parsed, settings.model_dir)
+    if parsed := [m for m in settings.catalogue() if m.tool_call_parser or m.reasoning_parser]:
+        named = [f"{m.name} ({' and '.join(filter(None, (m.tool_call_parser, m.reasoning_parser)))})" for m in parsed]
+        log.info("loading the output parsers of %s", ", ".join(named))
+    output_parsers = await asyncio.to_thread(OutputParsers, parsed, settings.model_dir)
     bus = await Bus.connect(settings.nats_url, "router")
     policy, queue_policy = settings.dispatch_policy(), settings.admission_policy()
     registry = WorkerRegistry(settings.missed_heartbeats, settings.catalogue())
@@ -87,7 +88,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         log.info("the OpenAI API needs one of %d API keys", len(keys))
     else:
         log.warning("no API keys configured: anyone who reaches %s:%d can use the API", settings.host, settings.port)
-    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys, tool_parsers)
+    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys, output_parsers)
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
     server = _Server(

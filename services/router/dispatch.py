@@ -355,9 +355,10 @@ class Dispatcher:
                     await self._after_failure(prefill.worker_id, gen.request_id, exc)
                     raise
             self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
-            # The first token comes from the prefill: the client sees it before decode starts.
+            # The first token comes from the prefill: the client sees it before decode starts (with its prompt's
+            # ids, which a parser of the output reads).
             first = _filtered(result.first, stops)
-            yield first
+            yield first.model_copy(update={"prompt_token_ids": result.prompt_token_ids})
             if first.finish_reason is not None:
                 return
             if predicting is not None:
@@ -427,7 +428,6 @@ class Dispatcher:
                         break
                     if item.prompt_token_ids is not None:
                         session.started_with(item.prompt_token_ids)
-                        item = item.model_copy(update={"prompt_token_ids": None})
                     session.output_token_ids += item.token_ids
                     yield item
                 if handed is None:

@@ -6,8 +6,9 @@ import itertools
 import json
 import math
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, Protocol
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -15,10 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta
 
-from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, ToolCallStream, tool_calling
-
-if TYPE_CHECKING:
-    from .parsed_tools import ParsedToolCalls, ParsedToolStream
+from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, tool_calling
 
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -389,6 +387,7 @@ class _ChatMessageIn(BaseModel):
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's
     tool_call_id: str | None = None  # a tool turn's
     name: str | None = None
+    reasoning: str | None = None  # an assistant turn's, as vLLM's server gave it (its template may show it)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -408,6 +407,7 @@ class _ChatMessageIn(BaseModel):
             tool_calls=[c.for_template() for c in self.tool_calls or ()] or None if self.role == "assistant" else None,
             tool_call_id=self.tool_call_id if self.role == "tool" else None,
             name=self.name,
+            reasoning=self.reasoning if self.role == "assistant" else None,
         )
 
 
@@ -425,6 +425,7 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the tokenizer's, besides the template's (vLLM's default: no)
+    include_reasoning: bool = True  # vLLM extension: false leaves the reasoning out (a model with a reasoning parser)
     _tool_calling: ToolCalling | None = PrivateAttr(default=None)
 
     @property
@@ -438,7 +439,7 @@ class ChatCompletionRequest(_Common):
     @property
     def auto_tools(self) -> bool:
         """Whether the output may call tools in the model's own format or answer in text (tool_choice "auto",
-        the default with tools), which needs the model's parser (`parsed_tools`)."""
+        the default with tools), which needs the model's parser (`parsed_output`)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="after")
@@ -519,19 +520,26 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `reasoning_tokens` where counted (a model with a reasoning parser: vLLM's server counts
+    them then)."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
-def echoed(delta: TokenDelta, prompt_alone: bool = False) -> TokenDelta:
+def echoed(delta: TokenDelta, prompt_alone: bool = False, with_text: bool = True) -> TokenDelta:
     """A choice's first delta with its prompt's text (and logprobs, if it has any) before its own, or
-    instead of its own (`prompt_alone`: max_tokens 0), as vLLM's server echoes a prompt."""
+    instead of its own (`prompt_alone`: max_tokens 0), as vLLM's server echoes a prompt; without the prompt's
+    text where `with_text` is false (vLLM's with return_token_ids, whose prompt ids stand for it)."""
     text, steps = ("", []) if prompt_alone else (delta.text, delta.logprobs or [])
-    update: dict[str, Any] = {"text": (delta.prompt_text or "") + text}
+    prompt_text = (delta.prompt_text or "") if with_text else ""
+    update: dict[str, Any] = {"text": prompt_text + text}
     if delta.logprobs is not None:
         update["logprobs"] = [*(delta.prompt_logprobs or ()), *steps]
     return delta.model_copy(update=update)
@@ -552,10 +560,11 @@ class Choice:
     token_ids: list[int] | None = None
     logprobs: LogprobSteps | None = None
     stop_reason: str | int | None = None
+    prompt_token_ids: list[int] | None = None
 
     @classmethod
     def of(cls, deltas: list[TokenDelta]) -> Choice:
-        """The choice that these deltas, all of its stream, make."""
+        """The choice that these deltas, all of its stream, make (its prompt's ids on the first)."""
         return cls(
             "".join(d.text for d in deltas),
             deltas[-1].finish_reason,
@@ -563,7 +572,40 @@ class Choice:
             [t for d in deltas for t in d.token_ids],
             [step for d in deltas for step in d.logprobs or ()],
             deltas[-1].stop_reason,
+            deltas[0].prompt_token_ids,
         )
+
+
+class ChoiceReading(Protocol):
+    """How one streamed chat choice is read (`OutputReading.stream`)."""
+
+    def delta(self, text: str, token_ids: Sequence[int], finished: bool) -> dict[str, Any]:
+        """The chat delta's fields that this text makes (none while it reveals nothing yet)."""
+        ...
+
+    def finish_reason(self, reason: str | None) -> str | None: ...
+
+    def reasoning_tokens(self) -> int | None:
+        """Its reasoning tokens so far (None: not counted)."""
+        ...
+
+
+class OutputReading(Protocol):
+    """How a chat's output is read, beyond text: calls forced as JSON (`tools.ToolCalling`), or what the model's
+    parsers read (`parsed_output.ParsedOutput`)."""
+
+    @property
+    def hides_tokens(self) -> bool:
+        """Whether its choices show no logprobs or token ids (they would show what it leaves out)."""
+        ...
+
+    def stream(self, prompt_token_ids: Sequence[int] | None) -> ChoiceReading: ...
+
+    def answer(
+        self, text: str, token_ids: Sequence[int], reason: str | None, prompt_token_ids: Sequence[int] | None
+    ) -> tuple[dict[str, Any], str | None, int | None]:
+        """A whole output's message, finish reason and reasoning tokens (None: not counted)."""
+        ...
 
 
 class ResponseShape:
@@ -577,20 +619,23 @@ class ResponseShape:
         request_id: str,
         model: str,
         logprobs: int | None = None,
-        tools: ToolCalling | ParsedToolCalls | None = None,
+        reading: OutputReading | None = None,
         tokens_as_ids: bool = False,
         with_token_ids: bool = False,
     ):
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
-        `tools`: how a chat's output is read as calls (None: its output is text); `tokens_as_ids`: logprobs'
-        tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids); `with_token_ids`: each choice's
-        token ids shown (vLLM's return_token_ids)."""
-        self.chat, self.id, self.model, self.top, self.tools = chat, request_id, model, logprobs, tools
-        self.tokens_as_ids, self.with_token_ids = tokens_as_ids, with_token_ids
+        `reading`: how a chat's output is read (None: as text); `tokens_as_ids`: logprobs' tokens as
+        "token_id:<id>" (vLLM's return_tokens_as_token_ids); `with_token_ids`: each choice's token ids and
+        its prompt's shown (vLLM's return_token_ids: a chat's prompt once, a completion's in each choice)."""
+        self.chat, self.id, self.model, self.reading = chat, request_id, model, reading
+        hidden = reading is not None and reading.hides_tokens
+        self.top = None if hidden else logprobs
+        self.tokens_as_ids, self.with_token_ids = tokens_as_ids, with_token_ids and not hidden
+        self.with_prompt_ids = with_token_ids
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
-        self._tool_streams: dict[int, ToolCallStream | ParsedToolStream] = {}  # a choice's calls so far, streamed
+        self._read: dict[int, ChoiceReading] = {}  # each streamed choice's reading so far
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -635,21 +680,27 @@ class ResponseShape:
         logprobs: LogprobSteps | None = None,
         index: int = 0,
         stop_reason: str | int | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         """A streamed chunk of choice `index` (`token_ids`: the tokens of its `text`); `first`: the choice's
-        first."""
-        if self.chat and self.tools is not None:
-            calls = self._tool_streams.setdefault(index, self.tools.stream())
+        first (with its prompt's ids, which a parser may read and return_token_ids shows)."""
+        if self.chat and self.reading is not None:
+            if first:
+                self._read[index] = self.reading.stream(prompt_token_ids)
+            read = self._read[index]
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            body: dict[str, Any] = {"delta": delta | calls.delta(text, token_ids or (), finish_reason is not None)}
-            finish_reason = calls.finish_reason(finish_reason)
+            body: dict[str, Any] = {"delta": delta | read.delta(text, token_ids or (), finish_reason is not None)}
+            finish_reason = read.finish_reason(finish_reason)
         elif self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             body = {"delta": delta}
         else:
             body = {"text": text}
-        choice = self._choice(index, body, finish_reason, stop_reason, logprobs, token_ids)
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        prompt_ids = prompt_token_ids if first and self.with_prompt_ids else None
+        choice = self._choice(index, body, finish_reason, stop_reason, logprobs, token_ids, prompt_ids)
+        if self.chat:
+            return self._envelope("chat.completion.chunk", [choice], **_given(prompt_token_ids=prompt_ids))
+        return self._envelope("text_completion", [choice])
 
     def _choice(
         self,
@@ -659,8 +710,10 @@ class ResponseShape:
         stop_reason: str | int | None,
         logprobs: LogprobSteps | None,
         token_ids: list[int] | None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """Choice `index` of a chunk or of a whole answer, around its `body` (its text, as each shows it)."""
+        """Choice `index` of a chunk or of a whole answer, around its `body` (its text, as each shows it), with
+        its prompt's ids where given and a completion's (a chat's are its envelope's)."""
         choice = {
             "index": index,
             **body,
@@ -670,6 +723,8 @@ class ResponseShape:
         }
         if self.with_token_ids:
             choice["token_ids"] = token_ids
+        if prompt_token_ids is not None and not self.chat:
+            choice["prompt_token_ids"] = prompt_token_ids
         return choice
 
     def chunk_event(
@@ -681,24 +736,28 @@ class ResponseShape:
         logprobs: LogprobSteps | None = None,
         index: int = 0,
         stop_reason: str | int | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (token ids, vLLM's `return_token_ids`
-        extension, logprobs and a stop reason are rendered in full). Text that reveals nothing of a tool
-        call yet is no event (as vLLM's server sends none), unless the chunk carries more."""
-        if self.tools is not None:
-            chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason)
+        extension, logprobs and a stop reason are rendered in full). Text that reveals nothing yet to the
+        output's reading (a tool call's start, say) is no event (as vLLM's server sends none), unless the
+        chunk carries more."""
+        if self.reading is not None and self.chat:
+            chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids)
             choice = chunk["choices"][0]
             if choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None:
                 return sse(chunk)
             return b""
         if (
             (self.chat and not text and not first)  # (an empty chat delta)
-            or self.with_token_ids
+            or self.with_prompt_ids
             or self.top is not None
             or stop_reason is not None
         ):
-            return sse(self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason))
+            return sse(
+                self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids)
+            )
         key = (finish_reason, first, index)
         template = self._templates.get(key)
         if template is None:
@@ -708,27 +767,47 @@ class ResponseShape:
             template = self._templates[key] = head, tail
         return template[0] + json.dumps(text).encode() + template[1]
 
-    def _answer(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
-        """A chat choice's message and finish reason."""
-        if self.tools is None:
-            return {"role": "assistant", "content": choice.text}, choice.finish_reason
-        return self.tools.answer(choice.text, choice.token_ids or (), choice.finish_reason)
+    def _answer(self, choice: Choice) -> tuple[dict[str, Any], str | None, int | None]:
+        """A chat choice's message, finish reason and reasoning tokens (None: not counted)."""
+        if self.reading is None:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason, None
+        return self.reading.answer(choice.text, choice.token_ids or (), choice.finish_reason, choice.prompt_token_ids)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """A stream's usage, its choices' reasoning tokens counted where the reading counts them."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
+        reasoning = _total(read.reasoning_tokens() for read in self._read.values())
+        return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens, reasoning))
 
     def final(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         """The whole answer; its usage counts `prompt_tokens` (each prompt's once) and every choice's tokens,
         as vLLM does."""
-        rendered = []
+        rendered, reasoning = [], []
         for index, c in enumerate(choices):
             if self.chat:
-                message, finish_reason = self._answer(c)
+                message, finish_reason, reasoning_tokens = self._answer(c)
                 body: dict[str, Any] = {"message": message}
+                reasoning.append(reasoning_tokens)
             else:
                 body, finish_reason = {"text": c.text}, c.finish_reason
-            rendered.append(self._choice(index, body, finish_reason, c.stop_reason, c.logprobs, c.token_ids))
-        obj = "chat.completion" if self.chat else "text_completion"
+            prompt_ids = c.prompt_token_ids if self.with_prompt_ids else None
+            rendered.append(
+                self._choice(index, body, finish_reason, c.stop_reason, c.logprobs, c.token_ids, prompt_ids)
+            )
         completion_tokens = sum(c.completion_tokens for c in choices)
-        return self._envelope(obj, rendered, usage=usage(prompt_tokens, completion_tokens))
+        answer_usage = usage(prompt_tokens, completion_tokens, _total(reasoning))
+        if not self.chat:
+            return self._envelope("text_completion", rendered, usage=answer_usage)
+        prompt_ids = choices[0].prompt_token_ids if self.with_prompt_ids else None  # (a chat's one prompt)
+        return self._envelope("chat.completion", rendered, usage=answer_usage, **_given(prompt_token_ids=prompt_ids))
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields that are not None."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _total(counts: Iterable[int | None]) -> int | None:
+    """The sum of counts, None where none was counted."""
+    counted = [c for c in counts if c is not None]
+    return sum(counted) if counted else None

@@ -34,6 +34,7 @@ from .openai_api import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    OutputReading,
     ResponseShape,
     echoed,
     error_body,
@@ -41,9 +42,8 @@ from .openai_api import (
     sse,
     validation_error,
 )
-from .parsed_tools import ParsedToolCalls, ToolParsers
+from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
-from .tools import ToolCalling
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,13 +62,13 @@ def create_app(
     metrics: RouterMetrics,
     request_timeout_s: float,
     keys: KeyRing | None = None,
-    tool_parsers: ToolParsers | None = None,
+    output_parsers: OutputParsers | None = None,
 ) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
     for probes and scrapers, do not: bind them to a private address, as vLLM's server does).
-    `tool_parsers`: the catalogue's tool-call parsers (none: tool_choice "auto" is refused)."""
+    `output_parsers`: the catalogue's parsers of tool calls and reasoning (none: tool_choice "auto" is refused)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
-    tool_parsers = tool_parsers or ToolParsers((), Path())
+    output_parsers = output_parsers or OutputParsers((), Path())
     tracer = telemetry.tracer("llmesh.router")
     keyring = keys or KeyRing(())
 
@@ -133,9 +133,9 @@ def create_app(
         endpoint = request.url.path
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         samplings = body.choice_samplings()
-        tools: ToolCalling | ParsedToolCalls | None = body.tool_calling
-        if isinstance(body, ChatCompletionRequest) and (parsed := tool_parsers.calling(body)) is not None:
-            tools = parsed  # the model's parser reads its calls, and may constrain them in its own format
+        reading: OutputReading | None = body.tool_calling
+        if isinstance(body, ChatCompletionRequest) and (parsed := output_parsers.reading(body)) is not None:
+            reading = parsed  # the model's parsers read its output, and may constrain its calls in their format
             samplings = [options.model_copy(update=parsed.sampling_update) for options in samplings]
         span = tracer.start_span(
             "router request",
@@ -179,7 +179,7 @@ def create_app(
             request_id,
             body.model,
             body.logprob_count,
-            tools,
+            reading,
             body.return_tokens_as_token_ids,
             body.return_token_ids,
         )
@@ -217,7 +217,10 @@ def create_app(
             # (context too long, no capacity) still get their proper HTTP status.
             firsts = await _unless_disconnected(request, _first_of_each(streams))
             if body.echoes:
-                firsts = [echoed(delta, prompt_alone=body.max_tokens == 0) for delta in firsts]
+                firsts = [
+                    echoed(delta, prompt_alone=body.max_tokens == 0, with_text=not body.return_token_ids)
+                    for delta in firsts
+                ]
             lasts = [choice_times.seen(delta) for choice_times, delta in zip(times, firsts)]
             if not body.stream:
                 rests = await _unless_disconnected(request, _rest_of_each(streams, times))
@@ -251,6 +254,7 @@ def create_app(
                         first.logprobs,
                         index,
                         first.stop_reason,
+                        first.prompt_token_ids,
                     )
                 async with aclosing(merged(streams, SSE_KEEPALIVE_S, client_gone)) as rest:
                     async for item in rest:

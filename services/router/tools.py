@@ -1,6 +1,6 @@
 """Tool calling, as vLLM's server does it for a forced call (`tool_choice` "required" or a named function):
 the output constrained to JSON by the tools' schemas, then read back as OpenAI's `tool_calls`, whole or
-streamed, for models without a parser of their own call format (`parsed_tools`), which refuse "auto".
+streamed, for models without a parser of their own call format (`parsed_output`), which refuse "auto".
 
 The constraint, the reading of a whole output and the streamed deltas follow vLLM 0.32
 (`vllm/tool_parsers/utils.py`, `vllm/parser/abstract_parser.py`, `vllm/tool_parsers/streaming.py`, Apache-2.0);
@@ -13,7 +13,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -97,6 +97,7 @@ class ToolCalling:
     tools: tuple[Tool, ...]
     function: str | None = None
     parallel: bool = True
+    hides_tokens: ClassVar[bool] = False  # (an output's reading hides no logprobs or token ids)
 
     def constraint(self) -> dict[str, Any]:
         """The structured output (vLLM's StructuredOutputsParams fields) that makes the output a call."""
@@ -143,11 +144,13 @@ class ToolCalling:
         """OpenAI's: "tool_calls" where a "required" output ended by itself (a named call's stays "stop")."""
         return "tool_calls" if reason == "stop" and self.function is None and called else reason
 
-    def answer(self, text: str, token_ids: Sequence[int], reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """A whole output's message and finish reason."""
-        return {"role": "assistant", "content": "", "tool_calls": self.calls(text)}, self.finish_reason(reason)
+    def answer(
+        self, text: str, token_ids: Sequence[int], reason: str | None, prompt_token_ids: Sequence[int] | None = None
+    ) -> tuple[dict[str, Any], str | None, int | None]:
+        """A whole output's message, finish reason and reasoning tokens (none counted)."""
+        return {"role": "assistant", "content": "", "tool_calls": self.calls(text)}, self.finish_reason(reason), None
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, prompt_token_ids: Sequence[int] | None = None) -> ToolCallStream:
         return ToolCallStream(self)
 
 
@@ -185,6 +188,9 @@ class ToolCallStream:
 
     def finish_reason(self, reason: str | None) -> str | None:
         return self.calling.finish_reason(reason, self.announced)
+
+    def reasoning_tokens(self) -> int | None:
+        return None
 
 
 @dataclass
@@ -322,7 +328,7 @@ def _required_deltas(previous: str, current: str) -> list[dict[str, Any]]:
 def tool_calling(
     tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None
 ) -> ToolCalling | None:
-    """A request's forced call (None where the output is text, or "auto": `parsed_tools`), with vLLM's errors."""
+    """A request's forced call (None where the output is text, or "auto": `parsed_output`), with vLLM's errors."""
     if tools is not None and not tools:
         raise InvalidRequest(
             "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import inspect
+import json
 import os
 import shutil
 import tempfile
@@ -30,30 +31,48 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
     "{% if m['tool_calls'] is defined %}{{ m['tool_calls'] | map(attribute='function') | list | tojson }}{% endif %}"
     "{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+# a reasoning model's markers (DeepSeek-R1's and Qwen3's, shown as text): added after the trained vocabulary, with
+# weights that keep every other token's logits and make them never the likeliest (`build_model`)
+THINK_TOKENS = ["<think>", "</think>"]
+BUILD = 2  # what a model built by an earlier version lacks, it is built again for (2: THINK_TOKENS)
+BUILD_FILE = "llmesh-build.json"
 
 
 def resolve_model(name: str, model_dir: Path) -> str:
     if name not in EMBEDDED:
         return name
     target = Path(model_dir) / name.split("/", 1)[1]
-    if (target / "config.json").exists():
+    if _built(target):
         _current_chat_template(target)
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
+        if not _built(target):
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+            old = target.with_name(f".{target.name}-old-{os.getpid()}")
             try:
                 build_model(tmp, *EMBEDDED[name], seed=SEEDS.get(name, SEED))
                 tmp.chmod(0o755)
+                if target.exists():  # an earlier version's build
+                    target.rename(old)
                 tmp.rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)
     return str(target)
+
+
+def _built(target: Path) -> bool:
+    """Whether `target` holds a model built by this version (or a later one)."""
+    try:
+        return json.loads((target / BUILD_FILE).read_text())["build"] >= BUILD
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _current_chat_template(target: Path) -> None:
@@ -107,6 +126,7 @@ def build_tokenizer(path: Path) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
     )
+    fast.add_tokens(THINK_TOKENS)  # (ids VOCAB_SIZE on)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
@@ -133,5 +153,15 @@ def build_model(
         pad_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # @wraps'd `to`: stubs miss self
+    model = LlamaForCausalLM(config)
+    # THINK_TOKENS: each row the mean of the trained ones, so every other token's weights (and logits) are as
+    # without them, and theirs (a mean logit) never the likeliest: a model emits them where a logit_bias
+    # lifts them (tests of reasoning parsers)
+    means = [layer.weight.detach().mean(0) for layer in (model.model.embed_tokens, model.lm_head)]
+    model.resize_token_embeddings(VOCAB_SIZE + len(THINK_TOKENS), mean_resizing=False)
+    with torch.no_grad():
+        for layer, mean in zip((model.model.embed_tokens, model.lm_head), means):
+            layer.weight[VOCAB_SIZE:] = mean
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # @wraps'd `to`: stubs miss self
     model.save_pretrained(path, safe_serialization=True)
+    (path / BUILD_FILE).write_text(json.dumps({"build": BUILD}))

@@ -15,13 +15,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 EARLIER_OUTPUT = "earlier_output"  # extra_args key: how many of the prompt's last tokens are earlier output
+# extra_args key: how many of those its structured output's grammar reads, where not all (the rest reasoning:
+# llmesh.engine.reasoning)
+EARLIER_CONSTRAINED = "earlier_constrained"
 
 log = logging.getLogger("llmesh.engine.resumed")
 
 
-def earlier_output_args(generated: int) -> dict[str, Any]:
-    """The extra_args entry of a request whose last `generated` prompt tokens are its earlier output."""
-    return {EARLIER_OUTPUT: generated} if generated else {}
+def earlier_output_args(generated: int, constrained: int | None = None) -> dict[str, Any]:
+    """The extra_args entries of a request whose last `generated` prompt tokens are its earlier output, the
+    last `constrained` of them read by its grammar (None: all)."""
+    if not generated:
+        return {}
+    if constrained is None or constrained == generated:
+        return {EARLIER_OUTPUT: generated}
+    return {EARLIER_OUTPUT: generated, EARLIER_CONSTRAINED: constrained}
 
 
 def earlier_output_count(extra_args: dict[str, Any] | None) -> int:
@@ -36,15 +44,18 @@ def earlier_output(prompt: list[int], extra_args: dict[str, Any] | None) -> list
 
 
 def resume_grammar(request: Request) -> None:
-    """Advance a structured-output request's grammar past its earlier output, as the monolithic engine's
-    grammar stands after generating it: called once, before the request's first step on this engine (its
-    grammar is compiled by then: vLLM schedules nothing of a request whose grammar is not)."""
+    """Advance a structured-output request's grammar past its earlier output (what of it the grammar reads),
+    as the monolithic engine's grammar stands after generating it: called once, before the request's first
+    step on this engine (its grammar is compiled by then: vLLM schedules nothing of a request whose grammar
+    is not)."""
     from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
     structured = request.structured_output_request
     if structured is None or not request.sampling_params:
         return
-    earlier = earlier_output(request.prompt_token_ids or [], request.sampling_params.extra_args)
+    extra_args = request.sampling_params.extra_args or {}
+    earlier = earlier_output(request.prompt_token_ids or [], extra_args)
+    earlier = earlier[len(earlier) - extra_args.get(EARLIER_CONSTRAINED, len(earlier)) :]
     grammar = structured.grammar
     if not earlier or not isinstance(grammar, StructuredOutputGrammar):
         return

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from llmesh.engine import standby
 from llmesh.engine.models import resolve_model
+from llmesh.engine.reasoning import ReasoningGates
 from llmesh.wire import telemetry
 from llmesh.wire.bus import Bus
 from llmesh.wire.config import ConnectorConfig, WorkerSettings
@@ -45,6 +46,7 @@ from llmesh.wire.messages import (
     ROLES,
     AbortRequest,
     Ack,
+    ChatMessage,
     DrainCommand,
     LengthObserved,
     LengthPrediction,
@@ -85,13 +87,15 @@ def sampling_params(
     kv_transfer_params: dict[str, Any],
     generated: int = 0,
     tokenizer: Any = None,
+    constrained: int | None = None,
     **extra: Any,
 ) -> Any:
     """vLLM sampling parameters of a request of which `generated` tokens were generated elsewhere (its
     prompt here ends with them), with our KV parameters and the current trace context. Presence and
     frequency penalties count those tokens too (llmesh.engine.penalties applies every penalty then), so do
     bad words (llmesh.engine.bad_words: their tokens from `tokenizer`), and a structured output's grammar
-    starts past them (llmesh.engine.resumed)."""
+    starts past them (llmesh.engine.resumed), having read the last `constrained` of them (None: all;
+    llmesh.engine.reasoning)."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import StructuredOutputsParams
@@ -132,12 +136,21 @@ def sampling_params(
         structured_outputs=StructuredOutputsParams(**options.structured) if options.structured else None,
         extra_args={
             "kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()},
-            **earlier_output_args(generated),
+            **earlier_output_args(generated, constrained),
             **penalties,
             **banned,
         },
         **extra,
     )
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: what is not set left undefined (a template tests what is), an
+    assistant turn's reasoning as `reasoning` and `reasoning_content`, as vLLM's server gives it."""
+    fields = message.model_dump(exclude_none=True)
+    if message.reasoning is not None:
+        fields["reasoning_content"] = message.reasoning
+    return fields
 
 
 def tokens_prompt(token_ids: list[int], cache_salt: str | None) -> Any:
@@ -218,6 +231,7 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
         if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
         else None,
         disable_log_stats=True,
+        reasoning_parser=settings.served_model().reasoning_parser or "",
         logits_processors=["llmesh.engine.penalties:OutputPenalties", "llmesh.engine.bad_words:OutputBadWords"],
         kv_transfer_config=KVTransferConfig(
             kv_connector="MeshKVConnector",
@@ -365,6 +379,8 @@ class EngineWorker:
         self.memory_bytes = self.weights_bytes + engine_kv_bytes(engine.vllm_config, self.layout)
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
+        reasoning_parser = engine.vllm_config.structured_outputs_config.reasoning_parser
+        self.reasoning = ReasoningGates(reasoning_parser, self.tokenizer) if reasoning_parser else None
         self._held: dict[str, HeldRequest] = {}
         self._reserved: dict[str, float] = {}  # migration id -> when its slot is given up (monotonic)
         self.state: Literal["active", "draining"] = "active"
@@ -434,13 +450,24 @@ class EngineWorker:
             took.append(f"{kind} {time.monotonic() - started:.2f} s")
         log.info("warm-up: %s", ", ".join(took))
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
-        """The engine's outputs for one request. What vLLM refuses before it starts (its checks of the
-        parameters: a schema or grammar it cannot compile) is the client's error, as in vLLM's server."""
+    def reasoning_kwargs(
+        self, options: SamplingOptions, prompt: list[int], earlier: Sequence[int] = ()
+    ) -> tuple[dict[str, Any], int | None]:
+        """`generate()`'s reasoning arguments for a request whose engine prompt is `prompt` then `earlier`
+        (its output before this engine), and how many of `earlier`'s last tokens its grammar has read (None:
+        all): for a chat's structured output on a model with a reasoning parser (llmesh.engine.reasoning)."""
+        if self.reasoning is None or options.reasoning is None or not options.structured:
+            return {}, None
+        return self.reasoning.engine_kwargs(options.reasoning, prompt, earlier)
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        """The engine's outputs for one request (`kwargs`: more of `generate()`'s). What vLLM refuses before
+        it starts (its checks of the parameters: a schema or grammar it cannot compile) is the client's
+        error, as in vLLM's server."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineGenerateError
 
-        async with aclosing(self.engine.generate(prompt, params, request_id=request_id)) as outputs:
+        async with aclosing(self.engine.generate(prompt, params, request_id=request_id, **kwargs)) as outputs:
             try:
                 first = await anext(outputs)
             except VLLMClientError as exc:
@@ -477,7 +504,7 @@ class EngineWorker:
             variables = {"add_generation_prompt": True, **(req.template_kwargs or {})}
             try:
                 text = tok.apply_chat_template(
-                    [m.model_dump(exclude_none=True) for m in req.messages],  # (a template tests what is defined)
+                    [_template_message(m) for m in req.messages],
                     tools=req.tools,
                     tokenize=False,
                     **{k: v for k, v in variables.items() if k not in _APPLY_CHAT_TEMPLATE_OWN},

@@ -130,6 +130,12 @@ class ServedModel(BaseModel):
         'where the parser has one. None: "auto" is refused, as vLLM\'s server refuses it without '
         "`--enable-auto-tool-choice`, and forced calls are JSON.",
     )
+    reasoning_parser: str | None = Field(
+        None,
+        description='vLLM\'s parser of the model\'s reasoning (its `--reasoning-parser`: "deepseek_r1", "qwen3", '
+        "...): the router parts a chat's output into `reasoning` and `content` as vLLM's server does, and its "
+        "engines hold a structured output's constraint (a forced tool call's too) until the reasoning ends.",
+    )
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -152,7 +158,7 @@ class ModelSettings(BaseSettings):
     models: list[ServedModel] | None = Field(
         None,
         description="The models the mesh serves, as a JSON list of {name, model, ttft_slo_ms, tpot_slo_ms, "
-        "tensor_parallel_size, disaggregated, tool_call_parser}, e.g. "
+        "tensor_parallel_size, disaggregated, tool_call_parser, reasoning_parser}, e.g. "
         '[{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct", "tool_call_parser": "llama3_json"}]; '
         "a worker serves the one MESH_SERVED_MODEL_NAME names (default: the first). The router lists them all and "
         "a request for one that no worker serves waits for one (MESH_MODEL_WAIT_S); other names get 404. `make run` "

@@ -266,6 +266,15 @@ class ChatMessage(Message):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # a tool turn's: the call it answers
     name: str | None = None
+    reasoning: str | None = None  # an assistant turn's (the template gets it as `reasoning_content` too, as vLLM's)
+
+
+class ReasoningGate(Message):
+    """Where a chat's structured output starts on a model with a reasoning parser, whose engines hold the
+    constraint until the reasoning ends (vLLM's `reasoning_ended` and `reasoning_parser_kwargs`)."""
+
+    from_start: bool = False  # the grammar reads the whole output (vLLM: include_reasoning false, a parser's grammar)
+    chat_template_kwargs: dict[str, Any] = {}  # the template's variables, which some parsers read (enable_thinking)
 
 
 class SamplingOptions(Message):
@@ -295,6 +304,9 @@ class SamplingOptions(Message):
     skip_special_tokens: bool = True  # special tokens show no text (vLLM's default)
     spaces_between_special_tokens: bool = True  # false (with special tokens shown): none between two added tokens
     bad_words: list[str] = []  # vLLM's: never generated (a word's last token is banned after the rest of it)
+    # a chat's structured output on a model with a reasoning parser (None: the engine's parser reads the prompt,
+    # as vLLM's for a completion)
+    reasoning: ReasoningGate | None = None
 
 
 class PrefillRequest(Message):

@@ -29,10 +29,11 @@ BLOCK_SIZE = 128
 STARTUP_S = 420
 MODEL_B = "tiny-b"  # in the catalogue of the session's mesh, served by no worker it starts (placement activates it)
 # served aggregated: placement activates a decode worker alone, which runs its requests whole. The first
-# reads tool calls in vLLM's pythonic format (tool_choice "auto"); the second has no parser.
+# reads tool calls in vLLM's pythonic format (tool_choice "auto"); the second has no tool-call parser, and
+# reads reasoning as DeepSeek-R1's (`<think>`, `</think>`: the embedded tokenizer has them).
 CATALOGUE = [
     {"name": EMBEDDED_MODEL, "tool_call_parser": "pythonic"},
-    {"name": MODEL_B, "model": "llmesh/tiny-llama-b", "disaggregated": False},
+    {"name": MODEL_B, "model": "llmesh/tiny-llama-b", "disaggregated": False, "reasoning_parser": "deepseek_r1"},
 ]
 
 
@@ -174,12 +175,15 @@ class Reference:
         prompt_token_ids: list[int] | None = None,
         top: bool = False,
         ignore_eos: bool = False,
+        reasoning_ended: bool | None = None,
         **sampling: object,
     ) -> dict:
-        """Greedy; `sampling`: more of vLLM's sampling parameters."""
+        """Greedy; `sampling`: more of vLLM's sampling parameters; `reasoning_ended`: vLLM's (None: the engine's
+        reasoning parser reads the prompt)."""
         return self._ask(
             {"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos, "sampling": sampling}
             | ({"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids})
+            | ({} if reasoning_ended is None else {"reasoning_ended": reasoning_ended})
         )
 
     def greedy_gaps(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[float]:
@@ -204,8 +208,10 @@ class Reference:
 
 
 @contextmanager
-def reference_engine(model_path: str, log_dir: Path, tensor_parallel_size: int = 1) -> Iterator[Reference]:
-    """A monolithic engine; with several tensor-parallel ranks, a core each."""
+def reference_engine(
+    model_path: str, log_dir: Path, tensor_parallel_size: int = 1, reasoning_parser: str = ""
+) -> Iterator[Reference]:
+    """A monolithic engine; with several tensor-parallel ranks, a core each; with vLLM's `reasoning_parser`."""
     log = open(log_dir / "reference.log", "w")
     ranks = (
         {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))}
@@ -220,6 +226,7 @@ def reference_engine(model_path: str, log_dir: Path, tensor_parallel_size: int =
             str(MAX_MODEL_LEN),
             str(BLOCK_SIZE),
             str(tensor_parallel_size),
+            reasoning_parser,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

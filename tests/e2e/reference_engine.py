@@ -1,6 +1,7 @@
 """The baseline for exactness: one monolithic vLLM engine, no connector, no mesh.
 
-Arguments: model, max_model_len, block_size[, tensor_parallel_size].
+Arguments: model, max_model_len, block_size[, tensor_parallel_size[, reasoning_parser]] (vLLM's
+--reasoning-parser: a structured output waits for the reasoning's end).
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str, "stop_reason": ...}.
@@ -11,7 +12,7 @@ one first; with "prompt_logprobs" in "sampling", "prompt_steps" the prompt's, as
 them (the first token's logprob None, its text decoded) and "prompt_text" the prompt decoded, as the
 server echoes token prompts; with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates
 past the end-of-sequence token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are
-strings, structured_outputs a dict).
+strings, structured_outputs a dict); "reasoning_ended" is vLLM's argument of that name (its server's for a chat).
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
 the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
 tokens before it (0 where greedy decoding would have chosen it).
@@ -26,7 +27,9 @@ import time
 TOP = 5  # with "top": this many likeliest tokens a step, with their logprobs
 
 
-async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_size: int = 1) -> None:
+async def main(
+    model: str, max_model_len: int, block_size: int, tensor_parallel_size: int = 1, reasoning_parser: str = ""
+) -> None:
     # vLLM logs to stdout: keep the protocol on a private copy of it, send the rest to stderr.
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -45,6 +48,7 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
             disable_log_stats=True,
+            reasoning_parser=reasoning_parser,
         )
     )
     from llmesh.engine.worker import WARMUP_PROMPT
@@ -73,7 +77,8 @@ async def main(model: str, max_model_len: int, block_size: int, tensor_parallel_
             | ({"logprobs": TOP} if req.get("top") else {})
             | sampling(req.get("sampling", {}))
         )
-        async for out in engine.generate(prompt, params, request_id=f"ref-{n}"):
+        reasoning = {"reasoning_ended": req["reasoning_ended"]} if "reasoning_ended" in req else {}
+        async for out in engine.generate(prompt, params, request_id=f"ref-{n}", **reasoning):
             stamps.append(time.perf_counter())
             final = out
         answer = {
@@ -130,4 +135,4 @@ async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:2], *map(int, sys.argv[2:])))
+    asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:5]), *sys.argv[5:6]))

@@ -523,6 +523,7 @@ def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_t
     ids = tokenizer.encode(text, add_special_tokens=False)
     expected = reference.generate(12, prompt_token_ids=ids)
     assert continued.usage.prompt_tokens == len(ids) and continued.choices[0].token_ids == expected["token_ids"]
+    assert continued.model_extra["prompt_token_ids"] == ids  # (vLLM's return_token_ids: a chat's prompt, once)
 
     allowed = tokenizer.encode(" the a of and to in is", add_special_tokens=False)
     completion = client.completions.create(
@@ -573,6 +574,14 @@ def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_t
         )
         assert cut.usage.prompt_tokens == len(kept)
         assert cut.choices[0].text == echoed + reference.generate(10, prompt_token_ids=kept)["text"]
+    # with return_token_ids, vLLM's server echoes the prompt's ids, not its text
+    cut = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, echo=True, extra_body=fields | {"return_token_ids": True}
+    )
+    assert (cut.choices[0].text, cut.choices[0].prompt_token_ids) == (
+        reference.generate(10, prompt_token_ids=kept)["text"],
+        kept,
+    )
 
 
 def test_bad_words_are_banned_over_the_whole_output_as_the_monolithic_engine_bans_them(
@@ -674,6 +683,7 @@ def test_n_choices_of_several_prompts_are_each_a_request_through_prefill_and_dec
         model=MODEL, prompt=prompts, max_tokens=16, temperature=0, n=2, extra_body={"return_token_ids": True}
     )
     assert [c.index for c in whole.choices] == [0, 1, 2, 3]  # prompt i's choice j at i·n + j
+    assert [c.prompt_token_ids for c in whole.choices] == [prompts[0]] * 2 + [prompts[1]] * 2  # (vLLM's)
     assert whole.usage.prompt_tokens == 300 + 90
     assert whole.usage.completion_tokens == sum(len(c.token_ids) for c in whole.choices)
     for choice in whole.choices:

@@ -5,11 +5,14 @@ for the second waits; the router's traffic shows it parked, placement activates 
 is served aggregated: one decode worker running whole requests), and the requests are answered. Each
 model then answers as its own monolithic engine (the disaggregated one exactly, the aggregated one but
 for batching's near-ties), its requests mixed with the other's; drained,
-the second model's workers exit (the agent starts new standbys meanwhile)."""
+the second model's workers exit (the agent starts new standbys meanwhile). The second model's catalogue
+entry names a reasoning parser: its chats are read into reasoning and content as vLLM's server reads its
+monolithic engine's, and a structured output waits for the reasoning's end as there."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +28,74 @@ from .test_live_migration import NEAR_TIE, command
 from .test_mesh import MODEL, token_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+REASONING_PARSER = "deepseek_r1"  # the second model's (conftest.CATALOGUE)
+THINK_END = 2001  # `</think>` in the embedded tokenizer (llmesh.engine.models.THINK_TOKENS)
+
+
+def assert_reasoning_read_as_vllms_server_reads_it(client, reference, model_path: str) -> None:
+    """A chat for a model with a reasoning parser, alone in its engine's batch (exact): the reasoning and
+    the content, whole and streamed, and the reasoning tokens, are what vLLM's parser reads of the monolithic
+    engine's output; a structured output is constrained from the reasoning's end on (or from the start
+    where the reasoning is not shown), as by vLLM's engine with the parser."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser import ParserManager
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(model_path)
+    chat = [{"role": "user", "content": "What is two and two?"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)  # (as vLLM's server encodes a chat)
+    bias = {str(THINK_END): 5}  # the random model ends its reasoning where that lifts `</think>` above the rest
+    regex = "[a-z]{4,12}"
+    parser_class = ParserManager.get_parser(reasoning_parser_name=REASONING_PARSER, tokenizer=tokenizer)
+    for extra, reference_args in (
+        ({}, {}),
+        ({"structured_outputs": {"regex": regex}}, {"structured_outputs": {"regex": regex}}),
+        (
+            {"structured_outputs": {"regex": regex}, "include_reasoning": False},
+            {"structured_outputs": {"regex": regex}, "reasoning_ended": True},  # (vLLM's server's then)
+        ),
+    ):
+        asked = {
+            "model": MODEL_B,
+            "messages": chat,
+            "max_tokens": 20,
+            "temperature": 0,
+            "logit_bias": bias,
+            "extra_body": {"return_token_ids": True} | extra,
+        }
+        expected = reference.generate(20, prompt_token_ids=ids, logit_bias=bias, **reference_args)
+        request = ChatCompletionRequest(model=MODEL_B, messages=chat, **extra)
+        parser = parser_class(tokenizer, None)
+        reasoning, content, _ = parser.parse(expected["text"], request, False, expected["token_ids"])
+        reasoning = reasoning if request.include_reasoning else None
+        whole = client.chat.completions.create(**asked)
+        answer = whole.choices[0]
+        shown = (getattr(answer.message, "reasoning", None), answer.message.content)
+        assert shown == (reasoning, content), (extra, expected["text"])
+        assert whole.usage.completion_tokens_details.reasoning_tokens == parser.count_reasoning_tokens(
+            expected["token_ids"]
+        )
+        if request.include_reasoning:
+            assert answer.token_ids == expected["token_ids"], extra
+        else:
+            assert getattr(answer, "token_ids", None) is None  # (they would show the reasoning)
+        streamed = {"reasoning": "", "content": ""}
+        for chunk in client.chat.completions.create(**asked, stream=True):
+            for field in streamed:
+                streamed[field] += getattr(chunk.choices[0].delta, field, None) or ""
+        assert (streamed["reasoning"] or None, streamed["content"] or None) == (reasoning, content or None), extra
+        tokens = expected["token_ids"]
+        if "structured_outputs" not in extra:
+            assert 0 < tokens.index(THINK_END) < len(tokens) - 1  # (a test of both parts)
+        elif request.include_reasoning:  # unconstrained till the reasoning's end, then the regex
+            end = tokens.index(THINK_END)
+            content_text = tokenizer.decode(tokens[end + 1 :], skip_special_tokens=True)  # (its end: EOS)
+            assert re.fullmatch(regex, content_text) and end > 0, expected["text"]
+        else:
+            assert re.fullmatch(regex, expected["text"])
 
 
 def complete(mesh, model: str, ids: list[int], max_tokens: int = 16) -> list[int]:
@@ -78,8 +149,9 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
     assert [m["id"] for m in listed] == [MODEL, MODEL_B]
     prompts = [token_prompt(n, seed=3300 + n) for n in (40, 300, 700)]
     wait_for(lambda: pool_ready(mesh), 180, "the host agent's standbys did not get ready")
+    path_b = resolve_model("llmesh/tiny-llama-b", model_dir)
     with (
-        reference_engine(resolve_model("llmesh/tiny-llama-b", model_dir), tmp_path) as reference_b,
+        reference_engine(path_b, tmp_path, reasoning_parser=REASONING_PARSER) as reference_b,
         extra_workers(mesh, timeout=60),
         ThreadPoolExecutor(6) as pool,
     ):
@@ -100,6 +172,7 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
             model=MODEL_B, prompt=prompts[1], max_tokens=1, temperature=0, echo=True, logprobs=2
         )
         expected_echo_b = reference_b.generate(1, prompt_token_ids=prompts[1], prompt_logprobs=2, logprobs=2)
+        assert_reasoning_read_as_vllms_server_reads_it(client, reference_b, path_b)
         status = placement(mesh, op="status")
         b_workers = [w.worker_id for w in status.workers if w.model == MODEL_B]
         for worker_id in b_workers:  # evicted by hand: drained, they exit

@@ -228,6 +228,36 @@ def test_an_echoed_prompts_logprobs_render_as_vllms_server_renders_them(top):
     assert echoed(delta.model_copy(update={"logprobs": None})).logprobs is None  # no logprobs asked: text alone
     alone = echoed(delta, prompt_alone=True)  # max_tokens 0
     assert (alone.text, alone.logprobs) == ("the prompt", prompt_steps)
+    # with return_token_ids, vLLM's server echoes no prompt text (the prompt's ids stand for it), its logprobs yes
+    ids_shown = echoed(delta, with_text=False)
+    assert (ids_shown.text, ids_shown.logprobs) == (" out", first.logprobs)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_return_token_ids_shows_the_prompts_ids_as_vllms_server_does(chat):
+    """A completion's in each choice (its first chunk's, streamed), a chat's once in the answer (and in each
+    choice's first chunk), as vLLM 0.32's server returns them; not asked, not shown."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse, ChatCompletionStreamResponse
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionStreamResponse
+
+    choices = [Choice("ab", "stop", 2, [7, 8], prompt_token_ids=[1, 2, 3]) for _ in range(2)]
+    whole = ResponseShape(chat, "r", "m", with_token_ids=True).final(choices, 3)
+    (ChatCompletionResponse if chat else CompletionResponse).model_validate(whole)  # (vLLM's schema)
+    if chat:
+        assert whole["prompt_token_ids"] == [1, 2, 3] and "prompt_token_ids" not in whole["choices"][0]
+    else:
+        assert [c["prompt_token_ids"] for c in whole["choices"]] == [[1, 2, 3]] * 2 and "prompt_token_ids" not in whole
+    shape = ResponseShape(chat, "r", "m", with_token_ids=True)
+    first = json.loads(shape.chunk_event("a", None, True, [7], prompt_token_ids=[1, 2, 3])[6:])
+    later = json.loads(shape.chunk_event("b", "stop", False, [8])[6:])
+    (ChatCompletionStreamResponse if chat else CompletionStreamResponse).model_validate(first)
+    shown = first if chat else first["choices"][0]
+    assert shown["prompt_token_ids"] == [1, 2, 3]
+    assert "prompt_token_ids" not in later and "prompt_token_ids" not in later["choices"][0]
+    plain = ResponseShape(chat, "r", "m").final(choices, 3)
+    assert "prompt_token_ids" not in plain and "prompt_token_ids" not in plain["choices"][0]
+    unasked = json.loads(ResponseShape(chat, "r", "m").chunk_event("a", None, True, [7], prompt_token_ids=[1])[6:])
+    assert "prompt_token_ids" not in unasked and "prompt_token_ids" not in unasked["choices"][0]
 
 
 def test_max_tokens_0_is_an_echo_of_the_prompt_alone_and_refused_without_echo():

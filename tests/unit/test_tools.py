@@ -158,10 +158,10 @@ def test_streamed_chunks_add_up_to_the_whole_answer():
     ]
     for choice, text, finish in cases:
         calling = request(tools=[WEATHER, TIME], tool_choice=choice).tool_calling
-        whole = ResponseShape(True, "id", "m", tools=calling).final([Choice(text, "stop", 9)], 3)
+        whole = ResponseShape(True, "id", "m", reading=calling).final([Choice(text, "stop", 9)], 3)
         message = whole["choices"][0]["message"]
         assert message["content"] == "" and whole["choices"][0]["finish_reason"] == finish
-        shape = ResponseShape(True, "id", "m", tools=calling)
+        shape = ResponseShape(True, "id", "m", reading=calling)
         pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
         events = [
             shape.chunk_event(p, "stop" if i == len(pieces) - 1 else None, first=i == 0, index=0)
