@@ -62,3 +62,35 @@ def test_on_cuda_skipping_draws_equals_drawing_vllms_noise():
             noise.exponential_(generator=drawn)
         skip_draws(skipped, 7)
         assert torch.equal(noise.exponential_(generator=drawn), torch.empty_like(noise).exponential_(generator=skipped))
+
+
+def test_a_resumed_grammar_reads_the_earlier_output_past_its_reasoning_alone():
+    """`resume_grammar` feeds the grammar the earlier output's tokens it read on the engine before: all of
+    them, or the last `constrained` (llmesh.engine.reasoning: those past the reasoning's end)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    from llmesh.engine.resumed import earlier_output_args, resume_grammar
+
+    class Recorded(StructuredOutputGrammar):  # (a test double of a compiled grammar: what it was fed)
+        def __init__(self):
+            self.fed: list[int] = []
+
+        def accept_tokens(self, request_id, tokens):
+            self.fed += tokens
+            return True
+
+        validate_tokens = rollback = fill_bitmask = is_terminated = reset = None
+
+    prompt, earlier = [1, 2, 3], [10, 11, 12, 13]
+    for constrained, fed in ((None, earlier), (4, earlier), (1, [13]), (0, [])):
+        grammar = Recorded()
+        request = SimpleNamespace(
+            request_id="r",
+            prompt_token_ids=prompt + earlier,
+            structured_output_request=SimpleNamespace(grammar=grammar),
+            sampling_params=SimpleNamespace(extra_args=earlier_output_args(len(earlier), constrained)),
+        )
+        resume_grammar(request)
+        assert grammar.fed == fed, constrained
