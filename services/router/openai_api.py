@@ -328,6 +328,11 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Each streamed chunk with its choice's usage so far (vLLM's `continuous_usage_stats`, with usage)."""
+        return self.include_usage and bool((self.stream_options or {}).get("continuous_usage_stats"))
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]  # one prompt or several, each a text or token ids
@@ -622,16 +627,18 @@ class ResponseShape:
         reading: OutputReading | None = None,
         tokens_as_ids: bool = False,
         with_token_ids: bool = False,
+        continuous_usage: bool = False,
     ):
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
         `reading`: how a chat's output is read (None: as text); `tokens_as_ids`: logprobs' tokens as
         "token_id:<id>" (vLLM's return_tokens_as_token_ids); `with_token_ids`: each choice's token ids and
-        its prompt's shown (vLLM's return_token_ids: a chat's prompt once, a completion's in each choice)."""
+        its prompt's shown (vLLM's return_token_ids: a chat's prompt once, a completion's in each choice);
+        `continuous_usage`: each chunk with its choice's usage so far (vLLM's continuous_usage_stats)."""
         self.chat, self.id, self.model, self.reading = chat, request_id, model, reading
         hidden = reading is not None and reading.hides_tokens
         self.top = None if hidden else logprobs
         self.tokens_as_ids, self.with_token_ids = tokens_as_ids, with_token_ids and not hidden
-        self.with_prompt_ids = with_token_ids
+        self.with_prompt_ids, self.continuous_usage = with_token_ids, continuous_usage
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
@@ -681,9 +688,11 @@ class ResponseShape:
         index: int = 0,
         stop_reason: str | int | None = None,
         prompt_token_ids: list[int] | None = None,
+        counts: tuple[int, int] | None = None,
     ) -> dict[str, Any]:
         """A streamed chunk of choice `index` (`token_ids`: the tokens of its `text`); `first`: the choice's
-        first (with its prompt's ids, which a parser may read and return_token_ids shows)."""
+        first (with its prompt's ids, which a parser may read and return_token_ids shows); `counts`: its
+        prompt's tokens and its own so far, shown with continuous usage."""
         if self.chat and self.reading is not None:
             if first:
                 self._read[index] = self.reading.stream(prompt_token_ids)
@@ -698,9 +707,11 @@ class ResponseShape:
             body = {"text": text}
         prompt_ids = prompt_token_ids if first and self.with_prompt_ids else None
         choice = self._choice(index, body, finish_reason, stop_reason, logprobs, token_ids, prompt_ids)
-        if self.chat:
-            return self._envelope("chat.completion.chunk", [choice], **_given(prompt_token_ids=prompt_ids))
-        return self._envelope("text_completion", [choice])
+        extra = _given(prompt_token_ids=prompt_ids if self.chat else None)
+        if self.continuous_usage and counts is not None:
+            reading = self._read.get(index)
+            extra["usage"] = usage(*counts, reading.reasoning_tokens() if reading is not None else None)
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
     def _choice(
         self,
@@ -737,14 +748,16 @@ class ResponseShape:
         index: int = 0,
         stop_reason: str | int | None = None,
         prompt_token_ids: list[int] | None = None,
+        counts: tuple[int, int] | None = None,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (token ids, vLLM's `return_token_ids`
         extension, logprobs and a stop reason are rendered in full). Text that reveals nothing yet to the
         output's reading (a tool call's start, say) is no event (as vLLM's server sends none), unless the
         chunk carries more."""
+        chunk_fields = (text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids, counts)
         if self.reading is not None and self.chat:
-            chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids)
+            chunk = self.chunk(*chunk_fields)
             choice = chunk["choices"][0]
             if choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None:
                 return sse(chunk)
@@ -752,12 +765,11 @@ class ResponseShape:
         if (
             (self.chat and not text and not first)  # (an empty chat delta)
             or self.with_prompt_ids
+            or self.continuous_usage
             or self.top is not None
             or stop_reason is not None
         ):
-            return sse(
-                self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids)
-            )
+            return sse(self.chunk(*chunk_fields))
         key = (finish_reason, first, index)
         template = self._templates.get(key)
         if template is None:

@@ -182,6 +182,7 @@ def create_app(
             reading,
             body.return_tokens_as_token_ids,
             body.return_token_ids,
+            body.continuous_usage,
         )
         streams = [dispatcher.generate(choice, parent) for choice in choices]
         times = [metrics.request(body.model) for _ in choices]
@@ -255,6 +256,7 @@ def create_app(
                         index,
                         first.stop_reason,
                         first.prompt_token_ids,
+                        (first.prompt_tokens, first.completion_tokens),
                     )
                 async with aclosing(merged(streams, SSE_KEEPALIVE_S, client_gone)) as rest:
                     async for item in rest:
@@ -270,6 +272,7 @@ def create_app(
                             logprobs=delta.logprobs,
                             index=index,
                             stop_reason=delta.stop_reason,
+                            counts=(delta.prompt_tokens, delta.completion_tokens),
                         )
                 if body.include_usage:
                     completion_tokens = sum(last.completion_tokens for last in lasts)

@@ -698,7 +698,7 @@ def test_n_choices_of_several_prompts_are_each_a_request_through_prefill_and_dec
             seed=5,
             n=2,
             stream=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # (vLLM's: usage so far)
         )
     )
     texts = [
@@ -708,6 +708,9 @@ def test_n_choices_of_several_prompts_are_each_a_request_through_prefill_and_dec
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finishes) == 2 and all(texts) and texts[0] != texts[1]
     assert chunks[-1].usage.completion_tokens <= 24
+    so_far = [[c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == i] for i in (0, 1)]
+    assert all(counts == sorted(counts) and counts[0] >= 1 for counts in so_far)
+    assert so_far[0][-1] + so_far[1][-1] == chunks[-1].usage.completion_tokens
 
 
 def test_sixteen_concurrent_requests_each_get_their_own_output(client, reference, mesh):

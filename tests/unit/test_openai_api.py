@@ -462,9 +462,11 @@ async def test_n_choices_are_requests_of_their_own_choice_i_seeded_with_seed_plu
     dispatcher, client = _router([[1], [2, 3]])
     path, prompt = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
     body = {"model": "m", prompt: [{"role": "user", "content": "hi"}] if chat else "hi", "n": 3, "seed": 7}
+    continuous = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     async with client:
         whole = (await client.post(path, json=body)).json()
         streamed = await client.post(path, json=body | {"stream": True, "stream_options": {"include_usage": True}})
+        counted = await client.post(path, json=body | continuous)
     texts = ["<7>" * 3, "<8>" * 3, "<9>" * 3]
     assert [(c["index"], c["message"]["content"] if chat else c["text"]) for c in whole["choices"]] == [
         *enumerate(texts)
@@ -473,7 +475,7 @@ async def test_n_choices_are_requests_of_their_own_choice_i_seeded_with_seed_plu
     assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
     ids = [gen.request_id for gen in dispatcher.requests[:3]]
     assert ids == [f"{whole['id']}-{i}" for i in range(3)]
-    assert [gen.sampling.seed for gen in dispatcher.requests] == [7, 8, 9] * 2
+    assert [gen.sampling.seed for gen in dispatcher.requests] == [7, 8, 9] * 3
 
     assert streamed.text.endswith("data: [DONE]\n\n")
     *chunks, usage = _events(streamed.text)
@@ -485,7 +487,14 @@ async def test_n_choices_are_requests_of_their_own_choice_i_seeded_with_seed_plu
         assert "".join(c["delta"].get("content", "") if chat else c["text"] for c in mine) == text
         assert [c["finish_reason"] for c in mine] == [None, "length"]
         assert not chat or mine[0]["delta"]["role"] == "assistant"
-    assert dispatcher.ends == ["finished"] * 6
+    assert all("usage" not in chunk for chunk in chunks)
+    # vLLM's continuous_usage_stats: each chunk with its choice's usage so far (the prompt's tokens and its own)
+    *chunks, usage = _events(counted.text)
+    assert usage["usage"]["completion_tokens"] == 9
+    for index in range(3):
+        mine = [chunk["usage"] for chunk in chunks if chunk["choices"][0]["index"] == index]
+        assert [(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) for u in mine] == [(5, 1, 6), (5, 3, 8)]
+    assert dispatcher.ends == ["finished"] * 9
 
 
 @pytest.mark.parametrize("n", [1, 3])

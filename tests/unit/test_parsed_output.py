@@ -236,10 +236,18 @@ def prompt_ids(tokenizer, **template_kwargs) -> list[int]:
 
 
 def streamed(
-    shape: ResponseShape, tokenizer, ids: list[int], prompt: list[int], rng: random.Random, their=None, request=None
+    shape: ResponseShape,
+    tokenizer,
+    ids: list[int],
+    prompt: list[int],
+    rng: random.Random,
+    their=None,
+    request=None,
+    reasoning_so_far: list | None = None,
 ) -> tuple[list[dict], list]:
-    """The chunks of a stream of `ids` cut at random whole characters (the first with the prompt's ids), and
-    vLLM's parser's deltas (`their`, of `request`) for the same cuts."""
+    """The chunks' choices of a stream of `ids` cut at random whole characters (the first with the prompt's
+    ids), and vLLM's parser's deltas (`their`, of `request`) for the same cuts; with continuous usage, the
+    last chunk's reasoning tokens go to `reasoning_so_far`."""
     text = tokenizer.decode(ids)
     boundaries = [k for k in range(1, len(ids)) if text.startswith(tokenizer.decode(ids[:k]))]
     cuts = sorted(rng.sample(boundaries, k=min(len(boundaries), rng.randint(1, 8))))
@@ -248,14 +256,18 @@ def streamed(
         delta_text = tokenizer.decode(ids[:b])[len(tokenizer.decode(ids[:done])) :]
         done = b
         last = b == len(ids)
+        counts = (len(prompt), b)  # (shown with continuous usage)
         event = shape.chunk_event(
-            delta_text, "stop" if last else None, i == 0, ids[a:b], index=0, prompt_token_ids=prompt
+            delta_text, "stop" if last else None, i == 0, ids[a:b], index=0, prompt_token_ids=prompt, counts=counts
         )
         if event:
-            chunks.append(json.loads(event[6:])["choices"][0])
+            chunks.append(json.loads(event[6:]))
         if their is not None:
             their_deltas.append(their.parse_delta(delta_text, ids[a:b], request, prompt, finished=last))
-    return chunks, [d for d in their_deltas if d]
+    if chunks and "usage" in chunks[-1]:
+        assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+        reasoning_so_far.append(chunks[-1]["usage"].get("completion_tokens_details"))
+    return [c["choices"][0] for c in chunks], [d for d in their_deltas if d]
 
 
 def joined(chunks: list[dict], field: str) -> str | None:
@@ -285,9 +297,11 @@ def test_reasoning_whole_and_streamed_is_what_vllms_server_reads_cut_anywhere(pa
         message = whole["choices"][0]["message"]
         assert (message["reasoning"], message["content"]) == (reasoning, content), text
         assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": count}
-        for _ in range(4):
-            shape = ResponseShape(True, "id", "m", reading=parsers.reading(body))
-            chunks, their_deltas = streamed(shape, tokenizer, ids, prompt, rng, their_parser(), their_request)
+        for cut in range(4):
+            shape = ResponseShape(True, "id", "m", reading=parsers.reading(body), continuous_usage=cut % 2 == 1)
+            so_far: list = []
+            chunks, their_deltas = streamed(shape, tokenizer, ids, prompt, rng, their_parser(), their_request, so_far)
+            assert so_far == ([{"reasoning_tokens": count}] if cut % 2 else [])
             theirs_shown = [{"delta": d.model_dump(exclude_unset=True)} for d in their_deltas]
             assert (joined(chunks, "reasoning"), joined(chunks, "content") or "") == (
                 joined(theirs_shown, "reasoning"),
