@@ -407,3 +407,25 @@ def test_a_parser_the_tokenizer_cannot_serve_stops_the_start_naming_the_model(to
         OutputParsers([ServedModel(name="r1", model=str(bare), reasoning_parser="deepseek_r1")], tmp_path)
     with pytest.raises(ValueError, match="'odd': reasoning_parser 'nope'"):
         OutputParsers([ServedModel(name="odd", model=str(tokenizer_dir), reasoning_parser="nope")], tokenizer_dir)
+
+
+@pytest.mark.parametrize("name", ["mistral", "pythonic"])
+def test_tool_choice_none_is_read_by_the_models_parser_as_vllms_server_reads_it(parsers, tokenizer_dir, name):
+    """A model with a tool-call parser reads every chat, "none" too, as vLLM's server reads it (an engine-based
+    parser, mistral's, may drop call markup there; a legacy one, pythonic, leaves the text): no call."""
+    fields = {"tools": [WEATHER], "tool_choice": "none"}
+    their_request, their_parser, tokenizer = theirs(tokenizer_dir, name, **fields)
+    body = ChatCompletionRequest(**CHAT | {"model": name}, **fields)
+    for text in ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Plain text."):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        _, content, calls = their_parser().parse(
+            text, their_request, enable_auto_tools=True, model_output_token_ids=ids
+        )
+        answer = ResponseShape(True, "id", name, reading=parsers.reading(body)).final([Choice(text, "stop", 1, ids)], 3)
+        message = answer["choices"][0]["message"]
+        assert (message["content"], message.get("tool_calls"), answer["choices"][0]["finish_reason"]) == (
+            content,
+            None,
+            "stop",
+        )
+        assert not calls
