@@ -755,9 +755,10 @@ class ResponseShape:
         extension, logprobs and a stop reason are rendered in full). Text that reveals nothing yet to the
         output's reading (a tool call's start, say) is no event (as vLLM's server sends none), unless the
         chunk carries more."""
-        chunk_fields = (text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids, counts)
         if self.reading is not None and self.chat:
-            chunk = self.chunk(*chunk_fields)
+            chunk = self.chunk(
+                text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids, counts
+            )
             choice = chunk["choices"][0]
             if choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None:
                 return sse(chunk)
@@ -769,7 +770,11 @@ class ResponseShape:
             or self.top is not None
             or stop_reason is not None
         ):
-            return sse(self.chunk(*chunk_fields))
+            return sse(
+                self.chunk(
+                    text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids, counts
+                )
+            )
         key = (finish_reason, first, index)
         template = self._templates.get(key)
         if template is None:

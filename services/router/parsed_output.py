@@ -207,12 +207,14 @@ class ParsedStream:
         self.output, self.parser, self.prompt_token_ids = output, parser, prompt_token_ids
         self.forced = output.forced.stream() if output.forced is not None else None
         self.called = False  # a call has been streamed
-        self.token_ids: list[int] = []  # the output's so far, for its reasoning tokens
+        self.counts_reasoning = output.model.reasons
+        self.token_ids: list[int] = []  # the output's so far, for its reasoning tokens (where counted)
 
     def delta(self, text: str, token_ids: Sequence[int], finished: bool) -> dict[str, Any]:
         """The chat delta's fields (reasoning, content, tool_calls) this text makes; none while the parser
         holds it."""
-        self.token_ids += token_ids
+        if self.counts_reasoning:
+            self.token_ids += token_ids
         message = self.parser.parse_delta(
             delta_text=text,
             delta_token_ids=list(token_ids),

@@ -227,11 +227,12 @@ def test_a_history_with_calls_and_their_results_reaches_the_template_as_vllm_han
 
 
 def test_an_embedded_model_built_earlier_gets_the_chat_template_that_renders_tools(tmp_path):
-    from llmesh.engine.models import CHAT_TEMPLATE, resolve_model
+    from llmesh.engine.models import BUILD, BUILD_FILE, CHAT_TEMPLATE, resolve_model
 
     built = tmp_path / "tiny-llama"
     built.mkdir()
     (built / "config.json").write_text("{}")
+    (built / BUILD_FILE).write_text(f'{{"build": {BUILD}}}')  # (this version's build: only its template is old)
     (built / "chat_template.jinja").write_text("{{ messages }}")  # an earlier version's
     assert resolve_model("llmesh/tiny-llama", tmp_path) == str(built)
     assert (built / "chat_template.jinja").read_text() == CHAT_TEMPLATE and "tools" in CHAT_TEMPLATE
