@@ -46,6 +46,7 @@ from llmesh.wire.messages import (
     AbortRequest,
     ChatMessage,
     DecodeRequest,
+    DetokenizeTokens,
     KvHandle,
     LengthPrediction,
     Message,
@@ -55,6 +56,7 @@ from llmesh.wire.messages import (
     SamplingOptions,
     Subjects,
     TokenDelta,
+    TokenizePrompt,
     WorkerInfo,
 )
 
@@ -65,6 +67,7 @@ from .stops import StopFilter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died (a refusal as full is not counted)
@@ -76,6 +79,7 @@ MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet kn
 # router's queue until a slot frees: the refusal marks that worker full in this router's view); past its first
 # token only its deadline bounds the tries
 MAX_REFUSALS = 8
+TOKENIZER_TIMEOUT_S = 10.0  # a worker's answer to /tokenize or /detokenize
 
 
 @dataclass
@@ -193,6 +197,26 @@ class Dispatcher:
         bus.reconnected.append(self.registry.interrupt_all)
         self._tokens_per_char = 0.25
         self._tracer = telemetry.tracer("llmesh.router")
+
+    async def ask_tokenizer(self, query: TokenizePrompt | DetokenizeTokens, expected: type[M]) -> M:
+        """A worker of the query's model answers it with its tokenizer and chat template: an active one
+        first, the least busy first; one that is gone is passed over."""
+        self.registry.check_known(query.model)
+        workers = sorted(
+            (w for w in self.registry.live() if w.model == query.model), key=lambda w: (w.state != "active", w.running)
+        )
+        if not workers:
+            raise ServiceUnavailable(f"no worker serves {query.model!r} now")
+        for worker in workers[:MAX_REDISPATCHES]:
+            try:
+                reply, _ = await self.bus.request(
+                    Subjects.tokenizer(worker.worker_id), query, expected, timeout=TOKENIZER_TIMEOUT_S
+                )
+                return reply
+            except (NoResponders, Timeout) as exc:
+                log.warning("%s did not answer a tokenizer query (%s)", worker.worker_id, exc.message)
+                failure = exc
+        raise failure
 
     def estimate_prompt_tokens(self, gen: Generation) -> int:
         """The prompt's length in tokens before a worker tokenizes it (from its characters, at the

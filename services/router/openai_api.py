@@ -8,16 +8,17 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, NamedTuple, Protocol
+from typing import Annotated, Any, Literal, NamedTuple, Protocol, Self
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from llmesh.wire.errors import InvalidRequest, MeshError
-from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta
+from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta, TokenizePrompt
 
 from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, tool_calling
 
+_FORM = "form:"  # tags a body's form in a union of forms (left out of its errors' paths)
 # What the bus carries (MessagePack's integers): larger numbers are a 400 here, not a failure to encode.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=2**63 - 1)]
@@ -26,6 +27,7 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_CHOICES = 128  # OpenAI's limit on n (each choice is a request of its own to admission and the workers)
 MAX_GENERATIONS = 256  # prompts × n in one request
 MAX_TOOLS = 128  # OpenAI's limit on tools
+MAX_DETOKENIZED = 1 << 18  # token ids a /detokenize takes (its message to a worker stays far under NATS's payload)
 MAX_BAD_WORDS = 128  # vLLM's default limit (VLLM_MAX_NUM_BAD_WORDS, on their tokenizations: the workers apply it)
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
@@ -53,6 +55,17 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_prompt_text": ((False,), "not done"),
     "vllm_xargs": (({},), "custom logits processors' arguments are not passed on"),
 }
+
+
+def refuse_unsupported(data: Any, names: Iterable[str]) -> Any:
+    """A 400 naming the first of `names` (UNSUPPORTED's) given another value, not a 200 that ignored it
+    (raised as is: pydantic passes it through)."""
+    for name in names:
+        accepted, reason = UNSUPPORTED[name]
+        value = data.get(name) if isinstance(data, dict) else None
+        if value is not None and value not in accepted:
+            raise InvalidRequest(f"{name}={json.dumps(value)[:100]} is not supported ({reason})", param=name)
+    return data
 
 
 class StructuredOutputs(BaseModel):
@@ -121,9 +134,32 @@ class Prompt(NamedTuple):
     add_special_tokens: bool | None = None  # None: the endpoint's default
 
 
-class _Common(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may escape lone surrogates ("\\ud800"), which no UTF-8 text (nor any engine) can hold."""
+
+        def check(value: Any) -> None:
+            if isinstance(value, str):
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+            elif isinstance(value, dict):
+                for item in value.values():
+                    check(item)
+            elif isinstance(value, list):
+                for item in value:
+                    check(item)
+
+        check(data)
+        return data
+
+
+class _Common(_Body):
     model: str
     max_tokens: PositiveInt64 | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -163,36 +199,8 @@ class _Common(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        """JSON may escape lone surrogates ("\\ud800"), which no UTF-8 text (nor any engine) can hold."""
-
-        def check(value: Any) -> None:
-            if isinstance(value, str):
-                try:
-                    value.encode()
-                except UnicodeEncodeError:
-                    raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
-            elif isinstance(value, dict):
-                for item in value.values():
-                    check(item)
-            elif isinstance(value, list):
-                for item in value:
-                    check(item)
-
-        check(data)
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        """A 400 naming the field, not a 200 that ignored it (raised as is: pydantic passes it through)."""
-        for name, (accepted, reason) in UNSUPPORTED.items():
-            if name in cls.model_fields:  # done by this endpoint
-                continue
-            value = data.get(name) if isinstance(data, dict) else None
-            if value is not None and value not in accepted:
-                raise InvalidRequest(f"{name}={json.dumps(value)[:100]} is not supported ({reason})", param=name)
-        return data
+        return refuse_unsupported(data, [name for name in UNSUPPORTED if name not in cls.model_fields])  # (its: done)
 
     @field_validator("cache_salt")
     @classmethod
@@ -416,13 +424,12 @@ class _ChatMessageIn(BaseModel):
         )
 
 
-class ChatCompletionRequest(_Common):
+class _ChatPrompt(_Body):
+    """A chat's messages, tools and template variables: what renders its prompt (a chat completion's, or
+    /tokenize's of the same fields)."""
+
     messages: list[_ChatMessageIn] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # read with logprobs alone, as vLLM does
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
-    parallel_tool_calls: bool | None = True
     # vLLM extensions: the chat template's variables
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
@@ -430,35 +437,9 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the tokenizer's, besides the template's (vLLM's default: no)
-    include_reasoning: bool = True  # vLLM extension: false leaves the reasoning out (a model with a reasoning parser)
-    _tool_calling: ToolCalling | None = PrivateAttr(default=None)
-
-    @property
-    def logprob_count(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def tool_calling(self) -> ToolCalling | None:
-        return self._tool_calling
-
-    @property
-    def auto_tools(self) -> bool:
-        """Whether the output may call tools in the model's own format or answer in text (tool_choice "auto",
-        the default with tools), which needs the model's parser (`parsed_output`)."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @model_validator(mode="after")
-    def _tools(self) -> ChatCompletionRequest:
-        self._tool_calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
-        if self.tool_calling is not None and self.tool_calling.function is not None and self.structured_outputs:
-            raise InvalidRequest(  # (vLLM's rule)
-                "You can only either use constraints for structured outputs or tools, not both.",
-                param="structured_outputs",
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _template_variables(self) -> ChatCompletionRequest:
+    def _template_variables(self) -> Self:
         """vLLM's checks."""
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequest(
@@ -486,10 +467,46 @@ class ChatCompletionRequest(_Common):
             fields["enable_thinking"] = self.reasoning_effort != "none"
         return given | {k: v for k, v in fields.items() if v not in (None, "auto")}
 
-    def inputs(self) -> list[Prompt]:
+    def chat_prompt(self) -> Prompt:
         tools = [t.model_dump() for t in self.tools] if self.tools else None
         messages = [m.to_message() for m in self.messages]
-        return [Prompt(None, None, messages, tools, self.template_kwargs(), self.add_special_tokens)]
+        return Prompt(None, None, messages, tools, self.template_kwargs(), self.add_special_tokens)
+
+
+class ChatCompletionRequest(_Common, _ChatPrompt):
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # read with logprobs alone, as vLLM does
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # vLLM extension: false leaves the reasoning out (a model with a reasoning parser)
+    _tool_calling: ToolCalling | None = PrivateAttr(default=None)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        return self._tool_calling
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether the output may call tools in the model's own format or answer in text (tool_choice "auto",
+        the default with tools), which needs the model's parser (`parsed_output`)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        self._tool_calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.tool_calling is not None and self.tool_calling.function is not None and self.structured_outputs:
+            raise InvalidRequest(  # (vLLM's rule)
+                "You can only either use constraints for structured outputs or tools, not both.",
+                param="structured_outputs",
+            )
+        return self
+
+    def inputs(self) -> list[Prompt]:
+        return [self.chat_prompt()]
 
     @model_validator(mode="before")
     @classmethod
@@ -498,6 +515,56 @@ class ChatCompletionRequest(_Common):
         if isinstance(data, dict) and data.get("max_tokens") is None and "max_completion_tokens" in data:
             return {**data, "max_tokens": data["max_completion_tokens"]}
         return data
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize of a text; `model` may be left out where the mesh has one."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+    def query(self, model: str) -> TokenizePrompt:
+        return TokenizePrompt(
+            model=model,
+            prompt=self.prompt,
+            add_special_tokens=self.add_special_tokens,
+            token_strs=bool(self.return_token_strs),
+        )
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """vLLM's /tokenize of a chat: the prompt its chat completion gets (documents and reasoning_effort too)."""
+
+    model: str | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, ["chat_template"])
+
+    def query(self, model: str) -> TokenizePrompt:
+        return TokenizePrompt(model=model, **self.chat_prompt()._asdict(), token_strs=bool(self.return_token_strs))
+
+
+def _tokenize_form(data: Any) -> str:
+    return _FORM + ("chat" if isinstance(data, dict) and "messages" in data else "text")
+
+
+# vLLM's /tokenize body: a chat where it has messages, a text otherwise
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag(_FORM + "chat")] | Annotated[TokenizeCompletionRequest, Tag(_FORM + "text")],
+    Discriminator(_tokenize_form),
+]
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids to the tokenizer's text of them."""
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZED)
 
 
 def error_body(exc: MeshError) -> dict[str, Any]:
@@ -513,7 +580,7 @@ def error_response(exc: MeshError) -> JSONResponse:
 
 def validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not str(p).startswith(_FORM)]
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return InvalidRequest(f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}")

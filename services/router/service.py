@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from llmesh.wire import telemetry
 from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.lifecycle import cancel_and_wait
-from llmesh.wire.messages import ROLES, TokenDelta
+from llmesh.wire.messages import ROLES, Detokenized, DetokenizeTokens, TokenDelta, Tokenized
 
 from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher, Generation
@@ -34,8 +34,10 @@ from .openai_api import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    DetokenizeRequest,
     OutputReading,
     ResponseShape,
+    TokenizeRequest,
     echoed,
     error_body,
     error_response,
@@ -112,10 +114,43 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models() -> dict[str, Any]:
+        """vLLM's model cards; `max_model_len` where a live worker has told it (null: none serves it now)."""
+        context: dict[str, int] = {}
+        for worker in registry.live():
+            context[worker.model] = min(context.get(worker.model, worker.max_model_len), worker.max_model_len)
+        cards = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "llmesh", "root": m, "max_model_len": context.get(m)}
+            for m in registry.models()
+        ]
+        return {"object": "list", "data": cards}
+
+    def model_named(name: str | None) -> str:
+        """A request's model; where it names none (vLLM's tokenizer endpoints allow that), the mesh's only one."""
+        if name is not None:
+            return name
+        if len(known := registry.models()) != 1:
+            raise InvalidRequest(f"`model` is required: the mesh has {', '.join(known) or 'none'}", param="model")
+        return known[0]
+
+    @app.post("/tokenize", dependencies=[Depends(api_key)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """The prompt's token ids as a generation of the same fields gets them (vLLM's /tokenize): a worker
+        of the model renders and tokenizes it."""
+        tokenized = await dispatcher.ask_tokenizer(body.query(model_named(body.model)), Tokenized)
+        metrics.requests.labels("/tokenize", "200").inc()
         return {
-            "object": "list",
-            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "llmesh"} for m in registry.models()],
+            "count": len(tokenized.tokens),
+            "max_model_len": tokenized.max_model_len,
+            "tokens": tokenized.tokens,
+            "token_strs": tokenized.token_strs,
         }
+
+    @app.post("/detokenize", dependencies=[Depends(api_key)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        query = DetokenizeTokens(model=model_named(body.model), tokens=body.tokens)
+        detokenized = await dispatcher.ask_tokenizer(query, Detokenized)
+        metrics.requests.labels("/detokenize", "200").inc()
+        return {"prompt": detokenized.text}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)) -> Response:

@@ -3,7 +3,7 @@
 Every service connects to NATS as its own user (user and password in its `MESH_NATS_URL`) and may
 publish and subscribe only where its part of the protocol needs it:
 
-- only the router publishes work to workers (prefill, decode, generate, abort);
+- only the router publishes work to workers (prefill, decode, generate, tokenizer, abort);
 - only the placement service commands migrations, drains, role changes and host agents' activations;
 - only workers (and the kv-store itself) reach `mesh.kv.>`, where data-plane tokens are handed out;
 - each user reads replies only under its own inbox prefix (`_INBOX.<user>`, `Bus.connect` sets it).
@@ -53,6 +53,7 @@ WORKER_INBOXES = [
     "mesh.prefill.*",
     "mesh.decode.*",
     "mesh.generate.*",
+    "mesh.tokenizer.*",
     "mesh.abort.*",
     "mesh.migrate.*",
     "mesh.migrate_in.*",
@@ -64,7 +65,15 @@ WORKER_INBOXES = [
 # user -> (may publish to, may subscribe to), besides its own inbox (subscribe) for every user
 PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
     "router": (
-        ["mesh.prefill.*", "mesh.decode.*", "mesh.generate.*", "mesh.abort.*", "mesh.length.predict", "mesh.traffic"],
+        [
+            "mesh.prefill.*",
+            "mesh.decode.*",
+            "mesh.generate.*",
+            "mesh.tokenizer.*",
+            "mesh.abort.*",
+            "mesh.length.predict",
+            "mesh.traffic",
+        ],
         ["mesh.heartbeat"],
     ),
     "worker": (

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,11 +47,14 @@ from llmesh.wire.messages import (
     AbortRequest,
     Ack,
     ChatMessage,
+    Detokenized,
+    DetokenizeTokens,
     DrainCommand,
     LengthObserved,
     LengthPrediction,
     LengthRemaining,
     LengthRemainingRequest,
+    Message,
     MigrateCommand,
     PrefillRequest,
     RequestProgress,
@@ -60,6 +63,8 @@ from llmesh.wire.messages import (
     RoleOutcome,
     SamplingOptions,
     Subjects,
+    Tokenized,
+    TokenizePrompt,
     WorkerInfo,
     kv_blocks,
 )
@@ -483,21 +488,26 @@ class EngineWorker:
     def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
         """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and
         those of `logit_bias` and `stop_token_ids`) checked; truncated as asked."""
-        keep = kept_prompt_tokens(req.truncate_prompt_tokens, self.max_model_len, req.sampling.max_tokens)
-        ids = self._prompt_token_ids(req, keep)
-        return ids if keep is None else truncated(ids, keep, req.truncation_side or self.tokenizer.truncation_side)
-
-    def _prompt_token_ids(self, req: PrefillRequest, keep: int | None) -> list[int]:
-        tok = self.tokenizer
-        # (a text's truncation without a side given is the tokenizer's own, as vLLM's server encodes it)
-        encode = {"truncation": True, "max_length": keep} if keep is not None and req.truncation_side is None else {}
         for param, ids in (
             ("logit_bias", map(int, req.sampling.logit_bias)),
             ("stop_token_ids", req.sampling.stop_token_ids),
             ("allowed_token_ids", req.sampling.allowed_token_ids or ()),
         ):
-            if any(t >= len(tok) for t in ids):
-                raise InvalidRequest(f"{param} token ids must lie in [0, {len(tok)})", param=param)
+            self.check_token_ids(ids, param)
+        keep = kept_prompt_tokens(req.truncate_prompt_tokens, self.max_model_len, req.sampling.max_tokens)
+        # (a text's truncation without a side given is the tokenizer's own, as vLLM's server encodes it)
+        encode = {"truncation": True, "max_length": keep} if keep is not None and req.truncation_side is None else {}
+        ids = self.rendered_prompt(req, **encode)
+        return ids if keep is None else truncated(ids, keep, req.truncation_side or self.tokenizer.truncation_side)
+
+    def check_token_ids(self, ids: Iterable[int], param: str, what: str | None = None) -> None:
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"{what or param + ' token ids'} must lie in [0, {vocab})", param=param)
+
+    def rendered_prompt(self, req: PrefillRequest | TokenizePrompt, **encode: Any) -> list[int]:
+        """A prompt in any of its forms as token ids, untruncated (`encode`: the tokenizer's arguments)."""
+        tok = self.tokenizer
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("`messages` must not be empty", param="messages")
@@ -515,13 +525,22 @@ class EngineWorker:
                 raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
             return tok.encode(text, add_special_tokens=bool(req.add_special_tokens), **encode)
         if req.prompt_token_ids is not None:
-            vocab = len(tok)
-            if any(not 0 <= t < vocab for t in req.prompt_token_ids):
-                raise InvalidRequest(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            self.check_token_ids(req.prompt_token_ids, "prompt")
             return list(req.prompt_token_ids)
         if req.prompt is None:
             raise InvalidRequest("either `prompt` or `messages` is required", param="prompt")
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, **encode)
+
+    async def _on_tokenizer(self, req: Message, blob: memoryview) -> Tokenized | Detokenized:
+        """The router's /tokenize and /detokenize, with this engine's tokenizer and chat template."""
+        if isinstance(req, DetokenizeTokens):
+            self.check_token_ids(req.tokens, "tokens", "token ids")
+            return Detokenized(text=self.tokenizer.decode(req.tokens))
+        if not isinstance(req, TokenizePrompt):
+            raise InvalidRequest(f"expected TokenizePrompt or DetokenizeTokens, got {type(req).__name__}")
+        ids = self.rendered_prompt(req)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.token_strs else None
+        return Tokenized(tokens=ids, token_strs=strs, max_model_len=self.max_model_len)
 
     def max_tokens(self, req: PrefillRequest, prompt_len: int) -> int:
         """The request's output budget, resolved against the context (an error if it does not fit)."""
@@ -543,6 +562,9 @@ class EngineWorker:
         self.generates = Subjects.generate(self.worker_id) in handlers
         for subject, handler in handlers.items():
             await self.bus.serve(subject, handler, span=f"{self.role}-worker {subject.split('.')[1]}")
+        await self.bus.serve(
+            Subjects.tokenizer(self.worker_id), self._on_tokenizer, span=f"{self.role}-worker tokenizer"
+        )
         await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")
         await self.bus.serve(Subjects.drain(self.worker_id), self._on_drain, span=f"{self.role}-worker drain")
         if len(self.roles) > 1:

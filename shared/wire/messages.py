@@ -329,6 +329,37 @@ class PrefillRequest(Message):
     priority: int = 0  # vLLM's convention: lower is more urgent
 
 
+class TokenizePrompt(Message):
+    """A prompt in one of `PrefillRequest`'s forms, rendered and tokenized as its generation would be
+    (the router's /tokenize)."""
+
+    model: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    token_strs: bool = False  # each token's string too (the tokenizer's, not its text)
+
+
+class Tokenized(Message):
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    max_model_len: int
+
+
+class DetokenizeTokens(Message):
+    """Token ids to text, as the tokenizer decodes them (the router's /detokenize)."""
+
+    model: str
+    tokens: list[int]
+
+
+class Detokenized(Message):
+    text: str
+
+
 # per token: the sampled token (a prompt's own token), then the likeliest, each (token id, logprob, text), as
 # vLLM's engine gives them (the sampled one once, also where it is among the likeliest); a logprob of None: none
 # (a prompt's first token)
@@ -735,6 +766,11 @@ class Subjects:
     def generate(worker_id: str) -> str:
         """A whole request on one engine, prefill included (a decode worker, when prefill is backed up)."""
         return f"mesh.generate.{worker_id}"
+
+    @staticmethod
+    def tokenizer(worker_id: str) -> str:
+        """A worker's tokenizer and chat template: `TokenizePrompt` and `DetokenizeTokens`."""
+        return f"mesh.tokenizer.{worker_id}"
 
     @staticmethod
     def abort(worker_id: str) -> str:

@@ -28,6 +28,8 @@ from llmesh.wire.bus import Bus
 from llmesh.wire.errors import KVFingerprintMismatch, MeshError
 from llmesh.wire.messages import (
     DecodeRequest,
+    Detokenized,
+    DetokenizeTokens,
     KvDiscover,
     KvFlush,
     KvHandle,
@@ -42,6 +44,8 @@ from llmesh.wire.messages import (
     PrefillResult,
     SamplingOptions,
     Subjects,
+    Tokenized,
+    TokenizePrompt,
     WorkerInfo,
     decode_any,
     encode,
@@ -582,6 +586,99 @@ def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_t
         reference.generate(10, prompt_token_ids=kept)["text"],
         kept,
     )
+
+
+def test_tokenize_gives_the_prompt_its_generation_gets_and_detokenize_the_tokenizers_text(client, mesh, tokenizer):
+    """vLLM's /tokenize and /detokenize: a chat's ids are the ones its chat completion's engine got (with
+    tools, documents and a continued last message too), a text's with and without special tokens; every
+    worker of the model answers the same."""
+
+    def post(path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+        return httpx.post(f"{mesh.url}{path}", json=body, headers=mesh.headers if headers is None else headers)
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    chats = [
+        ({"messages": [{"role": "user", "content": "Say a word."}]}, {}),
+        (
+            {
+                "messages": [{"role": "user", "content": "Look it up."}, {"role": "assistant", "content": "I will"}],
+                "tools": tools,
+                "documents": [{"title": "a", "text": "b"}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+            {"tool_choice": "none"},
+        ),
+    ]
+    for fields, chat_only in chats:
+        tokenized = post("/tokenize", {"model": MODEL, **fields, "return_token_strs": True})
+        assert tokenized.status_code == 200, tokenized.text
+        body = tokenized.json()
+        generated = client.chat.completions.create(
+            model=MODEL,
+            messages=fields["messages"],
+            max_tokens=1,
+            temperature=0,
+            extra_body={**fields, **chat_only, "return_token_ids": True},
+        )
+        assert body["tokens"] == generated.model_extra["prompt_token_ids"]
+        assert body["count"] == len(body["tokens"]) == generated.usage.prompt_tokens
+        assert body["max_model_len"] == MAX_MODEL_LEN
+        assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    for special in (True, False):
+        text = post("/tokenize", {"model": MODEL, "prompt": "Once upon a time", "add_special_tokens": special}).json()
+        assert text["tokens"] == tokenizer.encode("Once upon a time", add_special_tokens=special)
+        assert text["token_strs"] is None
+    completion = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    assert completion.choices[0].prompt_token_ids == tokenizer.encode("Once upon a time")
+
+    ids = tokenizer.encode("Once upon a time, there was <|user|> a fox.")
+    assert post("/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+
+    async def asked_directly() -> list[tuple[object, object]]:  # each worker of the model, prefill and decode
+        bus = await Bus.connect(mesh.nats_url, "test-tokenizer")
+        try:
+            answers = []
+            for role in ("prefill", "decode"):
+                worker = await live_worker(mesh, role)
+                assert worker is not None and worker.model == MODEL
+                subject = Subjects.tokenizer(worker.worker_id)
+                prompt = TokenizePrompt(model=MODEL, prompt="Once upon a time")
+                tokenized, _ = await bus.request(subject, prompt, Tokenized, timeout=30)
+                text, _ = await bus.request(subject, DetokenizeTokens(model=MODEL, tokens=ids), Detokenized, timeout=30)
+                answers.append((tokenized.tokens, text.text))
+            return answers
+        finally:
+            await bus.close()
+
+    assert asyncio.run(asked_directly()) == [(tokenizer.encode("Once upon a time"), tokenizer.decode(ids))] * 2
+
+    cards = {card.id: card.model_extra for card in client.models.list().data}
+    assert cards[MODEL]["max_model_len"] == MAX_MODEL_LEN and cards[MODEL]["root"] == MODEL
+
+    for path, body, status, param in (
+        ("/detokenize", {"model": MODEL, "tokens": [len(tokenizer)]}, 400, "tokens"),
+        ("/tokenize", {"prompt": "hi"}, 400, "model"),  # the session's mesh has two models
+        ("/tokenize", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": fields["messages"], "chat_template": "{{ 1 }}"},
+            400,
+            "chat_template",
+        ),
+        ("/tokenize", {"model": MODEL, "messages": [], "add_generation_prompt": True}, 400, "messages"),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+    ):
+        refused = post(path, body)
+        assert (refused.status_code, refused.json()["error"]["param"]) == (status, param), (body, refused.text)
+    assert post("/tokenize", {"model": MODEL, "prompt": "hi"}, headers={}).status_code == 401
 
 
 def test_bad_words_are_banned_over_the_whole_output_as_the_monolithic_engine_bans_them(

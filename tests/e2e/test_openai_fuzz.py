@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 OPERATIONS = [
     ("POST", "/v1/completions", 40),
     ("POST", "/v1/chat/completions", 40),
+    ("POST", "/tokenize", 20),
+    ("POST", "/detokenize", 10),
     ("GET", "/v1/models", 10),
     ("GET", "/health", 5),
     ("GET", "/metrics", 5),

@@ -316,6 +316,16 @@ class _Dispatcher:
         self.requests: list = []  # the Generations asked for
         self.ends: list[str] = []  # how each stream that yielded ended: "finished", or "closed" before its end
         self.refused_suffix = ""  # requests whose id ends so are refused as at capacity
+        self.tokenizer_queries: list = []
+
+    async def ask_tokenizer(self, query, expected):
+        from llmesh.wire.messages import Detokenized, Tokenized
+
+        self.registry.check_known(query.model)
+        self.tokenizer_queries.append(query)
+        if expected is Detokenized:
+            return Detokenized(text=" ".join(map(str, query.tokens)))
+        return Tokenized(tokens=[7, 8, 9], token_strs=["a", "b", "c"] if query.token_strs else None, max_model_len=64)
 
     async def generate(self, gen, parent):
         import asyncio
@@ -788,3 +798,71 @@ def test_add_special_tokens_allowed_token_ids_and_token_ids_as_logprob_tokens():
     assert [e["token"] for e in chat_lp["content"][0]["top_logprobs"]] == ["token_id:5"]
     text_lp = ResponseShape(False, "id", "m", logprobs=2, tokens_as_ids=True)._logprobs(steps, 0)
     assert text_lp["tokens"] == ["token_id:5"] and text_lp["top_logprobs"] == [{"token_id:5": -0.5, "token_id:7": -1.0}]
+
+
+async def test_tokenize_asks_a_worker_for_the_prompt_a_generation_of_the_same_fields_gets():
+    from llmesh_router.openai_api import ChatCompletionRequest
+
+    dispatcher, client = _router([[1]])
+    chat = {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "documents": [{"text": "d"}],
+        "reasoning_effort": "none",
+        "chat_template_kwargs": {"x": 1},
+        "add_special_tokens": True,
+    }
+    async with client:
+        chat_answer = await client.post("/tokenize", json={"model": "m", **chat, "return_token_strs": True})
+        text_answer = await client.post("/tokenize", json={"model": "n", "prompt": "hi", "add_special_tokens": False})
+        detokenized = await client.post("/detokenize", json={"model": "m", "tokens": [3, 4]})
+        cards = (await client.get("/v1/models")).json()["data"]
+    assert chat_answer.json() == {"count": 3, "max_model_len": 64, "tokens": [7, 8, 9], "token_strs": ["a", "b", "c"]}
+    assert text_answer.json()["token_strs"] is None and detokenized.json() == {"prompt": "3 4"}
+    chat_query, text_query, detokenize_query = dispatcher.tokenizer_queries
+    generation = ChatCompletionRequest(model="m", **chat).inputs()[0]
+    assert chat_query.model_dump() == {"model": "m", **generation._asdict(), "token_strs": True} | {
+        "messages": [m.model_dump() for m in generation.messages]
+    }
+    assert (text_query.model, text_query.prompt, text_query.add_special_tokens) == ("n", "hi", False)
+    assert (detokenize_query.model, detokenize_query.tokens) == ("m", [3, 4])
+    assert [(c["id"], c["root"], c["max_model_len"]) for c in cards] == [("m", "m", 64), ("n", "n", 64)]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/tokenize", {"prompt": "hi"}, 400, "model"),  # two models: it must say which
+        ("/tokenize", {"model": "x", "prompt": "hi"}, 404, "model"),
+        ("/tokenize", {"model": "m"}, 400, "prompt"),
+        ("/tokenize", {"model": "m", "prompt": 3}, 400, "prompt"),
+        ("/tokenize", {"model": "m", "messages": []}, 400, "messages"),
+        (
+            "/tokenize",
+            {"model": "m", "messages": [{"role": "user"}], "add_generation_prompt": "maybe"},
+            400,
+            "add_generation_prompt",
+        ),
+        ("/tokenize", {"model": "m", "messages": [{"role": "user"}], "chat_template": "{{1}}"}, 400, "chat_template"),
+        (
+            "/tokenize",
+            {"model": "m", "messages": [{"role": "user"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        ("/tokenize", b'{"model": "m", "prompt": "\\ud800"}', 400, None),  # a lone surrogate
+        ("/detokenize", {"model": "m", "tokens": [-1]}, 400, "tokens.0"),
+        ("/detokenize", {"model": "m", "tokens": [0] * ((1 << 18) + 1)}, 400, "tokens"),
+    ],
+)
+async def test_a_bad_tokenize_or_detokenize_body_is_a_typed_error_naming_its_field(path, body, status, param):
+    dispatcher, client = _router([[1]])
+    async with client:
+        answer = await client.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
+    if status == 404:
+        return
+    assert not dispatcher.tokenizer_queries
