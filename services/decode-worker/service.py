@@ -173,7 +173,7 @@ class DecodeService:
     async def generate(self, req: PrefillRequest, blob: memoryview) -> AsyncIterator[TokenDelta | Migrated]:
         if not isinstance(req, PrefillRequest):
             raise InvalidRequest(f"expected PrefillRequest, got {type(req).__name__}")
-        token_ids = self.worker.prompt_token_ids(req)
+        token_ids = await self.worker.prompts.prompt_token_ids(req)
         max_tokens = self.worker.max_tokens(req, len(token_ids))
         trace.get_current_span().set_attribute("prompt.tokens", len(token_ids))
         async with self.worker.admit(

@@ -22,7 +22,7 @@ class PrefillService:
     async def prefill(self, req: PrefillRequest, blob: memoryview) -> PrefillResult:
         if not isinstance(req, PrefillRequest):
             raise InvalidRequest(f"expected PrefillRequest, got {type(req).__name__}")
-        token_ids = self.worker.prompt_token_ids(req)
+        token_ids = await self.worker.prompts.prompt_token_ids(req)
         max_tokens = self.worker.max_tokens(req, len(token_ids))
         async with self.worker.admit(
             req.request_id,

@@ -14,19 +14,19 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
-import jinja2
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from llmesh.engine import standby
 from llmesh.engine.models import resolve_model
+from llmesh.engine.prompts import PromptRenderer
 from llmesh.engine.reasoning import ReasoningGates
 from llmesh.wire import telemetry
 from llmesh.wire.bus import Bus
@@ -46,7 +46,6 @@ from llmesh.wire.messages import (
     ROLES,
     AbortRequest,
     Ack,
-    ChatMessage,
     Detokenized,
     DetokenizeTokens,
     DrainCommand,
@@ -75,14 +74,6 @@ SUPERSEDE_WAIT_S = 5.0  # how long a request sent again waits for the leg it rep
 
 CPU_ENGINE_SPIN_S = 0.02
 WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
-
-
-# transformers' apply_chat_template parameters that are not template variables (a request's chat_template_kwargs
-# holding them would change how it runs, not what the template sees)
-_APPLY_CHAT_TEMPLATE_OWN = frozenset(
-    {"chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict"}
-    | {"return_assistant_tokens_mask", "tokenizer_kwargs", "conversation", "tools"}
-)
 
 
 def sampling_params(
@@ -147,15 +138,6 @@ def sampling_params(
         },
         **extra,
     )
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates take it: what is not set left undefined (a template tests what is), an
-    assistant turn's reasoning as `reasoning` and `reasoning_content`, as vLLM's server gives it."""
-    fields = message.model_dump(exclude_none=True)
-    if message.reasoning is not None:
-        fields["reasoning_content"] = message.reasoning
-    return fields
 
 
 def tokens_prompt(token_ids: list[int], cache_salt: str | None) -> Any:
@@ -384,6 +366,7 @@ class EngineWorker:
         self.memory_bytes = self.weights_bytes + engine_kv_bytes(engine.vllm_config, self.layout)
         self.max_model_len = engine.vllm_config.model_config.max_model_len
         self.tokenizer = engine.get_tokenizer()
+        self.prompts = PromptRenderer(self.tokenizer, self.max_model_len)
         reasoning_parser = engine.vllm_config.structured_outputs_config.reasoning_parser
         self.reasoning = ReasoningGates(reasoning_parser, self.tokenizer) if reasoning_parser else None
         self._held: dict[str, HeldRequest] = {}
@@ -485,61 +468,15 @@ class EngineWorker:
             async for out in outputs:
                 yield out
 
-    def prompt_token_ids(self, req: PrefillRequest) -> list[int]:
-        """The request's prompt as token ids: chat through the chat template, text tokenized, ids (and
-        those of `logit_bias` and `stop_token_ids`) checked; truncated as asked."""
-        for param, ids in (
-            ("logit_bias", map(int, req.sampling.logit_bias)),
-            ("stop_token_ids", req.sampling.stop_token_ids),
-            ("allowed_token_ids", req.sampling.allowed_token_ids or ()),
-        ):
-            self.check_token_ids(ids, param)
-        keep = kept_prompt_tokens(req.truncate_prompt_tokens, self.max_model_len, req.sampling.max_tokens)
-        # (a text's truncation without a side given is the tokenizer's own, as vLLM's server encodes it)
-        encode = {"truncation": True, "max_length": keep} if keep is not None and req.truncation_side is None else {}
-        ids = self.rendered_prompt(req, **encode)
-        return ids if keep is None else truncated(ids, keep, req.truncation_side or self.tokenizer.truncation_side)
-
-    def check_token_ids(self, ids: Iterable[int], param: str, what: str | None = None) -> None:
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"{what or param + ' token ids'} must lie in [0, {vocab})", param=param)
-
-    def rendered_prompt(self, req: PrefillRequest | TokenizePrompt, **encode: Any) -> list[int]:
-        """A prompt in any of its forms as token ids, untruncated (`encode`: the tokenizer's arguments)."""
-        tok = self.tokenizer
-        if req.messages is not None:
-            if not req.messages:
-                raise InvalidRequest("`messages` must not be empty", param="messages")
-            variables = {"add_generation_prompt": True, **(req.template_kwargs or {})}
-            try:
-                text = tok.apply_chat_template(
-                    [_template_message(m) for m in req.messages],
-                    tools=req.tools,
-                    tokenize=False,
-                    **{k: v for k, v in variables.items() if k not in _APPLY_CHAT_TEMPLATE_OWN},
-                )
-            # (a template's raise_exception: roles out of order, say; transformers' own: a final message to
-            # continue that is not the assistant's)
-            except (jinja2.TemplateError, ValueError) as exc:
-                raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
-            return tok.encode(text, add_special_tokens=bool(req.add_special_tokens), **encode)
-        if req.prompt_token_ids is not None:
-            self.check_token_ids(req.prompt_token_ids, "prompt")
-            return list(req.prompt_token_ids)
-        if req.prompt is None:
-            raise InvalidRequest("either `prompt` or `messages` is required", param="prompt")
-        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, **encode)
-
     async def _on_tokenizer(self, req: Message, blob: memoryview) -> Tokenized | Detokenized:
         """The router's /tokenize and /detokenize, with this engine's tokenizer and chat template."""
         if isinstance(req, DetokenizeTokens):
-            self.check_token_ids(req.tokens, "tokens", "token ids")
-            return Detokenized(text=self.tokenizer.decode(req.tokens))
+            self.prompts.check_token_ids(req.tokens, "tokens", "token ids")
+            return Detokenized(text=await self.prompts.read(self.tokenizer.decode, req.tokens))
         if not isinstance(req, TokenizePrompt):
             raise InvalidRequest(f"expected TokenizePrompt or DetokenizeTokens, got {type(req).__name__}")
-        ids = self.rendered_prompt(req)
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.token_strs else None
+        ids = await self.prompts.rendered(req)
+        strs = await self.prompts.read(self.tokenizer.convert_ids_to_tokens, ids) if req.token_strs else None
         return Tokenized(tokens=ids, token_strs=strs, max_model_len=self.max_model_len)
 
     def max_tokens(self, req: PrefillRequest, prompt_len: int) -> int:
@@ -591,6 +528,7 @@ class EngineWorker:
         for held in list(self._held.values()):
             held.task.cancel()
         await self.bus.close()
+        self.prompts.close()
         self.engine.shutdown()
 
     def info(self) -> WorkerInfo:
@@ -828,27 +766,6 @@ class EngineWorker:
         finally:
             if self._held.get(request_id) is held:
                 del self._held[request_id]
-
-
-def kept_prompt_tokens(truncate: int | None, max_model_len: int, max_tokens: int | None) -> int | None:
-    """How many prompt tokens `truncate_prompt_tokens` keeps (None: all), as vLLM's server counts them
-    (`TokenizeParams`): -1 is the context, less a token for the output where an output length is asked."""
-    if truncate is None:
-        return None
-    if truncate > max_model_len:  # (vLLM's error)
-        raise InvalidRequest(
-            f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {max_model_len}. "
-            "Please request a smaller truncation size.",
-            param="truncate_prompt_tokens",
-        )
-    return truncate if truncate >= 0 else max_model_len - 1 if max_tokens else max_model_len
-
-
-def truncated(ids: list[int], keep: int, side: str) -> list[int]:
-    """`ids` cut to `keep` from the `side` end ("left": the last ones kept), as vLLM's server cuts them."""
-    if keep >= len(ids):
-        return ids
-    return ids[len(ids) - keep :] if side == "left" else ids[:keep]
 
 
 def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0, cores: str = "") -> Any:

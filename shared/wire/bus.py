@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmesh.wire import telemetry
-from llmesh.wire.errors import BadMessage, MeshError, NoResponders, ServiceUnavailable, Timeout
+from llmesh.wire.errors import BadMessage, MeshError, NoResponders, RequestTooLarge, ServiceUnavailable, Timeout
 from llmesh.wire.messages import (
     ErrorReply,
     Message,
@@ -144,6 +144,7 @@ class ReplyStream:
         self._deadline_timer: asyncio.TimerHandle | None = None
 
     async def _open(self, msg: Message, blob: bytes) -> None:
+        frame = self._bus.framed(msg, blob)
         mux = await self._bus._stream_mux()
         self._stream_id = mux.open(self)
         # One timer for the whole stream (not one per reply): it ends the stream at the deadline.
@@ -152,9 +153,7 @@ class ReplyStream:
         )
         headers = telemetry.inject()
         headers[STREAM_HEADER] = "1"
-        await self._bus.nc.publish(
-            self._subject, encode(msg, blob), reply=f"{mux.prefix}.{self._stream_id}", headers=headers
-        )
+        await self._bus.nc.publish(self._subject, frame, reply=f"{mux.prefix}.{self._stream_id}", headers=headers)
 
     def feed(self, item: bytes | memoryview | object) -> None:
         self._queue.put_nowait(item)
@@ -308,8 +307,18 @@ class Bus:
 
     # ---- client side ----------------------------------------------------------------
 
+    def framed(self, msg: Message, blob: bytes = b"") -> bytes:
+        """`msg` encoded, or RequestTooLarge where it would not fit in a NATS message (nats-py's own
+        error would be an internal one)."""
+        frame = encode(msg, blob)
+        if len(frame) > self.nc.max_payload:
+            raise RequestTooLarge(
+                f"the request takes {len(frame):,} bytes in a message to a worker; at most {self.nc.max_payload:,} fit"
+            )
+        return frame
+
     async def publish(self, subject: str, msg: Message, blob: bytes = b"") -> None:
-        await self.nc.publish(subject, encode(msg, blob), headers=telemetry.inject())
+        await self.nc.publish(subject, self.framed(msg, blob), headers=telemetry.inject())
 
     async def request(
         self, subject: str, msg: Message, expected: type[M], *, timeout: float, blob: bytes = b""
@@ -317,7 +326,7 @@ class Bus:
         if timeout <= 0:
             raise Timeout(f"no time left to ask {subject}")
         try:
-            reply = await self.nc.request(subject, encode(msg, blob), timeout=timeout, headers=telemetry.inject())
+            reply = await self.nc.request(subject, self.framed(msg, blob), timeout=timeout, headers=telemetry.inject())
         except nats.errors.NoRespondersError:
             raise NoResponders(f"nothing is serving {subject}") from None
         except nats.errors.TimeoutError:

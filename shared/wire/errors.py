@@ -30,6 +30,13 @@ class InvalidRequest(MeshError):
     error_type = "invalid_request_error"
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request does not fit in a message to a worker (NATS's max_payload)."""
+
+    code = "request_too_large"
+    http_status = 413
+
+
 class Unauthenticated(MeshError):
     """The request carries no valid credential."""
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from llmesh.wire.bus import Bus
-from llmesh.wire.errors import Timeout
+from llmesh.wire.errors import RequestTooLarge, Timeout
 from llmesh.wire.messages import Ack, KvStatsRequest, LengthPredictRequest
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,6 +53,30 @@ async def test_request_deadline_is_a_typed_timeout(nats_url):
             await client.request("test.slow", KvStatsRequest(), Ack, timeout=0.3)
         with pytest.raises(asyncio.TimeoutError):  # Timeout is also an asyncio.TimeoutError
             await client.request("test.slow", KvStatsRequest(), Ack, timeout=0.3)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_message_larger_than_natss_max_payload_is_a_typed_413_and_leaves_no_stream_open(nats_url):
+    server, client = await Bus.connect(nats_url, "server"), await Bus.connect(nats_url, "client")
+
+    async def answer(msg, blob):
+        return Ack()
+
+    try:
+        await server.serve("test.big", answer)
+        big = LengthPredictRequest(request_id="r", prompt="a" * client.max_payload)
+        with pytest.raises(RequestTooLarge, match="at most") as refused:
+            await client.request("test.big", big, Ack, timeout=5)
+        assert refused.value.http_status == 413
+        with pytest.raises(RequestTooLarge):
+            await client.stream("test.big", big, deadline=time.time() + 5)
+        with pytest.raises(RequestTooLarge):
+            await client.publish("test.big", big)
+        assert client._mux is None or not client._mux._streams  # (the stream was refused before it opened)
+        small = LengthPredictRequest(request_id="r", prompt="a" * 100)
+        assert isinstance((await client.request("test.big", small, Ack, timeout=5))[0], Ack)
     finally:
         await client.close()
         await server.close()

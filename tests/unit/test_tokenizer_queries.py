@@ -1,13 +1,16 @@
 """/tokenize and /detokenize below the router: a worker answers with the prompt its generation would get
-(the same rendering, `EngineWorker.rendered_prompt`), and the router asks an active worker of the model,
-passing over one that is gone."""
+(the same rendering, `PromptRenderer.rendered`), and the router asks an active worker of the model,
+passing over one that is gone; a long prompt renders off the worker's event loop."""
 
 import asyncio
+import copy
+import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from llmesh.engine.models import build_tokenizer
+from llmesh.engine.prompts import PromptRenderer
 from llmesh.engine.worker import EngineWorker
 from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import InvalidRequest, ModelNotFound, NoResponders, ServiceUnavailable
@@ -33,6 +36,7 @@ def worker(tmp_path_factory) -> EngineWorker:
     build_tokenizer(path)
     engine_worker = object.__new__(EngineWorker)  # what the tokenizer queries read of an engine's worker
     engine_worker.tokenizer, engine_worker.max_model_len = AutoTokenizer.from_pretrained(path), 64
+    engine_worker.prompts = PromptRenderer(engine_worker.tokenizer, 64)
     return engine_worker
 
 
@@ -51,7 +55,7 @@ def test_a_worker_tokenizes_each_form_as_it_renders_the_prompt_of_a_generation(w
     generation = PrefillRequest(
         request_id="r", model="m", messages=messages, template_kwargs=variables, sampling=SamplingOptions(), deadline=0
     )
-    assert chat.tokens == worker.prompt_token_ids(generation)
+    assert chat.tokens == asyncio.run(worker.prompts.prompt_token_ids(generation))
     assert chat.token_strs == tok.convert_ids_to_tokens(chat.tokens) and tok.decode(chat.tokens).endswith("Hello")
 
     ids = tok.encode(TEXT)
@@ -127,3 +131,40 @@ def test_the_router_asks_an_active_worker_of_the_model_the_least_busy_first_and_
         asyncio.run(dispatcher.ask_tokenizer(TokenizePrompt(model="x", prompt="hi"), Tokenized))
     with pytest.raises(ServiceUnavailable, match="no worker serves 'z' now"):
         asyncio.run(dispatcher.ask_tokenizer(TokenizePrompt(model="z", prompt="hi"), Tokenized))
+
+
+def test_a_long_prompt_is_tokenized_while_the_workers_loop_turns_and_a_cut_leaves_the_shared_tokenizer_as_it_was(
+    worker,
+):
+    tok = worker.tokenizer
+    long_text = "hello world " * 200_000  # 400k tokens: about half a second of tokenizing
+
+    async def rendered_while_ticking() -> tuple[list[int], float]:
+        gaps, last = [], time.monotonic()
+
+        async def tick():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        started = time.monotonic()
+        ids = await worker.prompts.rendered(TokenizePrompt(model="m", prompt=long_text))
+        took = time.monotonic() - started
+        ticker.cancel()
+        assert took > 0.1, took  # long enough that the loop's turns tell
+        return ids, max(gaps)
+
+    ids, longest_gap = asyncio.run(rendered_while_ticking())
+    assert ids == tok.encode(long_text)
+    assert longest_gap < 0.1, longest_gap
+
+    cut = PrefillRequest(
+        request_id="r", model="m", prompt=TEXT, truncate_prompt_tokens=4, sampling=SamplingOptions(), deadline=0
+    )
+    expected = copy.deepcopy(tok).encode(TEXT, truncation=True, max_length=4)
+    assert asyncio.run(worker.prompts.prompt_token_ids(cut)) == expected
+    assert tok._tokenizer.truncation is None  # (the cut was the copy's)
+    assert asyncio.run(worker.prompts.rendered(TokenizePrompt(model="m", prompt=TEXT))) == tok.encode(TEXT)

@@ -1,6 +1,7 @@
 """Tool calling at the router against vLLM 0.32's own functions: the constraint, a whole output's calls, the
 streamed deltas, the errors, and the messages a history sends back."""
 
+import asyncio
 import copy
 import json
 import random
@@ -241,7 +242,7 @@ def test_an_embedded_model_built_earlier_gets_the_chat_template_that_renders_too
 def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
     import jinja2
 
-    from llmesh.engine.worker import EngineWorker
+    from llmesh.engine.prompts import PromptRenderer
     from llmesh.wire.messages import ChatMessage, PrefillRequest, SamplingOptions
 
     class Tokenizer:  # a template's raise_exception, as HF's templates raise it
@@ -251,8 +252,7 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
         def apply_chat_template(self, messages, **kwargs):
             raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    worker = object.__new__(EngineWorker)  # what prompt_token_ids reads of an engine's worker
-    worker.tokenizer, worker.max_model_len = Tokenizer(), 64
+    prompts = PromptRenderer(Tokenizer(), 64)
     req = PrefillRequest(
         request_id="r",
         model="m",
@@ -261,5 +261,5 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
         deadline=0,
     )
     with pytest.raises(InvalidRequest, match="roles must alternate") as error:
-        EngineWorker.prompt_token_ids(worker, req)
+        asyncio.run(prompts.prompt_token_ids(req))
     assert error.value.param == "messages" and error.value.http_status == 400

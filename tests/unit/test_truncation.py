@@ -2,11 +2,13 @@
 own (`TokenizeParams`: its encode arguments, then its cut after tokenization): text and token prompts, with
 and without special tokens, either side or the tokenizer's, -1, 0 and lengths around the prompt's."""
 
+import asyncio
+
 import pytest
 from transformers import AutoTokenizer
 
 from llmesh.engine.models import build_tokenizer
-from llmesh.engine.worker import EngineWorker
+from llmesh.engine.prompts import PromptRenderer
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import PrefillRequest, SamplingOptions
 
@@ -21,10 +23,13 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
-def worker(tokenizer) -> EngineWorker:
-    engine_worker = object.__new__(EngineWorker)  # what prompt_token_ids reads of an engine's worker
-    engine_worker.tokenizer, engine_worker.max_model_len = tokenizer, CONTEXT
-    return engine_worker
+class Renderer(PromptRenderer):
+    def prompt_token_ids(self, req: PrefillRequest) -> list[int]:  # type: ignore[override]
+        return asyncio.run(super().prompt_token_ids(req))
+
+
+def worker(tokenizer) -> Renderer:
+    return Renderer(tokenizer, CONTEXT)
 
 
 @pytest.mark.parametrize("tokenizer_side", ["left", "right"])
