@@ -1101,6 +1101,9 @@ def test_length_prediction_reaches_the_workers_and_the_actual_length_comes_back(
             "context_length_exceeded",
         ),
         ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "invalid_request"),
+        # larger than a NATS message to a worker (make run's max_payload, 8 MB)
+        ("/v1/completions", {"model": MODEL, "prompt": "a " * 4_500_000}, 413, "request_too_large"),
+        ("/tokenize", {"model": MODEL, "prompt": "a " * 4_500_000}, 413, "request_too_large"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [999999]}, 400, "invalid_request"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "invalid_request"),
