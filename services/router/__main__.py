@@ -88,7 +88,9 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         log.info("the OpenAI API needs one of %d API keys", len(keys))
     else:
         log.warning("no API keys configured: anyone who reaches %s:%d can use the API", settings.host, settings.port)
-    app = create_app(dispatcher, registry, metrics, settings.request_timeout_s, keys, output_parsers)
+    app = create_app(
+        dispatcher, registry, metrics, settings.request_timeout_s, keys, output_parsers, settings.max_request_bytes
+    )
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
     server = _Server(

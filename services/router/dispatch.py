@@ -80,6 +80,7 @@ MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet kn
 # token only its deadline bounds the tries
 MAX_REFUSALS = 8
 TOKENIZER_TIMEOUT_S = 10.0  # a worker's answer to /tokenize or /detokenize
+TOKENIZER_TRIES = 2  # workers asked in turn, where one is gone (not yet known dead) or does not answer
 
 
 @dataclass
@@ -207,7 +208,7 @@ class Dispatcher:
         )
         if not workers:
             raise ServiceUnavailable(f"no worker serves {query.model!r} now")
-        for worker in workers[:MAX_REDISPATCHES]:
+        for worker in workers[:TOKENIZER_TRIES]:
             try:
                 reply, _ = await self.bus.request(
                     Subjects.tokenizer(worker.worker_id), query, expected, timeout=TOKENIZER_TIMEOUT_S

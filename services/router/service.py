@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from llmesh.wire import telemetry
-from llmesh.wire.errors import InvalidRequest, MeshError
+from llmesh.wire.errors import InvalidRequest, MeshError, RequestTooLarge
 from llmesh.wire.lifecycle import cancel_and_wait
 from llmesh.wire.messages import ROLES, Detokenized, DetokenizeTokens, TokenDelta, Tokenized
 
@@ -65,10 +65,12 @@ def create_app(
     request_timeout_s: float,
     keys: KeyRing | None = None,
     output_parsers: OutputParsers | None = None,
+    max_request_bytes: int = 16 * 2**20,
 ) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
     for probes and scrapers, do not: bind them to a private address, as vLLM's server does).
-    `output_parsers`: the catalogue's parsers of tool calls and reasoning (none: tool_choice "auto" is refused)."""
+    `output_parsers`: the catalogue's parsers of tool calls and reasoning (none: tool_choice "auto" is refused);
+    a body over `max_request_bytes` is a 413."""
     app = FastAPI(title="llmesh router", version="0.1.0")
     output_parsers = output_parsers or OutputParsers((), Path())
     tracer = telemetry.tracer("llmesh.router")
@@ -95,6 +97,8 @@ def create_app(
     @app.exception_handler(MeshError)
     async def on_mesh_error(request: Request, exc: MeshError) -> JSONResponse:
         return counted_error(exc, request.url.path)
+
+    app.add_middleware(_BodyLimit, limit=max_request_bytes, refused=counted_error)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -338,6 +342,42 @@ def create_app(
         )
 
     return app
+
+
+class _BodyLimit:
+    """A request body over `limit` bytes is a 413, before it is read whole: at once where its Content-Length
+    says so, else when the bytes streamed in pass the limit. The body is read here and handed on as it came
+    (FastAPI would turn an error raised while it reads into a 400)."""
+
+    def __init__(self, app: Any, limit: int, refused: Callable[[MeshError, str], JSONResponse]):
+        self.app, self.limit, self.refused = app, limit, refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        size = int(declared) if declared.isdigit() else 0
+        messages: list[Message] = []
+        while size <= self.limit:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # the client left
+            size += 0 if declared.isdigit() else len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        if size > self.limit:
+            error = RequestTooLarge(f"the request body is over {self.limit:,} bytes, the most the router takes")
+            await self.refused(error, scope["path"])(scope, receive, send)
+            return
+
+        pending = iter(messages)
+
+        async def replayed() -> Message:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replayed, send)
 
 
 class _ClosingStream(StreamingResponse):

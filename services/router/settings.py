@@ -27,6 +27,12 @@ class RouterSettings(ModelSettings, CommonSettings):
         "--file F` makes a key and adds its line). Default: MESH_SECRETS_DIR's, if set.",
     )
     request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
+    max_request_bytes: int = Field(
+        16 * 2**20,
+        ge=1024,
+        description="The largest request body the router reads; a larger one is a 413 before it is read whole. "
+        "(A request's message to a worker must also fit in NATS's max_payload, 8 MB under `make run`.)",
+    )
     model_wait_s: float = Field(
         60.0,
         ge=0,

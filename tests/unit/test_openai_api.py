@@ -361,7 +361,7 @@ class _Dispatcher:
             self.ends.append("finished" if finished else "closed")
 
 
-def _router(outputs, queued_model=""):
+def _router(outputs, queued_model="", **options):
     import httpx
 
     from llmesh.wire.messages import WorkerInfo
@@ -386,7 +386,7 @@ def _router(outputs, queued_model=""):
         )
     metrics = RouterMetrics()
     dispatcher = _Dispatcher(metrics, registry, outputs, queued_model)
-    app = create_app(dispatcher, registry, metrics, request_timeout_s=5)
+    app = create_app(dispatcher, registry, metrics, request_timeout_s=5, **options)
     return dispatcher, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
@@ -866,3 +866,32 @@ async def test_a_bad_tokenize_or_detokenize_body_is_a_typed_error_naming_its_fie
     if status == 404:
         return
     assert not dispatcher.tokenizer_queries
+
+
+async def test_a_body_over_the_routers_limit_is_a_413_declared_or_streamed_and_one_under_it_is_served():
+    import json
+
+    limit = 4096
+    dispatcher, client = _router([[1]], max_request_bytes=limit)
+    small = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    large = json.dumps({"model": "m", "prompt": "x" * limit}).encode()
+
+    async def streamed(body: bytes):  # no Content-Length: sent chunked
+        for at in range(0, len(body), 1000):
+            yield body[at : at + 1000]
+
+    async with client:
+        answers = [
+            await client.post("/v1/completions", content=large, headers={"content-type": "application/json"}),
+            await client.post("/v1/completions", content=streamed(large), headers={"content-type": "application/json"}),
+            await client.post("/tokenize", content=large, headers={"content-type": "application/json"}),
+        ]
+        served = await client.post(
+            "/v1/completions", content=streamed(small), headers={"content-type": "application/json"}
+        )
+        metrics = (await client.get("/metrics")).text
+    for answer in answers:
+        assert answer.status_code == 413, answer.text
+        assert answer.json()["error"]["code"] == "request_too_large"
+    assert served.status_code == 200 and len(dispatcher.requests) == 1 and not dispatcher.tokenizer_queries
+    assert 'llmesh_requests_total{endpoint="/v1/completions",status="413"} 2.0' in metrics
