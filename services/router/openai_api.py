@@ -11,7 +11,17 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, Protocol, Self
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta, TokenizePrompt
@@ -47,7 +57,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((), "tools are for chat completions"),
     "tool_choice": (("none",), "tools are for chat completions"),
     "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
-    "thinking_token_budget": ((), "not done"),
     "watermarking": ((), "not done"),
     "repetition_detection": ((), "not done"),
     "prompt_embeds": ((), "prompts are text or token ids"),
@@ -66,6 +75,18 @@ def refuse_unsupported(data: Any, names: Iterable[str]) -> Any:
         if value is not None and value not in accepted:
             raise InvalidRequest(f"{name}={json.dumps(value)[:100]} is not supported ({reason})", param=name)
     return data
+
+
+def _thinking_token_budget(value: Any) -> int | None:
+    """vLLM's rule: a non-negative integer, or -1 (None) for no budget."""
+    if value is None or value == -1 and type(value) is int:
+        return None
+    if type(value) is not int or not 0 <= value < 2**63:
+        raise InvalidRequest(
+            "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+            param="thinking_token_budget",
+        )
+    return value
 
 
 class StructuredOutputs(BaseModel):
@@ -196,6 +217,8 @@ class _Common(_Body):
     # names ("left" keeps the last ones; None: the tokenizer's side)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM extension: reasoning tokens before a model with a reasoning parser is made to end its reasoning
+    thinking_token_budget: Annotated[int | None, BeforeValidator(_thinking_token_budget)] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -277,6 +300,7 @@ class _Common(_Body):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             bad_words=self.bad_words,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
     def structured(self) -> dict[str, Any] | None:

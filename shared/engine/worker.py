@@ -130,6 +130,7 @@ def sampling_params(
         seed=options.seed,
         ignore_eos=options.ignore_eos,
         structured_outputs=StructuredOutputsParams(**options.structured) if options.structured else None,
+        thinking_token_budget=options.thinking_token_budget,
         extra_args={
             "kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()},
             **earlier_output_args(generated, constrained),
@@ -369,6 +370,9 @@ class EngineWorker:
         self.prompts = PromptRenderer(self.tokenizer, self.max_model_len)
         reasoning_parser = engine.vllm_config.structured_outputs_config.reasoning_parser
         self.reasoning = ReasoningGates(reasoning_parser, self.tokenizer) if reasoning_parser else None
+        reasoning_config = engine.vllm_config.reasoning_config
+        # what a thinking budget forces at its end (None: no budget: vLLM refuses one)
+        self.forced_reasoning_end = reasoning_config.reasoning_end_token_ids if reasoning_config else None
         self._held: dict[str, HeldRequest] = {}
         self._reserved: dict[str, float] = {}  # migration id -> when its slot is given up (monotonic)
         self.state: Literal["active", "draining"] = "active"
@@ -454,6 +458,15 @@ class EngineWorker:
         error, as in vLLM's server."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineGenerateError
+
+        if params.thinking_token_budget is not None and len(self.forced_reasoning_end or ()) > 1:
+            # (an engine that resumes the output in the middle of a forced end would force it from its start)
+            raise InvalidRequest(
+                f"thinking_token_budget is not done for this model: the end of reasoning it forces is "
+                f"{len(self.forced_reasoning_end or ())} tokens, and the mesh keeps a budget exact across "
+                "engines for a one-token end",
+                param="thinking_token_budget",
+            )
 
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id, **kwargs)) as outputs:
             try:

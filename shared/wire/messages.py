@@ -307,6 +307,9 @@ class SamplingOptions(Message):
     # a chat's structured output on a model with a reasoning parser (None: the engine's parser reads the prompt,
     # as vLLM's for a completion)
     reasoning: ReasoningGate | None = None
+    # vLLM's: the reasoning's end forced after this many reasoning tokens (None: no budget); an engine that resumes
+    # the output counts those of its prompt's end, as vLLM's counts a prompt's open reasoning
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
 
 class PrefillRequest(Message):

@@ -7,7 +7,8 @@ model then answers as its own monolithic engine (the disaggregated one exactly, 
 for batching's near-ties), its requests mixed with the other's; drained,
 the second model's workers exit (the agent starts new standbys meanwhile). The second model's catalogue
 entry names a reasoning parser: its chats are read into reasoning and content as vLLM's server reads its
-monolithic engine's, and a structured output waits for the reasoning's end as there."""
+monolithic engine's, a structured output waits for the reasoning's end as there, and a thinking budget
+forces its end as there."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 REASONING_PARSER = "deepseek_r1"  # the second model's (conftest.CATALOGUE)
-THINK_END = 2001  # `</think>` in the embedded tokenizer (llmesh.engine.models.THINK_TOKENS)
+THINK_START, THINK_END = 2000, 2001  # `<think>`, `</think>` in the embedded tokenizer (llmesh.engine.models)
 
 
 def assert_reasoning_read_as_vllms_server_reads_it(client, reference, model_path: str) -> None:
@@ -96,6 +97,25 @@ def assert_reasoning_read_as_vllms_server_reads_it(client, reference, model_path
             assert re.fullmatch(regex, content_text) and end > 0, expected["text"]
         else:
             assert re.fullmatch(regex, expected["text"])
+
+
+def assert_thinking_budget_kept_as_vllms_engine_keeps_it(client, reference, prompt: list[int]) -> None:
+    """`thinking_token_budget` on a model with a reasoning parser: a prompt that opens the reasoning gets its
+    end forced after that many tokens, as by vLLM's engine with the parser (the random model never ends it
+    itself); a model without a parser refuses a budget, as vLLM's engine does."""
+    opened = [*prompt, THINK_START]
+    for budget in (0, 4):
+        got = client.completions.create(
+            model=MODEL_B,
+            prompt=opened,
+            max_tokens=10,
+            temperature=0,
+            extra_body={"thinking_token_budget": budget, "return_token_ids": True},
+        )
+        expected = reference.generate(10, prompt_token_ids=opened, thinking_token_budget=budget)["token_ids"]
+        assert got.choices[0].token_ids == expected and expected[budget] == THINK_END, (budget, expected)
+    with pytest.raises(openai.BadRequestError, match="reasoning_config is not configured"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"thinking_token_budget": 2})
 
 
 def complete(mesh, model: str, ids: list[int], max_tokens: int = 16) -> list[int]:
@@ -173,6 +193,7 @@ def test_a_model_no_worker_serves_is_activated_by_placement_and_each_model_answe
         )
         expected_echo_b = reference_b.generate(1, prompt_token_ids=prompts[1], prompt_logprobs=2, logprobs=2)
         assert_reasoning_read_as_vllms_server_reads_it(client, reference_b, path_b)
+        assert_thinking_budget_kept_as_vllms_engine_keeps_it(client, reference_b, prompts[0])
         status = placement(mesh, op="status")
         b_workers = [w.worker_id for w in status.workers if w.model == MODEL_B]
         for worker_id in b_workers:  # evicted by hand: drained, they exit

@@ -720,7 +720,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required",
         "chat_template": "{{ messages }}",
-        "thinking_token_budget": 10,
         "watermarking": {"key": 1},
         "repetition_detection": {"max_pattern_size": 4},
         "prompt_embeds": "AAAA",
@@ -895,3 +894,31 @@ async def test_a_body_over_the_routers_limit_is_a_413_declared_or_streamed_and_o
         assert answer.json()["error"]["code"] == "request_too_large"
     assert served.status_code == 200 and len(dispatcher.requests) == 1 and not dispatcher.tokenizer_queries
     assert 'llmesh_requests_total{endpoint="/v1/completions",status="413"} 2.0' in metrics
+
+
+def test_thinking_token_budget_is_read_as_vllms_server_reads_it_and_reaches_the_engines_sampling():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import validate_thinking_token_budget
+
+    from llmesh.engine.worker import sampling_params
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    with pytest.raises(InvalidRequest):  # (vLLM takes it; MessagePack's integers, on the bus, do not)
+        CompletionRequest(model="m", prompt="hi", thinking_token_budget=2**63)
+    for value in (None, -1, 0, 1, 512, -2, True, False, 2.0, "3"):
+        try:
+            theirs = validate_thinking_token_budget(value)
+        except VLLMValidationError:
+            theirs = "refused"
+        for request in (CompletionRequest, ChatCompletionRequest):
+            fields = (
+                {"prompt": "hi"} if request is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+            )
+            try:
+                options = request(model="m", thinking_token_budget=value, **fields).sampling()
+            except InvalidRequest as refused:
+                assert theirs == "refused" and refused.param == "thinking_token_budget", value
+                continue
+            assert options.thinking_token_budget == theirs, value
+            params = sampling_params(options, max_tokens=4, kv_transfer_params={})
+            assert params.thinking_token_budget == theirs
