@@ -49,6 +49,7 @@ from llmesh.wire.messages import (
     DetokenizeTokens,
     KvHandle,
     LengthPrediction,
+    M,
     Message,
     Migrated,
     PrefillRequest,
@@ -67,7 +68,6 @@ from .stops import StopFilter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-M = TypeVar("M", bound=Message)
 CHAT_TEMPLATE_CHARS = 16  # what a chat template adds per message, roughly, before tokenization
 PREFIX_BLOCK_CHARS = 256  # prompt text per block of a request's prefix hashes (~64 tokens; for prefix affinity)
 MAX_FAILOVERS = 3  # times one request's decode resumes after its worker died (a refusal as full is not counted)

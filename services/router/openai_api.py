@@ -79,7 +79,7 @@ def refuse_unsupported(data: Any, names: Iterable[str]) -> Any:
 
 def _thinking_token_budget(value: Any) -> int | None:
     """vLLM's rule: a non-negative integer, or -1 (None) for no budget."""
-    if value is None or value == -1 and type(value) is int:
+    if value is None or (type(value) is int and value == -1):
         return None
     if type(value) is not int or not 0 <= value < 2**63:
         raise InvalidRequest(

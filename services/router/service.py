@@ -356,15 +356,16 @@ class _BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        size = int(declared) if declared.isdigit() else 0
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), b"")
+        counted = not declared.isdigit()  # (sent chunked: its bytes are counted as they come)
+        size = 0 if counted else int(declared)
         messages: list[Message] = []
         while size <= self.limit:
             message = await receive()
             messages.append(message)
             if message["type"] != "http.request":
                 break  # the client left
-            size += 0 if declared.isdigit() else len(message.get("body", b""))
+            size += len(message.get("body", b"")) if counted else 0
             if not message.get("more_body"):
                 break
         if size > self.limit:

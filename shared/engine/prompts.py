@@ -18,6 +18,7 @@ from llmesh.wire.messages import ChatMessage, PrefillRequest, TokenizePrompt
 T = TypeVar("T")
 # a prompt's text longer than this is rendered off the event loop (about 15 ms of a CPU's tokenizing)
 INLINE_PROMPT_CHARS = 16_384
+INLINE_TOKEN_IDS = 4_096  # and token ids more than this are decoded (or listed as strings) off it
 
 # transformers' apply_chat_template parameters that are not template variables (a request's chat_template_kwargs
 # holding them would change how it runs, not what the template sees)
@@ -70,7 +71,7 @@ class PromptRenderer:
     async def read(self, of_ids: Callable[[list[int]], T], ids: list[int]) -> T:
         """`of_ids(ids)`, a reading of the shared tokenizer (its decode, its token strings), off the event
         loop for many ids."""
-        if len(ids) <= INLINE_PROMPT_CHARS // 4:
+        if len(ids) <= INLINE_TOKEN_IDS:
             return of_ids(ids)
         return await asyncio.get_running_loop().run_in_executor(self._thread, of_ids, ids)
 

@@ -371,8 +371,8 @@ class EngineWorker:
         reasoning_parser = engine.vllm_config.structured_outputs_config.reasoning_parser
         self.reasoning = ReasoningGates(reasoning_parser, self.tokenizer) if reasoning_parser else None
         reasoning_config = engine.vllm_config.reasoning_config
-        # what a thinking budget forces at its end (None: no budget: vLLM refuses one)
-        self.forced_reasoning_end = reasoning_config.reasoning_end_token_ids if reasoning_config else None
+        # the tokens a thinking budget forces at its end (0: no budget: vLLM refuses one)
+        self.forced_end_tokens = len((reasoning_config and reasoning_config.reasoning_end_token_ids) or ())
         self._held: dict[str, HeldRequest] = {}
         self._reserved: dict[str, float] = {}  # migration id -> when its slot is given up (monotonic)
         self.state: Literal["active", "draining"] = "active"
@@ -459,12 +459,12 @@ class EngineWorker:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineGenerateError
 
-        if params.thinking_token_budget is not None and len(self.forced_reasoning_end or ()) > 1:
+        if params.thinking_token_budget is not None and self.forced_end_tokens > 1:
             # (an engine that resumes the output in the middle of a forced end would force it from its start)
             raise InvalidRequest(
                 f"thinking_token_budget is not done for this model: the end of reasoning it forces is "
-                f"{len(self.forced_reasoning_end or ())} tokens, and the mesh keeps a budget exact across "
-                "engines for a one-token end",
+                f"{self.forced_end_tokens} tokens, and the mesh keeps a budget exact across engines for a "
+                "one-token end",
                 param="thinking_token_budget",
             )
 

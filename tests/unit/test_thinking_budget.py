@@ -82,7 +82,7 @@ def test_a_budget_whose_forced_end_is_several_tokens_is_refused_before_the_engin
     from llmesh.wire.errors import InvalidRequest
 
     worker = object.__new__(EngineWorker)  # what generate() reads of an engine's worker
-    worker.forced_reasoning_end, worker.engine = [33, END], None
+    worker.forced_end_tokens, worker.engine = 2, None
     with pytest.raises(InvalidRequest, match="2 tokens") as refused:
         asyncio.run(anext(worker.generate([1, 2], SamplingParams(max_tokens=2, thinking_token_budget=3), "r")))
     assert refused.value.param == "thinking_token_budget"
