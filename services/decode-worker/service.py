@@ -246,6 +246,7 @@ class DecodeService:
             tokens_prompt(token_ids, cache_salt), params, engine_request_id, **(reasoning or {})
         ):
             o = out.outputs[0]
+            opening = first and held.generated == 0  # the request's first output (not a resumed one's)
             if first:
                 span.add_event("first output")
                 first = False
@@ -269,6 +270,7 @@ class DecodeService:
                     stop_reason=o.stop_reason if finish_reason == "stop" else None,
                     prompt_tokens=held.prompt_tokens,
                     completion_tokens=held.generated,
+                    cached_tokens=out.num_cached_tokens if opening else None,
                     logprobs=o.logprobs and self._logprobs(held, o),
                     prompt_logprobs=prompt_logprob_steps(self.worker.tokenizer, token_ids, out.prompt_logprobs),
                 )

@@ -93,6 +93,7 @@ class PrefillService:
                     stop_reason=o.stop_reason if finish == "stop" else None,
                     prompt_tokens=len(token_ids),
                     completion_tokens=len(o.token_ids),
+                    cached_tokens=final.num_cached_tokens,
                     logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),
                     prompt_text=echoed_prompt(tokenizer, req, token_ids),
                     prompt_logprobs=prompt_logprob_steps(tokenizer, token_ids, final.prompt_logprobs),

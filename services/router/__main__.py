@@ -21,6 +21,7 @@ from .lengths import LengthTagger
 from .metrics import RouterMetrics
 from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
+from .responses import ResponseStore
 from .scheduler import Scheduler
 from .service import create_app
 from .settings import RouterSettings
@@ -88,8 +89,16 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         log.info("the OpenAI API needs one of %d API keys", len(keys))
     else:
         log.warning("no API keys configured: anyone who reaches %s:%d can use the API", settings.host, settings.port)
+    response_store = ResponseStore(settings.redis_url, settings.responses_ttl_s)
     app = create_app(
-        dispatcher, registry, metrics, settings.request_timeout_s, keys, output_parsers, settings.max_request_bytes
+        dispatcher,
+        registry,
+        metrics,
+        settings.request_timeout_s,
+        keys,
+        output_parsers,
+        settings.max_request_bytes,
+        response_store,
     )
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
@@ -113,6 +122,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         await serving
         expiry.cancel()
         traffic.cancel()
+        await response_store.aclose()
         await bus.close()
 
 

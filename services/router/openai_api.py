@@ -719,17 +719,20 @@ class ResponseShape:
         tokens_as_ids: bool = False,
         with_token_ids: bool = False,
         continuous_usage: bool = False,
+        include_usage: bool = False,
     ):
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
         `reading`: how a chat's output is read (None: as text); `tokens_as_ids`: logprobs' tokens as
         "token_id:<id>" (vLLM's return_tokens_as_token_ids); `with_token_ids`: each choice's token ids and
         its prompt's shown (vLLM's return_token_ids: a chat's prompt once, a completion's in each choice);
-        `continuous_usage`: each chunk with its choice's usage so far (vLLM's continuous_usage_stats)."""
+        `continuous_usage`: each chunk with its choice's usage so far (vLLM's continuous_usage_stats);
+        `include_usage`: a stream ends with its usage."""
         self.chat, self.id, self.model, self.reading = chat, request_id, model, reading
         hidden = reading is not None and reading.hides_tokens
         self.top = None if hidden else logprobs
         self.tokens_as_ids, self.with_token_ids = tokens_as_ids, with_token_ids and not hidden
         self.with_prompt_ids, self.continuous_usage = with_token_ids, continuous_usage
+        self.include_usage = include_usage
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
@@ -887,9 +890,19 @@ class ResponseShape:
         reasoning = _total(read.reasoning_tokens() for read in self._read.values())
         return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens, reasoning))
 
-    def final(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+    def stream_end(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        """A stream's last events: its usage where asked for, and the end (`cached_tokens`: the prompt's found
+        cached, which a chat's or completion's usage does not show, as vLLM's by default)."""
+        counts = sse(self.usage_chunk(prompt_tokens, completion_tokens)) if self.include_usage else b""
+        return counts + sse("[DONE]")
+
+    def stream_error(self, exc: MeshError) -> bytes:
+        """The event of an error that ends a stream (OpenAI's error object)."""
+        return sse(error_body(exc))
+
+    def final(self, choices: list[Choice], prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The whole answer; its usage counts `prompt_tokens` (each prompt's once) and every choice's tokens,
-        as vLLM does."""
+        as vLLM does (`cached_tokens`: as `stream_end`'s)."""
         rendered, reasoning = [], []
         for index, c in enumerate(choices):
             if self.chat:

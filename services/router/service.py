@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import Message, Receive, Scope, Send
 
 from llmesh.wire import telemetry
@@ -39,13 +40,12 @@ from .openai_api import (
     ResponseShape,
     TokenizeRequest,
     echoed,
-    error_body,
     error_response,
-    sse,
     validation_error,
 )
 from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
+from .responses import ResponsesRequest, ResponsesShape, ResponseStore, conversation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,37 +66,48 @@ def create_app(
     keys: KeyRing | None = None,
     output_parsers: OutputParsers | None = None,
     max_request_bytes: int = 16 * 2**20,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
     for probes and scrapers, do not: bind them to a private address, as vLLM's server does).
     `output_parsers`: the catalogue's parsers of tool calls and reasoning (none: tool_choice "auto" is refused);
-    a body over `max_request_bytes` is a 413."""
+    a body over `max_request_bytes` is a 413; `response_store`: where /v1/responses keeps responses (none: not
+    kept)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
     output_parsers = output_parsers or OutputParsers((), Path())
     tracer = telemetry.tracer("llmesh.router")
     keyring = keys or KeyRing(())
+    stored = response_store or ResponseStore("", 0)
 
     async def api_key(request: Request) -> ApiKey | None:  # async: FastAPI runs a plain def in its thread pool
         return keyring.admit(request.headers.get("authorization"))
 
-    def counted_error(exc: MeshError, endpoint: str) -> JSONResponse:
-        metrics.requests.labels(endpoint, str(exc.http_status)).inc()
+    def endpoint(scope: Scope) -> str:
+        """What a request's metrics count it under: its route's path (one label however many ids its paths
+        hold), or "unmatched" (a label per unknown path would grow without bound)."""
+        route = scope.get("route")
+        if route is None:  # (not routed yet: refused by the body limit)
+            route = next((r for r in app.router.routes if r.matches(scope)[0] == Match.FULL), None)
+        return route.path if isinstance(route, Route) else "unmatched"
+
+    def counted_error(exc: MeshError, scope: Scope) -> JSONResponse:
+        metrics.requests.labels(endpoint(scope), str(exc.http_status)).inc()
         metrics.errors.labels(exc.code).inc()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return counted_error(validation_error(list(exc.errors())), request.url.path)
+        return counted_error(validation_error(list(exc.errors())), request.scope)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = InvalidRequest(str(exc.detail))
         err.http_status = exc.status_code
-        return counted_error(err, request.url.path)
+        return counted_error(err, request.scope)
 
     @app.exception_handler(MeshError)
     async def on_mesh_error(request: Request, exc: MeshError) -> JSONResponse:
-        return counted_error(exc, request.url.path)
+        return counted_error(exc, request.scope)
 
     app.add_middleware(_BodyLimit, limit=max_request_bytes, refused=counted_error)
 
@@ -166,11 +177,58 @@ def create_app(
     ) -> Response:
         return await generate(request, body, key, chat=True)
 
-    async def generate(
-        request: Request, body: CompletionRequest | ChatCompletionRequest, key: ApiKey | None, chat: bool
+    @app.post("/v1/responses")
+    async def create_response(
+        body: ResponsesRequest, request: Request, key: ApiKey | None = Depends(api_key)
     ) -> Response:
-        endpoint = request.url.path
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        """OpenAI's Responses API, over the chat path (`responses`)."""
+        owner = key.name if key else ""
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            history = (await stored.record(body.previous_response_id, owner, "previous_response_id"))["conversation"]
+        body.store = body.store and stored.enabled  # (echoed as it is done)
+        chat = body.chat(history)
+
+        async def kept(shape: ResponseShape) -> None:
+            assert isinstance(shape, ResponsesShape) and shape.response is not None
+            if body.store:
+                await stored.keep(shape.response, conversation(history, body, shape.response), owner)
+
+        return await generate(
+            request,
+            chat,
+            key,
+            chat=True,
+            shaped=lambda request_id, reading: ResponsesShape(body, request_id, reading),
+            kept=kept,
+            request_id=f"resp_{uuid.uuid4().hex}",
+        )
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, key: ApiKey | None = Depends(api_key)) -> dict[str, Any]:
+        response: dict[str, Any] = (await stored.record(response_id, key.name if key else ""))["response"]
+        metrics.requests.labels("/v1/responses/{response_id}", "200").inc()
+        return response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, key: ApiKey | None = Depends(api_key)) -> dict[str, Any]:
+        await stored.delete(response_id, key.name if key else "")
+        metrics.requests.labels("/v1/responses/{response_id}", "200").inc()
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def generate(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        key: ApiKey | None,
+        chat: bool,
+        shaped: Callable[[str, OutputReading | None], ResponseShape] | None = None,
+        kept: Callable[[ResponseShape], Awaitable[None]] | None = None,
+        request_id: str | None = None,
+    ) -> Response:
+        """`body`'s answer, as the chat or completion endpoint's objects, or as `shaped`'s (given the request's
+        id and its output's reading); `kept` is awaited with the shape once the whole answer is made."""
+        path = endpoint(request.scope)
+        request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         samplings = body.choice_samplings()
         reading: OutputReading | None = body.tool_calling
         if isinstance(body, ChatCompletionRequest) and (parsed := output_parsers.reading(body)) is not None:
@@ -185,7 +243,7 @@ def create_app(
                 "model": body.model,
                 "stream": body.stream,
                 "n": body.n,
-                "endpoint": endpoint,
+                "endpoint": path,
                 "api_key.name": key.name if key else "",
             },
         )
@@ -213,15 +271,20 @@ def create_app(
             for i, prompt in enumerate(inputs)
             for j, options in enumerate(samplings)
         ]
-        shape = ResponseShape(
-            chat,
-            request_id,
-            body.model,
-            body.logprob_count,
-            reading,
-            body.return_tokens_as_token_ids,
-            body.return_token_ids,
-            body.continuous_usage,
+        shape = (
+            shaped(request_id, reading)
+            if shaped is not None
+            else ResponseShape(
+                chat,
+                request_id,
+                body.model,
+                body.logprob_count,
+                reading,
+                body.return_tokens_as_token_ids,
+                body.return_token_ids,
+                body.continuous_usage,
+                body.include_usage,
+            )
         )
         streams = [dispatcher.generate(choice, parent) for choice in choices]
         times = [metrics.request(body.model) for _ in choices]
@@ -234,7 +297,7 @@ def create_app(
             done = True
             for choice_times, reason in itertools.zip_longest(times, finish_reasons):
                 choice_times.ended(reason or ("abort" if status == 499 else "error"))
-            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.requests.labels(path, str(status)).inc()
             span.set_attribute("http.status_code", status)
             if exc is not None:
                 span.record_exception(exc)
@@ -252,6 +315,10 @@ def create_app(
             """Each prompt's tokens once (from its first choice's delta), as vLLM's usage counts them."""
             return sum(delta.prompt_tokens for delta in deltas[:: body.n])
 
+        def cached_tokens(firsts: list[TokenDelta]) -> int:
+            """Each prompt's tokens found cached, once (its choices' first deltas tell them)."""
+            return sum(delta.cached_tokens or 0 for delta in firsts[:: body.n])
+
         try:
             # Wait for every choice's first token before answering, so that errors found by the workers
             # (context too long, no capacity) still get their proper HTTP status.
@@ -265,8 +332,11 @@ def create_app(
             if not body.stream:
                 rests = await _unless_disconnected(request, _rest_of_each(streams, times))
                 answer = [Choice.of([first, *rest]) for first, rest in zip(firsts, rests)]
+                whole = shape.final(answer, prompt_tokens(firsts), cached_tokens(firsts))
+                if kept is not None:
+                    await kept(shape)
                 finish(200, finish_reasons=[c.finish_reason for c in answer])
-                return JSONResponse(shape.final(answer, prompt_tokens(firsts)))
+                return JSONResponse(whole)
         except MeshError as exc:
             await close_streams()
             finish(exc.http_status, exc)
@@ -313,23 +383,24 @@ def create_app(
                             stop_reason=delta.stop_reason,
                             counts=(delta.prompt_tokens, delta.completion_tokens),
                         )
-                if body.include_usage:
-                    completion_tokens = sum(last.completion_tokens for last in lasts)
-                    yield sse(shape.usage_chunk(prompt_tokens(lasts), completion_tokens))
-                yield sse("[DONE]")
+                completion_tokens = sum(last.completion_tokens for last in lasts)
+                ending = shape.stream_end(prompt_tokens(lasts), completion_tokens, cached_tokens(firsts))
+                if kept is not None:
+                    await kept(shape)
+                yield ending
                 finish(200, finish_reasons=[last.finish_reason for last in lasts])
             except _ClientGone:
                 pass  # (finally: its requests aborted)
             except MeshError as exc:  # mid-stream failure: an OpenAI error event, then the end
                 metrics.errors.labels(exc.code).inc()
                 finish(exc.http_status, exc)
-                yield sse(error_body(exc))
+                yield shape.stream_error(exc)
             except Exception as exc:  # a bug: the client still gets a typed end, not a cut stream
                 log.exception("request %s failed mid-stream", request_id)
                 internal = MeshError(f"internal error: {type(exc).__name__}")
                 metrics.errors.labels(internal.code).inc()
                 finish(internal.http_status, exc)
-                yield sse(error_body(internal))
+                yield shape.stream_error(internal)
             finally:
                 await close_streams()  # client gone: the dispatcher aborts the requests in their workers
                 finish(499)
@@ -349,7 +420,7 @@ class _BodyLimit:
     says so, else when the bytes streamed in pass the limit. The body is read here and handed on as it came
     (FastAPI would turn an error raised while it reads into a 400)."""
 
-    def __init__(self, app: Any, limit: int, refused: Callable[[MeshError, str], JSONResponse]):
+    def __init__(self, app: Any, limit: int, refused: Callable[[MeshError, Scope], JSONResponse]):
         self.app, self.limit, self.refused = app, limit, refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -370,7 +441,7 @@ class _BodyLimit:
                 break
         if size > self.limit:
             error = RequestTooLarge(f"the request body is over {self.limit:,} bytes, the most the router takes")
-            await self.refused(error, scope["path"])(scope, receive, send)
+            await self.refused(error, scope)(scope, receive, send)
             return
 
         pending = iter(messages)

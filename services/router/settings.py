@@ -33,6 +33,12 @@ class RouterSettings(ModelSettings, CommonSettings):
         description="The largest request body the router reads; a larger one is a 413 before it is read whole. "
         "(A request's message to a worker must also fit in NATS's max_payload, 8 MB under `make run`.)",
     )
+    responses_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        description="How long a response of /v1/responses stored in Redis (`store`, its default) can be read back "
+        "or continued (`previous_response_id`). Without MESH_REDIS_URL none is stored.",
+    )
     model_wait_s: float = Field(
         60.0,
         ge=0,

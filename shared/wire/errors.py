@@ -71,6 +71,14 @@ class ModelNotFound(MeshError):
     error_type = "invalid_request_error"
 
 
+class ResponseNotFound(MeshError):
+    """No stored response has this id (none was stored, it expired, or another API key stored it)."""
+
+    code = "response_not_found"
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
 class ServiceUnavailable(MeshError):
     """No live worker can take the request right now."""
 

@@ -380,6 +380,8 @@ class TokenDelta(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # a whole request's first delta: its prompt as the worker tokenized it
+    # a request's first delta: its prompt's tokens whose KV was found, not computed (prefix cache or kv-store)
+    cached_tokens: int | None = None
     logprobs: LogprobSteps | None = None  # with SamplingOptions.logprobs
     prompt_text: str | None = None  # the first delta's, with SamplingOptions.echo: as given, else decoded
     prompt_logprobs: LogprobSteps | None = None  # the first delta's, with SamplingOptions.echo and logprobs

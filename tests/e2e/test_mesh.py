@@ -511,6 +511,81 @@ def test_auto_tool_calls_are_the_monolithic_engines_output_read_by_the_models_pa
     assert refused.value.param == "tool_choice"
 
 
+def test_responses_are_the_monolithic_engines_output_whole_streamed_continued_and_calling_tools(
+    client, reference, tokenizer
+):
+    """OpenAI's Responses API over the chat path: a response, whole and streamed, is the monolithic engine's
+    output for the chat template of its instructions and input; the second time its prompt's whole blocks are
+    reported cached; a response continued by its id sees the conversation so far (its instructions not carried
+    over); a history of calls and their outputs renders as the chat's, and calls come back as the model's parser
+    reads them."""
+
+    def template_ids(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)  # (as vLLM's server encodes a chat)
+
+    sea = f"Tell me about the sea, {time.time_ns()}. " + "Waves and tides. " * 60  # (not cached by another test)
+    asked = {"model": MODEL, "instructions": "Be brief.", "input": sea, "max_output_tokens": 24, "temperature": 0}
+    whole = client.responses.create(**asked)
+    ids = template_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": sea}])
+    expected = reference.generate(24, prompt_token_ids=ids)
+    assert whole.output_text == expected["text"]
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(ids), len(expected["token_ids"]))
+    assert whole.status == ("incomplete" if expected["finish_reason"] == "length" else "completed")
+    events = list(client.responses.create(**asked, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected["text"]
+    ended = events[-1].response
+    assert ended.output_text == expected["text"] and ended.id != whole.id
+    assert ended.usage.input_tokens_details.cached_tokens == (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert client.responses.retrieve(whole.id).output_text == expected["text"]
+
+    following = client.responses.create(
+        model=MODEL, previous_response_id=whole.id, input="And the sky?", max_output_tokens=16, temperature=0
+    )
+    conversation = [
+        {"role": "user", "content": sea},
+        {"role": "assistant", "content": expected["text"]},
+        {"role": "user", "content": "And the sky?"},
+    ]
+    assert following.output_text == reference.generate(16, prompt_token_ids=template_ids(conversation))["text"]
+
+    calls_only = r"\[get_weather\(city='Oslo'\), get_time\(\)\]"
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    items = [
+        {"role": "user", "content": "What is the time?"},
+        {"type": "function_call", "call_id": "c0", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c0", "output": "noon"},
+        {"role": "user", "content": "And the weather in Oslo?"},
+    ]
+    chat = [
+        items[0],
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function", "function": items[1]}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "noon"},
+        items[3],
+    ]
+    constrained = {
+        "max_output_tokens": 60,
+        "temperature": 0,
+        "extra_body": {"structured_outputs": {"regex": calls_only}},
+    }
+    called = client.responses.create(model=MODEL, input=items, tools=tools, **constrained)
+    streamed = list(client.responses.create(model=MODEL, input=items, tools=tools, stream=True, **constrained))
+    as_chat = client.chat.completions.create(
+        model=MODEL,
+        messages=chat,
+        tools=[WEATHER, TIME],
+        max_tokens=60,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": calls_only}},
+    )
+    assert called.usage.input_tokens == as_chat.usage.prompt_tokens  # the same prompt, rendered from the items
+    expected_calls = [(c.function.name, c.function.arguments) for c in as_chat.choices[0].message.tool_calls]
+    assert expected_calls == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    for output in (called.output, streamed[-1].response.output):
+        assert [(o.type, o.name, o.arguments) for o in output] == [("function_call", *c) for c in expected_calls]
+        assert len({o.call_id for o in output}) == 2
+
+
 def test_template_variables_special_tokens_allowed_tokens_and_truncation_reach_the_engines_as_vllms_server_passes_them(
     client, reference, tokenizer
 ):

@@ -91,12 +91,37 @@ def assert_reasoning_read_as_vllms_server_reads_it(client, reference, model_path
         tokens = expected["token_ids"]
         if "structured_outputs" not in extra:
             assert 0 < tokens.index(THINK_END) < len(tokens) - 1  # (a test of both parts)
+            assert_response_items_read_so(
+                client, {"input": chat, "logit_bias": bias}, reasoning, content, parser, tokens
+            )
         elif request.include_reasoning:  # unconstrained till the reasoning's end, then the regex
             end = tokens.index(THINK_END)
             content_text = tokenizer.decode(tokens[end + 1 :], skip_special_tokens=True)  # (its end: EOS)
             assert re.fullmatch(regex, content_text) and end > 0, expected["text"]
         else:
             assert re.fullmatch(regex, expected["text"])
+
+
+def assert_response_items_read_so(client, asked: dict, reasoning: str, content: str, parser, tokens: list[int]) -> None:
+    """The same request to /v1/responses, whole and streamed: a reasoning item and a message of what the parser
+    read, and the reasoning's tokens in the usage."""
+    fields = {"model": MODEL_B, "max_output_tokens": 20, "temperature": 0, "input": asked["input"]}
+    whole = client.responses.create(**fields, extra_body={"logit_bias": asked["logit_bias"]})
+    thought, said = whole.output
+    assert (thought.type, thought.content[0].text, said.type, whole.output_text) == (
+        "reasoning",
+        reasoning,
+        "message",
+        content,
+    )
+    assert whole.usage.output_tokens_details.reasoning_tokens == parser.count_reasoning_tokens(tokens)
+    events = list(client.responses.create(**fields, stream=True, extra_body={"logit_bias": asked["logit_bias"]}))
+    joined = {
+        kind: "".join(e.delta for e in events if e.type == kind)
+        for kind in ("response.reasoning_text.delta", "response.output_text.delta")
+    }
+    assert joined == {"response.reasoning_text.delta": reasoning, "response.output_text.delta": content}
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
 
 
 def assert_thinking_budget_kept_as_vllms_engine_keeps_it(client, reference, prompt: list[int]) -> None:

@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 OPERATIONS = [
     ("POST", "/v1/completions", 40),
     ("POST", "/v1/chat/completions", 40),
+    ("POST", "/v1/responses", 30),
+    ("GET", "/v1/responses/{response_id}", 5),
+    ("DELETE", "/v1/responses/{response_id}", 5),
     ("POST", "/tokenize", 20),
     ("POST", "/detokenize", 10),
     ("GET", "/v1/models", 10),
@@ -57,7 +60,10 @@ def bounded(case, served: bool):
     """The case asking for at most MAX_TOKENS tokens, MAX_CHOICES choices and MAX_PROMPTS prompts (invalid
     values are left for the router to refuse)."""
     if isinstance(case.body, dict):
-        for field, most in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES)):
+        limits = [("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_CHOICES)]
+        if case.path == "/v1/responses":
+            limits = [("max_output_tokens", MAX_TOKENS)]
+        for field, most in limits:
             value = case.body.get(field)
             if (value is None and field != "n") or (number(value) or 0) > most:
                 case.body[field] = most
@@ -96,7 +102,10 @@ def test_any_request_gets_an_answer_without_a_5xx_and_errors_in_openais_shape(me
             assert not response.stream_cut_short, "the client stopped reading"
             events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
             assert events, response.text[-500:]
-            if events[-1] != "[DONE]":  # a stream that failed midway ends with an OpenAI error event
+            if path == "/v1/responses":  # typed events, the last the response's end
+                ends = {"response.completed", "response.incomplete", "response.failed"}
+                assert json.loads(events[-1])["type"] in ends, response.text[-500:]
+            elif events[-1] != "[DONE]":  # a stream that failed midway ends with an OpenAI error event
                 assert set(json.loads(events[-1])) == {"error"}, response.text[-500:]
 
     check()

@@ -125,6 +125,9 @@ async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_reque
                 ("GET", "/v1/models", None),
                 ("POST", "/v1/completions", completion),
                 ("POST", "/v1/chat/completions", {"model": "m", "messages": []}),
+                ("POST", "/v1/responses", {"model": "m", "input": "hi"}),
+                ("GET", "/v1/responses/resp_1", None),
+                ("DELETE", "/v1/responses/resp_1", None),
             ]:
                 resp = await client.request(method, path, json=body, headers=headers)
                 assert resp.status_code == 401 and resp.json()["error"]["code"] == code, (path, headers, resp.text)
@@ -136,7 +139,7 @@ async def test_with_api_keys_every_openai_endpoint_needs_one_and_a_refused_reque
         assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
         assert int(limited.headers["Retry-After"]) == 60
         assert (await client.get("/health")).status_code == 503  # probes and scrapers need no key
-        assert 'llmesh_request_errors_total{code="invalid_api_key"} 3.0' in (await client.get("/metrics")).text
+        assert 'llmesh_request_errors_total{code="invalid_api_key"} 6.0' in (await client.get("/metrics")).text
     finally:
         await client.aclose()
         await bus.close()
