@@ -35,7 +35,6 @@ from vllm.sampling_params import RequestOutputKind
 from llmesh.engine.detokenizer import (
     LOGPROB_CONTEXT,
     ContinuedText,
-    echoed_prompt,
     logprob_steps,
     prompt_logprob_steps,
 )
@@ -213,7 +212,7 @@ class DecodeService:
                         delta = delta.model_copy(  # the router may resume it from its prompt
                             update={
                                 "prompt_token_ids": token_ids,
-                                "prompt_text": echoed_prompt(self.worker.tokenizer, req, token_ids),
+                                "prompt_text": await self.worker.prompts.shown_text(req, token_ids),
                             }
                         )
                     yield delta

@@ -9,7 +9,7 @@ import time
 
 from opentelemetry import trace
 
-from llmesh.engine.detokenizer import echoed_prompt, logprob_steps, prompt_logprob_steps
+from llmesh.engine.detokenizer import logprob_steps, prompt_logprob_steps
 from llmesh.engine.worker import EngineWorker, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
@@ -55,6 +55,7 @@ class PrefillService:
                 self.worker.prefill_meter.finished(computed)
             assert final is not None
             o, tokenizer = final.outputs[0], self.worker.tokenizer
+            shown = await self.worker.prompts.shown_text(req, token_ids)
             # "stop" (EOS or a stop string) ends the request here; "length" only if 1 token was asked for.
             finish = o.finish_reason if o.finish_reason == "stop" or max_tokens == 1 else None
             kv_params = final.kv_transfer_params or {}
@@ -95,7 +96,7 @@ class PrefillService:
                     completion_tokens=len(o.token_ids),
                     cached_tokens=final.num_cached_tokens,
                     logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),
-                    prompt_text=echoed_prompt(tokenizer, req, token_ids),
+                    prompt_text=shown,
                     prompt_logprobs=prompt_logprob_steps(tokenizer, token_ids, final.prompt_logprobs),
                 ),
                 kv=kv,

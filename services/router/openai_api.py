@@ -60,8 +60,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((), "not done"),
     "repetition_detection": ((), "not done"),
     "prompt_embeds": ((), "prompts are text or token ids"),
-    "return_token_offsets": ((False,), "not done"),
-    "return_prompt_text": ((False,), "not done"),
     "vllm_xargs": (({},), "custom logits processors' arguments are not passed on"),
 }
 
@@ -295,6 +293,7 @@ class _Common(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprob_count,
             echo=self.echoes,
+            prompt_text=self.shows_prompt_text,
             structured=self.structured(),
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
@@ -354,6 +353,11 @@ class _Common(_Body):
     @property
     def echoes(self) -> bool:
         """Whether each choice's text (and logprobs) begins with its prompt's."""
+        return False
+
+    @property
+    def shows_prompt_text(self) -> bool:
+        """Whether the answer shows the rendered prompt's text (vLLM's `return_prompt_text`, a chat's)."""
         return False
 
     @property
@@ -503,6 +507,7 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool | None = True
     include_reasoning: bool = True  # vLLM extension: false leaves the reasoning out (a model with a reasoning parser)
+    return_prompt_text: bool | None = None  # vLLM extension: the rendered template's text (the first chunk's)
     _tool_calling: ToolCalling | None = PrivateAttr(default=None)
 
     @property
@@ -512,6 +517,10 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     @property
     def tool_calling(self) -> ToolCalling | None:
         return self._tool_calling
+
+    @property
+    def shows_prompt_text(self) -> bool:
+        return bool(self.return_prompt_text)
 
     @property
     def auto_tools(self) -> bool:
@@ -604,7 +613,7 @@ def error_response(exc: MeshError) -> JSONResponse:
 
 def validation_error(errors: list[dict[str, Any]]) -> InvalidRequest:
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not str(p).startswith(_FORM)]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query") and not str(p).startswith(_FORM)]
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return InvalidRequest(f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}")
@@ -657,10 +666,11 @@ class Choice:
     logprobs: LogprobSteps | None = None
     stop_reason: str | int | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None  # a chat's rendered prompt, where asked for
 
     @classmethod
     def of(cls, deltas: list[TokenDelta]) -> Choice:
-        """The choice that these deltas, all of its stream, make (its prompt's ids on the first)."""
+        """The choice that these deltas, all of its stream, make (its prompt's ids and text on the first)."""
         return cls(
             "".join(d.text for d in deltas),
             deltas[-1].finish_reason,
@@ -669,6 +679,7 @@ class Choice:
             [step for d in deltas for step in d.logprobs or ()],
             deltas[-1].stop_reason,
             deltas[0].prompt_token_ids,
+            deltas[0].prompt_text,
         )
 
 
@@ -783,10 +794,11 @@ class ResponseShape:
         stop_reason: str | int | None = None,
         prompt_token_ids: list[int] | None = None,
         counts: tuple[int, int] | None = None,
+        prompt_text: str | None = None,
     ) -> dict[str, Any]:
         """A streamed chunk of choice `index` (`token_ids`: the tokens of its `text`); `first`: the choice's
-        first (with its prompt's ids, which a parser may read and return_token_ids shows); `counts`: its
-        prompt's tokens and its own so far, shown with continuous usage."""
+        first (with its prompt's ids, which a parser may read and return_token_ids shows, and a chat's rendered
+        prompt where asked for); `counts`: its prompt's tokens and its own so far, shown with continuous usage."""
         if self.chat and self.reading is not None:
             if first:
                 self._read[index] = self.reading.stream(prompt_token_ids)
@@ -801,7 +813,9 @@ class ResponseShape:
             body = {"text": text}
         prompt_ids = prompt_token_ids if first and self.with_prompt_ids else None
         choice = self._choice(index, body, finish_reason, stop_reason, logprobs, token_ids, prompt_ids)
-        extra = _given(prompt_token_ids=prompt_ids if self.chat else None)
+        extra = _given(
+            prompt_token_ids=prompt_ids if self.chat else None, prompt_text=prompt_text if self.chat else None
+        )
         if self.continuous_usage and counts is not None:
             reading = self._read.get(index)
             extra["usage"] = usage(*counts, reading.reasoning_tokens() if reading is not None else None)
@@ -843,6 +857,7 @@ class ResponseShape:
         stop_reason: str | int | None = None,
         prompt_token_ids: list[int] | None = None,
         counts: tuple[int, int] | None = None,
+        prompt_text: str | None = None,
     ) -> bytes:
         """`sse(self.chunk(...))`, rendered from a per-request template: a stream renders the same
         envelope for every token, and only the text changes (token ids, vLLM's `return_token_ids`
@@ -851,7 +866,16 @@ class ResponseShape:
         chunk carries more."""
         if self.reading is not None and self.chat:
             chunk = self.chunk(
-                text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids, counts
+                text,
+                finish_reason,
+                first,
+                token_ids,
+                logprobs,
+                index,
+                stop_reason,
+                prompt_token_ids,
+                counts,
+                prompt_text,
             )
             choice = chunk["choices"][0]
             if choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None:
@@ -863,10 +887,20 @@ class ResponseShape:
             or self.continuous_usage
             or self.top is not None
             or stop_reason is not None
+            or (prompt_text is not None and self.chat)
         ):
             return sse(
                 self.chunk(
-                    text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids, counts
+                    text,
+                    finish_reason,
+                    first,
+                    token_ids,
+                    logprobs,
+                    index,
+                    stop_reason,
+                    prompt_token_ids,
+                    counts,
+                    prompt_text,
                 )
             )
         key = (finish_reason, first, index)
@@ -920,7 +954,8 @@ class ResponseShape:
         if not self.chat:
             return self._envelope("text_completion", rendered, usage=answer_usage)
         prompt_ids = choices[0].prompt_token_ids if self.with_prompt_ids else None  # (a chat's one prompt)
-        return self._envelope("chat.completion", rendered, usage=answer_usage, **_given(prompt_token_ids=prompt_ids))
+        shown = _given(prompt_token_ids=prompt_ids, prompt_text=choices[0].prompt_text)
+        return self._envelope("chat.completion", rendered, usage=answer_usage, **shown)
 
 
 def _given(**fields: Any) -> dict[str, Any]:

@@ -109,8 +109,12 @@ def _joined(content: str | list[_Text]) -> str:
     return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
-class _Message(BaseModel):
+class _InputItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    id: str | None = None  # (as a client sends an earlier output back)
+
+
+class _Message(_InputItem):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[_Text]
@@ -118,16 +122,14 @@ class _Message(BaseModel):
     _text_parts = field_validator("content", mode="before")(lambda cls, content: _text_only(content))
 
 
-class _FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _FunctionCall(_InputItem):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class _FunctionCallOutput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _FunctionCallOutput(_InputItem):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[_Text]
@@ -135,8 +137,7 @@ class _FunctionCallOutput(BaseModel):
     _text_parts = field_validator("output", mode="before")(lambda cls, output: _text_only(output))
 
 
-class _Reasoning(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Reasoning(_InputItem):
     type: Literal["reasoning"]
     content: list[_Text] | None = None
     summary: list[_Text] = []
@@ -148,7 +149,8 @@ class _Reasoning(BaseModel):
         return parts[0].text if parts else ""
 
 
-_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ITEMS = tuple(_ID_PREFIXES)
 
 
 def _item_type(item: Any) -> str | None:
@@ -326,6 +328,21 @@ class ResponsesRequest(_Body):
             )
         return metadata
 
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as OpenAI lists a response's input items: each with an id (its own, where it came with one),
+        a message's text as a part."""
+        items = [_Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        listed = []
+        for item in items:
+            fields = item.model_dump(exclude_none=True)
+            if isinstance(item, _Message):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                fields["status"] = "completed"
+                if isinstance(item.content, str):
+                    fields["content"] = [{"type": kind, "text": item.content}]
+            listed.append({**fields, "id": item.id or _new_id(_ID_PREFIXES[item.type])})
+        return listed
+
     @property
     def with_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or ())
@@ -481,6 +498,7 @@ class ResponsesShape(ResponseShape):
         stop_reason: str | int | None = None,
         prompt_token_ids: list[int] | None = None,
         counts: tuple[int, int] | None = None,
+        prompt_text: str | None = None,
     ) -> bytes:
         chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids)
         events: list[bytes] = []
@@ -668,13 +686,20 @@ class ResponseStore:
     def _key(response_id: str) -> str:
         return f"llmesh:response:{response_id}"
 
-    async def keep(self, response: dict[str, Any], conversation: list[dict[str, Any]], owner: str) -> None:
+    async def keep(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        input_items: list[dict[str, Any]],
+        owner: str,
+    ) -> None:
         """Stores it; where Redis fails, the answer still goes out (logged: it cannot be continued)."""
         if self.redis is None:
             return
-        record = json.dumps({"owner": owner, "response": response, "conversation": conversation})
+        record = {"owner": owner, "response": response, "conversation": conversation, "input_items": input_items}
+        text = json.dumps(record)
         try:
-            await self.redis.set(self._key(response["id"]), record, px=int(self.ttl_s * 1000))
+            await self.redis.set(self._key(response["id"]), text, px=int(self.ttl_s * 1000))
         except (redis.exceptions.RedisError, OSError) as exc:
             log.warning("response %s not stored (it cannot be continued or read back): %s", response["id"], exc)
 
@@ -683,8 +708,8 @@ class ResponseStore:
         return self.redis is not None
 
     async def record(self, response_id: str, owner: str, param: str = "response_id") -> dict[str, Any]:
-        """Its stored record ("response", "conversation"); ResponseNotFound (naming `param`) where none is, for
-        this owner."""
+        """Its stored record ("response", "conversation", "input_items"); ResponseNotFound (naming `param`) where
+        none is, for this owner."""
         if self.redis is None:
             raise ResponseNotFound(
                 f"no response {response_id!r}: this mesh stores none (its router has no MESH_REDIS_URL)", param=param
@@ -708,3 +733,22 @@ class ResponseStore:
     async def aclose(self) -> None:
         if self.redis is not None:
             await self.redis.aclose()
+
+
+def page(items: list[dict[str, Any]], after: str | None, limit: int, order: Literal["asc", "desc"]) -> dict[str, Any]:
+    """OpenAI's list of `items` (their own order "asc"), `limit` of them from the one after `after`."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise InvalidRequest(f"no item {after!r} in this response's input", param="after")
+        start = ids.index(after) + 1
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
+    }

@@ -11,10 +11,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -45,7 +45,7 @@ from .openai_api import (
 )
 from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
-from .responses import ResponsesRequest, ResponsesShape, ResponseStore, conversation
+from .responses import ResponsesRequest, ResponsesShape, ResponseStore, conversation, page
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,7 +192,8 @@ def create_app(
         async def kept(shape: ResponseShape) -> None:
             assert isinstance(shape, ResponsesShape) and shape.response is not None
             if body.store:
-                await stored.keep(shape.response, conversation(history, body, shape.response), owner)
+                made = shape.response
+                await stored.keep(made, conversation(history, body, made), body.input_items(), owner)
 
         return await generate(
             request,
@@ -209,6 +210,20 @@ def create_app(
         response: dict[str, Any] = (await stored.record(response_id, key.name if key else ""))["response"]
         metrics.requests.labels("/v1/responses/{response_id}", "200").inc()
         return response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        key: ApiKey | None = Depends(api_key),
+    ) -> dict[str, Any]:
+        """A stored response's input items (OpenAI's list, newest first by default)."""
+        items = (await stored.record(response_id, key.name if key else ""))["input_items"]
+        listed = page(items, after, limit, order)
+        metrics.requests.labels("/v1/responses/{response_id}/input_items", "200").inc()
+        return listed
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, key: ApiKey | None = Depends(api_key)) -> dict[str, Any]:
@@ -366,6 +381,7 @@ def create_app(
                         first.stop_reason,
                         first.prompt_token_ids,
                         (first.prompt_tokens, first.completion_tokens),
+                        first.prompt_text,
                     )
                 async with aclosing(merged(streams, SSE_KEEPALIVE_S, client_gone)) as rest:
                     async for item in rest:

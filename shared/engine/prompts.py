@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import jinja2
 
+from llmesh.engine.detokenizer import echoed_prompt
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import ChatMessage, PrefillRequest, TokenizePrompt
 
@@ -82,22 +83,39 @@ class PromptRenderer:
             self._cutting_tokenizer = copy.deepcopy(self.tokenizer)
         return self._render(req, self._cutting_tokenizer, truncation=True, max_length=max_length)
 
+    async def shown_text(self, req: PrefillRequest, token_ids: list[int]) -> str | None:
+        """The prompt's text where its answer shows it: a chat's rendered template with `prompt_text` (vLLM's
+        return_prompt_text), else an echo's (`echoed_prompt`); None where neither is asked."""
+        if req.sampling.prompt_text and req.messages is not None:
+            if _text_chars(req) <= INLINE_PROMPT_CHARS:
+                return self._template_text(req, self.tokenizer)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._template_text, req, self.tokenizer
+            )
+        return echoed_prompt(self.tokenizer, req, token_ids)
+
+    def _template_text(self, req: PrefillRequest | TokenizePrompt, tok: Any) -> str:
+        """A chat's prompt: its messages rendered by the model's chat template."""
+        assert req.messages is not None
+        if not req.messages:
+            raise InvalidRequest("`messages` must not be empty", param="messages")
+        variables = {"add_generation_prompt": True, **(req.template_kwargs or {})}
+        try:
+            text: str = tok.apply_chat_template(
+                [_template_message(m) for m in req.messages],
+                tools=req.tools,
+                tokenize=False,
+                **{k: v for k, v in variables.items() if k not in _APPLY_CHAT_TEMPLATE_OWN},
+            )
+        # (a template's raise_exception: roles out of order, say; transformers' own: a final message to
+        # continue that is not the assistant's)
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
+        return text
+
     def _render(self, req: PrefillRequest | TokenizePrompt, tok: Any, **encode: Any) -> list[int]:
         if req.messages is not None:
-            if not req.messages:
-                raise InvalidRequest("`messages` must not be empty", param="messages")
-            variables = {"add_generation_prompt": True, **(req.template_kwargs or {})}
-            try:
-                text = tok.apply_chat_template(
-                    [_template_message(m) for m in req.messages],
-                    tools=req.tools,
-                    tokenize=False,
-                    **{k: v for k, v in variables.items() if k not in _APPLY_CHAT_TEMPLATE_OWN},
-                )
-            # (a template's raise_exception: roles out of order, say; transformers' own: a final message to
-            # continue that is not the assistant's)
-            except (jinja2.TemplateError, ValueError) as exc:
-                raise InvalidRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
+            text = self._template_text(req, tok)
             return tok.encode(text, add_special_tokens=bool(req.add_special_tokens), **encode)
         if req.prompt_token_ids is not None:
             self.check_token_ids(req.prompt_token_ids, "prompt")

@@ -297,6 +297,7 @@ class SamplingOptions(Message):
     # the first delta carries the prompt: its text and, with logprobs, its logprobs (the engine that computes the
     # prompt computes them: a resumed engine does not)
     echo: bool = False
+    prompt_text: bool = False  # a chat's first delta carries its rendered template (vLLM's return_prompt_text)
     # a structured output: vLLM's StructuredOutputsParams fields (one constraint: json, regex, choice, grammar or
     # json_object); each engine's grammar follows the whole output (an engine that resumes it starts past its start)
     structured: dict[str, Any] | None = None
@@ -383,7 +384,9 @@ class TokenDelta(Message):
     # a request's first delta: its prompt's tokens whose KV was found, not computed (prefix cache or kv-store)
     cached_tokens: int | None = None
     logprobs: LogprobSteps | None = None  # with SamplingOptions.logprobs
-    prompt_text: str | None = None  # the first delta's, with SamplingOptions.echo: as given, else decoded
+    # the first delta's, with SamplingOptions.echo: as given, else decoded; with SamplingOptions.prompt_text, a chat's
+    # rendered template
+    prompt_text: str | None = None
     prompt_logprobs: LogprobSteps | None = None  # the first delta's, with SamplingOptions.echo and logprobs
 
 

@@ -172,9 +172,14 @@ def test_completions_streaming_equals_non_streaming(client, reference):
     assert full.choices[0].text == reference.generate(20, prompt=prompt)["text"]
 
 
-def test_chat_streaming_and_non_streaming(client):
+def test_chat_streaming_and_non_streaming(client, tokenizer):
+    """... and with vLLM's return_prompt_text, the rendered template's text on the answer, or on the first chunk
+    alone, as vLLM's server gives it."""
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    shown = {"return_prompt_text": True}
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=shown
+    )
     assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 12
     stream = client.chat.completions.create(
         model=MODEL,
@@ -183,11 +188,17 @@ def test_chat_streaming_and_non_streaming(client):
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=shown,
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 12
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert full.prompt_text == chunks[0].prompt_text == rendered  # type: ignore[attr-defined]
+    assert [getattr(c, "prompt_text", None) for c in chunks[1:]] == [None] * (len(chunks) - 1)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert getattr(plain, "prompt_text", None) is None
 
 
 def test_stop_sequences_and_seeded_sampling(client, reference):
@@ -538,6 +549,7 @@ def test_responses_are_the_monolithic_engines_output_whole_streamed_continued_an
     assert ended.output_text == expected["text"] and ended.id != whole.id
     assert ended.usage.input_tokens_details.cached_tokens == (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert client.responses.retrieve(whole.id).output_text == expected["text"]
+    assert [item.content[0].text for item in client.responses.input_items.list(whole.id).data] == [sea]
 
     following = client.responses.create(
         model=MODEL, previous_response_id=whole.id, input="And the sky?", max_output_tokens=16, temperature=0

@@ -353,6 +353,7 @@ class _Dispatcher:
                     prompt_tokens=5,
                     completion_tokens=done,
                     finish_reason="length" if i == len(self.outputs) - 1 else None,
+                    prompt_text="<rendered>" if gen.sampling.prompt_text and i == 0 else None,
                 )
             finished = True
         finally:
@@ -723,8 +724,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "watermarking": {"key": 1},
         "repetition_detection": {"max_pattern_size": 4},
         "prompt_embeds": "AAAA",
-        "return_token_offsets": True,
-        "return_prompt_text": True,
         "vllm_xargs": {"a": 1},
     }
     assert set(refused) == set(UNSUPPORTED)
@@ -751,6 +750,23 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text
         resp = await client.post("/v1/completions", json=completion | {"stream_options": {"include_usage": True}})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options", resp.text
+
+
+async def test_return_prompt_text_shows_a_chats_rendered_prompt_on_its_answer_or_first_chunk_alone():
+    dispatcher, client = _router([[1], [2], [3]])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "return_prompt_text": True}
+    async with client:
+        whole = (await client.post("/v1/chat/completions", json=chat)).json()
+        streamed = await client.post("/v1/chat/completions", json=chat | {"stream": True})
+        plain = (await client.post("/v1/chat/completions", json=chat | {"return_prompt_text": False})).json()
+        completion = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hi", "return_prompt_text": True}
+        )
+    assert [g.sampling.prompt_text for g in dispatcher.requests] == [True, True, False, False]
+    assert whole["prompt_text"] == "<rendered>" and "prompt_text" not in plain
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert [c.get("prompt_text") for c in chunks] == ["<rendered>", None, None]
+    assert completion.status_code == 200 and "prompt_text" not in completion.json()  # (vLLM's: not a completion's)
 
 
 def test_chat_template_variables_merge_as_vllms_server_merges_them():

@@ -333,6 +333,10 @@ async def test_stored_responses_are_read_continued_and_deleted_by_their_key_alon
             made["id"].startswith("resp_") and made["store"] is True and made["output"][0]["content"][0]["text"] == "xx"
         )
         assert (await client.get(f"/v1/responses/{made['id']}", headers=alice)).json() == made
+        listed = (await client.get(f"/v1/responses/{made['id']}/input_items", headers=alice)).json()
+        assert [(i["role"], i["content"][0]["text"]) for i in listed["data"]] == [("user", "hi")]
+        too_many = await client.get(f"/v1/responses/{made['id']}/input_items?limit=101", headers=alice)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "limit"
         missing = await client.get(f"/v1/responses/{made['id']}", headers=bob)  # another key's: not found
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
 
@@ -362,6 +366,33 @@ async def test_stored_responses_are_read_continued_and_deleted_by_their_key_alon
     await store.aclose()
 
 
+def test_input_items_are_listed_with_their_ids_and_paged_as_openai_pages_them():
+    from llmesh_router.responses import page
+
+    items = request(input=ITEMS).input_items()
+    assert [i["type"] for i in items] == [i.get("type", "message") for i in ITEMS]
+    assert [i["id"] for i in items if i["id"] in ("rs_1", "fc_1", "fc_2", "msg_1")] == ["rs_1", "fc_1", "fc_2", "msg_1"]
+    assert (
+        items[0]["id"].startswith("msg_") and items[5]["id"].startswith("fco_") and len({i["id"] for i in items}) == 9
+    )
+    assert (
+        items[0]["content"] == [{"type": "input_text", "text": "Answer briefly."}] and items[0]["status"] == "completed"
+    )
+    assert items[-2]["content"][0]["type"] == "output_text"  # (an assistant's)
+    (text,) = request(input="hi").input_items()
+    assert (text["role"], text["content"]) == ("user", [{"type": "input_text", "text": "hi"}])
+
+    ids = [i["id"] for i in items]
+    newest = page(items, None, 4, "desc")
+    assert [i["id"] for i in newest["data"]] == ids[::-1][:4] and newest["has_more"] is True
+    assert (newest["first_id"], newest["last_id"]) == (ids[-1], ids[-4])
+    rest = page(items, newest["last_id"], 20, "desc")
+    assert [i["id"] for i in rest["data"]] == ids[::-1][4:] and rest["has_more"] is False
+    assert [i["id"] for i in page(items, ids[6], 5, "asc")["data"]] == ids[7:]
+    with pytest.raises(InvalidRequest, match="no item 'nope'"):
+        page(items, "nope", 5, "asc")
+
+
 async def test_requests_by_id_or_to_unknown_paths_count_under_one_label_each():
     _, client = _router([[1]])
     async with client:
@@ -383,13 +414,13 @@ async def test_without_redis_nothing_is_stored_and_a_redis_away_fails_only_what_
         assert resp.status_code == 404 and "stores none" in resp.json()["error"]["message"]
 
     away = ResponseStore("redis://127.0.0.1:1/0", ttl_s=60, timeout_s=0.2)
-    await away.keep({"id": "resp_x", "output": []}, [], "")  # logged; the answer still goes out
+    await away.keep({"id": "resp_x", "output": []}, [], [], "")  # logged; the answer still goes out
     with pytest.raises(ServiceUnavailable):
         await away.record("resp_x", "")
     await away.aclose()
 
     brief = ResponseStore(redis_url, ttl_s=0.05)
-    await brief.keep({"id": "resp_brief", "output": []}, [], "")
+    await brief.keep({"id": "resp_brief", "output": []}, [], [], "")
     assert (await brief.record("resp_brief", ""))["response"]["id"] == "resp_brief"
     import asyncio
 

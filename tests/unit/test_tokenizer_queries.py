@@ -62,6 +62,26 @@ def test_a_worker_tokenizes_each_form_as_it_renders_the_prompt_of_a_generation(w
     assert ask(worker, DetokenizeTokens(model="m", tokens=ids)) == Detokenized(text=tok.decode(ids))
 
 
+def test_a_chats_rendered_prompt_is_shown_where_asked_for_and_an_echo_as_before(worker):
+    tok = worker.tokenizer
+    long = "word " * 5000  # (over the text rendered inline: in the worker's thread)
+    for content in ("Hi.", long):
+        messages = [ChatMessage(role="user", content=content)]
+        asked = PrefillRequest(
+            request_id="r", model="m", messages=messages, sampling=SamplingOptions(prompt_text=True), deadline=0
+        )
+        ids = asyncio.run(worker.prompts.prompt_token_ids(asked))
+        rendered = asyncio.run(worker.prompts.shown_text(asked, ids))
+        assert rendered == tok.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        assert tok.encode(rendered, add_special_tokens=False) == ids
+        unasked = asked.model_copy(update={"sampling": SamplingOptions()})
+        assert asyncio.run(worker.prompts.shown_text(unasked, ids)) is None
+    echo = PrefillRequest(request_id="r", model="m", prompt=TEXT, sampling=SamplingOptions(echo=True), deadline=0)
+    assert asyncio.run(worker.prompts.shown_text(echo, tok.encode(TEXT))) == TEXT
+
+
 @pytest.mark.parametrize(
     "query, param",
     [
