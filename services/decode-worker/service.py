@@ -266,7 +266,7 @@ class DecodeService:
                     text=piece,
                     token_ids=list(o.token_ids),
                     finish_reason=finish_reason,
-                    stop_reason=o.stop_reason if finish_reason == "stop" else None,
+                    stop_reason=o.stop_reason if finish_reason in ("stop", "repetition") else None,
                     prompt_tokens=held.prompt_tokens,
                     completion_tokens=held.generated,
                     cached_tokens=out.num_cached_tokens if opening else None,

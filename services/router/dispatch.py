@@ -64,7 +64,7 @@ from llmesh.wire.messages import (
 from .lengths import LengthTagger
 from .metrics import RouterMetrics
 from .scheduler import DecodeClaim, PlacedPrompt, Scheduler
-from .stops import StopFilter
+from .stops import OutputEnd
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -334,7 +334,7 @@ class Dispatcher:
             cache_salt=gen.cache_salt,
             priority=gen.priority,
         )
-        stops = StopFilter(gen.sampling.stop, gen.sampling.include_stop_str_in_output)
+        ends = OutputEnd(gen.sampling)
         try:
             if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
                 self.metrics.prefill_sites.labels("decode").inc()
@@ -348,7 +348,7 @@ class Dispatcher:
                         session,
                         local.worker_id,
                         (Subjects.generate(local.worker_id), request),
-                        stops,
+                        ends,
                         parent,
                         _Progress(gen.sampling.max_tokens or 0),
                         predicted,
@@ -382,7 +382,7 @@ class Dispatcher:
             self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
             # The first token comes from the prefill: the client sees it before decode starts (with its prompt's
             # ids, which a parser of the output reads).
-            first = _filtered(result.first, stops)
+            first = ends.shown(result.first)
             yield first.model_copy(update={"prompt_token_ids": result.prompt_token_ids})
             if first.finish_reason is not None:
                 return
@@ -404,7 +404,7 @@ class Dispatcher:
             )
             progress = _Progress(result.max_tokens)
             progress.seen(first)
-            async for delta in self._decode(gen, session, decode.worker_id, None, stops, parent, progress, predicted):
+            async for delta in self._decode(gen, session, decode.worker_id, None, ends, parent, progress, predicted):
                 yield delta
         finally:
             if predicting is not None and not predicting.done():
@@ -422,7 +422,7 @@ class Dispatcher:
         session: _DecodeSession,
         worker_id: str,
         start: tuple[str, Message] | None,
-        stops: StopFilter,
+        ends: OutputEnd,
         parent: context.Context,
         progress: _Progress,
         predicted: LengthPrediction | None,
@@ -442,7 +442,7 @@ class Dispatcher:
                     subject,
                     request,
                     gen,
-                    stops,
+                    ends,
                     parent,
                     span,
                     progress,
@@ -569,7 +569,7 @@ class Dispatcher:
         subject: str,
         request: Message,
         gen: Generation,
-        stops: StopFilter,
+        ends: OutputEnd,
         parent: context.Context,
         span_name: str,
         progress: _Progress,
@@ -614,7 +614,7 @@ class Dispatcher:
                     elif delta.token_ids:
                         self.scheduler.token_gap(worker_id, (progress.last_at - previous_at) / len(delta.token_ids))
                     previous_at = progress.last_at
-                    shown = _filtered(delta, stops)
+                    shown = ends.shown(delta)
                     finished = shown.finish_reason is not None
                     if finished and delta.finish_reason is None:
                         await self._abort(worker_id, gen.request_id)  # a stop string the worker could not see
@@ -668,13 +668,3 @@ class Dispatcher:
             trace.get_current_span().add_event("abort sent", {"worker.id": worker_id})
         except Exception as exc:  # best effort: the worker's deadline ends it anyway
             log.warning("could not send abort for %s to %s: %s", request_id, worker_id, exc)
-
-
-def _filtered(delta: TokenDelta, stops: StopFilter) -> TokenDelta:
-    """`delta` with its text passed through the stop filter (finishing it at a stop string)."""
-    text, stop = stops.feed(delta.text)
-    if stop is not None:
-        return delta.model_copy(update={"text": text, "finish_reason": "stop", "stop_reason": stop})
-    if delta.finish_reason is not None:
-        text += stops.flush()
-    return delta if text == delta.text else delta.model_copy(update={"text": text})

@@ -24,7 +24,14 @@ from pydantic import (
 )
 
 from llmesh.wire.errors import InvalidRequest, MeshError
-from llmesh.wire.messages import ChatMessage, LogprobSteps, SamplingOptions, TokenDelta, TokenizePrompt
+from llmesh.wire.messages import (
+    ChatMessage,
+    LogprobSteps,
+    RepetitionDetection,
+    SamplingOptions,
+    TokenDelta,
+    TokenizePrompt,
+)
 
 from .tools import NamedToolChoice, Tool, ToolCallIn, ToolCalling, tool_calling
 
@@ -58,7 +65,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none",), "tools are for chat completions"),
     "chat_template": ((), "a request's own chat template is refused, as by vLLM's server by default"),
     "watermarking": ((), "not done"),
-    "repetition_detection": ((), "not done"),
     "prompt_embeds": ((), "prompts are text or token ids"),
     "vllm_xargs": (({},), "custom logits processors' arguments are not passed on"),
 }
@@ -217,6 +223,8 @@ class _Common(_Body):
     truncation_side: Literal["left", "right"] | None = None
     # vLLM extension: reasoning tokens before a model with a reasoning parser is made to end its reasoning
     thinking_token_budget: Annotated[int | None, BeforeValidator(_thinking_token_budget)] = None
+    # vLLM extension: the output ends ("repetition") where its last tokens repeat so
+    repetition_detection: RepetitionDetection | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -300,6 +308,7 @@ class _Common(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             bad_words=self.bad_words,
             thinking_token_budget=self.thinking_token_budget,
+            repetition_detection=self.repetition_detection,
         )
 
     def structured(self) -> dict[str, Any] | None:

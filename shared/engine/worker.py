@@ -94,7 +94,7 @@ def sampling_params(
     llmesh.engine.reasoning)."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMClientError
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
     from llmesh.engine.bad_words import bad_words_args
     from llmesh.engine.penalties import output_penalties
@@ -131,6 +131,11 @@ def sampling_params(
         ignore_eos=options.ignore_eos,
         structured_outputs=StructuredOutputsParams(**options.structured) if options.structured else None,
         thinking_token_budget=options.thinking_token_budget,
+        repetition_detection=(
+            RepetitionDetectionParams(**options.repetition_detection.model_dump())
+            if options.repetition_detection
+            else None
+        ),
         extra_args={
             "kv_transfer_params": {**kv_transfer_params, "trace": telemetry.inject()},
             **earlier_output_args(generated, constrained),

@@ -10,10 +10,11 @@ newer sender (a rolling upgrade) does not break an older receiver; new fields ge
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmesh.wire.errors import BadMessage, MeshError, from_code
 
@@ -277,6 +278,44 @@ class ReasoningGate(Message):
     chat_template_kwargs: dict[str, Any] = {}  # the template's variables, which some parsers read (enable_thinking)
 
 
+class RepetitionDetection(Message):
+    """vLLM's `repetition_detection`: the output ends ("repetition") once its last `min_pattern_size` to
+    `max_pattern_size` tokens repeat `min_count` times in a row, with vLLM's checks."""
+
+    max_pattern_size: int = Field(default=0, ge=0, le=2**31)
+    min_pattern_size: int = Field(default=0, ge=0, le=2**31)
+    min_count: int = Field(default=0, ge=0, le=2**31)
+
+    @model_validator(mode="after")
+    def _checked(self) -> RepetitionDetection:
+        if self.min_pattern_size > self.max_pattern_size:  # (vLLM's words)
+            raise ValueError(
+                "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
+                "Set both to 0 to disable repetitive pattern detection."
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(
+                "min_count must be >= 2 to detect repetitive patterns in engine output. If you do not wish to "
+                "detect repetitive patterns, set max_pattern_size to 0."
+            )
+        return self
+
+    def ends(self, token_ids: Sequence[int]) -> bool:
+        """Whether the output `token_ids` ends in such a repetition (vLLM's check_sequence_repetition)."""
+        count, smallest = self.min_count, max(self.min_pattern_size, 1)
+        if self.max_pattern_size <= 0 or count < 2:
+            return False
+        for size in range(smallest, self.max_pattern_size + 1):
+            if size * count > len(token_ids):
+                return False
+            tail = token_ids[len(token_ids) - size :]
+            if all(
+                token_ids[len(token_ids) - size * (m + 1) : len(token_ids) - size * m] == tail for m in range(1, count)
+            ):
+                return True
+        return False
+
+
 class SamplingOptions(Message):
     max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
     temperature: float = Field(default=1.0, ge=0.0)
@@ -311,6 +350,9 @@ class SamplingOptions(Message):
     # vLLM's: the reasoning's end forced after this many reasoning tokens (None: no budget); an engine that resumes
     # the output counts those of its prompt's end, as vLLM's counts a prompt's open reasoning
     thinking_token_budget: int | None = Field(default=None, ge=0)
+    # the whole output's repetition ends it: each engine checks its own output, and the router the whole
+    # (a pattern across the hand-over is seen by no engine)
+    repetition_detection: RepetitionDetection | None = None
 
 
 class PrefillRequest(Message):

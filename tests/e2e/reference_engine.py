@@ -117,6 +117,10 @@ def sampling(fields: dict) -> dict:
         from vllm.sampling_params import StructuredOutputsParams
 
         fields = fields | {"structured_outputs": StructuredOutputsParams(**fields["structured_outputs"])}
+    if "repetition_detection" in fields:
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        fields = fields | {"repetition_detection": RepetitionDetectionParams(**fields["repetition_detection"])}
     return fields
 
 

@@ -318,6 +318,42 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
 
 
+def test_repetition_detection_ends_the_output_where_the_monolithic_engine_ends_it(client, reference):
+    """vLLM's repetition_detection over the whole output: a pattern that the prefill's token begins is in no
+    decode engine's output, so the router checks it too, and the output ends at the token that completes it
+    (its finish_reason "repetition", stop_reason "repetition_detected"), as one engine ends it."""
+    ids = token_prompt(300, seed=3131)
+    ends = []
+    for detect in (
+        {"max_pattern_size": 1, "min_count": 2},
+        {"max_pattern_size": 3, "min_pattern_size": 2, "min_count": 2},
+        {"max_pattern_size": 4, "min_count": 3},
+    ):
+        # (a negative penalty repeats; a token lifted above the rest repeats from the prefill's token on)
+        for fields in ({"frequency_penalty": -2.0}, {}, {"logit_bias": {"1000": 100}}):
+            asked = fields | {"repetition_detection": detect}
+            out = client.completions.create(
+                model=MODEL,
+                prompt=ids,
+                max_tokens=24,
+                temperature=0,
+                logit_bias=fields.get("logit_bias"),  # type: ignore[arg-type]
+                extra_body={"return_token_ids": True} | {k: v for k, v in asked.items() if k != "logit_bias"},
+            ).choices[0]
+            expected = reference.generate(24, prompt_token_ids=ids, **asked)
+            assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (
+                expected["token_ids"],
+                expected["finish_reason"],
+                expected["stop_reason"],
+                expected["text"],
+            ), asked
+            ends.append((len(out.token_ids), out.finish_reason))
+    print(f"(tokens, finish_reason) of each: {ends}")
+    # the prefill's token and decode's first (and second): in no engine's output whole, seen by the router
+    assert (2, "repetition") in ends and (3, "repetition") in ends
+    assert sum(reason == "repetition" for _, reason in ends) >= 5
+
+
 STRUCTURES = [
     {
         "json": {

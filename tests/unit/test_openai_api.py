@@ -722,7 +722,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
         "tool_choice": "required",
         "chat_template": "{{ messages }}",
         "watermarking": {"key": 1},
-        "repetition_detection": {"max_pattern_size": 4},
         "prompt_embeds": "AAAA",
         "vllm_xargs": {"a": 1},
     }

@@ -77,3 +77,96 @@ def test_the_output_and_stop_are_vllms_detokenizers_for_any_deltas(include):
                 text = text if truncate_to == -1 else text[:truncate_to]
                 break
         assert run(stops, deltas, include) == (text, stop), (stops, deltas)
+
+
+# ---- vLLM's repetition_detection over the whole output, across engines ---------------------------------------
+
+
+def test_repetition_is_found_as_vllms_engine_finds_it():
+    import random
+
+    from vllm.sampling_params import RepetitionDetectionParams
+    from vllm.v1.core.sched.utils import check_sequence_repetition
+
+    from llmesh.wire.messages import RepetitionDetection
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        fields = {"max_pattern_size": rng.randint(0, 5), "min_count": rng.randint(2, 4)}
+        fields["min_pattern_size"] = rng.randint(0, fields["max_pattern_size"])
+        ids = [rng.randint(0, 2) for _ in range(rng.randint(0, 24))]
+        expected = check_sequence_repetition(ids, RepetitionDetectionParams(**fields))
+        assert RepetitionDetection(**fields).ends(ids) == expected, (fields, ids)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, "min_pattern_size <= max_pattern_size"),
+        ({"max_pattern_size": 2, "min_count": 1}, "min_count must be >= 2"),
+        ({"max_pattern_size": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_repetition_detection_is_checked_as_vllm_checks_it(fields, words):
+    from pydantic import ValidationError
+
+    from llmesh_router.openai_api import CompletionRequest
+
+    with pytest.raises(ValidationError, match=words):
+        CompletionRequest(model="m", prompt="x", repetition_detection=fields)
+    assert CompletionRequest(model="m", prompt="x", repetition_detection={"max_pattern_size": 0}).sampling()
+
+
+def _delta(ids, done, text=None, finish=None):
+    from llmesh.wire.messages import TokenDelta
+
+    return TokenDelta(
+        text=text if text is not None else "".join(f"<{t}>" for t in ids),
+        token_ids=ids,
+        completion_tokens=done + len(ids),
+        finish_reason=finish,
+        logprobs=[[(t, -1.0, f"<{t}>")] for t in ids],
+    )
+
+
+def test_a_repetition_across_engines_ends_the_output_at_the_token_that_completes_it():
+    """The prefill's first token and a decode engine's (or a migration target's) tokens make the repetition
+    together: neither engine sees it, the router ends the output where one engine would have."""
+    from llmesh.wire.messages import SamplingOptions
+    from llmesh_router.stops import REPEATED, OutputEnd
+
+    detect = {"max_pattern_size": 2, "min_count": 3}
+    ends = OutputEnd(SamplingOptions(repetition_detection=detect))
+    shown = [ends.shown(_delta([5], 0)), ends.shown(_delta([7, 5], 1))]  # 5, 7, 5
+    assert [d.finish_reason for d in shown] == [None, None]
+    cut = ends.shown(_delta([7, 5, 7, 9], 3))  # 5 7 5 7 5 7: the pair repeated 3 times at its 6th token
+    assert (cut.token_ids, cut.completion_tokens, cut.finish_reason, cut.stop_reason) == (
+        [7, 5, 7],
+        6,
+        "repetition",
+        REPEATED,
+    )
+    assert [step[0][0] for step in cut.logprobs] == [7, 5, 7]
+
+    late = OutputEnd(SamplingOptions(repetition_detection={"max_pattern_size": 1, "min_count": 2}, min_tokens=4))
+    assert [late.shown(_delta([3], i)).finish_reason for i in range(4)] == [None, None, None, "repetition"]
+
+
+def test_an_engines_own_end_or_a_stop_string_wins_over_a_repetition_as_in_vllm():
+    from llmesh.wire.messages import SamplingOptions
+    from llmesh_router.stops import OutputEnd
+
+    detect = {"max_pattern_size": 1, "min_count": 2}
+    ends = OutputEnd(SamplingOptions(repetition_detection=detect))
+    ends.shown(_delta([4], 0))
+    assert ends.shown(_delta([4], 1, finish="length")).finish_reason == "length"  # (vLLM checks the length first)
+
+    ends = OutputEnd(SamplingOptions(repetition_detection=detect, stop=["ab"]))
+    assert ends.shown(_delta([4], 0, text="xa")).text == "x"  # ("a" may begin the stop string: held)
+    stopped = ends.shown(_delta([4], 1, text="by"))
+    assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == ("", "stop", "ab")
+
+    ends = OutputEnd(SamplingOptions(repetition_detection=detect, stop=["ab"]))
+    ends.shown(_delta([4], 0, text="xa"))
+    repeated = ends.shown(_delta([4], 1, text="c"))
+    assert (repeated.text, repeated.finish_reason) == ("ac", "repetition")  # the held text released at the end
