@@ -53,7 +53,6 @@ _GUIDED = "removed from vLLM: use structured_outputs or response_format"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((0,), "logprobs come for the output alone"),
     "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
-    "echo": ((False,), "a chat's last message is not echoed"),
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
     "suffix": (("",), "insertion is not done"),
@@ -370,6 +369,11 @@ class _Common(_Body):
         return False
 
     @property
+    def chat_echo(self) -> str | None:
+        """The text a chat's answer begins with (vLLM's chat `echo`); None: none."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
@@ -517,6 +521,7 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     parallel_tool_calls: bool | None = True
     include_reasoning: bool = True  # vLLM extension: false leaves the reasoning out (a model with a reasoning parser)
     return_prompt_text: bool | None = None  # vLLM extension: the rendered template's text (the first chunk's)
+    echo: bool = False  # vLLM extension: the last message's content before the output, where its role is the answer's
     _tool_calling: ToolCalling | None = PrivateAttr(default=None)
 
     @property
@@ -530,6 +535,15 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     @property
     def shows_prompt_text(self) -> bool:
         return bool(self.return_prompt_text)
+
+    @property
+    def chat_echo(self) -> str | None:
+        """vLLM's: the last message's text where its role is the answer's ("assistant" with a generation prompt,
+        else the last message's own)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return None
+        return last.to_message().content or None
 
     @property
     def auto_tools(self) -> bool:
@@ -740,19 +754,20 @@ class ResponseShape:
         with_token_ids: bool = False,
         continuous_usage: bool = False,
         include_usage: bool = False,
+        echo: str | None = None,
     ):
         """`logprobs`: how many of the likeliest tokens the request asked for with each token (None: no logprobs);
         `reading`: how a chat's output is read (None: as text); `tokens_as_ids`: logprobs' tokens as
         "token_id:<id>" (vLLM's return_tokens_as_token_ids); `with_token_ids`: each choice's token ids and
         its prompt's shown (vLLM's return_token_ids: a chat's prompt once, a completion's in each choice);
         `continuous_usage`: each chunk with its choice's usage so far (vLLM's continuous_usage_stats);
-        `include_usage`: a stream ends with its usage."""
+        `include_usage`: a stream ends with its usage; `echo`: the text a chat's answer begins with."""
         self.chat, self.id, self.model, self.reading = chat, request_id, model, reading
         hidden = reading is not None and reading.hides_tokens
         self.top = None if hidden else logprobs
         self.tokens_as_ids, self.with_token_ids = tokens_as_ids, with_token_ids and not hidden
         self.with_prompt_ids, self.continuous_usage = with_token_ids, continuous_usage
-        self.include_usage = include_usage
+        self.include_usage, self.echo = include_usage, echo
         self.created = int(time.time())
         self._templates: dict[tuple[str | None, bool, int], tuple[bytes, bytes]] = {}
         self._text_offsets: dict[int, int] = {}  # a choice's next token's offset in its text, for completions' logprobs
@@ -813,10 +828,14 @@ class ResponseShape:
                 self._read[index] = self.reading.stream(prompt_token_ids)
             read = self._read[index]
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            body: dict[str, Any] = {"delta": delta | read.delta(text, token_ids or (), finish_reason is not None)}
+            delta |= read.delta(text, token_ids or (), finish_reason is not None)
+            if first and self.echo:
+                delta["content"] = self.echo + (delta.get("content") or "")
+            body: dict[str, Any] = {"delta": delta}
             finish_reason = read.finish_reason(finish_reason)
         elif self.chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            shown = (self.echo or "") + text if first else text
+            delta = {"role": "assistant", "content": shown} if first else ({"content": text} if text else {})
             body = {"delta": delta}
         else:
             body = {"text": text}
@@ -897,6 +916,7 @@ class ResponseShape:
             or self.top is not None
             or stop_reason is not None
             or (prompt_text is not None and self.chat)
+            or (first and self.echo)
         ):
             return sse(
                 self.chunk(
@@ -922,10 +942,21 @@ class ResponseShape:
         return template[0] + json.dumps(text).encode() + template[1]
 
     def _answer(self, choice: Choice) -> tuple[dict[str, Any], str | None, int | None]:
-        """A chat choice's message, finish reason and reasoning tokens (None: not counted)."""
+        """A chat choice's message (after the echo, if any), finish reason and reasoning tokens (None: not
+        counted)."""
         if self.reading is None:
-            return {"role": "assistant", "content": choice.text}, choice.finish_reason, None
-        return self.reading.answer(choice.text, choice.token_ids or (), choice.finish_reason, choice.prompt_token_ids)
+            message, finish_reason, reasoning_tokens = (
+                {"role": "assistant", "content": choice.text},
+                choice.finish_reason,
+                None,
+            )
+        else:
+            message, finish_reason, reasoning_tokens = self.reading.answer(
+                choice.text, choice.token_ids or (), choice.finish_reason, choice.prompt_token_ids
+            )
+        if self.echo:
+            message["content"] = self.echo + (message.get("content") or "")
+        return message, finish_reason, reasoning_tokens
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """A stream's usage, its choices' reasoning tokens counted where the reading counts them."""

@@ -299,6 +299,7 @@ def create_app(
                 body.return_token_ids,
                 body.continuous_usage,
                 body.include_usage,
+                body.chat_echo,
             )
         )
         streams = [dispatcher.generate(choice, parent) for choice in choices]

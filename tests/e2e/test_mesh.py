@@ -174,7 +174,7 @@ def test_completions_streaming_equals_non_streaming(client, reference):
 
 def test_chat_streaming_and_non_streaming(client, tokenizer):
     """... and with vLLM's return_prompt_text, the rendered template's text on the answer, or on the first chunk
-    alone, as vLLM's server gives it."""
+    alone, as vLLM's server gives it; with its chat echo, the continued message before the output."""
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     shown = {"return_prompt_text": True}
     full = client.chat.completions.create(
@@ -199,6 +199,16 @@ def test_chat_streaming_and_non_streaming(client, tokenizer):
     assert [getattr(c, "prompt_text", None) for c in chunks[1:]] == [None] * (len(chunks) - 1)
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert getattr(plain, "prompt_text", None) is None
+    # vLLM's chat echo: a continued last message shown before its continuation
+    partial = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    alone, echoed = (
+        client.chat.completions.create(
+            model=MODEL, messages=partial, max_tokens=6, temperature=0, extra_body=continued | extra
+        ).choices[0]
+        for extra in ({}, {"echo": True})
+    )
+    assert echoed.message.content == "The color is" + (alone.message.content or "")
 
 
 def test_stop_sequences_and_seeded_sampling(client, reference):
@@ -281,6 +291,12 @@ def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, tokenizer
     assert after.misses == before.misses
 
 
+def assert_choice_is(out, expected: dict, asked: object) -> None:
+    """A completion's choice is the reference engine's output: its tokens, finish and stop reasons, and text."""
+    fields = ("token_ids", "finish_reason", "stop_reason", "text")
+    assert tuple(getattr(out, f) for f in fields) == tuple(expected[f] for f in fields), asked
+
+
 def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, reference, tokenizer):
     """Each changes the greedy output (the first token sampled by prefill, the rest by decode, which sees
     the first as its prompt's last) and equals a monolithic engine's with the same fields."""
@@ -308,13 +324,7 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
             logit_bias=fields.get("logit_bias"),  # type: ignore[arg-type]
             extra_body={"return_token_ids": True} | vllm_fields,
         ).choices[0]
-        expected = reference.generate(16, prompt_token_ids=ids, **fields)
-        assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (
-            expected["token_ids"],
-            expected["finish_reason"],
-            expected["stop_reason"],
-            expected["text"],
-        ), fields
+        assert_choice_is(out, reference.generate(16, prompt_token_ids=ids, **fields), fields)
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
 
 
@@ -340,13 +350,7 @@ def test_repetition_detection_ends_the_output_where_the_monolithic_engine_ends_i
                 logit_bias=fields.get("logit_bias"),  # type: ignore[arg-type]
                 extra_body={"return_token_ids": True} | {k: v for k, v in asked.items() if k != "logit_bias"},
             ).choices[0]
-            expected = reference.generate(24, prompt_token_ids=ids, **asked)
-            assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (
-                expected["token_ids"],
-                expected["finish_reason"],
-                expected["stop_reason"],
-                expected["text"],
-            ), asked
+            assert_choice_is(out, reference.generate(24, prompt_token_ids=ids, **asked), asked)
             ends.append((len(out.token_ids), out.finish_reason))
     print(f"(tokens, finish_reason) of each: {ends}")
     # the prefill's token and decode's first (and second): in no engine's output whole, seen by the router

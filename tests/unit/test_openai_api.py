@@ -710,7 +710,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
     refused = {
         "prompt_logprobs": 1,
         "logprob_token_ids": [3],
-        "echo": True,
         "best_of": 2,
         "use_beam_search": True,
         "suffix": "end",
@@ -732,7 +731,7 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
     async with client:
         for name, value in refused.items():
             for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
-                if (name, path) in (("echo", "/v1/completions"), ("tools", chat_path), ("tool_choice", chat_path)):
+                if (name, path) in (("tools", chat_path), ("tool_choice", chat_path)):
                     continue  # done there (tools: test_tools.py)
                 resp = await client.post(path, json=body | {name: value})
                 error = resp.json()["error"]
@@ -766,6 +765,24 @@ async def test_return_prompt_text_shows_a_chats_rendered_prompt_on_its_answer_or
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert [c.get("prompt_text") for c in chunks] == ["<rendered>", None, None]
     assert completion.status_code == 200 and "prompt_text" not in completion.json()  # (vLLM's: not a completion's)
+
+
+async def test_a_chats_echo_begins_its_answer_with_the_last_message_where_its_role_is_the_answers():
+    _, client = _router([[1], [2], [3]])
+    history = [{"role": "user", "content": "Tell a story."}, {"role": "assistant", "content": "Once upon"}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    async with client:
+        answers = []
+        for fields in (continued, {}, {"messages": history[:1]}, {"echo": False} | continued):
+            body = {"model": "m", "messages": history, "echo": True} | fields
+            whole = (await client.post("/v1/chat/completions", json=body)).json()
+            streamed = await client.post("/v1/chat/completions", json=body | {"stream": True})
+            chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            assert text == whole["choices"][0]["message"]["content"], fields
+            answers.append(text)
+    # (vLLM's: the last message's role is the answer's with a generation prompt only where it is the assistant's)
+    assert answers == ["Once uponxxx", "Once uponxxx", "xxx", "xxx"]
 
 
 def test_chat_template_variables_merge_as_vllms_server_merges_them():
