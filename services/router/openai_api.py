@@ -45,6 +45,7 @@ MAX_CHOICES = 128  # OpenAI's limit on n (each choice is a request of its own to
 MAX_GENERATIONS = 256  # prompts × n in one request
 MAX_TOOLS = 128  # OpenAI's limit on tools
 MAX_DETOKENIZED = 1 << 18  # token ids a /detokenize takes (its message to a worker stays far under NATS's payload)
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's limit
 MAX_BAD_WORDS = 128  # vLLM's default limit (VLLM_MAX_NUM_BAD_WORDS, on their tokenizations: the workers apply it)
 
 # Fields of OpenAI's and vLLM's APIs that change what is generated and that the mesh does not do: any value but
@@ -52,7 +53,6 @@ MAX_BAD_WORDS = 128  # vLLM's default limit (VLLM_MAX_NUM_BAD_WORDS, on their to
 _GUIDED = "removed from vLLM: use structured_outputs or response_format"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((0,), "logprobs come for the output alone"),
-    "logprob_token_ids": (([],), "logprobs come for the likeliest tokens"),
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
     "suffix": (("",), "insertion is not done"),
@@ -216,6 +216,8 @@ class _Common(_Body):
     skip_special_tokens: bool = True  # vLLM extension: false shows special tokens' text
     spaces_between_special_tokens: bool = True  # vLLM extension: false joins added tokens' text (those shown)
     bad_words: list[str] = Field(default=[], max_length=MAX_BAD_WORDS)  # vLLM extension: words never generated
+    # vLLM extension: these tokens' logprobs with each output token, instead of the likeliest (needs logprobs)
+    logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS)
     # vLLM extension: keep this many prompt tokens (-1: as many as the context allows), from the end `truncation_side`
     # names ("left" keeps the last ones; None: the tokenizer's side)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
@@ -262,6 +264,20 @@ class _Common(_Body):
         return self
 
     @model_validator(mode="after")
+    def _logprob_token_ids(self) -> _Common:
+        if self.logprob_token_ids and self.logprob_count is None:  # (vLLM's words)
+            raise InvalidRequest("when using `logprob_token_ids`, `logprobs` must be set.", param="logprob_token_ids")
+        return self
+
+    @property
+    def shown_logprobs(self) -> int | None:
+        """How many candidates after each output token's own its logprobs show (None: no logprobs): every
+        requested id's with `logprob_token_ids`."""
+        if self.logprob_count is None or not self.logprob_token_ids:
+            return self.logprob_count
+        return MAX_LOGPROB_TOKEN_IDS + 1
+
+    @model_validator(mode="after")
     def _min_tokens(self) -> _Common:
         if self.min_tokens and self.stop:
             raise InvalidRequest("min_tokens with stop strings is not supported", param="min_tokens")
@@ -299,6 +315,7 @@ class _Common(_Body):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprob_count,
+            logprob_token_ids=self.logprob_token_ids or None,
             echo=self.echoes,
             prompt_text=self.shows_prompt_text,
             structured=self.structured(),

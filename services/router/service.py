@@ -293,7 +293,7 @@ def create_app(
                 chat,
                 request_id,
                 body.model,
-                body.logprob_count,
+                body.shown_logprobs,
                 reading,
                 body.return_tokens_as_token_ids,
                 body.return_token_ids,

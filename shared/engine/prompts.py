@@ -55,6 +55,7 @@ class PromptRenderer:
             ("logit_bias", map(int, req.sampling.logit_bias)),
             ("stop_token_ids", req.sampling.stop_token_ids),
             ("allowed_token_ids", req.sampling.allowed_token_ids or ()),
+            ("logprob_token_ids", req.sampling.logprob_token_ids or ()),
         ):
             self.check_token_ids(ids, param)
         keep = kept_prompt_tokens(req.truncate_prompt_tokens, self.max_model_len, req.sampling.max_tokens)

@@ -122,7 +122,8 @@ def sampling_params(
         allowed_token_ids=options.allowed_token_ids,
         skip_special_tokens=options.skip_special_tokens,
         spaces_between_special_tokens=options.spaces_between_special_tokens,
-        logprobs=options.logprobs,
+        logprobs=None if options.logprob_token_ids else options.logprobs,  # (vLLM's servers': the ids instead)
+        logprob_token_ids=options.logprob_token_ids,
         prompt_logprobs=options.logprobs if options.echo and not generated else None,
         stop_token_ids=options.stop_token_ids or None,
         include_stop_str_in_output=options.include_stop_str_in_output,

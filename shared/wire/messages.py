@@ -333,6 +333,8 @@ class SamplingOptions(Message):
     stop_token_ids: list[int] = []  # end the output (their text not shown), as the end-of-sequence token does
     include_stop_str_in_output: bool = False  # the text of the stop string or token that ended the output shown
     logprobs: int | None = None  # how many of the likeliest tokens each step comes with; None: no logprobs
+    # instead of the likeliest, these tokens' logprobs with each step's (vLLM's logprob_token_ids; with logprobs)
+    logprob_token_ids: list[int] | None = None
     # the first delta carries the prompt: its text and, with logprobs, its logprobs (the engine that computes the
     # prompt computes them: a resumed engine does not)
     echo: bool = False

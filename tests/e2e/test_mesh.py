@@ -869,6 +869,27 @@ def test_logprobs_are_the_monolithic_engines_across_prefill_and_decode(client, r
     assert [c.model_dump() for c in content] == [c.model_dump() for c in whole.logprobs.content]
     assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
 
+    # vLLM's logprob_token_ids: these tokens' logprobs with each output token's, the likeliest's instead
+    labels = [5, 17, 900]
+    expected = reference.generate(16, prompt_token_ids=ids, logprob_token_ids=labels)["steps"]
+    assert all(
+        [t for t, _, _ in step if t != step[0][0]] == [t for t in labels if t != step[0][0]] for step in expected
+    )
+    scored = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=16, temperature=0, logprobs=1, extra_body={"logprob_token_ids": labels}
+    ).choices[0]
+    assert scored.logprobs.top_logprobs == [{text: lp for _, lp, text in step} for step in expected]
+    asked = {"logprobs": True, "extra_body": {"logprob_token_ids": labels}}
+    chat_scored = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, temperature=0, **asked)
+    chat_ids = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert [c.token for c in chat_scored.choices[0].logprobs.content] == [
+        step[0].token for step in (c.top_logprobs for c in chat_scored.choices[0].logprobs.content)
+    ]
+    assert all(len(c.top_logprobs) in (3, 4) for c in chat_scored.choices[0].logprobs.content)
+    assert len(chat_ids.choices[0].token_ids) == len(chat_scored.choices[0].logprobs.content)
+
 
 def test_echo_gives_each_prompt_with_its_logprobs_as_the_monolithic_engine_computes_them(client, reference):
     """How evaluation harnesses (lm-eval's loglikelihood) score text: prompts echoed with logprobs and one

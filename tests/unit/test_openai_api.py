@@ -201,6 +201,44 @@ def test_logprobs_render_as_vllms_server_renders_them(top):
     assert ResponseShape(True, "r", "m").chunk("x", None, logprobs=STEPS)["choices"][0]["logprobs"] is None
 
 
+def test_logprob_token_ids_show_every_requested_token_as_vllms_server_shows_them():
+    """With logprob_token_ids each step holds the sampled token and the requested ones, all shown (vLLM's servers'
+    `return_all`), whatever `logprobs` or `top_logprobs` says; without `logprobs` it is vLLM's 400."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    labels = [7, 2, 8]
+    token_ids, steps = _vllm_steps(STEPS)
+    chat_server = SimpleNamespace(return_tokens_as_token_ids=False)
+    chat_server._get_decoded_token = OpenAIServingChat._get_decoded_token
+    chat_server._get_top_logprobs = lambda *a, **k: OpenAIServingChat._get_top_logprobs(chat_server, *a, **k)
+    chat = OpenAIServingChat._create_chat_logprobs(chat_server, token_ids, steps, None, 0, labels).model_dump()
+    completion_server = SimpleNamespace(return_tokens_as_token_ids=False)
+    completion_server._get_decoded_token = OpenAIServingCompletion._get_decoded_token
+    completion = OpenAIServingCompletion._create_completion_logprobs(
+        completion_server, token_ids, steps, 0, None, labels
+    ).model_dump()
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat_request = ChatCompletionRequest(model="m", messages=messages, logprobs=True, logprob_token_ids=labels)
+    completion_request = CompletionRequest(model="m", prompt="x", logprobs=0, logprob_token_ids=labels)
+    assert chat_request.sampling().logprob_token_ids == completion_request.sampling().logprob_token_ids == labels
+    choice = Choice("", "stop", 3, logprobs=STEPS)
+    shown = ResponseShape(True, "r", "m", chat_request.shown_logprobs).final([choice], 1)
+    assert shown["choices"][0]["logprobs"] == chat
+    shown = ResponseShape(False, "r", "m", completion_request.shown_logprobs).final([choice], 1)
+    assert shown["choices"][0]["logprobs"] == completion
+    with pytest.raises(InvalidRequest, match="`logprobs` must be set"):
+        CompletionRequest(model="m", prompt="x", logprob_token_ids=labels)
+    with pytest.raises(ValidationError, match="at most 128"):
+        CompletionRequest(model="m", prompt="x", logprobs=1, logprob_token_ids=list(range(129)))
+
+
 @pytest.mark.parametrize("top", [0, 2])
 def test_an_echoed_prompts_logprobs_render_as_vllms_server_renders_them(top):
     """The prompt's first token has no logprob (vLLM: None, its text decoded); a delta echoed puts the
