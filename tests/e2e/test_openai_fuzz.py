@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 OPERATIONS = [
     ("POST", "/v1/completions", 40),
     ("POST", "/v1/chat/completions", 40),
-    ("POST", "/v1/responses", 30),
-    ("GET", "/v1/responses/{response_id}", 5),
-    ("DELETE", "/v1/responses/{response_id}", 5),
+    ("POST", "/v1/responses", 20),
+    ("GET", "/v1/responses/{response_id}", 3),
+    ("DELETE", "/v1/responses/{response_id}", 3),
     ("POST", "/tokenize", 20),
     ("POST", "/detokenize", 10),
     ("GET", "/v1/models", 10),

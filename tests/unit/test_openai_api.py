@@ -747,7 +747,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
 
     refused = {
         "prompt_logprobs": 1,
-        "logprob_token_ids": [3],
         "best_of": 2,
         "use_beam_search": True,
         "suffix": "end",
