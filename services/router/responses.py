@@ -1,8 +1,9 @@
 """OpenAI's Responses API (`/v1/responses`) over the chat path: a request becomes a chat completion's (its input
 items and any earlier response's conversation as messages), and the chat's objects become a response's output
 items and stream events, as vLLM 0.32's server renders them for a model without Harmony
-(`vllm/entrypoints/openai/responses/`, Apache-2.0). Stored responses live in Redis (`ResponseStore`), so any
-router continues a conversation (`previous_response_id`) that another one answered.
+(`vllm/entrypoints/openai/responses/`, Apache-2.0), but for a stream cut by max_output_tokens, which ends with
+OpenAI's `response.incomplete` (vLLM's: `response.completed`). Stored responses live in Redis (`ResponseStore`),
+so any router continues a conversation (`previous_response_id`) that another one answered.
 """
 
 from __future__ import annotations
