@@ -909,7 +909,17 @@ class ResponseShape:
         extension, logprobs and a stop reason are rendered in full). Text that reveals nothing yet to the
         output's reading (a tool call's start, say) is no event (as vLLM's server sends none), unless the
         chunk carries more."""
-        if self.reading is not None and self.chat:
+        read = self.reading is not None and self.chat
+        if (
+            read
+            or (self.chat and not text and not first)  # (an empty chat delta)
+            or self.with_prompt_ids
+            or self.continuous_usage
+            or self.top is not None
+            or stop_reason is not None
+            or (prompt_text is not None and self.chat)
+            or (first and self.echo)
+        ):
             chunk = self.chunk(
                 text,
                 finish_reason,
@@ -923,32 +933,9 @@ class ResponseShape:
                 prompt_text,
             )
             choice = chunk["choices"][0]
-            if choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None:
-                return sse(chunk)
-            return b""
-        if (
-            (self.chat and not text and not first)  # (an empty chat delta)
-            or self.with_prompt_ids
-            or self.continuous_usage
-            or self.top is not None
-            or stop_reason is not None
-            or (prompt_text is not None and self.chat)
-            or (first and self.echo)
-        ):
-            return sse(
-                self.chunk(
-                    text,
-                    finish_reason,
-                    first,
-                    token_ids,
-                    logprobs,
-                    index,
-                    stop_reason,
-                    prompt_token_ids,
-                    counts,
-                    prompt_text,
-                )
-            )
+            if read and not (choice["delta"] or choice["finish_reason"] or self.with_token_ids or self.top is not None):
+                return b""
+            return sse(chunk)
         key = (finish_reason, first, index)
         template = self._templates.get(key)
         if template is None:

@@ -488,22 +488,11 @@ class ResponsesShape(ResponseShape):
         self.response = self.resource(status, output, _usage(chat["usage"], cached_tokens))
         return self.response
 
-    def chunk_event(
-        self,
-        text: str,
-        finish_reason: str | None,
-        first: bool = False,
-        token_ids: list[int] | None = None,
-        logprobs: Any = None,
-        index: int = 0,
-        stop_reason: str | int | None = None,
-        prompt_token_ids: list[int] | None = None,
-        counts: tuple[int, int] | None = None,
-        prompt_text: str | None = None,
-    ) -> bytes:
-        chunk = self.chunk(text, finish_reason, first, token_ids, logprobs, index, stop_reason, prompt_token_ids)
+    def chunk_event(self, *args: Any, **kwargs: Any) -> bytes:
+        """The events of a chat chunk (`chunk`'s arguments); the first opens the response."""
+        chunk = self.chunk(*args, **kwargs)
         events: list[bytes] = []
-        if first:
+        if self.sequence == 0:
             started = self.resource("in_progress", [], None)
             events += [
                 self._event("response.created", response=started),

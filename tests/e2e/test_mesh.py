@@ -291,6 +291,19 @@ def test_greedy_output_equals_monolithic_vllm(client, reference, mesh, tokenizer
     assert after.misses == before.misses
 
 
+def completed_with(client, ids: list[int], max_tokens: int, fields: dict):
+    """The greedy completion's choice (with its token ids) of `ids` with `fields`: OpenAI's `logit_bias` as the
+    client takes it, vLLM's fields in the body."""
+    return client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        logit_bias=fields.get("logit_bias"),
+        extra_body={"return_token_ids": True} | {k: v for k, v in fields.items() if k != "logit_bias"},
+    ).choices[0]
+
+
 def assert_choice_is(out, expected: dict, asked: object) -> None:
     """A completion's choice is the reference engine's output: its tokens, finish and stop reasons, and text."""
     fields = ("token_ids", "finish_reason", "stop_reason", "text")
@@ -315,15 +328,7 @@ def test_vllms_sampling_fields_are_exact_across_prefill_and_decode(client, refer
         {"stop_token_ids": [plain["token_ids"][5]], "include_stop_str_in_output": True},  # its text shown
         {"stop_token_ids": [plain["token_ids"][0]], "include_stop_str_in_output": True},
     ]:
-        vllm_fields = {name: value for name, value in fields.items() if name != "logit_bias"}
-        out = client.completions.create(
-            model=MODEL,
-            prompt=ids,
-            max_tokens=16,
-            temperature=0,
-            logit_bias=fields.get("logit_bias"),  # type: ignore[arg-type]
-            extra_body={"return_token_ids": True} | vllm_fields,
-        ).choices[0]
+        out = completed_with(client, ids, 16, fields)
         assert_choice_is(out, reference.generate(16, prompt_token_ids=ids, **fields), fields)
         assert out.token_ids != plain["token_ids"], f"{fields} changed nothing"
 
@@ -342,14 +347,7 @@ def test_repetition_detection_ends_the_output_where_the_monolithic_engine_ends_i
         # (a negative penalty repeats; a token lifted above the rest repeats from the prefill's token on)
         for fields in ({"frequency_penalty": -2.0}, {}, {"logit_bias": {"1000": 100}}):
             asked = fields | {"repetition_detection": detect}
-            out = client.completions.create(
-                model=MODEL,
-                prompt=ids,
-                max_tokens=24,
-                temperature=0,
-                logit_bias=fields.get("logit_bias"),  # type: ignore[arg-type]
-                extra_body={"return_token_ids": True} | {k: v for k, v in asked.items() if k != "logit_bias"},
-            ).choices[0]
+            out = completed_with(client, ids, 24, asked)
             assert_choice_is(out, reference.generate(24, prompt_token_ids=ids, **asked), asked)
             ends.append((len(out.token_ids), out.finish_reason))
     print(f"(tokens, finish_reason) of each: {ends}")
