@@ -11,12 +11,16 @@ as `[blocks, KV heads, tokens, K|V]`).
 A step runs every layer as a model does (QKV projection, attention, output projection, MLP; one
 layer's weights serve all, which changes no cost), writing the new tokens' K and V into the paged
 cache, and calls the connector's hooks where vLLM calls them: `wait_for_layer_load` before
-attention, `save_kv_layer` after it. Rows, each against the same step with no hooks, alternating
-A/B `--repeats` times (medians and ranges; ratio = median with / median without):
+attention, `save_kv_layer` after it, `wait_for_save` after the forward. On a GPU a decode step runs as
+vLLM runs a model with a KV connector, in piecewise CUDA graphs (each layer's work before and after
+attention replayed from a graph, attention and the hooks eager), and eagerly too. Rows, each against
+the same step with no hooks, alternating A/B `--repeats` times (medians and ranges; ratio = median
+with / median without):
 
 - decode write-behind: `--decode-batch` requests at `--decode-context` tokens, `--decode-written`
-  blocks a layer written behind (not waited for; the compute stream waits for the gathers at the
-  step's end), as `KvMover` does it and as the connector did before it (`cache[ids].cpu()` a layer).
+  blocks written behind a step: after the forward, every layer's blocks gathered at once and
+  written to host memory by a transfer thread, not waited for (as `KvMover` and the connector do
+  it), and as the connector did before `KvMover` (`cache[ids].cpu()` a layer).
 - prefill save: each `--prefill-tokens` prompt's blocks saved layer by layer and waited for at the
   step's end (a prefill's `wait_for_save`); before: a thread copying block by block into pageable
   buffers while the step waits.
@@ -137,7 +141,7 @@ class Model:
         self.wgu = torch.randn(args.hidden, 2 * args.intermediate, device=d, dtype=dtype) * 0.02
         self.wd = torch.randn(args.intermediate, args.hidden, device=d, dtype=dtype) * 0.02
         # NHD physically, viewed [blocks, KV heads, tokens, K|V] as vLLM 0.32 hands them to a connector
-        buffer = torch.zeros(
+        buffer = torch.randn(
             args.layers, num_blocks, args.block_size, args.kv_heads, 2 * args.head_dim, device=d, dtype=dtype
         )
         self.caches = {layer: buffer[layer].permute(0, 2, 1, 3) for layer in range(args.layers)}
@@ -174,16 +178,28 @@ class Model:
         return x
 
     def decode(
-        self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], slots: tuple[torch.Tensor, ...], hooks
+        self,
+        x: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor],
+        slots: tuple[torch.Tensor, ...],
+        hooks,
+        pieces: Pieces | None = None,
     ) -> torch.Tensor:
         """One token for each of `len(x)` requests attending to their contexts (dense K and V, read as a
-        paged kernel reads them); the new tokens' K and V written into their cache slots."""
+        paged kernel reads them); the new tokens' K and V written into their cache slots. With `pieces`,
+        each layer's work before and after attention is replayed from CUDA graphs, as vLLM runs it."""
         a, batch = self.args, x.shape[0]
         keys, values = context
         block_of, slot_of = slots
+        if pieces is not None:
+            pieces.x.copy_(x)
         for layer in range(a.layers):
             hooks.before(layer)
-            q, k, v = self.qkv(x)
+            if pieces is None:
+                q, k, v = self.qkv(x)
+            else:
+                pieces.into_layer.replay()
+                q, k, v = pieces.qkv
             self.caches[layer][block_of, :, slot_of] = torch.cat(
                 [k.view(batch, a.kv_heads, a.head_dim), v.view(batch, a.kv_heads, a.head_dim)], -1
             )
@@ -191,8 +207,32 @@ class Model:
                 q.view(batch, 1, a.heads, a.head_dim).transpose(1, 2), keys, values, enable_gqa=True
             )
             hooks.after(layer)
-            x = self.rest(x, o.transpose(1, 2).reshape(batch, -1))
-        return x
+            if pieces is None:
+                x = self.rest(x, o.transpose(1, 2).reshape(batch, -1))
+            else:
+                pieces.attended.copy_(o.transpose(1, 2).reshape(batch, -1))
+                pieces.out_of_layer.replay()
+        return x if pieces is None else pieces.x
+
+
+class Pieces:
+    """vLLM's piecewise CUDA graphs, the mode it runs a model in with a KV connector: each layer's work
+    before attention and after it replayed from a graph; attention and the connector's hooks run
+    eagerly between them (a decode batch's size, as vLLM captures them)."""
+
+    def __init__(self, model: Model, x: torch.Tensor):
+        self.x = x.clone()
+        self.attended = torch.zeros(x.shape[0], model.args.heads * model.args.head_dim, device=x.device, dtype=x.dtype)
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            model.qkv(self.x), model.rest(self.x, self.attended)
+        torch.cuda.current_stream().wait_stream(warm)
+        self.into_layer, self.out_of_layer = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.into_layer):
+            self.qkv = model.qkv(self.x)
+        with torch.cuda.graph(self.out_of_layer):
+            self.x.copy_(model.rest(self.x, self.attended))
 
 
 class NoHooks:
@@ -206,12 +246,12 @@ class NoHooks:
         pass
 
 
-class MoverSaves(NoHooks):
-    """`save_kv_layer` as the connector does it: a gather on the side stream, written into registered
-    host memory by a transfer thread; `end` as `wait_for_save` (waiting for the writes only if `wait`)."""
+class PrefillSaves(NoHooks):
+    """`save_kv_layer` for a prefill as the connector does it: the layer's blocks gathered, written into
+    registered host memory by a transfer thread; `end` as `wait_for_save`, waiting for the writes."""
 
     def __init__(self, mover, ids: torch.Tensor, target: memoryview, pool, check: SyncCheck):
-        self.mover, self.ids, self.pool, self.check = mover, ids, pool, check
+        self.mover, self.ids, self.pool, self.check, self.target = mover, ids, pool, check, target
         per_layer = len(target) // len(mover.caches)
         self.runs = {
             layer: [(range(len(ids)), target[layer * per_layer : (layer + 1) * per_layer])] for layer in mover.caches
@@ -219,15 +259,31 @@ class MoverSaves(NoHooks):
         self.writes: list[concurrent.futures.Future] = []
 
     def after(self, layer: int) -> None:
-        gathered = self.check.run(lambda: self.mover.gather(layer, self.ids, stable=False))
+        gathered = self.check.run(lambda: self.mover.gather(layer, self.ids, stable=True))
         self.writes.append(self.pool.submit(gathered.write, self.runs[layer], 1))
 
     def end(self, wait: bool) -> None:
-        self.mover.end_step()
-        if wait or len(self.writes) > 4 * len(self.runs):  # write-behind: at most a few steps outstanding
-            for write in self.writes:
-                write.result()
-            self.writes.clear()
+        for write in self.writes:
+            write.result()
+        self.writes.clear()
+
+
+class WriteBehind(NoHooks):
+    """A decode's write-behind as the connector does it: after the forward (`wait_for_save`), the blocks
+    that filled, every layer, gathered at once and written into registered host memory by a transfer
+    thread, not waited for (the oldest write is, once a few steps are outstanding, as memory would be)."""
+
+    def __init__(self, mover, ids: torch.Tensor, target: memoryview, pool, check: SyncCheck):
+        self.mover, self.ids, self.pool, self.check, self.target = mover, ids, pool, check, target
+        self.writes: list[concurrent.futures.Future] = []
+
+    def end(self, wait: bool) -> None:
+        gathered = self.check.run(lambda: self.mover.gather_layers(self.ids))
+        self.writes.append(
+            self.pool.submit(gathered.write, [(range(len(self.mover.caches) * len(self.ids)), self.target)], 1)
+        )
+        while self.writes and (wait or len(self.writes) > 4):
+            self.writes.pop(0).result()
 
 
 class OldWriteBehind(NoHooks):
@@ -282,6 +338,19 @@ class SyncCheck:
         return hook()
 
 
+def holds(model: Model, ids: torch.Tensor, host: memoryview) -> bool:
+    """Whether `host` holds `ids`' blocks of every layer byte for byte, in the host order (a layer's blocks
+    after the previous layer's, each block's heads, tokens and content contiguous)."""
+    per_layer = len(host) // len(model.caches)
+    return all(
+        torch.equal(
+            cache.index_select(0, ids).contiguous().view(torch.uint8).flatten(),
+            kv_mover.host_tensor(host[layer * per_layer : (layer + 1) * per_layer]).to(model.device),
+        )
+        for layer, cache in model.caches.items()
+    )
+
+
 def compare(
     name: str, timer: Timer, baseline: Callable[[], None], variant: Callable[[], None], repeats: int, per: int = 1
 ) -> dict:
@@ -314,23 +383,41 @@ def decode_rows(args, model: Model, mover, timer: Timer, pool, registered, check
     x = torch.randn(batch, a.hidden, device=device, dtype=torch.bfloat16)
     written = mover.block_ids(list(range(batch, batch + a.decode_written)))  # blocks that filled: written behind
     layer_bytes = a.decode_written * a.kv_heads * a.block_size * 2 * a.head_dim * 2
-    saves = MoverSaves(mover, written, registered.view[: layer_bytes * a.layers], pool, check)
+    saves = WriteBehind(mover, written, registered.view[: layer_bytes * a.layers], pool, check)
     old = OldWriteBehind(model.caches, written)
+    modes = {"eager": None}
+    if device.type == "cuda":
+        modes = {"piecewise CUDA graphs": Pieces(model, x), "eager": None}
 
-    def steps(hooks) -> Callable[[], None]:
+    def steps(hooks, pieces: Pieces | None) -> Callable[[], None]:
         def run() -> None:
             for _ in range(a.steps):
-                model.decode(x, (keys, values), (block_of, slot_of), hooks)
+                model.decode(x, (keys, values), (block_of, slot_of), hooks, pieces)
                 hooks.end(wait=False)
             hooks.end(wait=True)
 
         return run
 
     label = f"decode {batch} x {a.decode_context} tokens, {a.decode_written} blocks written behind"
-    return [
-        compare(f"{label} (KvMover)", timer, steps(NoHooks()), steps(saves), a.repeats, a.steps),
-        compare(f"{label} (before: .cpu() a layer)", timer, steps(NoHooks()), steps(old), a.repeats, a.steps),
-    ]
+    rows = []
+    for mode, pieces in modes.items():
+        rows.append(
+            compare(
+                f"{label}, {mode} (KvMover)", timer, steps(NoHooks(), pieces), steps(saves, pieces), a.repeats, a.steps
+            )
+        )
+        rows[-1]["exact"] = holds(model, written, saves.target)
+        rows.append(
+            compare(
+                f"{label}, {mode} (before: .cpu() a layer)",
+                timer,
+                steps(NoHooks(), pieces),
+                steps(old, pieces),
+                a.repeats,
+                a.steps,
+            )
+        )
+    return rows
 
 
 def prefill_rows(args, model: Model, mover, timer: Timer, pool, registered, check: SyncCheck) -> list[dict]:
@@ -341,7 +428,7 @@ def prefill_rows(args, model: Model, mover, timer: Timer, pool, registered, chec
         x = torch.randn(tokens, args.hidden, device=model.device, dtype=torch.bfloat16)
         device_ids = mover.block_ids(ids)
         layer_bytes = blocks * args.kv_heads * args.block_size * 2 * args.head_dim * 2
-        saves = MoverSaves(mover, device_ids, registered.view[: layer_bytes * args.layers], pool, check)
+        saves = PrefillSaves(mover, device_ids, registered.view[: layer_bytes * args.layers], pool, check)
         old = OldPrefillSaves(model.caches, ids, pool)
 
         def step(hooks) -> Callable[[], None]:
@@ -360,6 +447,7 @@ def prefill_rows(args, model: Model, mover, timer: Timer, pool, registered, chec
                 args.repeats,
             )
         )
+        rows[-1]["exact"] = holds(model, device_ids, saves.target)
         rows.append(
             compare(
                 f"prefill {tokens} tokens (before: block by block, pageable)",
@@ -383,6 +471,9 @@ def load_rows(args, model: Model, mover, timer: Timer, registered, check: SyncCh
     }
     rows = []
     for kind, source in sources.items():
+        kv_mover.host_tensor(source).copy_(
+            torch.randn(len(source) // 2, dtype=torch.bfloat16, device=model.device).view(torch.uint8).cpu()
+        )
         runs = {
             layer: [(range(blocks), source[layer * layer_bytes : (layer + 1) * layer_bytes])] for layer in model.caches
         }
@@ -401,6 +492,7 @@ def load_rows(args, model: Model, mover, timer: Timer, registered, check: SyncCh
                 "ms": [1e3 * t for t in times],
                 "median_ms": ms,
                 "mib": layer_bytes * args.layers / 2**20,
+                "exact": holds(model, ids, source),
             }
         )
         print(f"{rows[-1]['row']:66s} {'':9s} {ms:9.2f} ms ({layer_bytes * args.layers / 2**20:.0f} MiB)", flush=True)
@@ -495,8 +587,13 @@ def main() -> None:
         "host_waits_in_hooks": "not checked (no GPU)" if not check.on else check.failure or "none",
         "imports_vllm_or_llmesh": any(m.split(".")[0] in ("vllm", "llmesh") for m in sys.modules),
     }
+    inexact = [row["row"] for row in rows if row.get("exact") is False]
+    result["inexact_rows"] = inexact
+    print(f"moved byte for byte: {'no: ' + '; '.join(inexact) if inexact else 'yes, every save and load'}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+    if inexact:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

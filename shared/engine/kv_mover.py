@@ -9,17 +9,21 @@ content contiguous, a block cut into `chunks` equal pieces of whole heads (the k
 `MeshKVConnector`'s key order). Host bytes arrive and leave as `Run`s: the chunk positions a contiguous
 piece of host memory holds, in order (one run in all when one kv-store shard holds every chunk).
 
-- Save: `gather` (the forward's thread, after a layer's attention) has a side stream wait for the
-  compute stream, copy the layer's blocks with one indexed copy into a contiguous device buffer and
-  record an event; `Gathered.write` (a transfer thread) copies that buffer into host runs, one
-  device-to-host copy a run, and returns once they hold it. `end_step` has the compute stream wait for
-  the step's gathers, so blocks freed afterwards are rewritten only once copied.
+- Save: `gather` (the forward's thread, after a layer's attention) copies the layer's blocks with one
+  indexed copy into a contiguous device buffer on the compute stream and records an event (in the
+  stream's order it costs the copy's own time; on a side stream it would slow the layers' kernels it
+  ran beside, more than that: bench/kv_mover.py, measured on an H200); `gather_layers` does it for every
+  layer at once (a step's write-behind, after the forward). `Gathered.write` (a transfer thread) has the
+  copy-out stream wait for that event, copies into host runs, one device-to-host copy a run, and
+  returns once they hold them: the compute stream never waits for a save.
 - Load: `scatter` (a transfer thread, as chunks arrive) copies host runs to the device, one
   host-to-device copy a run, and the layer's blocks into the cache with one indexed copy, on the side
   stream after everything the compute stream was given before the step (`start_step`); `wait` (the
   forward's thread, before the layer's attention) has the compute stream wait for it: the host never
   waits for the GPU.
 - Block ids go to the device once a step (`block_ids`), from pinned memory, before the forward.
+- A transfer thread waits for the GPU on events that block it (`cudaEventBlockingSync`) rather than
+  spin: a spinning waiter takes a core from the thread launching the forward.
 
 On a CPU there are no streams: events are None and copies happen when called. A save of blocks that
 stay put until it is stored (`stable`: a prefill's, whose step waits for its puts) is not gathered at
@@ -143,28 +147,38 @@ def host_tensor(view: memoryview) -> torch.Tensor:
 
 
 class Gathered:
-    """One layer's blocks copied out of the cache for a save (`KvMover.gather`)."""
+    """Blocks copied out of the cache for a save (`KvMover.gather`, `gather_layers`): `layers` of `blocks`
+    each, layer after layer, written to host runs by `write`."""
 
     def __init__(self, mover: KvMover, source: torch.Tensor, ids: torch.Tensor | None, done: Any):
+        """`source`: [layers, blocks, ...] gathered, or (with `ids`, on a CPU) one layer's cache to take
+        `ids` from when written."""
         self._mover, self._source, self._ids, self._done = mover, source, ids, done
 
+    def blocks(self, start: int, count: int) -> Gathered:
+        """Blocks `start` to `start + count` of each layer (one request's part of a step's gather)."""
+        assert self._ids is None
+        return Gathered(self._mover, self._source[:, start : start + count], None, self._done)
+
     def write(self, runs: Sequence[Run], chunks: int) -> None:
-        """Copy the blocks, cut into `chunks` pieces each, into host `runs`; returns once they hold them.
-        On a transfer thread (on a GPU it waits for the copies)."""
+        """Copy the blocks, cut into `chunks` pieces each, into host `runs` (positions counted layer after
+        layer, then block, then piece); returns once they hold them. On a transfer thread."""
         mover = self._mover
-        blocks = self._source.shape[0] if self._ids is None else len(self._ids)
-        if self._ids is not None and len(runs) == 1 and list(runs[0][0]) == list(range(blocks * chunks)):
-            # the blocks are stable and one run takes them all: straight from the cache (CPU)
-            out = host_tensor(runs[0][1]).view(self._source.dtype).view(blocks, *self._source.shape[1:])
-            torch.index_select(self._source, 0, self._ids, out=out)
-            return
-        source = self._source if self._ids is None else self._source.index_select(0, self._ids)
-        pieces = source.view(torch.uint8).view(blocks * chunks, -1)
+        if self._ids is not None:
+            whole = len(runs) == 1 and list(runs[0][0]) == list(range(len(self._ids) * chunks))
+            if whole:  # the blocks are stable and one run takes them all: straight from the cache (CPU)
+                out = host_tensor(runs[0][1]).view(self._source.dtype).view(len(self._ids), *self._source.shape[1:])
+                torch.index_select(self._source, 0, self._ids, out=out)
+                return
+            source = self._source.index_select(0, self._ids).unsqueeze(0)
+        else:
+            source = self._source
         bounced = []  # (run, pinned buffer) for runs the device cannot copy into at full speed
-        with mover.on_side():
+        with mover.on_copy_out():
             if self._done is not None:
-                assert mover.side is not None  # an event: on a GPU
-                mover.side.wait_event(self._done)
+                assert mover.copy_out is not None  # an event: on a GPU
+                mover.copy_out.wait_event(self._done)
+            pieces = source.view(torch.uint8).reshape(source.shape[0] * source.shape[1] * chunks, -1)
             for positions, view in runs:
                 if not mover.memory.fast(view):
                     bounced.append((view, mover.memory.take(len(view))))
@@ -176,7 +190,7 @@ class Gathered:
                     else pieces.index_select(0, mover.to_device(list(positions)))
                 )
                 target.copy_(part, non_blocking=True)
-            mover.synchronize(mover.record())
+            mover.synchronize(mover.record(blocking=True))
         for view, pinned in bounced:
             view[:] = pinned
             mover.memory.give(pinned)
@@ -191,20 +205,24 @@ class KvMover:
         self.device = next(iter(self.caches.values())).device
         self.cuda = self.device.type == "cuda"
         self.memory = memory or HostMemory(self.device)
-        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None  # loads
+        self.copy_out = torch.cuda.Stream(self.device) if self.cuda else None  # saves' device-to-host copies
         self._step_event: Any = None
-        self._gathers: list[Any] = []
 
     # ---- streams and events (nothing on a CPU) ----------------------------------------------------------
 
     def on_side(self) -> Any:
         return torch.cuda.stream(self.side) if self.cuda else _NoStream()
 
-    def record(self, stream: Any = None) -> Any:
-        """An event marking what `stream` (this thread's current stream by default) has been given so far."""
+    def on_copy_out(self) -> Any:
+        return torch.cuda.stream(self.copy_out) if self.cuda else _NoStream()
+
+    def record(self, stream: Any = None, *, blocking: bool = False) -> Any:
+        """An event marking what `stream` (this thread's current stream by default) has been given so far;
+        `blocking`: a host waiting for it sleeps instead of spinning."""
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=blocking)
         event.record(stream or torch.cuda.current_stream(self.device))
         return event
 
@@ -238,25 +256,18 @@ class KvMover:
         """Copy `ids`' blocks of `layer` out for a save, after the work the compute stream has been given
         (the layer's attention). `stable`: the blocks stay as they are until the save is written."""
         cache = self.caches[layer]
-        if not self.cuda:
-            return (
-                Gathered(self, cache, ids, None) if stable else Gathered(self, cache.index_select(0, ids), None, None)
-            )
-        after = self.record()
-        assert self.side is not None  # on a GPU
-        with self.on_side():
-            self.side.wait_event(after)
-            ids.record_stream(self.side)  # (made on the compute stream: not reused before the side stream is done)
-            blocks = cache.index_select(0, ids)
-            done = self.record(self.side)
-        self._gathers.append(done)
-        return Gathered(self, blocks, None, done)
+        if stable and not self.cuda:
+            return Gathered(self, cache, ids, None)
+        return Gathered(self, cache.index_select(0, ids).unsqueeze(0), None, self.record())
 
-    def end_step(self) -> None:
-        """After the forward: the compute stream waits for the step's gathers (their blocks may be reused)."""
-        for done in self._gathers:
-            self.wait(done)
-        self._gathers.clear()
+    def gather_layers(self, ids: torch.Tensor) -> Gathered:
+        """Copy `ids`' blocks of every layer (in layer order) out for a save, after the work the compute
+        stream has been given (a step's forward): one indexed copy a layer into one buffer."""
+        first = next(iter(self.caches.values()))
+        out = torch.empty(len(self.caches), len(ids), *first.shape[1:], dtype=first.dtype, device=self.device)
+        for i, layer in enumerate(sorted(self.caches)):
+            torch.index_select(self.caches[layer], 0, ids, out=out[i])
+        return Gathered(self, out, None, self.record())
 
     def scatter(self, layer: int, ids: torch.Tensor, runs: Sequence[Run], chunks: int) -> Scattered:
         """Copy host `runs` (chunk positions among `len(ids) * chunks`) into `ids`' blocks of `layer`, on
@@ -295,7 +306,7 @@ class KvMover:
             else:
                 where = self.to_device(present)
                 cache.index_copy_(0, ids.index_select(0, where), values.index_select(0, where))
-            done = self.record(self.side)
+            done = self.record(self.side, blocking=True)
         return Scattered(self, done, missing, staging)
 
 

@@ -23,6 +23,7 @@ def test_the_gpu_benchmark_runs_on_small_shapes_and_reports_every_row(tmp_path):
     )
     result = json.loads(out.read_text())
     assert not result["imports_vllm_or_llmesh"]
+    assert result["inexact_rows"] == [] and len([row for row in result["rows"] if row.get("exact")]) == 5
     rows = {row["row"]: row for row in result["rows"]}
     assert (
         len([r for r in rows if r.startswith("decode")]) == 2 and len([r for r in rows if r.startswith("prefill")]) == 2

@@ -28,7 +28,8 @@ copied into the cache by the transfer thread as it arrives. In `layerwise` mode 
 same step and `wait_for_layer_load` blocks only for its own layer, so layer i+1 arrives
 while layer i computes. In `async` mode the request waits outside the batch until all
 layers are in (other requests keep decoding meanwhile). Decode also writes back, without
-waiting, each block that generation fills (write-behind), so the next turn of a conversation
+waiting, each block that generation fills (write-behind: every layer at once after the step's forward,
+in `wait_for_save`), so the next turn of a conversation
 finds its whole history in the store; with `durable_tail` it also writes the partial last block
 every step, so a failover loses at most the step in flight; a migration's source turns that on for
 the request it is handing over (`DurableTail` on `control_subject`), so at the switch its tail is
@@ -52,9 +53,9 @@ what a prefill of another computed, with nothing reshuffled on either side. The 
 a block up whole (every layer, every head group), whatever ranks it has.
 
 Per-layer views are vLLM's `[blocks, KV heads, tokens, K|V]` on every backend, so the same
-gather/scatter serves CPU and GPU (`llmesh.engine.kv_mover`: on a GPU one indexed copy a layer on a side
-stream, ordered by events, into pinned or CUDA-registered host memory; nothing in the forward makes the
-host wait for the GPU). The hooks inside the forward (`wait_for_layer_load`, `save_kv_layer`) must run
+gather/scatter serves CPU and GPU (`llmesh.engine.kv_mover`: on a GPU one indexed copy a layer, copied
+out on a copy stream and in on a side stream, ordered by events, to and from pinned or CUDA-registered
+host memory; nothing in the forward makes the host wait for the GPU). The hooks inside the forward (`wait_for_layer_load`, `save_kv_layer`) must run
 on every step, so the connector asks vLLM for piecewise CUDA graphs (`requires_piecewise_for_cudagraph`):
 attention, and the hooks around it, run eagerly between captured pieces; full graphs would skip them.
 """

@@ -1,8 +1,10 @@
 """The connector's worker side (each of vLLM's model processes, one a rank): carries out the step's plan
 with `llmesh.engine.kv_mover` (the tensors) and a kv-store client (the bytes), without making the forward
 wait for the GPU. Per layer, in the forward: `wait_for_layer_load` before its attention (the compute
-stream waits for the layer's load), `save_kv_layer` after it (the layer's blocks gathered on a side
-stream; a transfer thread copies them into the store's memory and puts them)."""
+stream waits for the layer's load), `save_kv_layer` after it (a prefill's blocks of the layer gathered;
+a transfer thread copies them into the store's memory and puts them). After the forward,
+`wait_for_save` gathers the blocks written behind, every layer at once, then waits for the prefill's
+puts."""
 
 from __future__ import annotations
 
@@ -101,7 +103,9 @@ class ConnectorWorker:
         self._meta: MeshConnectorMetadata | None = None
         # this step's transfers with their block ids; a load's partial last block apart (`start_load_kv`)
         self._step_loads: list[tuple[_Planned | None, _Planned]] = []
-        self._saves: list[_Planned] = []
+        self._saves: list[_Planned] = []  # waited for: gathered layer by layer
+        self._written_behind: list[BlockTransfer] = []  # gathered at the step's end
+        self._written_behind_ids: torch.Tensor | None = None  # their block ids, one after another
         self._exports: list[_Planned] = []
         self._loads: dict[str, _PendingLoad] = {}
         self._pending_puts: list[tuple[concurrent.futures.Future, FillGuard, str]] = []  # waited for at the step's end
@@ -136,7 +140,7 @@ class ConnectorWorker:
     # ---- a step -------------------------------------------------------------------------------------
 
     def bind(self, meta: MeshConnectorMetadata) -> None:
-        """Before the forward: the step's block ids go to the device, once, before its side-stream work."""
+        """Before the forward: the step's block ids go to the device, once, before the step's copies."""
         self._meta = meta
         self._step_started = time.perf_counter()
         if self._mover is None:
@@ -152,7 +156,10 @@ class ConnectorWorker:
                 )
                 transfer = BlockTransfer(transfer.req_id, transfer.block_ids[:-1], transfer.hashes[:-1], transfer.trace)
             self._step_loads.append((head, self._planned(transfer)))
-        self._saves = [self._planned(t) for t in meta.saves]
+        self._saves = [self._planned(t) for t in meta.saves if t.wait]
+        self._written_behind = [t for t in meta.saves if not t.wait]
+        behind = [b for t in self._written_behind for b in t.block_ids]
+        self._written_behind_ids = self.mover.block_ids(behind) if behind else None
         self._exports = [self._planned(t) for t in meta.exports]
         self.mover.start_step()
 
@@ -266,22 +273,35 @@ class ConnectorWorker:
     def _export(self, planned: _Planned) -> None:
         """Copy a stopped request's blocks out and put them (not waited for: its blocks are freed once
         copied; whoever needs them waits for the keys in the store)."""
+        transfer = planned.transfer
         for layer in self._layers.values():
-            self._put(planned, layer, self.mover.gather(layer, planned.ids, stable=False), pin_s=self.config.pin_s)
-        self._exported.add(planned.transfer.req_id)
+            gathered = self.mover.gather(layer, planned.ids, stable=False)
+            self._put(transfer, self._keys(transfer.hashes, layer), gathered, pin_s=self.config.pin_s)
+        self._exported.add(transfer.req_id)
 
     def save_kv_layer(self, layer_name: str) -> None:
+        """A prefill's blocks of the layer (the step waits for their puts, so they stay as they are)."""
         layer = self._layers[layer_name]
         for planned in self._saves:
-            if planned.transfer.wait:  # a prefill's: the step waits for it, so its blocks stay as they are
-                self._put(planned, layer, self.mover.gather(layer, planned.ids, stable=True), pin_s=self.config.pin_s)
-            else:  # written behind: copied out now, the blocks may change before it is stored
-                self._put(planned, layer, self.mover.gather(layer, planned.ids, stable=False), pin_s=0.0)
+            gathered = self.mover.gather(layer, planned.ids, stable=True)
+            self._put(planned.transfer, self._keys(planned.transfer.hashes, layer), gathered, pin_s=self.config.pin_s)
 
-    def _put(self, planned: _Planned, layer: int, gathered: Gathered, pin_s: float) -> None:
-        """Put one layer's gathered blocks (from a transfer thread, into the memory they are sent from)."""
-        transfer = planned.transfer
-        keys = self._keys(transfer.hashes, layer)
+    def _write_behind(self) -> None:
+        """After the forward: the blocks that filled, every layer, copied out in one gather (before the next
+        step may reuse them) and put, a request's with one put, not waited for."""
+        if self._written_behind_ids is None:
+            return
+        gathered, start = self.mover.gather_layers(self._written_behind_ids), 0
+        for transfer in self._written_behind:
+            count = len(transfer.block_ids)
+            keys = [key for layer in sorted(self._layers.values()) for key in self._keys(transfer.hashes, layer)]
+            self._put(transfer, keys, gathered.blocks(start, count), pin_s=0.0)
+            start += count
+        self._written_behind, self._written_behind_ids = [], None
+
+    def _put(self, transfer: BlockTransfer, keys: list[str], gathered: Gathered, pin_s: float) -> None:
+        """Put gathered blocks under `keys`, in their order (from a transfer thread, into the memory they are
+        sent from)."""
         guard = FillGuard()
         future = self._store.put_filled(
             keys,
@@ -300,9 +320,9 @@ class ConnectorWorker:
 
     def wait_for_save(self) -> None:
         """Prefill: the step ends once its KV is stored (decode may load it next). Decode's write-behind
-        is not waited for: its blocks were copied out (the compute stream waits for those copies)."""
+        is not waited for: its blocks are copied out after the forward, in the compute stream's order."""
         if self._mover is not None:
-            self.mover.end_step()
+            self._write_behind()
         self._reap_write_behind()
         meta = self._meta
         if meta is not None and not meta.loads and meta.step_tokens >= PREFILL_SAMPLE_TOKENS and self._step_started:
