@@ -196,12 +196,35 @@ class Gathered:
             mover.memory.give(pinned)
 
 
+def stacked(caches: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
+    """Every layer's cache as one view `[layers, blocks, ...]`, in layer order, where they are views of one
+    allocation a fixed stride apart (as vLLM 0.32's `allocate_kv_cache` makes them); else None."""
+    views = [caches[layer] for layer in sorted(caches)]
+    first = views[0]
+    same = all(
+        v.shape == first.shape
+        and v.stride() == first.stride()
+        and v.dtype == first.dtype
+        and v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        for v in views
+    )
+    step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else 0
+    if (
+        not same
+        or step <= 0
+        or any(v.storage_offset() != first.storage_offset() + i * step for i, v in enumerate(views))
+    ):
+        return None
+    return torch.as_strided(first, (len(views), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
 class KvMover:
     """Copies between one engine's per-layer caches and host memory (see the module's docstring)."""
 
     def __init__(self, caches: Mapping[int, torch.Tensor], memory: HostMemory | None = None):
         """`caches`: each layer's cache by its (global) layer number."""
         self.caches = dict(caches)
+        self.stacked = stacked(self.caches)  # every layer at once, where they share one allocation
         self.device = next(iter(self.caches.values())).device
         self.cuda = self.device.type == "cuda"
         self.memory = memory or HostMemory(self.device)
@@ -262,7 +285,10 @@ class KvMover:
 
     def gather_layers(self, ids: torch.Tensor) -> Gathered:
         """Copy `ids`' blocks of every layer (in layer order) out for a save, after the work the compute
-        stream has been given (a step's forward): one indexed copy a layer into one buffer."""
+        stream has been given (a step's forward): one indexed copy in all where the layers share one
+        allocation, else one a layer into one buffer."""
+        if self.stacked is not None:
+            return Gathered(self, self.stacked.index_select(1, ids), None, self.record())
         first = next(iter(self.caches.values()))
         out = torch.empty(len(self.caches), len(ids), *first.shape[1:], dtype=first.dtype, device=self.device)
         for i, layer in enumerate(sorted(self.caches)):

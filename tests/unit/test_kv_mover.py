@@ -127,13 +127,25 @@ def test_registered_shared_memory_is_copied_into_and_out_of_without_a_bounce(dev
         mapping.close()
 
 
+def one_allocation(device: str, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Per-layer views of one buffer, a layer's stride apart, physically NHD (as vLLM 0.32 allocates them)."""
+    buffer = torch.randn(len(layers), BLOCKS, TOKENS, HEADS, CONTENT).to(torch.bfloat16).to(device)
+    return {layer: buffer[i].permute(0, 2, 1, 3) for i, layer in enumerate(sorted(layers))}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_layer_gathered_at_once_is_written_a_part_at_a_time_layer_by_layer(device):
-    """A step's write-behind: one gather of every layer's blocks, each request's part written to its own
-    runs, layer after layer; the cache rewritten after the gather changes nothing written."""
-    caches = {layer: kv_cache(device) for layer in (3, 0, 7)}
+@pytest.mark.parametrize("allocation", ["one", "a layer each"])
+def test_every_layer_gathered_at_once_is_written_a_part_at_a_time_layer_by_layer(device, allocation):
+    """A step's write-behind: one gather of every layer's blocks (one indexed copy where the layers share an
+    allocation), each request's part written to its own runs, layer after layer; the cache rewritten after
+    the gather changes nothing written."""
+    if allocation == "one":
+        caches = one_allocation(device, [3, 0, 7])
+    else:
+        caches = {layer: kv_cache(device) for layer in (3, 0, 7)}
     before = {layer: cache.clone() for layer, cache in caches.items()}
     mover = KvMover(caches, CountedMemory(device))
+    assert (mover.stacked is not None) == (allocation == "one")
     gathered = mover.gather_layers(mover.block_ids([5, 1, 4]))
     for cache in caches.values():
         cache.zero_()

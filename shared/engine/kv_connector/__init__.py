@@ -55,9 +55,10 @@ a block up whole (every layer, every head group), whatever ranks it has.
 Per-layer views are vLLM's `[blocks, KV heads, tokens, K|V]` on every backend, so the same
 gather/scatter serves CPU and GPU (`llmesh.engine.kv_mover`: on a GPU one indexed copy a layer, copied
 out on a copy stream and in on a side stream, ordered by events, to and from pinned or CUDA-registered
-host memory; nothing in the forward makes the host wait for the GPU). The hooks inside the forward (`wait_for_layer_load`, `save_kv_layer`) must run
-on every step, so the connector asks vLLM for piecewise CUDA graphs (`requires_piecewise_for_cudagraph`):
-attention, and the hooks around it, run eagerly between captured pieces; full graphs would skip them.
+host memory; nothing in the forward makes the host wait for the GPU). The hooks inside the forward
+(`wait_for_layer_load`, `save_kv_layer`) must run on every step, so the connector asks vLLM for
+piecewise CUDA graphs (`requires_piecewise_for_cudagraph`): attention, and the hooks around it, run
+eagerly between captured pieces; full graphs would skip them.
 """
 
 from __future__ import annotations
