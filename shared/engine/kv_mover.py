@@ -196,6 +196,17 @@ class Gathered:
             mover.memory.give(pinned)
 
 
+def widest(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` viewed as 8-byte elements where its strides allow: the same bytes, a quarter of bf16's
+    elements for an indexed copy to address (it computes each element's offset)."""
+    ratio = 8 // cache.element_size()
+    if ratio <= 1 or cache.stride(-1) != 1 or cache.shape[-1] % ratio or cache.storage_offset() % ratio:
+        return cache
+    if any(stride % ratio for stride in cache.stride()[:-1]):
+        return cache
+    return cache.view(torch.int64)
+
+
 def stacked(caches: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
     """Every layer's cache as one view `[layers, blocks, ...]`, in layer order, where they are views of one
     allocation a fixed stride apart (as vLLM 0.32's `allocate_kv_cache` makes them); else None."""
@@ -222,8 +233,8 @@ class KvMover:
     """Copies between one engine's per-layer caches and host memory (see the module's docstring)."""
 
     def __init__(self, caches: Mapping[int, torch.Tensor], memory: HostMemory | None = None):
-        """`caches`: each layer's cache by its (global) layer number."""
-        self.caches = dict(caches)
+        """`caches`: each layer's cache by its (global) layer number (copied as bytes: any dtype)."""
+        self.caches = {layer: widest(cache) for layer, cache in caches.items()}
         self.stacked = stacked(self.caches)  # every layer at once, where they share one allocation
         self.device = next(iter(self.caches.values())).device
         self.cuda = self.device.type == "cuda"

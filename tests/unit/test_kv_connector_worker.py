@@ -291,7 +291,7 @@ def test_the_forward_hooks_never_make_the_host_wait_for_the_device(device, monke
     assert torch.equal(kv[NAMES[0]][5], caches_equal_source(store, "c", 0, kv[NAMES[0]]))
     assert not FORBIDDEN & set(calls.names), calls.names
     assert host_waits == []
-    assert "_VariableFunctionsClass.index_select" in calls.names  # the write-behind's gather (the recording works)
+    assert any(name.endswith("index_select") for name in calls.names)  # the write-behind's gather (recorded)
 
 
 def caches_equal_source(store: MemoryStore, block: str, layer: int, like: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,7 @@ def test_every_layer_gathered_at_once_is_written_a_part_at_a_time_layer_by_layer
     before = {layer: cache.clone() for layer, cache in caches.items()}
     mover = KvMover(caches, CountedMemory(device))
     assert (mover.stacked is not None) == (allocation == "one")
+    assert all(cache.dtype == torch.int64 for cache in mover.caches.values())  # bf16 indexed 4 at a time
     gathered = mover.gather_layers(mover.block_ids([5, 1, 4]))
     for cache in caches.values():
         cache.zero_()
