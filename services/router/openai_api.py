@@ -52,7 +52,6 @@ MAX_BAD_WORDS = 128  # vLLM's default limit (VLLM_MAX_NUM_BAD_WORDS, on their to
 # the ones listed (their defaults) is refused, never ignored. Other unknown fields are ignored, as vLLM does.
 _GUIDED = "removed from vLLM: use structured_outputs or response_format"
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "prompt_logprobs": ((0,), "logprobs come for the output alone"),
     "best_of": ((1,), "one sequence is generated a request"),
     "use_beam_search": ((False,), "one sequence is generated a request"),
     "suffix": (("",), "insertion is not done"),
@@ -218,6 +217,8 @@ class _Common(_Body):
     bad_words: list[str] = Field(default=[], max_length=MAX_BAD_WORDS)  # vLLM extension: words never generated
     # vLLM extension: these tokens' logprobs with each output token, instead of the likeliest (needs logprobs)
     logprob_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS)
+    # vLLM extension: each prompt token's logprob and rank, with this many of the likeliest (not streamed)
+    prompt_logprobs: int | None = None
     # vLLM extension: keep this many prompt tokens (-1: as many as the context allows), from the end `truncation_side`
     # names ("left" keeps the last ones; None: the tokenizer's side)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
@@ -261,6 +262,23 @@ class _Common(_Body):
     def _choice_seeds(self) -> _Common:
         if self.seed is not None and self.seed + self.n - 1 > 2**63 - 1:
             raise InvalidRequest("seed + n - 1 must fit in 64 bits (choice i samples with seed + i)", param="seed")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs(self) -> _Common:  # (vLLM's rules and words)
+        asked = self.prompt_logprobs
+        if asked is None:
+            return self
+        if asked < -1:
+            raise InvalidRequest("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+        if self.stream and asked != 0:
+            raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if asked == -1 or asked > MAX_LOGPROBS:
+            shown = "every token's (-1)" if asked == -1 else str(asked)
+            raise InvalidRequest(
+                f"Requested prompt logprobs of {shown}, which is greater than max allowed: {MAX_LOGPROBS}",
+                param="prompt_logprobs",
+            )
         return self
 
     @model_validator(mode="after")
@@ -317,6 +335,7 @@ class _Common(_Body):
             logprobs=self.logprob_count,
             logprob_token_ids=self.logprob_token_ids or None,
             echo=self.echoes,
+            prompt_logprobs=self.prompt_logprobs,
             prompt_text=self.shows_prompt_text,
             structured=self.structured(),
             allowed_token_ids=self.allowed_token_ids,
@@ -707,10 +726,13 @@ class Choice:
     stop_reason: str | int | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None  # a chat's rendered prompt, where asked for
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # as vLLM shows them, where computed
 
     @classmethod
     def of(cls, deltas: list[TokenDelta]) -> Choice:
-        """The choice that these deltas, all of its stream, make (its prompt's ids and text on the first)."""
+        """The choice that these deltas, all of its stream, make (its prompt's ids, text and logprobs on the
+        first)."""
+        first = deltas[0]
         return cls(
             "".join(d.text for d in deltas),
             deltas[-1].finish_reason,
@@ -718,9 +740,30 @@ class Choice:
             [t for d in deltas for t in d.token_ids],
             [step for d in deltas for step in d.logprobs or ()],
             deltas[-1].stop_reason,
-            deltas[0].prompt_token_ids,
-            deltas[0].prompt_text,
+            first.prompt_token_ids,
+            first.prompt_text,
+            shown_prompt_logprobs(first.prompt_logprobs, first.prompt_ranks),
         )
+
+
+def shown_prompt_logprobs(
+    steps: LogprobSteps | None, ranks: list[int | None] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """A prompt's logprobs as vLLM's server shows them (`prompt_logprobs`): None for its first token, then each
+    token's step by token id: the prompt's own token first with its rank, then the likeliest, ranked from 1 on
+    with the prompt's own token's rank left out (where it is among them, it is shown once, first)."""
+    if steps is None or ranks is None:
+        return None
+    shown: list[dict[str, dict[str, Any]] | None] = [None]
+    for (own, *likeliest), rank in zip(steps[1:], ranks[1:]):
+        others = (r for r in itertools.count(1) if r != rank)
+        shown.append(
+            {
+                str(token): {"logprob": _clamped(logprob), "rank": r, "decoded_token": text}
+                for (token, logprob, text), r in [(own, rank), *zip(likeliest, others)]
+            }
+        )
+    return shown
 
 
 class ChoiceReading(Protocol):
@@ -875,9 +918,10 @@ class ResponseShape:
         logprobs: LogprobSteps | None,
         token_ids: list[int] | None,
         prompt_token_ids: list[int] | None = None,
+        prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None,
     ) -> dict[str, Any]:
         """Choice `index` of a chunk or of a whole answer, around its `body` (its text, as each shows it), with
-        its prompt's ids where given and a completion's (a chat's are its envelope's)."""
+        its prompt's ids and logprobs where given and a completion's (a chat's are its envelope's)."""
         choice = {
             "index": index,
             **body,
@@ -889,6 +933,8 @@ class ResponseShape:
             choice["token_ids"] = token_ids
         if prompt_token_ids is not None and not self.chat:
             choice["prompt_token_ids"] = prompt_token_ids
+        if prompt_logprobs is not None and not self.chat:
+            choice["prompt_logprobs"] = prompt_logprobs
         return choice
 
     def chunk_event(
@@ -991,14 +1037,18 @@ class ResponseShape:
                 body, finish_reason = {"text": c.text}, c.finish_reason
             prompt_ids = c.prompt_token_ids if self.with_prompt_ids else None
             rendered.append(
-                self._choice(index, body, finish_reason, c.stop_reason, c.logprobs, c.token_ids, prompt_ids)
+                self._choice(
+                    index, body, finish_reason, c.stop_reason, c.logprobs, c.token_ids, prompt_ids, c.prompt_logprobs
+                )
             )
         completion_tokens = sum(c.completion_tokens for c in choices)
         answer_usage = usage(prompt_tokens, completion_tokens, _total(reasoning))
         if not self.chat:
             return self._envelope("text_completion", rendered, usage=answer_usage)
         prompt_ids = choices[0].prompt_token_ids if self.with_prompt_ids else None  # (a chat's one prompt)
-        shown = _given(prompt_token_ids=prompt_ids, prompt_text=choices[0].prompt_text)
+        shown = _given(
+            prompt_token_ids=prompt_ids, prompt_text=choices[0].prompt_text, prompt_logprobs=choices[0].prompt_logprobs
+        )
         return self._envelope("chat.completion", rendered, usage=answer_usage, **shown)
 
 

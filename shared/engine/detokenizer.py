@@ -117,6 +117,13 @@ def echoed_prompt(tokenizer: Any, req: PrefillRequest, token_ids: Sequence[int])
     return tokenizer.decode(req.prompt_token_ids or token_ids) if req.prompt is None else req.prompt
 
 
+def prompt_logprob_ranks(prompt_logprobs: Sequence[Mapping[int, Any] | None] | None) -> list[int | None] | None:
+    """The rank of each prompt token among the engine's logprobs (the first token, which has none: None)."""
+    if not prompt_logprobs:
+        return None
+    return [None] + [next(iter(step.values())).rank for step in prompt_logprobs[1:] if step is not None]
+
+
 def prompt_logprob_steps(
     tokenizer: Any, token_ids: Sequence[int], prompt_logprobs: Sequence[Mapping[int, Any] | None] | None
 ) -> LogprobSteps | None:

@@ -124,7 +124,7 @@ def sampling_params(
         spaces_between_special_tokens=options.spaces_between_special_tokens,
         logprobs=None if options.logprob_token_ids else options.logprobs,  # (vLLM's servers': the ids instead)
         logprob_token_ids=options.logprob_token_ids,
-        prompt_logprobs=options.logprobs if options.echo and not generated else None,
+        prompt_logprobs=None if generated else options.prompt_logprob_count,
         stop_token_ids=options.stop_token_ids or None,
         include_stop_str_in_output=options.include_stop_str_in_output,
         stop=options.stop or None,

@@ -338,6 +338,9 @@ class SamplingOptions(Message):
     # the first delta carries the prompt: its text and, with logprobs, its logprobs (the engine that computes the
     # prompt computes them: a resumed engine does not)
     echo: bool = False
+    # vLLM's prompt_logprobs: each prompt token's logprob and rank with this many of the likeliest (the engine that
+    # computes the prompt computes them; an echo's logprobs, if any, come from the same)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     prompt_text: bool = False  # a chat's first delta carries its rendered template (vLLM's return_prompt_text)
     # a structured output: vLLM's StructuredOutputsParams fields (one constraint: json, regex, choice, grammar or
     # json_object); each engine's grammar follows the whole output (an engine that resumes it starts past its start)
@@ -355,6 +358,12 @@ class SamplingOptions(Message):
     # the whole output's repetition ends it: each engine checks its own output, and the router the whole
     # (a pattern across the hand-over is seen by no engine)
     repetition_detection: RepetitionDetection | None = None
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """How many of the likeliest tokens each prompt step's logprobs come with (None: no prompt logprobs), as
+        vLLM's servers ask their engine: `prompt_logprobs`, else an echo's `logprobs`."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
 
 
 class PrefillRequest(Message):
@@ -431,7 +440,10 @@ class TokenDelta(Message):
     # the first delta's, with SamplingOptions.echo: as given, else decoded; with SamplingOptions.prompt_text, a chat's
     # rendered template
     prompt_text: str | None = None
-    prompt_logprobs: LogprobSteps | None = None  # the first delta's, with SamplingOptions.echo and logprobs
+    # the first delta's, with SamplingOptions.prompt_logprobs or with echo and logprobs; and the rank of each step's
+    # first entry, the prompt's token (the others are the likeliest, in order, from rank 1 on, that one left out)
+    prompt_logprobs: LogprobSteps | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 class KvHandle(Message):

@@ -9,10 +9,11 @@ Greedy sampling unless "sampling" says otherwise. With "top": true it adds each 
 tokens and logprobs (bf16 logits tie, three ways too). Where logprobs were asked for ("top", or
 "logprobs" in "sampling"), "steps" gives vLLM's candidates a step, [token, logprob, text], the sampled
 one first; with "prompt_logprobs" in "sampling", "prompt_steps" the prompt's, as vLLM's server shows
-them (the first token's logprob None, its text decoded) and "prompt_text" the prompt decoded, as the
-server echoes token prompts; with "timing": true, TTFT and TPOT; with "ignore_eos": true it generates
-past the end-of-sequence token; "sampling" adds vLLM sampling parameters (a logit_bias's keys are
-strings, structured_outputs a dict); "reasoning_ended" is vLLM's argument of that name (its server's for a chat).
+them (the first token's logprob None, its text decoded), "prompt_logprobs" as its `prompt_logprobs`
+field and "prompt_text" the prompt decoded, as the server echoes token prompts; with "timing": true,
+TTFT and TPOT; with "ignore_eos": true it generates past the end-of-sequence token; "sampling" adds
+vLLM sampling parameters (a logit_bias's keys are strings, structured_outputs a dict);
+"reasoning_ended" is vLLM's argument of that name (its server's for a chat).
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
 the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
 tokens before it (0 where greedy decoding would have chosen it).
@@ -35,6 +36,8 @@ async def main(
     os.dup2(2, 1)
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -100,6 +103,10 @@ async def main(
             answer["prompt_steps"] = [[[ids[0], None, tokenizer.decode(ids[0])]]] + [
                 [[t, lp.logprob, lp.decoded_token] for t, lp in s.items()] for s in final.prompt_logprobs[1:]
             ]
+            shown = CompletionResponseChoice(
+                index=0, text="", prompt_logprobs=clamp_prompt_logprobs(final.prompt_logprobs)
+            )
+            answer["prompt_logprobs"] = json.loads(shown.model_dump_json())["prompt_logprobs"]  # as vLLM's server
         if req.get("timing"):  # for bench/: time to first token, time per later token
             answer |= {
                 "ttft": stamps[0] - started,

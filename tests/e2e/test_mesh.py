@@ -917,6 +917,36 @@ def test_echo_gives_each_prompt_with_its_logprobs_as_the_monolithic_engine_compu
     assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == 130 + 6
 
 
+def test_prompt_logprobs_are_the_monolithic_engines_with_their_ranks(client, reference):
+    """vLLM's `prompt_logprobs`: every prompt token's logprob and rank with the likeliest, as vLLM's server
+    shows them, for each of a completion's prompts (the prefill computes the whole prompt, also where the
+    store holds its blocks) and a chat's rendered prompt; an echo's logprobs show as many as it asks."""
+    prompts = [token_prompt(200, seed=3838), token_prompt(70, seed=3939)]
+    expected = [reference.generate(1, prompt_token_ids=ids, prompt_logprobs=3)["prompt_logprobs"] for ids in prompts]
+    for _ in range(2):  # the second time, the store holds the prompts' blocks
+        out = client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3}
+        )
+        assert [c.prompt_logprobs for c in out.choices] == expected
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=1, temperature=0, logprobs=1, echo=True,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    assert echoed.choices[0].prompt_logprobs == expected[1]
+    assert all(len(top) == 2 for top in echoed.choices[0].logprobs.top_logprobs[1:70])  # its own and 1
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Lists are"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1, "return_token_ids": True},
+    )
+    assert (
+        chat.prompt_logprobs
+        == reference.generate(1, prompt_token_ids=chat.prompt_token_ids, prompt_logprobs=1)["prompt_logprobs"]
+    )
+
+
 def test_n_choices_of_several_prompts_are_each_a_request_through_prefill_and_decode(client, reference):
     """Greedy, every choice of each prompt is the monolithic engine's output for that prompt: each token
     within a bf16 tie of the likeliest given those before it (the choices share the engines' batches,

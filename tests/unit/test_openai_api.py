@@ -746,7 +746,6 @@ async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_t
     from llmesh_router.openai_api import UNSUPPORTED
 
     refused = {
-        "prompt_logprobs": 1,
         "best_of": 2,
         "use_beam_search": True,
         "suffix": "end",
@@ -991,3 +990,62 @@ def test_thinking_token_budget_is_read_as_vllms_server_reads_it_and_reaches_the_
             assert options.thinking_token_budget == theirs, value
             params = sampling_params(options, max_tokens=4, kv_transfer_params={})
             assert params.thinking_token_budget == theirs
+
+
+@pytest.mark.parametrize("own_rank", [1, 3, 7])  # the prompt's token: the likeliest, among the likeliest, beyond them
+def test_prompt_logprobs_show_as_vllms_server_shows_them(own_rank):
+    """The engine's prompt logprobs (the prompt's token first with its rank, then the likeliest, merged) through
+    a worker's delta to the choice and the chat's envelope, as vLLM's server shows them (-inf as -9999.0)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
+    from vllm.logprobs import Logprob
+
+    from llmesh.engine.detokenizer import prompt_logprob_ranks, prompt_logprob_steps
+    from llmesh.wire.messages import TokenDelta
+
+    likeliest = [(50, -0.5), (51, -1.0), (52, -2.0)]
+    own = likeliest[own_rank - 1] if own_rank <= len(likeliest) else (60, float("-inf"))
+    step = {own[0]: Logprob(own[1], own_rank, f"t{own[0]}")}
+    step.update({t: Logprob(lp, r, f"t{t}") for r, (t, lp) in enumerate(likeliest, 1)})
+    engine = [None, step, {50: Logprob(-0.1, 1, "t50"), 51: Logprob(-3.0, 2, "t51")}]
+    ids, tokenizer = [1, own[0], 50], SimpleNamespace(decode=lambda token: f"t{token}")
+    delta = TokenDelta(
+        text="x",
+        token_ids=[9],
+        prompt_logprobs=prompt_logprob_steps(tokenizer, ids, engine),
+        prompt_ranks=prompt_logprob_ranks(engine),
+    )
+    choice = Choice.of([delta])
+    vllms = CompletionResponseChoice(index=0, text="x", prompt_logprobs=clamp_prompt_logprobs(engine))
+    expected = json.loads(vllms.model_dump_json())["prompt_logprobs"]
+    assert choice.prompt_logprobs == expected and [list(s or ()) for s in choice.prompt_logprobs] == [
+        list(s or ()) for s in expected
+    ]
+    assert ResponseShape(False, "r", "m").final([choice], 3)["choices"][0]["prompt_logprobs"] == expected
+    assert ResponseShape(True, "r", "m").final([choice], 3)["prompt_logprobs"] == expected
+    plain = Choice.of([TokenDelta(text="x", token_ids=[9])])
+    assert "prompt_logprobs" not in ResponseShape(False, "r", "m").final([plain], 3)["choices"][0]
+
+
+@pytest.mark.parametrize(
+    "asked, stream, refused",
+    [(0, True, None), (5, False, None), (20, False, None), (1, True, "not available when `stream=True`"),
+     (-1, True, "not available"), (-1, False, "greater than max allowed: 20"), (21, False, "greater than max"),
+     (-2, False, "a positive value or -1")],
+)  # fmt: skip
+def test_prompt_logprobs_are_refused_as_vllm_refuses_them(asked, stream, refused):
+    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    for body in (
+        {"model": "m", "prompt": "p"},
+        {"model": "m", "messages": [{"role": "user", "content": "p"}]},
+    ):
+        kind = CompletionRequest if "prompt" in body else ChatCompletionRequest
+        try:
+            request = kind.model_validate(body | {"prompt_logprobs": asked, "stream": stream})
+        except InvalidRequest as exc:
+            assert refused is not None and refused in str(exc) and exc.param == "prompt_logprobs"
+        else:
+            assert refused is None and request.sampling().prompt_logprobs == asked
