@@ -36,8 +36,7 @@ from llmesh.engine.detokenizer import (
     LOGPROB_CONTEXT,
     ContinuedText,
     logprob_steps,
-    prompt_logprob_ranks,
-    prompt_logprob_steps,
+    prompt_logprob_fields,
 )
 from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
 from llmesh.engine.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
@@ -272,8 +271,7 @@ class DecodeService:
                     completion_tokens=held.generated,
                     cached_tokens=out.num_cached_tokens if opening else None,
                     logprobs=o.logprobs and self._logprobs(held, o),
-                    prompt_logprobs=prompt_logprob_steps(self.worker.tokenizer, token_ids, out.prompt_logprobs),
-                    prompt_ranks=prompt_logprob_ranks(out.prompt_logprobs),
+                    **prompt_logprob_fields(self.worker.tokenizer, token_ids, out.prompt_logprobs),
                 )
         if finish_reason is not None:
             await self.worker.report_length(held.request_id, predicted, held.generated, finish_reason)

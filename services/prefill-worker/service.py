@@ -9,7 +9,7 @@ import time
 
 from opentelemetry import trace
 
-from llmesh.engine.detokenizer import logprob_steps, prompt_logprob_ranks, prompt_logprob_steps
+from llmesh.engine.detokenizer import logprob_steps, prompt_logprob_fields
 from llmesh.engine.worker import EngineWorker, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import KvHandle, PrefillRequest, PrefillResult, TokenDelta
@@ -97,8 +97,7 @@ class PrefillService:
                     cached_tokens=final.num_cached_tokens,
                     logprobs=o.logprobs and logprob_steps(tokenizer, o.logprobs, []),
                     prompt_text=shown,
-                    prompt_logprobs=prompt_logprob_steps(tokenizer, token_ids, final.prompt_logprobs),
-                    prompt_ranks=prompt_logprob_ranks(final.prompt_logprobs),
+                    **prompt_logprob_fields(tokenizer, token_ids, final.prompt_logprobs),
                 ),
                 kv=kv,
                 fingerprint=self.worker.fingerprint,

@@ -117,23 +117,18 @@ def echoed_prompt(tokenizer: Any, req: PrefillRequest, token_ids: Sequence[int])
     return tokenizer.decode(req.prompt_token_ids or token_ids) if req.prompt is None else req.prompt
 
 
-def prompt_logprob_ranks(prompt_logprobs: Sequence[Mapping[int, Any] | None] | None) -> list[int | None] | None:
-    """The rank of each prompt token among the engine's logprobs (the first token, which has none: None)."""
-    if not prompt_logprobs:
-        return None
-    return [None] + [next(iter(step.values())).rank for step in prompt_logprobs[1:] if step is not None]
-
-
-def prompt_logprob_steps(
+def prompt_logprob_fields(
     tokenizer: Any, token_ids: Sequence[int], prompt_logprobs: Sequence[Mapping[int, Any] | None] | None
-) -> LogprobSteps | None:
-    """vLLM's prompt logprobs (the prompt's own token first, then the likeliest; its texts are vLLM's, the
-    whole prompt being on the engine), the first token's, which has none, with logprob None."""
+) -> dict[str, Any]:
+    """A first `TokenDelta`'s `prompt_logprobs` and `prompt_ranks` from vLLM's prompt logprobs: each step's
+    prompt token first, then the likeliest (texts are vLLM's, the whole prompt being on the engine), and the
+    rank of each step's prompt token; the first token's, which has none, with logprob and rank None."""
     if not prompt_logprobs:
-        return None
+        return {}
     first = token_ids[0]
-    return [[(first, None, tokenizer.decode(first))]] + [
-        [(token, logprob.logprob, logprob.decoded_token) for token, logprob in step.items()]
-        for step in prompt_logprobs[1:]
-        if step is not None
-    ]
+    steps = [step for step in prompt_logprobs[1:] if step is not None]
+    return {
+        "prompt_logprobs": [[(first, None, tokenizer.decode(first))]]
+        + [[(token, logprob.logprob, logprob.decoded_token) for token, logprob in step.items()] for step in steps],
+        "prompt_ranks": [None] + [next(iter(step.values())).rank for step in steps],
+    }

@@ -1002,7 +1002,7 @@ def test_prompt_logprobs_show_as_vllms_server_shows_them(own_rank):
     from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
     from vllm.logprobs import Logprob
 
-    from llmesh.engine.detokenizer import prompt_logprob_ranks, prompt_logprob_steps
+    from llmesh.engine.detokenizer import prompt_logprob_fields
     from llmesh.wire.messages import TokenDelta
 
     likeliest = [(50, -0.5), (51, -1.0), (52, -2.0)]
@@ -1011,12 +1011,7 @@ def test_prompt_logprobs_show_as_vllms_server_shows_them(own_rank):
     step.update({t: Logprob(lp, r, f"t{t}") for r, (t, lp) in enumerate(likeliest, 1)})
     engine = [None, step, {50: Logprob(-0.1, 1, "t50"), 51: Logprob(-3.0, 2, "t51")}]
     ids, tokenizer = [1, own[0], 50], SimpleNamespace(decode=lambda token: f"t{token}")
-    delta = TokenDelta(
-        text="x",
-        token_ids=[9],
-        prompt_logprobs=prompt_logprob_steps(tokenizer, ids, engine),
-        prompt_ranks=prompt_logprob_ranks(engine),
-    )
+    delta = TokenDelta(text="x", token_ids=[9], **prompt_logprob_fields(tokenizer, ids, engine))
     choice = Choice.of([delta])
     vllms = CompletionResponseChoice(index=0, text="x", prompt_logprobs=clamp_prompt_logprobs(engine))
     expected = json.loads(vllms.model_dump_json())["prompt_logprobs"]

@@ -292,9 +292,10 @@ class ConnectorWorker:
         if self._written_behind_ids is None:
             return
         gathered, start = self.mover.gather_layers(self._written_behind_ids), 0
+        layers = sorted(self._layers.values())  # (gather_layers' order)
         for transfer in self._written_behind:
             count = len(transfer.block_ids)
-            keys = [key for layer in sorted(self._layers.values()) for key in self._keys(transfer.hashes, layer)]
+            keys = [key for layer in layers for key in self._keys(transfer.hashes, layer)]
             self._put(transfer, keys, gathered.blocks(start, count), pin_s=0.0)
             start += count
         self._written_behind, self._written_behind_ids = [], None
