@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: run test install lint
+.PHONY: run test install lint compose-test
 install: $(STAMP)
 
 run: $(STAMP)
@@ -36,3 +36,8 @@ lint: $(STAMP) $(MYPY_SRC)
 
 test: lint
 	$(PY) -m pytest
+
+# docker-compose.yml in containers under podman (installed from Debian's packages if missing; images and layers kept
+# in .cache/compose): run with every change under docker/ or to the compose files (tests/compose/test_compose_up.py)
+compose-test: $(STAMP)
+	$(PY) -m pytest --compose tests/compose $(ARGS)

@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from llmesh.wire.config import CommonSettings, HostSettings, ModelSettings, WorkerSettings
+from llmesh.deploy.launcher import LauncherSettings
+from llmesh.wire.config import CommonSettings, HostSettings, ModelSettings, ServedModel, WorkerSettings
 from llmesh_hostagent.settings import HostAgentSettings
 from llmesh_kvstore.settings import KvStoreSettings
 from llmesh_lengthpred.settings import LengthPredictorSettings
@@ -20,8 +21,10 @@ SECTIONS = [
     ("length-predictor", LengthPredictorSettings),
     ("placement", PlacementSettings),
     ("host-agent", HostAgentSettings),
+    ("The launcher (`make run`)", LauncherSettings),
 ]
 MACHINE_DEPENDENT = {"model_dir": "~/.cache/llmesh", "length_artifact_dir": "services/length-predictor/artifact"}
+CATALOGUE_ENTRY = "One model of `MESH_MODELS`: a JSON object with these keys (`name` required)."
 
 
 def render() -> str:
@@ -41,10 +44,29 @@ def render() -> str:
             ):
                 continue
             alias = field.validation_alias
-            env = " / ".join(alias.choices) if alias is not None else f"MESH_{name.upper()}"
+            env = (
+                alias
+                if isinstance(alias, str)
+                else " / ".join(map(str, alias.choices))
+                if alias is not None
+                else f"MESH_{name.upper()}"
+            )
             default = MACHINE_DEPENDENT.get(name, field.get_default(call_default_factory=True))
             lines.append(f"| `{env}` | `{default}` | {field.description} |")
         lines.append("")
+        if cls is ModelSettings:
+            lines += [
+                "### A model of MESH_MODELS",
+                "",
+                CATALOGUE_ENTRY,
+                "",
+                "| key | default | meaning |",
+                "|---|---|---|",
+            ]
+            for name, field in ServedModel.model_fields.items():
+                default = "(required)" if field.is_required() else f"`{field.get_default(call_default_factory=True)}`"
+                lines.append(f"| `{name}` | {default} | {field.description} |")
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -66,12 +66,13 @@ async def measure(
     args = AsyncEngineArgs(
         model=model,
         dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
         block_size=settings.block_size,
         enforce_eager=True,
         disable_log_stats=True,
         enable_prefix_caching=False,
     )
+    if settings.max_model_len:
+        args.max_model_len = settings.max_model_len
     started = [AsyncLLM.from_engine_args(args) for _ in range(engines + (beside is not None))]
     measured, neighbour = started[:engines], started[engines:]
     serial = 0

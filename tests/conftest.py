@@ -13,6 +13,22 @@ sys.path.insert(0, str(ROOT / "tests"))
 from llmesh.deploy.launcher import start_nats, start_redis  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--compose",
+        action="store_true",
+        help="also run tests/compose: docker-compose.yml in containers under podman (`make compose-test`)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--compose"):
+        skip = pytest.mark.skip(reason="docker-compose.yml in containers: `make compose-test` runs it")
+        for item in items:
+            if item.get_closest_marker("compose"):
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def nats_url(tmp_path_factory):
     child, url = start_nats(tmp_path_factory.mktemp("nats"))

@@ -7,8 +7,9 @@ under <repo>/.cache/<name>-venv.
   has it, else PyTorch's CPU index, as the Makefile does) and what the import chain of LMCache's
   lm:// client and reference server needs on CPU, within LMCache's own pins.
 - docker-compose 1.29.2 (`docker_compose`), the Python implementation, which renders and validates
-  a compose file with no Docker engine (`docker-compose -f FILE config`): its PyYAML<6 pin fails to
-  build, so it is installed with --no-deps beside its dependencies and PyYAML 6.
+  a compose file with no Docker engine (`docker-compose -f FILE config`) and runs one against podman's
+  Docker API (tests/compose): its PyYAML<6 pin fails to build, so it is installed with --no-deps beside
+  its dependencies and PyYAML 6.
 
 A file lock keeps parallel callers from racing, and a stamp holding the install steps marks a
 finished build (changed steps rebuild it). `python tests/tool_envs.py lmcache|docker-compose`
@@ -70,7 +71,7 @@ COMPOSE_STEPS = [
         "docopt",
         "jsonschema<4",
         "python-dotenv",
-        "requests",
+        "requests<2.32",  # (2.32 dropped what docker<7 connects to a daemon's socket with: "http+docker")
         "texttable",
         "websocket-client",
         "distro",

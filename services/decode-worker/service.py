@@ -41,7 +41,7 @@ from llmesh.engine.detokenizer import (
 from llmesh.engine.kvclient import ChunkLocator, KvClient, ShardDirectory, leading_run
 from llmesh.engine.worker import EngineWorker, HeldRequest, sampling_params, tokens_prompt
 from llmesh.wire.errors import InvalidRequest, KVFingerprintMismatch, MeshError, ServiceUnavailable
-from llmesh.wire.kvkeys import block_hashes, chain_seed, check_same_layout, tail_hash
+from llmesh.wire.kvkeys import block_hashes, check_same_layout, tail_hash
 from llmesh.wire.messages import (
     Ack,
     DecodeRequest,
@@ -49,6 +49,7 @@ from llmesh.wire.messages import (
     KvHandle,
     LengthPrediction,
     LogprobSteps,
+    LoraAdapter,
     MigrateCommand,
     Migrated,
     MigrateOutcome,
@@ -126,7 +127,9 @@ class DecodeService:
             priority=req.priority,
             migration_id=req.migration_id,
         ) as held:
-            self._name_admission(held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt)
+            self._name_admission(
+                held, "decode", [*req.prompt_token_ids, *req.output_token_ids], req.cache_salt, req.lora
+            )
             if done and self.worker.settings.length_refine_every:  # resumed: the output so far, for the refinements
                 held.output_text.append(
                     await asyncio.get_running_loop().run_in_executor(
@@ -185,7 +188,7 @@ class DecodeService:
             predicted=req.predicted_length,
             priority=req.priority,
         ) as held:
-            self._name_admission(held, "generate", list(token_ids), req.cache_salt)
+            self._name_admission(held, "generate", list(token_ids), req.cache_salt, req.lora)
             params = sampling_params(
                 req.sampling,
                 max_tokens=max_tokens,
@@ -242,7 +245,7 @@ class DecodeService:
         finish_reason = None
         span, first = trace.get_current_span(), True
         async for out in self.worker.generate(
-            tokens_prompt(token_ids, cache_salt), params, engine_request_id, **(reasoning or {})
+            tokens_prompt(token_ids, cache_salt), params, engine_request_id, lora=held.lora, **(reasoning or {})
         ):
             o = out.outputs[0]
             opening = first and held.generated == 0  # the request's first output (not a resumed one's)
@@ -282,10 +285,12 @@ class DecodeService:
         before = held.token_ids[max(end - LOGPROB_CONTEXT, len(held.token_ids) - held.generated) : end]
         return logprob_steps(self.worker.tokenizer, output.logprobs, before)
 
-    def _name_admission(self, held: HeldRequest, kind: str, token_ids: list[int], cache_salt: str | None) -> None:
-        """What a migration needs of the engine request `held` starts: its tokens so far and salt, its
-        engine id, and the unique id its exported blocks are named by."""
-        held.token_ids, held.cache_salt = token_ids, cache_salt
+    def _name_admission(
+        self, held: HeldRequest, kind: str, token_ids: list[int], cache_salt: str | None, lora: LoraAdapter | None
+    ) -> None:
+        """What a migration needs of the engine request `held` starts: its tokens so far, salt and adapter,
+        its engine id, and the unique id its exported blocks are named by."""
+        held.token_ids, held.cache_salt, held.lora = token_ids, cache_salt, lora
         held.tail_id = f"{self.worker.worker_id}/{held.request_id}/{held.generated}/{uuid.uuid4().hex[:8]}"
         held.engine_request_id = f"{kind}-{held.tail_id}"
 
@@ -336,6 +341,7 @@ class DecodeService:
                     token_ids=list(held.token_ids),
                     max_tokens_left=max(held.max_tokens - held.generated, 1),
                     cache_salt=held.cache_salt,
+                    lora=held.lora,
                     hold_s=PREPARE_TIMEOUT_S,
                     prefetch=not cmd.recompute,
                 ),
@@ -415,7 +421,7 @@ class DecodeService:
         with self._tracer.start_as_current_span("migration.export") as span:
             size, loadable = self.block_size, len(held.token_ids) - 1
             full = loadable // size
-            seed = chain_seed(self.worker.fingerprint, held.cache_salt)
+            seed = self.worker.kv_seed(held.cache_salt, held.lora)
             hashes = block_hashes(seed, held.token_ids[: full * size], size)
             ends = []  # names of the partial last block, best first: written at its step, or exported at the stop
             if loadable % size:
@@ -543,7 +549,7 @@ class DecodeService:
         cache); the blocks loaded."""
         size = self.block_size
         full = (len(req.token_ids) - 1) // size
-        hashes = block_hashes(chain_seed(self.worker.fingerprint, req.cache_salt), req.token_ids[: full * size], size)
+        hashes = block_hashes(self.worker.kv_seed(req.cache_salt, req.lora), req.token_ids[: full * size], size)
         stored = await self._stored_run(hashes)
         trace.get_current_span().set_attribute("kv.stored", stored)  # what the store held: a timeout is not a miss
         if not stored:
@@ -558,6 +564,6 @@ class DecodeService:
             },
         )
         prompt = tokens_prompt(req.token_ids[: stored * size + 1], req.cache_salt)
-        async for _ in self.worker.engine.generate(prompt, params, request_id=f"prefetch-{req.migration_id}"):
+        async for _ in self.worker.generate(prompt, params, f"prefetch-{req.migration_id}", lora=req.lora):
             pass
         return stored

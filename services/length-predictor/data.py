@@ -9,7 +9,7 @@ prompt text with response text.
     hh-rlhf       Anthropic's 52B assistant (multi-turn)        2,312 dialogues, 2 answers each
 
 ShareGPT is not here: its prompts (sharegpt-prompts-mlenergy) and its lengths (sarathi) come
-without each other. Lengths are counted with the encoder's own tokenizer (WordPiece, the
+without each other. Lengths are counted in WordPiece tokens (llmesh_lengthpred.model: the
 bert-base-uncased vocabulary), since the generators' tokenizers are not available offline. A
 generator's family (`family_of`) is a model input: the same prompt gets answers of very
 different lengths from different models. Splits are by prompt, never by row: every response to

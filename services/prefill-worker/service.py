@@ -47,7 +47,11 @@ class PrefillService:
             computed = 0
             try:
                 async for out in self.worker.generate(
-                    tokens_prompt(token_ids, req.cache_salt), params, f"prefill-{req.request_id}", **reasoning
+                    tokens_prompt(token_ids, req.cache_salt),
+                    params,
+                    f"prefill-{req.request_id}",
+                    lora=req.lora,
+                    **reasoning,
                 ):
                     final = out
                 computed = len(token_ids)

@@ -89,7 +89,10 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         log.info("the OpenAI API needs one of %d API keys", len(keys))
     else:
         log.warning("no API keys configured: anyone who reaches %s:%d can use the API", settings.host, settings.port)
-    response_store = ResponseStore(settings.redis_url, settings.responses_ttl_s)
+    admin_keys = settings.admin_keyring()
+    if not admin_keys.enabled:
+        log.info("no admin keys: /v1/load_lora_adapter and /v1/unload_lora_adapter are closed")
+    response_store = ResponseStore(settings.responses_redis_url or settings.redis_url, settings.responses_ttl_s)
     app = create_app(
         dispatcher,
         registry,
@@ -99,6 +102,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
         output_parsers,
         settings.max_request_bytes,
         response_store,
+        admin_keys,
     )
     # Idle connections live longer than clients' own keep-alive (aiohttp 15 s, load balancers 60 s): with
     # uvicorn's 5 s, a client reusing a connection as the router closed it saw "Server disconnected".
@@ -108,7 +112,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
             host=settings.host,
             port=settings.port,
             log_level="warning",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
             timeout_keep_alive=75,
         )
     )

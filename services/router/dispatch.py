@@ -34,6 +34,7 @@ from llmesh.wire import telemetry
 from llmesh.wire.bus import Bus
 from llmesh.wire.errors import (
     AtCapacity,
+    InvalidRequest,
     MeshError,
     NoResponders,
     ServiceUnavailable,
@@ -44,11 +45,14 @@ from llmesh.wire.errors import (
 from llmesh.wire.lifecycle import cancel_and_wait
 from llmesh.wire.messages import (
     AbortRequest,
+    Ack,
     ChatMessage,
     DecodeRequest,
     DetokenizeTokens,
     KvHandle,
     LengthPrediction,
+    LoraAdapter,
+    LoraCommand,
     M,
     Message,
     Migrated,
@@ -81,6 +85,7 @@ MAX_REDISPATCHES = 2  # times a request that reached no worker (gone, not yet kn
 MAX_REFUSALS = 8
 TOKENIZER_TIMEOUT_S = 10.0  # a worker's answer to /tokenize or /detokenize
 TOKENIZER_TRIES = 2  # workers asked in turn, where one is gone (not yet known dead) or does not answer
+ADAPTER_TIMEOUT_S = 120.0  # a worker's engine loading a LoRA adapter (a hub name's download included)
 
 
 @dataclass
@@ -141,6 +146,7 @@ class _DecodeSession:
             priority=gen.priority,
             migration_id=migration_id,
             recompute=recompute,
+            lora=gen.lora,
         )
 
 
@@ -159,6 +165,7 @@ class Generation:
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     cache_salt: str | None = None
+    lora: LoraAdapter | None = None  # the LoRA adapter it names (`model` is then the adapter's base model)
     priority: int = 0  # vLLM's convention: lower is more urgent
     ttft_slo_s: float | None = None  # None: the router's default
     tpot_slo_s: float | None = None
@@ -166,7 +173,8 @@ class Generation:
 
     def prefix_hashes(self) -> tuple[int, ...]:
         """Chained hashes of the prompt's leading whole blocks of text (token ids: of 64 ids), so equal
-        hashes mean equal prefixes, as vllm-router's cache-aware policy matches prompt text."""
+        hashes mean equal prefixes (within one LoRA adapter, as KV is shared), as vllm-router's cache-aware
+        policy matches prompt text."""
         units: str | tuple[int, ...]
         if self.prompt_token_ids is not None:
             units, size = tuple(self.prompt_token_ids), PREFIX_BLOCK_CHARS // 4
@@ -174,7 +182,7 @@ class Generation:
             units, size = "".join(f"<{m.role}>{m.content}" for m in self.messages), PREFIX_BLOCK_CHARS
         else:
             units, size = self.prompt or "", PREFIX_BLOCK_CHARS
-        hashes, h = [], 0
+        hashes, h = [], hash(self.lora.name) if self.lora else 0
         for start in range(0, len(units) - size + 1, size):
             h = hash((h, units[start : start + size]))
             hashes.append(h)
@@ -219,6 +227,30 @@ class Dispatcher:
                 failure = exc
         raise failure
 
+    async def command_adapter(self, model: str, command: LoraCommand) -> None:
+        """Have every live worker of `model` load or unload an adapter: all at once, each answering when its
+        engine has (an error of vLLM's refusing the adapter raised as it is). A load some refused is undone on
+        those that took it."""
+        workers = [w.worker_id for w in self.registry.live() if w.model == model]
+        if not workers:
+            raise ServiceUnavailable(f"no worker serves {model!r} now")
+        answers = await asyncio.gather(
+            *(self.bus.request(Subjects.lora(worker), command, Ack, timeout=ADAPTER_TIMEOUT_S) for worker in workers),
+            return_exceptions=True,
+        )
+        failed = [answer for answer in answers if isinstance(answer, BaseException)]
+        if not failed:
+            return
+        if command.op == "load":
+            undo = command.model_copy(update={"op": "unload"})
+            took = [w for w, answer in zip(workers, answers) if not isinstance(answer, BaseException)]
+            await asyncio.gather(
+                *(self.bus.request(Subjects.lora(w), undo, Ack, timeout=ADAPTER_TIMEOUT_S) for w in took),
+                return_exceptions=True,
+            )
+        refused = next((e for e in failed if isinstance(e, InvalidRequest)), failed[0])
+        raise refused
+
     def estimate_prompt_tokens(self, gen: Generation) -> int:
         """The prompt's length in tokens before a worker tokenizes it (from its characters, at the
         ratio the workers' tokenizations have shown so far)."""
@@ -255,6 +287,7 @@ class Dispatcher:
             ttft_slo_s=gen.ttft_slo_s,
             tpot_slo_s=gen.tpot_slo_s or self.scheduler.tpot_slo_s,
             prefix_hashes=gen.prefix_hashes() if self.scheduler.policy.needs_prefix else (),
+            adapter=gen.lora.name if gen.lora else None,
         )
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncGenerator[TokenDelta, None]:
@@ -333,6 +366,7 @@ class Dispatcher:
             predicted_length=predicted,
             cache_salt=gen.cache_salt,
             priority=gen.priority,
+            lora=gen.lora,
         )
         ends = OutputEnd(gen.sampling)
         try:
@@ -552,6 +586,10 @@ class Dispatcher:
         waited = time.monotonic() - started
         policy = self.scheduler.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
+        if view.adapter is not None:
+            loaded = view.adapter in worker.loaded_adapters
+            self.metrics.adapter_dispatches.labels(role, "yes" if loaded else "no").inc()
+            trace.get_current_span(parent).set_attribute(f"dispatch.{role}.adapter_loaded", loaded)
         if role == "prefill" or generates:  # its first worker: what vLLM's queue time measures
             self.metrics.queue_time.labels(view.model).observe(waited)
         trace.get_current_span(parent).set_attributes(

@@ -182,6 +182,13 @@ class RouterMetrics:
             ["policy", "role", "outcome"],
             registry=r,
         )
+        self.adapter_dispatches = Counter(
+            "llmesh_adapter_dispatches",
+            "Workers chosen for requests that name a LoRA adapter, by role and whether the worker's engine held "
+            "the adapter loaded then (yes; no: it loads it)",
+            ["role", "loaded"],
+            registry=r,
+        )
         self.resumes = Counter(
             "llmesh_decode_resumes",
             "Decodes continued on another worker: migrated (a live "

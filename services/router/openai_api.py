@@ -27,6 +27,7 @@ from llmesh.wire.errors import InvalidRequest, MeshError
 from llmesh.wire.messages import (
     ChatMessage,
     LogprobSteps,
+    LoraAdapter,
     RepetitionDetection,
     SamplingOptions,
     TokenDelta,
@@ -657,6 +658,24 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZED)
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter; `base_model_name` (as in vLLM's --lora-modules) names the model it adapts
+    where the mesh has several."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    base_model_name: str | None = None
+
+    def adapter(self) -> LoraAdapter:
+        return LoraAdapter(name=self.lora_name, path=self.lora_path)
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 def error_body(exc: MeshError) -> dict[str, Any]:

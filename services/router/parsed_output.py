@@ -64,10 +64,11 @@ class OutputParsers:
             m.name: _ModelParser(m, model_dir) for m in catalogue if m.tool_call_parser or m.reasoning_parser
         }
 
-    def reading(self, body: ChatCompletionRequest) -> ParsedOutput | None:
-        """How the request's output is read: by its model's parsers, its request adjusted by them; None where
-        the model has none (its output is text, or forced calls: vLLM's 400 for "auto" there)."""
-        model = self._models.get(body.model)
+    def reading(self, body: ChatCompletionRequest, model_name: str | None = None) -> ParsedOutput | None:
+        """How the request's output is read: by its model's parsers (`model_name`'s, where its `model` names a
+        LoRA adapter: the adapted model's), its request adjusted by them; None where the model has none (its
+        output is text, or forced calls: vLLM's 400 for "auto" there)."""
+        model = self._models.get(model_name or body.model)
         if body.auto_tools and (model is None or not model.reads_calls):
             raise InvalidRequest(AUTO_REFUSED, param="tool_choice")
         return None if model is None else model.reading(body)
@@ -78,7 +79,8 @@ class _ModelParser:
         from vllm.parser import ParserManager
         from vllm.tokenizers import get_tokenizer
 
-        self.tokenizer = get_tokenizer(resolve_model(served.model, model_dir))
+        args = served.tokenizer_args()  # (as its engines load it)
+        self.tokenizer = get_tokenizer(**args | {"tokenizer_name": resolve_model(args["tokenizer_name"], model_dir)})
         self.reads_calls, self.reasons = served.tool_call_parser is not None, served.reasoning_parser is not None
         try:
             parser_class = ParserManager.get_parser(

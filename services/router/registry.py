@@ -1,5 +1,7 @@
 """Live workers, learned from heartbeats; dead ones are dropped and whoever watches them is told. And
-the models the mesh has: its catalogue (MESH_MODELS) and whatever a live worker serves."""
+the models the mesh has: its catalogue (MESH_MODELS) and whatever a live worker serves; and their LoRA
+adapters: what the live workers of a model serve (each heartbeat says), or while none is live, its
+catalogue entry's `lora_modules`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 from llmesh.wire.config import ServedModel, model_roles
 from llmesh.wire.errors import ModelNotFound, StreamInterrupted, WorkerLost
-from llmesh.wire.messages import Role, WorkerInfo
+from llmesh.wire.messages import LoraAdapter, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class WorkerRegistry:
         self._missed = missed_heartbeats
         self._clock = clock
         self._listeners: list[MembershipListener] = []
+        self._adapters: dict[str, tuple[str, LoraAdapter]] | None = None  # (`adapters`, until a worker's change)
 
     def subscribe(self, listener: MembershipListener) -> None:
         self._listeners.append(listener)
@@ -59,7 +62,10 @@ class WorkerRegistry:
                 log.warning("worker %s serves %r, which is not in MESH_MODELS", info.worker_id, info.model)
             self._warn_on_layout_mismatch(info)
             self._workers[info.worker_id] = _Member(info, self._clock())
+            self._adapters = None
         else:
+            if member.info.adapters != info.adapters:
+                self._adapters = None
             if (gap := self._clock() - member.last_seen) > 2 * info.heartbeat_s:
                 log.info("worker %s: %.1f s since its last heartbeat", info.worker_id, gap)
             member.info, member.last_seen = info, self._clock()
@@ -87,6 +93,7 @@ class WorkerRegistry:
             if now - member.last_seen > self._missed * member.info.heartbeat_s:
                 log.warning("worker %s missed %d heartbeats: dropped", worker_id, self._missed)
                 del self._workers[worker_id]
+                self._adapters = None
                 self._tell(worker_id, None)
                 for notify in list(member.watchers):
                     notify(WorkerLost(f"worker {worker_id} stopped answering"))
@@ -135,6 +142,34 @@ class WorkerRegistry:
     def knows(self, model: str) -> bool:
         """Whether the mesh has `model` (whether or not a worker serves it now)."""
         return model in self.catalogue or any(m.info.model == model for m in self._workers.values())
+
+    def adapters(self) -> dict[str, tuple[str, LoraAdapter]]:
+        """The LoRA adapters the mesh serves, by name: (the model they adapt, the adapter)."""
+        if self._adapters is None:
+            live = {m.info.model for m in self._workers.values()}
+            known = {
+                adapter.name: (entry.name, adapter)
+                for entry in self.catalogue.values()
+                if entry.name not in live
+                for adapter in entry.lora_modules
+            }
+            for member in self._workers.values():
+                for name, path in member.info.adapters.items():
+                    known.setdefault(name, (member.info.model, LoraAdapter(name=name, path=path)))
+            self._adapters = known
+        return self._adapters
+
+    def resolve(self, name: str) -> tuple[str, LoraAdapter | None]:
+        """What a request's `model` names: a model, or a LoRA adapter and the model it adapts; ModelNotFound
+        for neither."""
+        if self.knows(name):
+            return name, None
+        if (adapted := self.adapters().get(name)) is not None:
+            return adapted
+        raise ModelNotFound(
+            f"The model {name!r} does not exist. Available: {', '.join(self.models() + sorted(self.adapters()))}",
+            param="model",
+        )
 
     def check_known(self, model: str) -> None:
         """Raise ModelNotFound unless the mesh has `model` (`knows`)."""

@@ -24,9 +24,9 @@ from starlette.routing import Match, Route
 from starlette.types import Message, Receive, Scope, Send
 
 from llmesh.wire import telemetry
-from llmesh.wire.errors import InvalidRequest, MeshError, RequestTooLarge
+from llmesh.wire.errors import Forbidden, InvalidRequest, MeshError, ModelNotFound, RequestTooLarge
 from llmesh.wire.lifecycle import cancel_and_wait
-from llmesh.wire.messages import ROLES, Detokenized, DetokenizeTokens, TokenDelta, Tokenized
+from llmesh.wire.messages import ROLES, Detokenized, DetokenizeTokens, LoraCommand, TokenDelta, Tokenized
 
 from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher, Generation
@@ -36,9 +36,11 @@ from .openai_api import (
     Choice,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     OutputReading,
     ResponseShape,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     echoed,
     error_response,
     validation_error,
@@ -67,12 +69,13 @@ def create_app(
     output_parsers: OutputParsers | None = None,
     max_request_bytes: int = 16 * 2**20,
     response_store: ResponseStore | None = None,
+    admin_keys: KeyRing | None = None,
 ) -> FastAPI:
     """The router's app; with `keys`, every /v1 endpoint needs one of them (/health and /metrics,
     for probes and scrapers, do not: bind them to a private address, as vLLM's server does).
     `output_parsers`: the catalogue's parsers of tool calls and reasoning (none: tool_choice "auto" is refused);
     a body over `max_request_bytes` is a 413; `response_store`: where /v1/responses keeps responses (none: not
-    kept)."""
+    kept); `admin_keys`: the admin endpoints' (none: they are closed)."""
     app = FastAPI(title="llmesh router", version="0.1.0")
     output_parsers = output_parsers or OutputParsers((), Path())
     tracer = telemetry.tracer("llmesh.router")
@@ -81,6 +84,14 @@ def create_app(
 
     async def api_key(request: Request) -> ApiKey | None:  # async: FastAPI runs a plain def in its thread pool
         return keyring.admit(request.headers.get("authorization"))
+
+    async def admin_key(request: Request) -> ApiKey | None:
+        if admin_keys is None or not admin_keys.enabled:
+            raise Forbidden(
+                "The admin endpoints are closed: give the router admin keys (MESH_ADMIN_API_KEYS, or the "
+                "secrets' admin-api-keys)."
+            )
+        return admin_keys.admit(request.headers.get("authorization"))
 
     def endpoint(scope: Scope) -> str:
         """What a request's metrics count it under: its route's path (one label however many ids its paths
@@ -137,12 +148,46 @@ def create_app(
             {"id": m, "object": "model", "created": 0, "owned_by": "llmesh", "root": m, "max_model_len": context.get(m)}
             for m in registry.models()
         ]
+        cards += [  # (vLLM's cards of LoRA adapters: their folder as `root`, their model as `parent`)
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "llmesh",
+                "root": adapter.path,
+                "parent": model,
+                "max_model_len": context.get(model),
+            }
+            for name, (model, adapter) in sorted(registry.adapters().items())
+        ]
         return {"object": "list", "data": cards}
 
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(admin_key)])
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        """vLLM's: load a LoRA adapter on every live worker of its model (the mesh's only one, unless
+        `base_model_name` names it), which serve it from then on (as does any that gets a request for it)."""
+        model = model_named(body.base_model_name)
+        if registry.knows(body.lora_name) or body.lora_name in registry.adapters():
+            raise InvalidRequest(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
+        await dispatcher.command_adapter(model, LoraCommand(op="load", adapter=body.adapter()))
+        metrics.requests.labels("/v1/load_lora_adapter", "200").inc()
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(admin_key)])
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        adapted = registry.adapters().get(body.lora_name)
+        if adapted is None:
+            raise ModelNotFound(f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name")
+        model, adapter = adapted
+        await dispatcher.command_adapter(model, LoraCommand(op="unload", adapter=adapter))
+        metrics.requests.labels("/v1/unload_lora_adapter", "200").inc()
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
     def model_named(name: str | None) -> str:
-        """A request's model; where it names none (vLLM's tokenizer endpoints allow that), the mesh's only one."""
+        """A request's model (a LoRA adapter's: the model it adapts); where it names none (vLLM's tokenizer
+        endpoints allow that), the mesh's only one."""
         if name is not None:
-            return name
+            return registry.resolve(name)[0]
         if len(known := registry.models()) != 1:
             raise InvalidRequest(f"`model` is required: the mesh has {', '.join(known) or 'none'}", param="model")
         return known[0]
@@ -245,8 +290,9 @@ def create_app(
         path = endpoint(request.scope)
         request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         samplings = body.choice_samplings()
+        model, lora = registry.resolve(body.model)  # (an adapter: the model it adapts, and it)
         reading: OutputReading | None = body.tool_calling
-        if isinstance(body, ChatCompletionRequest) and (parsed := output_parsers.reading(body)) is not None:
+        if isinstance(body, ChatCompletionRequest) and (parsed := output_parsers.reading(body, model)) is not None:
             reading = parsed  # the model's parsers read its output, and may constrain its calls in their format
             samplings = [options.model_copy(update=parsed.sampling_update) for options in samplings]
         span = tracer.start_span(
@@ -264,14 +310,15 @@ def create_app(
         )
         parent = trace.set_span_in_context(span)
         deadline, arrival = time.time() + request_timeout_s, time.monotonic()
-        served = registry.catalogue.get(body.model)  # its targets, where the request sets none
+        served = registry.catalogue.get(model)  # its targets, where the request sets none
         inputs = body.inputs()
         # a generation a choice of each prompt (choice j of prompt i at index i·n + j, as vLLM orders them),
         # each a request of its own through the mesh
         choices = [
             Generation(
                 request_id=request_id if len(inputs) * body.n == 1 else f"{request_id}-{i * body.n + j}",
-                model=body.model,
+                model=model,
+                lora=lora,
                 **prompt._asdict(),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 truncation_side=body.truncation_side,
@@ -303,7 +350,7 @@ def create_app(
             )
         )
         streams = [dispatcher.generate(choice, parent) for choice in choices]
-        times = [metrics.request(body.model) for _ in choices]
+        times = [metrics.request(model) for _ in choices]
         done = False
 
         def finish(status: int, exc: BaseException | None = None, finish_reasons: Sequence[str | None] = ()) -> None:

@@ -5,7 +5,7 @@ from pydantic import Field, model_validator
 
 from llmesh.policies import POLICIES, QUEUE_POLICIES, Policy, QueuePolicy, make_policy, make_queue_policy
 from llmesh.wire.config import CommonSettings, ModelSettings
-from llmesh.wire.secrets import API_KEYS_FILE
+from llmesh.wire.secrets import ADMIN_KEYS_FILE, API_KEYS_FILE
 
 from .auth import KeyRing
 
@@ -13,7 +13,7 @@ from .auth import KeyRing
 class RouterSettings(ModelSettings, CommonSettings):
     NATS_USER: ClassVar[str] = "router"
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
-    port: int = Field(8000, description="HTTP port.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     api_keys: str = Field(
         "",
         description="API keys the OpenAI endpoints accept (`Authorization: Bearer`), "
@@ -26,12 +26,34 @@ class RouterSettings(ModelSettings, CommonSettings):
         "<name> [<requests per minute>]` (`python -m llmesh_router.auth new NAME "
         "--file F` makes a key and adds its line). Default: MESH_SECRETS_DIR's, if set.",
     )
-    request_timeout_s: float = Field(300.0, description="Deadline of every request, from arrival.")
+    admin_api_keys: str = Field(
+        "",
+        description="Keys of the admin endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter), as MESH_API_KEYS "
+        "gives the API's; no client key opens them. Empty, with no admin key file: they are closed (403).",
+    )
+    admin_api_keys_file: Path | None = Field(
+        None,
+        description="A file of admin key digests, as MESH_API_KEYS_FILE's. Default: MESH_SECRETS_DIR's "
+        "(`admin-api-keys`; the key itself in `admin-api-key`), if set.",
+    )
+    request_timeout_s: float = Field(300.0, gt=0, description="Deadline of every request, from arrival.")
+    shutdown_grace_s: int = Field(
+        30,
+        ge=1,
+        description="A stopping router (SIGTERM) takes no new connections and lets the requests it is answering "
+        "finish for this long before it cuts them (compose's `stop_grace_period` must be longer).",
+    )
     max_request_bytes: int = Field(
         16 * 2**20,
         ge=1024,
         description="The largest request body the router reads; a larger one is a 413 before it is read whole. "
         "(A request's message to a worker must also fit in NATS's max_payload, 8 MB under `make run`.)",
+    )
+    responses_redis_url: str = Field(
+        "",
+        description="Where the Responses API keeps its stored responses: a Redis that persists them (compose's "
+        "`redis-responses`, an append-only file); empty: MESH_REDIS_URL's, with the mesh's other metadata (which "
+        "need not survive a restart: the kv-store shards announce again what they hold).",
     )
     responses_ttl_s: float = Field(
         86400.0,
@@ -112,13 +134,23 @@ class RouterSettings(ModelSettings, CommonSettings):
     def _known_policy(self) -> "RouterSettings":
         self.dispatch_policy()  # an unknown policy or parameter fails at start, not at the first request
         self.admission_policy()
+        if self.responses_redis_url and self.secrets_dir is not None and "@" not in self.responses_redis_url:
+            from llmesh.wire.secrets import MeshSecrets
+
+            self.responses_redis_url = MeshSecrets.load(self.secrets_dir).redis_url(self.responses_redis_url)
         self.keyring()  # and a broken key file
+        self.admin_keyring()
         return self
 
     def keyring(self) -> KeyRing:
         """The API keys: MESH_API_KEYS and the key file (default: the one in MESH_SECRETS_DIR)."""
         file = self.api_keys_file or (self.secrets_dir / API_KEYS_FILE if self.secrets_dir else None)
         return KeyRing.load(self.api_keys, file)
+
+    def admin_keyring(self) -> KeyRing:
+        """The admin endpoints' keys: MESH_ADMIN_API_KEYS and their key file (default: MESH_SECRETS_DIR's)."""
+        file = self.admin_api_keys_file or (self.secrets_dir / ADMIN_KEYS_FILE if self.secrets_dir else None)
+        return KeyRing.load(self.admin_api_keys, file if file is None or file.exists() else None)
 
     def dispatch_policy(self) -> Policy:
         return make_policy(self.policy, self.policy_params)

@@ -6,9 +6,11 @@ written from that file (its services, settings and health checks are the one sou
     python -m llmesh.deploy.compose gpu-host --control-plane 10.0.0.1 --address 10.0.0.2 --prefill 0 --decode 1 \\
         -o docker-compose.gpu-host.yml
 
-Each `--prefill`/`--decode` is one worker and the GPUs it gets (by id, so no two workers share one:
-Docker pools no GPUs between containers); a worker of several GPUs runs that many tensor-parallel
-ranks. Workers of different sizes need `--kv-heads-per-chunk` (MESH_KV_HEADS_PER_CHUNK).
+Each `--prefill`/`--decode` is one worker and the GPUs it gets (by id: Docker pools no GPUs between
+containers); a worker of several GPUs runs that many tensor-parallel ranks. Workers of different sizes need
+`--kv-heads-per-chunk` (MESH_KV_HEADS_PER_CHUNK). One GPU may hold a prefill and a decode worker
+(`single --prefill 0 --decode 0`: they split its memory and start one after the other); or, for a catalogue
+served aggregated, decode workers alone (`single --decode 0`).
 
 `--host-agent GPU` (repeatable; `single` and `gpu-host`) adds a host agent (llmesh_hostagent) with that
 GPU: a Prism device whose `--host-memory-gib` placement splits among the models it activates there
@@ -25,12 +27,17 @@ they serve no /metrics of their own (one port a container).
   TCP on :9200, announced as `--address`) and the workers. The host needs the control plane's secrets
   (`docker compose -f docker-compose.control.yml cp secrets:/secrets ./mesh-secrets`, then copy that
   folder to the host), mounted from `--secrets` (default ./mesh-secrets). Its /metrics are published
-  on the host (the shard's on :9100, the workers' on :9103, :9104, ...); with `--prometheus-targets`
+  on the host (the shard's on :9099, the workers' on :9103, :9104, ...); with `--prometheus-targets`
   the same command writes, instead of the compose file, their list for the control plane's Prometheus:
 
       python -m llmesh.deploy.compose gpu-host ... --prometheus-targets -o docker/prometheus/hosts/10.0.0.2.json
 
   (on the control-plane host; Prometheus reads the folder's files as they come and go).
+- `cpu`: everything on one host without a GPU, as docker-compose.yml, in the image built on docker/cpu-base
+  (`docker build -t llmesh-cpu-base docker/cpu-base` first): vLLM's CPU engines, eager, the host's cores split
+  between prefill and decode as `make run` splits them, CPU-sized defaults. With `--local-images`, nothing comes
+  from a registry: nats-server and redis-server run from the llmesh image (the binaries its packages bring:
+  llmesh.deploy.servers) and Jaeger, Prometheus and Grafana are left out (tests/compose runs this with podman).
 - `prometheus-config`: the control plane's Prometheus configuration, written from
   docker/prometheus/prometheus.yml (the jobs of services on GPU hosts read the folder above instead of
   Docker's DNS); committed as docker/prometheus/control-plane.yml.
@@ -42,6 +49,7 @@ import argparse
 import copy
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +67,7 @@ CONTROL_PLANE = (
     "secrets",
     "nats",
     "redis",
+    "redis-responses",
     "jaeger",
     "router",
     "placement",
@@ -67,6 +76,8 @@ CONTROL_PLANE = (
     "grafana",
 )
 LEAF_PORT, REDIS_PORT, OTLP_PORT, DATA_PORT = 7422, 6379, 4318, 9200
+GPU_MEMORY_UTILIZATION = 0.9  # split among the workers that share a GPU
+HEALTHZ = "http://127.0.0.1:8222/healthz"  # nats-server's monitoring port (llmesh.deploy.credentials --nats-monitor)
 
 
 def base() -> dict[str, Any]:
@@ -78,15 +89,21 @@ def base() -> dict[str, Any]:
     return {
         "services": {name: copy.deepcopy(service) for name, service in compose["services"].items()},
         "volumes": compose["volumes"],
+        "secrets": compose["secrets"],
     }
 
 
 def workers(
     compose: dict[str, Any], gpus: dict[str, list[list[str]]], kv_heads_per_chunk: int | None, name_prefix: str = ""
 ) -> dict[str, dict[str, Any]]:
-    """The worker services: one a GPU list of `gpus[role]`, from the base file's `<role>-worker`."""
+    """The worker services: one a GPU list of `gpus[role]`, from the base file's `<role>-worker`. Workers that
+    share a GPU (a prefill and a decode worker on one GPU) split its memory (MESH_GPU_MEMORY_UTILIZATION, of
+    the base file's fraction) and start one after the other: vLLM sizes its KV from the memory free when it
+    starts, so one starting while another loads would count that one's memory as its own."""
     check_sizes_can_share([len(ids) for role in ROLES for ids in gpus[role]], kv_heads_per_chunk)
-    out = {}
+    sharing = Counter(gpu for role in ROLES for ids in gpus[role] for gpu in ids)
+    out: dict[str, dict[str, Any]] = {}
+    last_on: dict[str, str] = {}  # GPU -> the worker started last on it
     for role in ROLES:
         template = compose["services"][f"{role}-worker"]
         for i, ids in enumerate(gpus[role]):
@@ -95,6 +112,12 @@ def workers(
             env = service["environment"]
             env["MESH_WORKER_ID"] = name
             env["MESH_TENSOR_PARALLEL_SIZE"] = str(len(ids))
+            if (share := max(sharing[gpu] for gpu in ids)) > 1:
+                env["MESH_GPU_MEMORY_UTILIZATION"] = f"{GPU_MEMORY_UTILIZATION / share:.2f}"
+                for gpu in ids:
+                    if gpu in last_on:
+                        service["depends_on"][last_on[gpu]] = {"condition": "service_healthy"}
+                    last_on[gpu] = name
             if kv_heads_per_chunk:
                 env["MESH_KV_HEADS_PER_CHUNK"] = str(kv_heads_per_chunk)
             service["deploy"]["resources"]["reservations"]["devices"] = [
@@ -140,6 +163,56 @@ def single(
     for role in ROLES:
         del compose["services"][f"{role}-worker"]
     compose["services"].update(new)
+    return compose
+
+
+CPU_IMAGE, CPU_BASE = "llmesh:cpu", "llmesh-cpu-base"
+REGISTRY_ONLY = ("jaeger", "prometheus", "grafana")  # left out by `--local-images`
+CPU_SIZES = {  # compose variable: its CPU default (GPU-sized in docker-compose.yml)
+    "MESH_MAX_MODEL_LEN": "2048",
+    "MESH_CAPACITY_BYTES": str(2 * 2**30),
+    "MESH_SSD_CAPACITY_BYTES": str(8 * 2**30),
+}
+
+
+def cpu(local_images: bool, cores: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """docker-compose.yml's services on CPU engines (`cores`: each worker's environment for its share of the
+    host's cores, llmesh.deploy.launcher.engine_cores); with `local_images`, no image from a registry."""
+    compose = base()
+    services = compose["services"]
+    for service in services.values():
+        if "build" in service:
+            service["build"]["args"] = {"BASE": CPU_BASE, "ENGINE": "cpu"}
+        if service.get("image", "").startswith("llmesh:"):
+            service["image"] = CPU_IMAGE
+        env = service.get("environment")
+        if isinstance(env, dict):
+            for key in env.keys() & CPU_SIZES.keys():
+                env[key] = f"${{{key}:-{CPU_SIZES[key]}}}"
+    for role in ROLES:
+        worker = services[f"{role}-worker"]
+        del worker["deploy"]
+        worker["environment"] |= {"MESH_ENFORCE_EAGER": "true"} | cores.get(f"{role}-worker", {})
+    if local_images:
+        for name in REGISTRY_ONLY:
+            del services[name]
+        for service in services.values():
+            if isinstance(service.get("environment"), dict):
+                service["environment"].pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        servers = ["python3", "-m", "llmesh.deploy.servers"]
+        nats = services["nats"]
+        nats |= {"image": CPU_IMAGE, "entrypoint": [*servers, "nats"]}
+        nats["healthcheck"]["test"] = ["CMD", "python3", "-m", "llmesh.deploy.healthcheck", HEALTHZ]
+        password = ["--password-file", "/secrets/redis-password"]
+        kept = ["--dir", "/data", "--appendonly", "yes", "--appendfsync", "everysec"]  # (as the base file's)
+        for name, persistence in (("redis", ["--appendonly", "no"]), ("redis-responses", kept)):
+            redis = services[name]
+            redis |= {
+                "image": CPU_IMAGE,
+                "entrypoint": [*servers, "redis"],
+                "command": [*password, "--save", '""', *persistence],
+                "healthcheck": redis["healthcheck"] | {"test": ["CMD", *servers, "redis-ping", *password]},
+            }
     return compose
 
 
@@ -312,7 +385,7 @@ def _gpu_lists(values: list[str] | None) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmesh.deploy.compose", description=__doc__.split("\n\n")[0])
-    parser.add_argument("layout", choices=["single", "control-plane", "gpu-host", "prometheus-config"])
+    parser.add_argument("layout", choices=["single", "control-plane", "gpu-host", "cpu", "prometheus-config"])
     parser.add_argument(
         "--prefill",
         action="append",
@@ -355,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="with --host-agent: the GPU memory the models placed on each agent's GPU may hold",
     )
+    parser.add_argument(
+        "--local-images",
+        action="store_true",
+        help="cpu: no image from a registry (nats-server and redis-server from the llmesh image; no Jaeger, "
+        "Prometheus or Grafana)",
+    )
     parser.add_argument("-o", "--out", type=Path, help="write here (default: standard output)")
     args = parser.parse_args(argv)
     gpus = {"prefill": _gpu_lists(args.prefill), "decode": _gpu_lists(args.decode)}
@@ -365,10 +444,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("a host agent takes one GPU (its standbys have one rank)")
     if args.prometheus_targets and args.layout != "gpu-host":
         parser.error("--prometheus-targets is for gpu-host")
+    if args.local_images and args.layout != "cpu":
+        parser.error("--local-images is for cpu")
     try:
         if args.layout == "prometheus-config":
             return _write(control_plane_prometheus(), args.out)
-        if args.layout == "control-plane":
+        if args.layout == "cpu":
+            from llmesh.deploy.launcher import engine_cores
+
+            compose = cpu(args.local_images, engine_cores())
+        elif args.layout == "control-plane":
             if not args.address:
                 parser.error("control-plane needs --address")
             compose = control_plane(args.address, args.listen)
@@ -396,9 +481,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
     except ValueError as exc:
         parser.error(str(exc))
-    used = [g for ids in [*gpus["prefill"], *gpus["decode"]] for g in ids] + agents
-    if len(used) != len(set(used)):
-        parser.error(f"a GPU is given to two workers: {used}")
+    for role in ROLES:
+        if any(len(set(ids)) != len(ids) for ids in gpus[role]):
+            parser.error(f"a {role} worker is given a GPU twice: {gpus[role]}")
+        flat = [g for ids in gpus[role] for g in ids]
+        if len(flat) != len(set(flat)):
+            parser.error(f"a GPU is given to two {role} workers: {gpus[role]} (workers of one role share none)")
+    if set(agents) & {g for ids in [*gpus["prefill"], *gpus["decode"]] for g in ids} or len(agents) != len(set(agents)):
+        parser.error(f"a host agent's GPU is given to a worker or another agent: {agents}")
     if args.prometheus_targets:
         return _write(json.dumps(prometheus_targets(args.address, compose), indent=1) + "\n", args.out)
     return _write(

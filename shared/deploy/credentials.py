@@ -39,6 +39,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from llmesh.wire.secrets import (
+    ADMIN_KEYS_FILE,
     API_KEYS_FILE,
     NATS_CA,
     MeshSecrets,
@@ -60,6 +61,7 @@ WORKER_INBOXES = [
     "mesh.drain.*",
     "mesh.role.*",
     "mesh.kvctl.*",
+    "mesh.lora.*",
 ]
 
 # user -> (may publish to, may subscribe to), besides its own inbox (subscribe) for every user
@@ -71,6 +73,7 @@ PERMISSIONS: dict[str, tuple[list[str], list[str]]] = {
             "mesh.generate.*",
             "mesh.tokenizer.*",
             "mesh.abort.*",
+            "mesh.lora.*",
             "mesh.length.predict",
             "mesh.traffic",
         ],
@@ -128,7 +131,8 @@ def write_private(path: Path, text: str | bytes) -> None:
 def new_secrets(extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
     """A new set: a password for each NATS user (PERMISSIONS and `extra_users`) and the leaf, Redis's, an API key."""
     permissions = PERMISSIONS | (extra_users or {})
-    return MeshSecrets({user: _secret() for user in [*permissions, LEAF_USER]}, _secret(), new_api_key(), permissions)
+    passwords = {user: _secret() for user in [*permissions, LEAF_USER]}
+    return MeshSecrets(passwords, _secret(), new_api_key(), permissions, admin_api_key=new_api_key())
 
 
 def load_or_create(directory: Path, extra_users: dict[str, tuple[list[str], list[str]]] | None = None) -> MeshSecrets:
@@ -154,11 +158,14 @@ def write_secrets(mesh_secrets: MeshSecrets, directory: Path) -> None:
                 "redis_password": mesh_secrets.redis_password,
                 "api_key": mesh_secrets.api_key,
                 "permissions": mesh_secrets.permissions,
+                "admin_api_key": mesh_secrets.admin_api_key,
             },
             indent=1,
         ),
         API_KEYS_FILE: f"{key_digest(mesh_secrets.api_key)} operator\n",  # what the router reads: the digest only
         "api-key": mesh_secrets.api_key + "\n",  # the operator's copy, for clients
+        ADMIN_KEYS_FILE: f"{key_digest(mesh_secrets.admin_api_key)} admin\n",
+        "admin-api-key": mesh_secrets.admin_api_key + "\n",  # the operator's, for the admin endpoints
         "redis-password": mesh_secrets.redis_password,
     }  # for a redis-server started apart (compose)
     for name, text in files.items():
@@ -179,7 +186,9 @@ def nats_authorization(mesh_secrets: MeshSecrets) -> str:
 def upgrade(mesh_secrets: MeshSecrets) -> bool:
     """Give a set made by an older version this version's users and their permissions (passwords of users
     it has are kept; users of its own, a test harness's, too), and write it; False if it had them."""
-    changed = False
+    changed = not mesh_secrets.admin_api_key
+    if changed:
+        mesh_secrets.admin_api_key = new_api_key()
     for user, allowed in PERMISSIONS.items():
         if user not in mesh_secrets.nats_passwords:
             mesh_secrets.nats_passwords[user] = _secret()

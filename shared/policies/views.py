@@ -14,8 +14,11 @@ from llmesh.policies.core import WorkerView
 from llmesh.wire.messages import WorkerInfo
 
 # heartbeat fields no worker-level policy reads: the engine's context limit, the heartbeat period, preemption
-# counts, and where it runs and what it holds (placement's model placement reads those: llmesh_placement.models)
-HEARTBEAT_ONLY = frozenset({"max_model_len", "heartbeat_s", "preemptions", "host", "memory_bytes", "weights_bytes"})
+# counts, and where it runs and what it holds (placement's model placement reads those: llmesh_placement.models),
+# and the LoRA adapters it serves (the router's catalogue of them: llmesh_router.registry)
+HEARTBEAT_ONLY = frozenset(
+    {"max_model_len", "heartbeat_s", "preemptions", "host", "memory_bytes", "weights_bytes", "adapters"}
+)
 VIEWED = tuple(f.name for f in fields(WorkerView) if f.name in WorkerInfo.model_fields)
 
 
@@ -23,6 +26,7 @@ def worker_view(info: WorkerInfo) -> WorkerView:
     """The policies' snapshot of `info` (nothing sent to the worker since counted)."""
     values = {name: getattr(info, name) for name in VIEWED}
     values["requests"], values["roles"] = tuple(info.requests), tuple(info.roles)
+    values["loaded_adapters"] = frozenset(info.loaded_adapters)
     return WorkerView(**values)
 
 

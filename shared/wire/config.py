@@ -8,12 +8,21 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from llmesh.wire.messages import ROLES, Role
+from llmesh.wire.messages import ROLES, LoraAdapter, Role
 
 EMBEDDED_MODEL = "llmesh/tiny-llama"
 
@@ -106,13 +115,37 @@ def name_tag(model: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in model).strip("-")
 
 
+# vLLM engine arguments that the mesh sets itself: a catalogue entry's `engine_args` may not (what to use instead)
+MESH_ENGINE_ARGS = {
+    "model": "the entry's `model`",
+    "served_model_name": "the entry's `name`",
+    "kv_transfer_config": "the mesh's KV connector (the MESH_KV_* settings)",
+    "block_size": "MESH_BLOCK_SIZE (the kv-store keeps KV in blocks of that size)",
+    "tensor_parallel_size": "the entry's `tensor_parallel_size`",
+    "pipeline_parallel_size": "MESH_PIPELINE_PARALLEL_SIZE",
+    "data_parallel_size": "more workers (each worker's engine is one data-parallel replica; the router balances them)",
+    "distributed_executor_backend": "nothing: the mesh runs a process a rank",
+    "logits_processors": "nothing: the mesh's own (penalties and bad words that hold across engines)",
+    "reasoning_parser": "the entry's `reasoning_parser`",
+    "disable_log_stats": "MESH_WORKER_METRICS_PORT",
+    "kv_cache_memory_bytes": "MESH_KV_CACHE_BYTES",
+    "skip_tokenizer_init": "nothing: workers tokenize their prompts",
+    "hf_token": "HF_TOKEN or HF_TOKEN_PATH (a token does not belong in MESH_MODELS)",
+}
+
+
 class ServedModel(BaseModel):
     """One model of the mesh's catalogue (`MESH_MODELS`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, description="What clients send in `model`.")
-    model: str = Field(EMBEDDED_MODEL, min_length=1, description="HF model path or name, or an embedded model.")
+    model: str = Field(
+        EMBEDDED_MODEL,
+        min_length=1,
+        description="A Hugging Face hub name, a folder of weights, a folder's name in MESH_MODEL_DIR, or an "
+        "embedded model.",
+    )
     ttft_slo_ms: float | None = Field(None, gt=0, description="Its requests' time-to-first-token target.")
     tpot_slo_ms: float | None = Field(None, gt=0, description="Its requests' time-per-output-token target.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks each of its engines splits its layers' heads across.")
@@ -137,6 +170,54 @@ class ServedModel(BaseModel):
         "engines hold a structured output's constraint (a forced tool call's too) until the reasoning ends.",
     )
 
+    lora_modules: list[LoraAdapter] = Field(
+        default_factory=list,
+        description='LoRA adapters its workers load at start and serve, as vLLM\'s --lora-modules: [{"name": '
+        '"sql", "path": "/models/sql-lora"}, ...] (a folder, a folder\'s name in MESH_MODEL_DIR, or a hub name); '
+        "clients send an adapter's name in `model`. More are loaded at run time through /v1/load_lora_adapter "
+        '(an admin key), where `engine_args` has {"enable_lora": true} or the entry has adapters here; vLLM\'s '
+        "max_loras, max_lora_rank and max_cpu_loras go in `engine_args`.",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM engine arguments of its engines, by the names of vLLM's `AsyncEngineArgs` (its CLI's "
+        'without the dashes, either spelling), e.g. {"quantization": "fp8", "kv_cache_dtype": "fp8", '
+        '"max_num_batched_tokens": 8192, "trust_remote_code": true, "revision": "main"}; over the workers\' '
+        "MESH_* engine settings where both set one (dtype, max_model_len, max_num_seqs, enforce_eager, "
+        "gpu_memory_utilization, num_gpu_blocks_override). Read by vLLM's own argument parser before any engine "
+        "starts: an unknown name or a bad value is an error naming it. Those the mesh sets itself are refused "
+        "(llmesh.wire.config.MESH_ENGINE_ARGS says what to set instead).",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_not_the_meshs(cls, given: dict[str, Any]) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        for key, value in given.items():
+            name = key.lstrip("-").replace("-", "_")
+            if name in args:
+                raise ValueError(f"engine_args sets {name!r} twice")
+            if name in MESH_ENGINE_ARGS:
+                raise ValueError(f"engine_args: the mesh sets {name!r} itself; set {MESH_ENGINE_ARGS[name]}")
+            args[name] = value
+        return args
+
+    @property
+    def serves_lora(self) -> bool:
+        """Its engines run LoRA adapters: it has some, or its `engine_args` turn LoRA on."""
+        return bool(self.lora_modules or self.engine_args.get("enable_lora"))
+
+    def tokenizer_args(self) -> dict[str, Any]:
+        """What loading its tokenizer outside an engine takes from its engine arguments (as vLLM's engine
+        loads it)."""
+        args = self.engine_args
+        return {
+            "tokenizer_name": args.get("tokenizer") or self.model,
+            "revision": args.get("tokenizer_revision") or args.get("revision"),
+            "trust_remote_code": bool(args.get("trust_remote_code")),
+            **({"tokenizer_mode": args["tokenizer_mode"]} if "tokenizer_mode" in args else {}),
+        }
+
     @property
     def roles(self) -> tuple[Role, ...]:
         """The worker roles that serve it."""
@@ -158,7 +239,7 @@ class ModelSettings(BaseSettings):
     models: list[ServedModel] | None = Field(
         None,
         description="The models the mesh serves, as a JSON list of {name, model, ttft_slo_ms, tpot_slo_ms, "
-        "tensor_parallel_size, disaggregated, tool_call_parser, reasoning_parser}, e.g. "
+        "tensor_parallel_size, disaggregated, tool_call_parser, reasoning_parser, lora_modules, engine_args}, e.g. "
         '[{"name": "chat", "model": "meta-llama/Llama-3.1-8B-Instruct", "tool_call_parser": "llama3_json"}]; '
         "a worker serves the one MESH_SERVED_MODEL_NAME names (default: the first). The router lists them all and "
         "a request for one that no worker serves waits for one (MESH_MODEL_WAIT_S); other names get 404. `make run` "
@@ -167,23 +248,50 @@ class ModelSettings(BaseSettings):
     )
     model: str = Field(
         EMBEDDED_MODEL,
-        description=f"HF model path or name; {EMBEDDED_MODEL!r} builds the embedded tiny random model. With "
-        "MESH_MODELS: taken from there.",
+        min_length=1,
+        description=f"A Hugging Face hub name, a folder of weights, or a folder's name in MESH_MODEL_DIR; "
+        f"{EMBEDDED_MODEL!r} builds the embedded tiny random model. With MESH_MODELS: taken from there.",
     )
     served_model_name: str = Field("", description="Name clients use in `model`; default: the model.")
-    model_dir: Path = Field(Path.home() / ".cache" / "llmesh", description="Where the embedded model is built.")
+    model_dir: Path = Field(
+        Path.home() / ".cache" / "llmesh",
+        description="A folder of models: a model named by a folder's name in it (`MESH_MODEL=Llama-3.1-8B-Instruct`, "
+        '`"model"` in MESH_MODELS) is loaded from there, and the embedded model is built there. Compose mounts '
+        "the host's MESH_MODEL_DIR (default: a volume) there as /models.",
+    )
+    hf_token: SecretStr | None = Field(
+        None,
+        validation_alias="HF_TOKEN",
+        description="A Hugging Face token, for gated models and private repositories (read by huggingface_hub and "
+        "vLLM themselves, in every service that loads weights or a tokenizer: workers, host agents, the router). "
+        "Kept out of logs; workers log where their token comes from.",
+    )
+    hf_token_path: Path | None = Field(
+        None,
+        validation_alias="HF_TOKEN_PATH",
+        description="A file holding that token, instead (huggingface_hub's variable; compose mounts "
+        "MESH_HF_TOKEN_FILE there as a secret; `make run` points it at the secrets' `hf-token` file if there is one).",
+    )
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "hf_token", "hf_token_path", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
 
+    def hf_token_source(self) -> str:
+        """Where this process's Hugging Face token comes from, for its log (never the token)."""
+        if self.hf_token is not None:
+            return "HF_TOKEN"
+        if self.hf_token_path is not None:
+            return f"the file {self.hf_token_path}" + ("" if self.hf_token_path.is_file() else " (missing: none)")
+        return "none (public models only)"
+
     @field_validator("models")
     @classmethod
     def _unique_names(cls, models: list[ServedModel] | None) -> list[ServedModel] | None:
-        names = [m.name for m in models or ()]
+        names = [m.name for m in models or ()] + [a.name for m in models or () for a in m.lora_modules]
         if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique: {names}")
+            raise ValueError(f"model and adapter names must be unique: {names}")
         return models
 
     @model_validator(mode="after")
@@ -264,10 +372,15 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
 
     worker_id: str = Field("", description="Unique worker name; default: <role>-<host>-<pid>.")
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(  # vLLM's ModelDType
-        "bfloat16", description="Weights and KV dtype."
+        "auto", description="Weights and KV dtype; auto: the checkpoint's (a model's `engine_args` may say otherwise)."
     )
-    block_size: int = Field(128, description="KV block size in tokens (a multiple of 32 on CPU).")
-    max_model_len: int = Field(2048, description="Context length the engine accepts.")
+    block_size: int = Field(128, ge=1, description="KV block size in tokens (a multiple of 32 on CPU).")
+    max_model_len: int | None = Field(
+        2048,
+        ge=1,
+        description="Context length the engine accepts (a model's `engine_args` may say otherwise). Empty: the "
+        "model's own (the compose files' default: a GPU holds it).",
+    )
     kv_cache_bytes: int = Field(
         0,
         ge=0,
@@ -282,7 +395,9 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
         "worker less KV than its memory holds; they must hold `MESH_MAX_MODEL_LEN` tokens. Unset or empty: as "
         "many as the KV space holds.",
     )
-    gpu_memory_utilization: float = Field(0.9, description="Fraction of GPU memory vLLM may use (GPU only).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (GPU only)."
+    )
     cpu_cores: str = Field(
         "",
         description="CPU cores for the engine's compute threads, e.g. '0-3' (VLLM_CPU_OMP_THREADS_BIND), and "
@@ -330,17 +445,21 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
         256,
         ge=1,
         description="Requests a worker accepts at once (more get 503), and its "
-        "engine's batch limit (vLLM's max_num_seqs; vLLM's server defaults to 256 here).",
+        "engine's batch limit (vLLM's max_num_seqs; vLLM's server defaults to 256 here). A model's `engine_args` "
+        "with `max_num_seqs` set it to that.",
     )
-    heartbeat_s: float = Field(1.0, description="Heartbeat period; the router drops a worker after 3 misses.")
+    heartbeat_s: float = Field(1.0, gt=0, description="Heartbeat period; the router drops a worker after 3 misses.")
     worker_metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds.")
     worker_metrics_port: int = Field(
         0,
         ge=0,
+        le=65535,
         description="Serve the engine's own Prometheus metrics (vLLM's `vllm:*`: KV cache usage, "
         "preemptions, prefix cache hits...) on this port; 0: none, and vLLM keeps no per-step statistics.",
     )
-    kv_pin_s: float = Field(60.0, description="How long prefilled KV stays pinned in the kv-store for its decode.")
+    kv_pin_s: float = Field(
+        60.0, ge=0, description="How long prefilled KV stays pinned in the kv-store for its decode."
+    )
     kv_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -392,7 +511,16 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
     )
 
     @model_validator(mode="after")
-    def _parallel_from_catalogue(self) -> WorkerSettings:
+    def _from_the_models_entry(self) -> WorkerSettings:
+        """Its catalogue entry's tensor parallel size, and its `engine_args`' `max_num_seqs` as the capacity."""
+        served = self.served_model()
         if self.models and "tensor_parallel_size" not in self.model_fields_set:
-            self.tensor_parallel_size = self.served_model().tensor_parallel_size
+            self.tensor_parallel_size = served.tensor_parallel_size
+        seqs = served.engine_args.get("max_num_seqs")
+        if seqs is not None:
+            if "capacity" in self.model_fields_set and self.capacity != seqs:
+                raise ValueError(f"MESH_CAPACITY={self.capacity} differs from {served.name!r}'s max_num_seqs {seqs}")
+            if not isinstance(seqs, int) or seqs < 1:
+                raise ValueError(f"{served.name!r}: engine_args' max_num_seqs must be a positive integer, not {seqs!r}")
+            self.capacity = seqs
         return self

@@ -45,6 +45,14 @@ class Unauthenticated(MeshError):
     error_type = "invalid_request_error"
 
 
+class Forbidden(MeshError):
+    """The credential is valid but not for this (an admin endpoint asked with a client's key)."""
+
+    code = "forbidden"
+    http_status = 403
+    error_type = "invalid_request_error"
+
+
 class MissingApiKey(Unauthenticated):
     """No API key was sent."""
 

@@ -16,6 +16,7 @@ and LoRA adapter (`chain_seed`), so prefixes are shared only within a salt and a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -201,6 +202,13 @@ def check_same_layout(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
         else ""
     )
     raise KVFingerprintMismatch("KV layouts differ between prefill and decode (" + "; ".join(diffs) + ")" + hint)
+
+
+@functools.cache
+def adapter_digest(path: str) -> str:
+    """A LoRA adapter folder's content identity (`directory_digest`), read once a process: an adapter's files
+    do not change under a name (vLLM refuses to load one again under it)."""
+    return directory_digest(path)
 
 
 def chain_seed(fp: str, cache_salt: str | None = None, adapter: str | None = None) -> str:

@@ -141,6 +141,8 @@ class WorkerInfo(Message):
     host: str = ""  # the host it runs on (a host agent's id: MESH_HOST_ID)
     memory_bytes: int = 0  # what its engine holds: weights and KV space (0: not reported)
     weights_bytes: int = 0  # of which its weights' (0: not reported)
+    adapters: dict[str, str] = Field(default_factory=dict)  # LoRA adapters it serves: name -> folder
+    loaded_adapters: list[str] = Field(default_factory=list)  # of which its engine holds these loaded now
 
 
 # ---- output-length prediction ----------------------------------------------------------
@@ -366,6 +368,24 @@ class SamplingOptions(Message):
         return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
 
 
+class LoraAdapter(Message):
+    """A LoRA adapter a request runs with: its name (what clients send in `model`) and its folder, which an
+    engine that has not loaded it yet loads it from (and whose contents its KV keys carry:
+    llmesh.wire.kvkeys.chain_seed)."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+
+
+class LoraCommand(Message):
+    """Router to a worker (`Subjects.lora`): load an adapter into its engine and serve it from now on, or
+    unload it (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter). Answered with `Ack`, or the
+    error that refused it (an adapter vLLM cannot load: its rank past max_lora_rank, a folder without one)."""
+
+    op: Literal["load", "unload"]
+    adapter: LoraAdapter
+
+
 class PrefillRequest(Message):
     request_id: str
     model: str
@@ -384,6 +404,7 @@ class PrefillRequest(Message):
     predicted_length: LengthPrediction | None = None
     cache_salt: str | None = None  # KV prefixes are shared only between requests with the same salt
     priority: int = 0  # vLLM's convention: lower is more urgent
+    lora: LoraAdapter | None = None  # the adapter it runs with (KV is shared only within an adapter)
 
 
 class TokenizePrompt(Message):
@@ -502,6 +523,7 @@ class DecodeRequest(Message):
     priority: int = 0
     migration_id: str | None = None  # the migration this resume completes (its target holds a slot for it)
     recompute: bool = False  # compute the whole context again instead of loading KV (the baseline migration)
+    lora: LoraAdapter | None = None  # the prefill's
 
 
 class AbortRequest(Message):
@@ -608,6 +630,7 @@ class MigratePrepare(Message):
     cache_salt: str | None = None
     hold_s: float = Field(default=10.0, gt=0)  # the slot is given up if the hand-over does not come
     prefetch: bool = True  # load the stored blocks into the engine now (not for a `recompute` migration)
+    lora: LoraAdapter | None = None  # the request's (its KV keys, and the prefetch runs with it)
 
 
 class DurableTail(Message):
@@ -863,6 +886,11 @@ class Subjects:
     @staticmethod
     def drain(worker_id: str) -> str:
         return f"mesh.drain.{worker_id}"
+
+    @staticmethod
+    def lora(worker_id: str) -> str:
+        """Commands to a worker: load or unload a LoRA adapter (`LoraCommand`)."""
+        return f"mesh.lora.{worker_id}"
 
     @staticmethod
     def role(worker_id: str) -> str:

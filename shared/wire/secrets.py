@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, urlencode, urlsplit, urlunsplit
 
 API_KEYS_FILE = "api-keys"  # in a secrets directory: the digests the router accepts
+ADMIN_KEYS_FILE = "admin-api-keys"  # the digests its admin endpoints accept (loading LoRA adapters)
 NATS_CA = "nats-ca.pem"  # in a secrets directory: the CA's certificate (present: NATS uses TLS)
 
 API_KEY_PREFIX = "sk-mesh-"
@@ -43,6 +44,7 @@ class MeshSecrets:
     api_key: str
     # user -> (may publish to, may subscribe to): nats-server's (llmesh.deploy.credentials.PERMISSIONS)
     permissions: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
+    admin_api_key: str = ""  # for the router's admin endpoints ("": a set made before they existed)
     directory: Path | None = None  # where the set lies (`load`, `write_secrets`), with NATS's CA if NATS uses TLS
 
     FILE = "secrets.json"
@@ -62,6 +64,7 @@ class MeshSecrets:
             raw["redis_password"],
             raw["api_key"],
             {user: (pub, sub) for user, (pub, sub) in raw["permissions"].items()},
+            raw.get("admin_api_key", ""),
             directory,
         )
 

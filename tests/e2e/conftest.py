@@ -176,17 +176,22 @@ class Reference:
         top: bool = False,
         ignore_eos: bool = False,
         reasoning_ended: bool | None = None,
+        lora: dict | None = None,
         **sampling: object,
     ) -> dict:
         """Greedy; `sampling`: more of vLLM's sampling parameters; `reasoning_ended`: vLLM's (None: the engine's
-        reasoning parser reads the prompt)."""
+        reasoning parser reads the prompt); `lora`: a LoRA adapter's {"name", "path"} (an engine started with
+        LoRA on)."""
         return self._ask(
             {"max_tokens": max_tokens, "top": top, "ignore_eos": ignore_eos, "sampling": sampling}
             | ({"prompt": prompt} if prompt is not None else {"prompt_token_ids": prompt_token_ids})
             | ({} if reasoning_ended is None else {"reasoning_ended": reasoning_ended})
+            | ({} if lora is None else {"lora": lora})
         )
 
-    def greedy_gaps(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[float]:
+    def greedy_gaps(
+        self, prompt_token_ids: list[int], output_token_ids: list[int], lora: dict | None = None
+    ) -> list[float]:
         """How far each output token's logprob falls below the likeliest token's, given the prompt
         and the outputs before it (0 where this engine's greedy decoding would have chosen it): a
         check of every token of an output, not only up to where it first parts from this engine's."""
@@ -196,6 +201,7 @@ class Reference:
                 "max_tokens": 1,
                 "score_from": len(prompt_token_ids),
             }
+            | ({} if lora is None else {"lora": lora})
         )["gaps"]
 
     def _ask(self, req: dict) -> dict:
@@ -209,9 +215,14 @@ class Reference:
 
 @contextmanager
 def reference_engine(
-    model_path: str, log_dir: Path, tensor_parallel_size: int = 1, reasoning_parser: str = ""
+    model_path: str,
+    log_dir: Path,
+    tensor_parallel_size: int = 1,
+    reasoning_parser: str = "",
+    engine_args: dict | None = None,
 ) -> Iterator[Reference]:
-    """A monolithic engine; with several tensor-parallel ranks, a core each; with vLLM's `reasoning_parser`."""
+    """A monolithic engine; with several tensor-parallel ranks, a core each; with vLLM's `reasoning_parser` and
+    more of its `engine_args`."""
     log = open(log_dir / "reference.log", "w")
     ranks = (
         {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))}
@@ -227,6 +238,7 @@ def reference_engine(
             str(BLOCK_SIZE),
             str(tensor_parallel_size),
             reasoning_parser,
+            json.dumps(engine_args or {}),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -1,7 +1,8 @@
 """The baseline for exactness: one monolithic vLLM engine, no connector, no mesh.
 
-Arguments: model, max_model_len, block_size[, tensor_parallel_size[, reasoning_parser]] (vLLM's
---reasoning-parser: a structured output waits for the reasoning's end).
+Arguments: model, max_model_len, block_size[, tensor_parallel_size[, reasoning_parser[, engine_args]]] (vLLM's
+--reasoning-parser: a structured output waits for the reasoning's end; engine_args: more of vLLM's engine
+arguments, as JSON, e.g. {"enable_lora": true, "max_lora_rank": 8}).
 Runs as its own process (vLLM's CPU backend needs `spawn` and a __main__ guard) and
 answers JSON lines on stdin: {"prompt": str | "prompt_token_ids": [...], "max_tokens": n}
 -> {"prompt_token_ids": [...], "token_ids": [...], "text": str, "finish_reason": str, "stop_reason": ...}.
@@ -13,7 +14,8 @@ them (the first token's logprob None, its text decoded), "prompt_logprobs" as it
 field and "prompt_text" the prompt decoded, as the server echoes token prompts; with "timing": true,
 TTFT and TPOT; with "ignore_eos": true it generates past the end-of-sequence token; "sampling" adds
 vLLM sampling parameters (a logit_bias's keys are strings, structured_outputs a dict);
-"reasoning_ended" is vLLM's argument of that name (its server's for a chat).
+"reasoning_ended" is vLLM's argument of that name (its server's for a chat); "lora": {"name", "path"} runs the
+request with that LoRA adapter.
 With "score_from": k it generates nothing and answers {"gaps": [...]}: for each prompt token from
 the k-th on, how far (in nats) its logprob falls below the likeliest token's there, given the
 tokens before it (0 where greedy decoding would have chosen it).
@@ -29,7 +31,12 @@ TOP = 5  # with "top": this many likeliest tokens a step, with their logprobs
 
 
 async def main(
-    model: str, max_model_len: int, block_size: int, tensor_parallel_size: int = 1, reasoning_parser: str = ""
+    model: str,
+    max_model_len: int,
+    block_size: int,
+    tensor_parallel_size: int = 1,
+    reasoning_parser: str = "",
+    engine_args: str = "{}",
 ) -> None:
     # vLLM logs to stdout: keep the protocol on a private copy of it, send the rest to stderr.
     protocol = os.fdopen(os.dup(1), "w")
@@ -52,8 +59,12 @@ async def main(
             distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
             disable_log_stats=True,
             reasoning_parser=reasoning_parser,
+            **json.loads(engine_args or "{}"),
         )
     )
+    from vllm.lora.request import LoRARequest
+
+    adapters: dict[str, LoRARequest] = {}
     from llmesh.engine.worker import WARMUP_PROMPT
 
     async for _ in engine.generate(
@@ -67,9 +78,13 @@ async def main(
         req = json.loads(line)
         prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"]) if "prompt_token_ids" in req else req["prompt"]
         n += 1
+        lora = {}
+        if "lora" in req:
+            name, path = req["lora"]["name"], req["lora"]["path"]
+            lora["lora_request"] = adapters.setdefault(name, LoRARequest(name, len(adapters) + 1, path))
         if "score_from" in req:
             print(
-                json.dumps({"gaps": await gaps(engine, prompt, req["score_from"], f"ref-{n}")}),
+                json.dumps({"gaps": await gaps(engine, prompt, req["score_from"], f"ref-{n}", lora)}),
                 file=protocol,
                 flush=True,
             )
@@ -81,7 +96,7 @@ async def main(
             | sampling(req.get("sampling", {}))
         )
         reasoning = {"reasoning_ended": req["reasoning_ended"]} if "reasoning_ended" in req else {}
-        async for out in engine.generate(prompt, params, request_id=f"ref-{n}", **reasoning):
+        async for out in engine.generate(prompt, params, request_id=f"ref-{n}", **reasoning, **lora):
             stamps.append(time.perf_counter())
             final = out
         answer = {
@@ -131,12 +146,12 @@ def sampling(fields: dict) -> dict:
     return fields
 
 
-async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:
+async def gaps(engine, prompt, start: int, request_id: str, lora: dict) -> list[float]:
     """Per prompt token from `start` on: the likeliest token's logprob there minus its own."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    async for out in engine.generate(prompt, params, request_id=request_id):
+    async for out in engine.generate(prompt, params, request_id=request_id, **lora):
         final = out
     tokens, steps = final.prompt_token_ids, final.prompt_logprobs
     return [
@@ -146,4 +161,4 @@ async def gaps(engine, prompt, start: int, request_id: str) -> list[float]:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:5]), *sys.argv[5:6]))
+    asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:5]), *sys.argv[5:7]))

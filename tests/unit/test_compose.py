@@ -369,6 +369,8 @@ LAYOUTS = {
         *("--host-agent", "4", "--host-agent", "5", "--host-memory-gib", "70"),
     ],
     "single-aggregated": ["single", "--decode", "0", "--decode", "1"],  # for a catalogue served aggregated
+    "one-gpu": ["single", "--prefill", "0", "--decode", "0"],
+    "cpu": ["cpu"],
     "control-plane": ["control-plane", "--address", "10.0.0.1"],
     "gpu-host": [
         "gpu-host",
@@ -412,6 +414,68 @@ def layouts(tmp_path_factory) -> dict[str, dict]:
     return out
 
 
+OPERATOR_ENV = {  # a gated model given only in MESH_MODELS, its weights in a host folder, its token in a file
+    "MESH_MODELS": json.dumps(
+        [
+            {"name": "llama", "model": "Llama-3.1-8B-Instruct", "engine_args": {"max_num_seqs": 64}},
+            {"name": "qwen", "model": "Qwen/Qwen3-8B", "lora_modules": [{"name": "sql", "path": "/models/sql"}]},
+        ]
+    ),
+    "MESH_MODEL_DIR": "/srv/models",
+    "HF_TOKEN": "hf_not_a_token",
+    "MESH_HF_TOKEN_FILE": "/etc/hf-token",
+}
+
+
+@pytest.mark.parametrize("layout", ["docker-compose.yml", *LAYOUTS])
+def test_an_operators_models_token_and_weights_reach_every_service_that_loads_them(layout, tmp_path, monkeypatch):
+    """Rendered by docker-compose with the operator's variables set: the catalogue alone (MESH_MODEL unset)
+    parses in every service that reads it, with the host's folder of weights mounted at /models and the token
+    reaching them as a variable and as a secret file."""
+    from tool_envs import docker_compose
+
+    from llmesh.deploy.compose import main
+
+    path = COMPOSE_FILE
+    if layout != "docker-compose.yml":
+        path = tmp_path / f"{layout}.yml"
+        assert main([*LAYOUTS[layout], "-o", str(path)]) == 0
+    done = subprocess.run(
+        [*docker_compose(), "-f", str(path), "config"],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]} | OPERATOR_ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    rendered = yaml.safe_load(done.stdout)
+    assert rendered["secrets"]["hf-token"]["file"] == OPERATOR_ENV["MESH_HF_TOKEN_FILE"]
+    by_module = {module: name for name, module in SERVICES.items()}
+    readers = 0
+    for name, service in rendered["services"].items():
+        module = by_module.get((command(service) or [""])[0])
+        env = environment(service)
+        if module is None or "MESH_MODEL_DIR" not in env:
+            continue
+        readers += 1
+        assert env["MESH_MODELS"] == OPERATOR_ENV["MESH_MODELS"] and env.get("MESH_MODEL") is None, name
+        assert env["HF_TOKEN"] == OPERATOR_ENV["HF_TOKEN"] and env["HF_TOKEN_PATH"] == "/run/secrets/hf-token", name
+        assert "hf-token" in [s if isinstance(s, str) else s["source"] for s in service["secrets"]], name
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in service["volumes"]]
+        assert any(m.startswith("/srv/models:/models") for m in mounts), (name, mounts)
+        for kind in LAYOUT_SETTINGS.get(module) or (SETTINGS[module],):
+            for key in env_names(kind):
+                monkeypatch.delenv(key, raising=False)
+            for key, value in env.items():
+                if value is not None and key != "MESH_SECRETS_DIR":
+                    monkeypatch.setenv(key, value)
+            settings = kind(_env_file=None)
+            assert [m.name for m in settings.catalogue()] == [
+                "llama",
+                "qwen",
+            ] and settings.model == "Llama-3.1-8B-Instruct"
+    assert readers >= (0 if layout == "control-plane" else 3), readers
+
+
 def test_every_layout_sets_only_what_its_services_read(layouts):
     by_module = {module: name for name, module in SERVICES.items()}
     for layout, services in layouts.items():
@@ -423,6 +487,49 @@ def test_every_layout_sets_only_what_its_services_read(layouts):
                 accepted = set().union(*(env_names(kind) for kind in kinds))
                 unknown = sorted(k for k in environment(service) if k.upper() not in accepted)
                 assert not unknown, f"{layout}: service {name!r} sets {unknown}"
+
+
+def test_every_secret_a_service_mounts_is_defined(services, layouts, tmp_path):
+    from llmesh.deploy.compose import main
+
+    for name, layout in {
+        "docker-compose.yml": yaml.safe_load(COMPOSE_FILE.read_text()),
+        **{
+            n: yaml.safe_load(open(out).read())
+            for n, out in ((n, tmp_path / f"{n}.yml") for n in LAYOUTS)
+            if main([*LAYOUTS[n], "-o", str(out)]) == 0
+        },
+    }.items():
+        used = {secret for service in layout["services"].values() for secret in service.get("secrets", [])}
+        assert used <= set(layout.get("secrets", {})), (name, used)
+    assert "hf-token" in services["decode-worker"]["secrets"]
+
+
+def test_a_prefill_and_a_decode_worker_on_one_gpu_split_its_memory_and_start_in_turn(layouts):
+    services = layouts["one-gpu"]
+    prefill, decode = services["prefill-worker-0"], services["decode-worker-0"]
+    assert gpu_ids(prefill) == gpu_ids(decode) == ["0"]
+    assert environment(prefill)["MESH_GPU_MEMORY_UTILIZATION"] == environment(decode)["MESH_GPU_MEMORY_UTILIZATION"]
+    assert float(environment(decode)["MESH_GPU_MEMORY_UTILIZATION"]) == 0.45
+    assert decode["depends_on"]["prefill-worker-0"] == {"condition": "service_healthy"}
+    assert "prefill-worker-0" not in prefill["depends_on"]
+
+
+def test_the_cpu_layout_needs_no_gpu_and_with_local_images_no_registry(layouts, tmp_path):
+    from llmesh.deploy.compose import main
+
+    services = layouts["cpu"]
+    for name in ("prefill-worker", "decode-worker"):
+        assert "deploy" not in services[name] and environment(services[name])["MESH_ENFORCE_EAGER"] == "true"
+        assert services[name]["build"]["args"] == {"BASE": "llmesh-cpu-base", "ENGINE": "cpu"}
+    assert {"jaeger", "prometheus", "grafana"} <= set(services)
+    path = tmp_path / "local.yml"
+    assert main(["cpu", "--local-images", "-o", str(path)]) == 0
+    local = yaml.safe_load(path.read_text())["services"]
+    assert not {"jaeger", "prometheus", "grafana"} & set(local)
+    assert {s.get("image") for s in local.values()} == {"llmesh:cpu"}  # nothing from a registry
+    assert all("OTEL_EXPORTER_OTLP_ENDPOINT" not in environment(s) for s in local.values())
+    assert local["redis"]["entrypoint"][-1] == "redis" and "--appendonly" in local["redis"]["command"]
 
 
 def test_one_host_with_workers_of_several_gpus(layouts):
@@ -495,7 +602,7 @@ def test_a_gpu_hosts_metrics_are_published_and_listed_for_the_control_plane(layo
         g["labels"]["compose_service"]: (g["targets"], g["labels"][JOB_LABEL], g["labels"]["service"]) for g in groups
     }
     assert listed == {
-        "kv-store": (["10.0.0.2:9100"], "kv-store", "kv-store"),
+        "kv-store": (["10.0.0.2:9099"], "kv-store", "kv-store"),
         "prefill-worker-10-0-0-2-0": (["10.0.0.2:9103"], "workers", "prefill-worker"),
         "decode-worker-10-0-0-2-0": (["10.0.0.2:9104"], "workers", "decode-worker"),
     }
@@ -551,10 +658,11 @@ def test_host_agents_each_with_a_gpu_and_a_budget_that_their_workers_share(layou
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["single", "--prefill", "0", "--decode", "1", "--host-agent", "1", "--host-memory-gib", "9"], "two workers"),
+        (["single", "--prefill", "0", "--decode", "1", "--host-agent", "1", "--host-memory-gib", "9"], "host agent's"),
         (["single", "--prefill", "0", "--decode", "1", "--host-agent", "2"], "with --host-memory-gib"),
         (["single", "--prefill", "0", "--decode", "1", "--host-agent", "2,3", "--host-memory-gib", "9"], "one GPU"),
-        (["single", "--prefill", "0", "--decode", "0"], "a GPU is given to two workers"),
+        (["single", "--prefill", "0", "--prefill", "0", "--decode", "1"], "a GPU is given to two prefill workers"),
+        (["single", "--prefill", "0,0", "--decode", "1,2"], "given a GPU twice"),
         (["single", "--prefill", "0,1", "--decode", "2"], "--kv-heads-per-chunk"),
         (["single", "--prefill", "0"], "a decode worker at least"),
         (["gpu-host", "--prefill", "0"], "--control-plane and --address"),

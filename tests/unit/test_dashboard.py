@@ -169,18 +169,32 @@ def test_every_panel_queries_the_provisioned_prometheus(dashboard):
         assert variable["datasource"] == expected, variable["name"]
 
 
-def test_workers_drop_exactly_the_vllm_names_the_router_exports(registered, dashboard):
-    """Prometheus keeps one source per vllm:* name: the router's request-level metrics, the engines'
-    own for the rest (KV cache usage, preemptions...), which the dashboard must still get."""
+def test_workers_keep_their_engine_metrics_under_an_engine_label_and_drop_the_routers_latencies(registered, dashboard):
+    """Prometheus labels every worker series with its engine (prefill, decode); the router's request-level
+    latencies have one source, the router, and every other vllm:* name the router exports too (queue and
+    tokens, the usual autoscaling signals) is read by the dashboard with the engine label said: none, the
+    mesh's; or some, the engines'."""
     (workers,) = [
         job for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"] if job["job_name"] == "workers"
     ]
-    (rule,) = workers["metric_relabel_configs"]
-    assert rule["action"] == "drop" and rule["source_labels"] == ["__name__"]
-    dropped = re.compile(rule["regex"])  # Prometheus anchors it at both ends: fullmatch
+    label, drop = workers["metric_relabel_configs"]
+    assert label["source_labels"] == ["service"] and label["target_label"] == "engine"
+    assert [re.sub(label["regex"], r"\1", s) for s in ("prefill-worker", "decode-worker-1")] == ["prefill", "decode"]
+    assert drop["action"] == "drop" and drop["source_labels"] == ["__name__"]
+    dropped = re.compile(drop["regex"])  # Prometheus anchors it at both ends: fullmatch
     router_vllm = {n for n in registered["router"] if n.startswith("vllm:")}
     assert len(router_vllm) >= 20
-    assert all(dropped.fullmatch(n) for n in router_vllm), sorted(n for n in router_vllm if not dropped.fullmatch(n))
+    kept = {n for n in router_vllm if not dropped.fullmatch(n)}
+    assert {re.sub("(_total|_created)$", "", n) for n in kept} == {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+    }
+    for panel in panels(dashboard):
+        for target in panel["targets"]:
+            for name in set(metric_names(target["expr"])) & kept:
+                assert re.search(re.escape(name) + r'\{[^}]*engine(=|!=)""', target["expr"]), (panel["title"], name)
     from_workers = set(used_metrics(dashboard)) & registered["workers"] - router_vllm
     assert from_workers and not any(dropped.fullmatch(n) for n in from_workers), sorted(from_workers)
 

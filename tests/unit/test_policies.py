@@ -49,7 +49,7 @@ def ctx(workers, seed=0, dispatched=0, **kw):
     return DispatchContext(
         now=0.0,
         rng=random.Random(seed),
-        request=REQUEST,
+        request=kw.pop("request", REQUEST),
         workers=tuple(workers),
         role=kw.pop("role", "decode"),
         dispatched=dispatched,
@@ -96,6 +96,24 @@ def test_least_loaded(workers, expected):
 )
 def test_every_policy_filters_the_same_way(policy, workers, kw, expected):
     assert picked(policy, workers, **kw) == expected
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(
+    "workers, expected",
+    [
+        ([w("a"), w("b", running=3, capacity=8)], "b"),  # it holds the adapter: preferred over a less loaded one
+        ([w("a"), w("b", running=4)], "a"),  # never at the price of a queue: a full holder is passed over
+        ([w("a"), w("b", running=3, model="other")], "a"),  # a holder that serves another model is no candidate
+    ],
+)
+def test_a_worker_holding_the_requests_adapter_is_preferred_among_those_with_room(policy, workers, expected):
+    holders = [
+        replace(worker, loaded_adapters=frozenset({"sql"})) if worker.worker_id == "b" else worker for worker in workers
+    ]
+    request = replace(REQUEST, adapter="sql")
+    assert picked(policy, holders, request=request) == expected
+    assert picked("least_loaded", workers, request=request) == "a"  # none holds it: as without an adapter
 
 
 def prefiller(worker_id, *, speed=1000.0, backlog=0, sent=0, running=0):

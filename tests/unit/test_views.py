@@ -46,11 +46,13 @@ def test_the_view_carries_each_heartbeat_value():
         block_size=16,
         requests=[request],
         roles=["prefill", "decode"],
+        loaded_adapters=["sql"],
     )
     view = worker_view(info)
-    for name in set(WorkerInfo.model_fields) - HEARTBEAT_ONLY - {"requests", "roles"}:
+    for name in set(WorkerInfo.model_fields) - HEARTBEAT_ONLY - {"requests", "roles", "loaded_adapters"}:
         assert getattr(view, name) == getattr(info, name), name
     assert view.requests == (request,) and view.roles == ("prefill", "decode")
+    assert view.loaded_adapters == frozenset({"sql"})
 
 
 def test_a_workers_and_the_simulators_request_records_give_every_field_of_its_wire_shape():

@@ -65,7 +65,7 @@ def test_a_worker_serves_the_catalogue_entry_it_names_with_its_weights_and_paral
     [
         ({"MESH_SERVED_MODEL_NAME": "nope"}, "'nope' is not in MESH_MODELS"),
         ({"MESH_MODEL": "llmesh/small-llama"}, "differs from MESH_MODELS' 'chat'"),
-        ({"MESH_MODELS": '[{"name": "a"}, {"name": "a"}]'}, "model names must be unique"),
+        ({"MESH_MODELS": '[{"name": "a"}, {"name": "a"}]'}, "model and adapter names must be unique"),
         ({"MESH_MODELS": '[{"name": "a", "weights": "x"}]'}, "Extra inputs are not permitted"),
         ({"MESH_MODELS": '[{"name": ""}]'}, "at least 1 character"),
     ],

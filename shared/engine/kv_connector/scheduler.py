@@ -12,7 +12,7 @@ from llmesh.engine.resumed import resume_grammar
 from llmesh.policies.preemption import RateEstimate, swap_or_recompute
 from llmesh.wire.config import ConnectorConfig
 from llmesh.wire.errors import InvalidRequest, MeshError
-from llmesh.wire.kvkeys import block_hashes, chain_seed, directory_digest, tail_hash
+from llmesh.wire.kvkeys import adapter_digest, block_hashes, chain_seed, tail_hash
 from llmesh.wire.messages import Ack, DurableTail, Message
 
 from .metadata import BlockTransfer, MeshConnectorMetadata, MeshWorkerMetadata, request_trace, tail_id
@@ -76,7 +76,6 @@ class ConnectorScheduler:
         self._reused_blocks: dict[str, int] = {}  # prefill: leading blocks loaded, so not saved again
         self._requests: dict[str, Request] = {}  # decode, for write-behind: live requests by id
         self._seeds: dict[str, str] = {}  # request id -> the start of its block-hash chain
-        self._adapters: dict[str, str] = {}  # LoRA adapter path -> its content digest
         self._planned_loads: list[BlockTransfer] = []
         self._planned_exports: list[BlockTransfer] = []
         self._saves: dict[str, _SaveState] = {}
@@ -109,11 +108,7 @@ class ConnectorScheduler:
         seed = self._seeds.get(request.request_id)
         if seed is None:
             lora = request.lora_request
-            adapter = None
-            if lora is not None:
-                adapter = self._adapters.get(lora.lora_path)
-                if adapter is None:
-                    adapter = self._adapters[lora.lora_path] = directory_digest(lora.lora_path)
+            adapter = adapter_digest(lora.lora_path) if lora is not None else None
             seed = self._seeds[request.request_id] = chain_seed(self._fingerprint, request.cache_salt, adapter)
         return seed
 
