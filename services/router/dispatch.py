@@ -348,6 +348,7 @@ class Dispatcher:
             local = self.scheduler.local_prefill_site(view, prefill)  # it took over the prefill's reservation
             if local is not None:
                 claim.release()  # its decode slot is reserved itself
+                self._count_adapter(view, "decode", local, parent)
         else:  # an aggregated model: its decode workers run whole requests
             local = await self._admit("decode", view, parent, generates=True)
         request = PrefillRequest(
@@ -586,10 +587,7 @@ class Dispatcher:
         waited = time.monotonic() - started
         policy = self.scheduler.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
-        if view.adapter is not None:
-            loaded = view.adapter in worker.loaded_adapters
-            self.metrics.adapter_dispatches.labels(role, "yes" if loaded else "no").inc()
-            trace.get_current_span(parent).set_attribute(f"dispatch.{role}.adapter_loaded", loaded)
+        self._count_adapter(view, role, worker, parent)
         if role == "prefill" or generates:  # its first worker: what vLLM's queue time measures
             self.metrics.queue_time.labels(view.model).observe(waited)
         trace.get_current_span(parent).set_attributes(
@@ -600,6 +598,13 @@ class Dispatcher:
             }
         )
         return worker
+
+    def _count_adapter(self, view: RequestView, role: Role, worker: WorkerInfo, parent: context.Context) -> None:
+        """For a request with a LoRA adapter: whether the `role` worker chosen for it held the adapter loaded."""
+        if view.adapter is not None:
+            loaded = view.adapter in worker.loaded_adapters
+            self.metrics.adapter_dispatches.labels(role, "yes" if loaded else "no").inc()
+            trace.get_current_span(parent).set_attribute(f"dispatch.{role}.adapter_loaded", loaded)
 
     async def _relay(
         self,

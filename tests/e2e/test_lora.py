@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from llmesh.wire.bus import Bus
-from llmesh.wire.messages import DecodeRequest, LoraAdapter, SamplingOptions, Subjects
+from llmesh.wire.messages import DecodeRequest, LoraAdapter, PrefillRequest, PrefillResult, SamplingOptions, Subjects
 
 from .conftest import BLOCK_SIZE, reference_engine, running_mesh
 from .test_live_migration import NEAR_TIE, assert_exact, elsewhere, move, stream
@@ -147,6 +147,25 @@ def decode_ids(mesh) -> dict[str, str]:
     return {"a": a, "b": b, "c": a}
 
 
+async def prefill_only(mesh, prompt: list[int], lora: LoraAdapter) -> None:
+    """The prompt computed on the prefill worker with the adapter, its KV stored, and no decode (so no decode
+    worker's own prefix cache holds it)."""
+    worker = (await live_worker(mesh, "prefill")).worker_id
+    bus = await Bus.connect(mesh.nats_url, "test-prefill")
+    try:
+        request = PrefillRequest(
+            request_id=f"store-{time.monotonic_ns()}",
+            model=MODEL,
+            prompt_token_ids=prompt,
+            sampling=SamplingOptions(max_tokens=16, temperature=0),
+            deadline=time.time() + 60,
+            lora=lora,
+        )
+        await bus.request(Subjects.worker("prefill", worker), request, PrefillResult, timeout=60)
+    finally:
+        await bus.close()
+
+
 async def decode_only(mesh, worker: str, prompt: list[int], first: int, lora: LoraAdapter | None) -> list[int]:
     """A decode after a prefill that left no handle (as a failover's): the worker looks the prompt's KV up in the
     store (its keys: the adapter's) and computes the rest."""
@@ -177,10 +196,10 @@ async def decode_only(mesh, worker: str, prompt: list[int], first: int, lora: Lo
 
 def test_prefix_reuse_across_instances_stays_within_an_adapter(mesh, reference, adapters, decode_ids):
     """A prompt's KV that the prefill worker stored for an adapter's request is loaded from the store by a decode
-    worker for a request of that adapter, never for the base model's or another adapter's (their keys differ:
-    each computes it); every output exact."""
+    worker that never saw the prompt, for a request of that adapter; never for the base model's or another
+    adapter's (their keys differ: each computes it); every output exact."""
     ids = token_prompt(CHUNKED, seed=77)
-    completion(mesh, "tiny-sql", ids)  # its prefill stores the prompt's blocks
+    asyncio.run(prefill_only(mesh, ids, LoraAdapter(**adapters["tiny-sql"])))  # stores the prompt's blocks
     for name, expected_loads in (("tiny-sql", (CHUNKED // BLOCK_SIZE) * NUM_LAYERS), (None, 0), ("tiny-code", 0)):
         lora = LoraAdapter(**adapters[name]) if name else None  # (tiny-code: sent to the worker alone, it loads it)
         expected = reference.generate(16, prompt_token_ids=ids, **({"lora": adapters[name]} if name else {}))
@@ -255,9 +274,9 @@ def test_requests_for_an_adapter_go_to_a_worker_holding_it_while_one_has_room(me
         answers = list(pool.map(lambda i: completion(mesh, "tiny-code", token_prompt(60, seed=200 + i), 64), range(16)))
     burst = adapter_dispatches(mesh)
     landed = {k: burst.get(k, 0) - after.get(k, 0) for k in ("yes", "no")}
-    # (a request whose first token ends it has no decode; a worker that loaded it says so at its next heartbeat)
+    # (a request whose first token ends it has no decode; one run whole on a decode worker counts there)
     print(f"a burst of 16 requests for an adapter one of two decode workers held: decode dispatches {landed}")
-    assert 0 < sum(landed.values()) <= 16 and landed["yes"] > 0
+    assert 0 < sum(landed.values()) <= 16 and landed["yes"] >= min(8, sum(landed.values()))  # its 8 slots, taken
     for i, answer in enumerate(answers):  # batched: equal but for near-ties
         gaps = reference.greedy_gaps(token_prompt(60, seed=200 + i), tokens(answer), lora=code)
         assert max(gaps) <= NEAR_TIE, (i, max(gaps))

@@ -4,6 +4,7 @@ pyproject.toml names and the Dockerfile leaves out fails here, not on a GPU host
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 import subprocess
@@ -62,6 +63,21 @@ def test_the_dockerfile_copies_what_the_package_is_built_from(tmp_path):
     for package, patterns in setuptools["package-data"].items():
         for pattern in patterns:
             assert any(PurePosixPath(n).match(f"{package}/{pattern}") for n in names), (package, pattern)
+
+
+def test_the_build_context_keeps_what_the_dockerfile_copies():
+    """.dockerignore (what Docker leaves out of the build context) names none of the copied folders or files,
+    nor anything inside them but caches."""
+    ignored = [
+        line.strip().rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for source, _ in copies(DOCKERFILE):
+        for pattern in ignored:
+            assert not fnmatch.fnmatch(source, pattern) and not source.startswith(pattern + "/"), (source, pattern)
+            inside = [p for p in (ROOT / source).rglob("*") if fnmatch.fnmatch(str(p.relative_to(ROOT)), pattern)]
+            assert all("__pycache__" in p.parts for p in inside), (source, pattern, inside[:3])
 
 
 def test_copies_are_read_as_docker_reads_them(tmp_path):
