@@ -12,6 +12,7 @@ from .auth import KeyRing
 
 class RouterSettings(ModelSettings, CommonSettings):
     NATS_USER: ClassVar[str] = "router"
+    REDIS_URLS: ClassVar[tuple[str, ...]] = ("redis_url", "responses_redis_url")
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     api_keys: str = Field(
@@ -134,10 +135,6 @@ class RouterSettings(ModelSettings, CommonSettings):
     def _known_policy(self) -> "RouterSettings":
         self.dispatch_policy()  # an unknown policy or parameter fails at start, not at the first request
         self.admission_policy()
-        if self.responses_redis_url and self.secrets_dir is not None and "@" not in self.responses_redis_url:
-            from llmesh.wire.secrets import MeshSecrets
-
-            self.responses_redis_url = MeshSecrets.load(self.secrets_dir).redis_url(self.responses_redis_url)
         self.keyring()  # and a broken key file
         self.admin_keyring()
         return self

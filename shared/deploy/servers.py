@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     password, lines = _redis_options(args)
     if kind == "redis-ping":
         done = subprocess.run(
-            [redis_binary("redis-cli"), *lines_as_args(lines), "ping"],
+            [redis_binary("redis-cli"), *_cli_args(lines), "ping"],
             env={**os.environ, "REDISCLI_AUTH": password},
             capture_output=True,
             text=True,
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # (not reached)
 
 
-def lines_as_args(lines: list[str]) -> list[str]:
+def _cli_args(lines: list[str]) -> list[str]:
     """redis-cli's arguments for the connection options among the config lines (its port)."""
     ports = [line.split()[1] for line in lines if line.startswith("port ")]
     return ["-p", ports[-1]] if ports else []

@@ -31,8 +31,7 @@ def local_path(path: str, model_dir: Path) -> str:
 class Adapters:
     def __init__(self, engine: Any, model_dir: Path, enabled: bool):
         self._engine, self._model_dir, self.enabled = engine, model_dir, enabled
-        self._served: dict[str, Any] = {}  # name -> vLLM's LoRARequest
-        self._given: dict[str, str] = {}  # name -> its folder as given (what heartbeats report)
+        self._served: dict[str, tuple[str, Any]] = {}  # name -> (its folder as given, vLLM's LoRARequest)
         self._ids = itertools.count(1)
         self.loaded: list[str] = []  # the names its engine holds loaded, as of the last `refresh`
 
@@ -47,15 +46,15 @@ class Adapters:
                 'engine_args {"enable_lora": true} in MESH_MODELS',
                 param="model",
             )
-        given = self._given.get(adapter.name)
-        if given is not None and given != adapter.path:
+        given, _ = self._served.get(adapter.name, (adapter.path, None))
+        if given != adapter.path:
             raise InvalidRequest(f"the adapter {adapter.name!r} is {given}, not {adapter.path}", param="lora_path")
 
     def _register(self, adapter: LoraAdapter) -> Any:
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(adapter.name, next(self._ids), local_path(adapter.path, self._model_dir))
-        self._served[adapter.name], self._given[adapter.name] = request, adapter.path
+        self._served[adapter.name] = (adapter.path, request)
         return request
 
     def request(self, adapter: LoraAdapter | None) -> Any:
@@ -64,11 +63,10 @@ class Adapters:
         if adapter is None:
             return None
         self._check(adapter)
-        known = self._served.get(adapter.name)
-        if known is None:
-            log.info("serving LoRA adapter %s (%s), loaded with its first request", adapter.name, adapter.path)
-            return self._register(adapter)
-        return known
+        if adapter.name in self._served:
+            return self._served[adapter.name][1]
+        log.info("serving LoRA adapter %s (%s), loaded with its first request", adapter.name, adapter.path)
+        return self._register(adapter)
 
     async def load(self, adapter: LoraAdapter) -> None:
         """Load `adapter` into the engine now (vLLM's checks: its rank, its modules, its folder); an adapter it
@@ -80,20 +78,19 @@ class Adapters:
         try:
             await self._engine.add_lora(request)
         except Exception as exc:  # (vLLM's refusal of this adapter)
-            del self._served[adapter.name], self._given[adapter.name]
+            del self._served[adapter.name]
             raise InvalidRequest(f"cannot load the LoRA adapter {adapter.name!r}: {exc}", param="lora_path") from exc
         log.info("loaded LoRA adapter %s (%s)", adapter.name, adapter.path)
 
     async def unload(self, name: str) -> None:
-        request = self._served.pop(name, None)
-        self._given.pop(name, None)
+        _, request = self._served.pop(name, (None, None))
         if request is not None:
             await self._engine.remove_lora(request.lora_int_id)
             log.info("unloaded LoRA adapter %s", name)
 
     def served(self) -> dict[str, str]:
         """name -> folder (as given) of each adapter it serves."""
-        return dict(self._given)
+        return {name: given for name, (given, _) in self._served.items()}
 
     async def refresh(self) -> None:
         """Read which of them its engine holds loaded now (vLLM evicts the least recently used past
@@ -102,4 +99,4 @@ class Adapters:
             self.loaded = []
             return
         ids = await self._engine.list_loras()
-        self.loaded = sorted(name for name, request in self._served.items() if request.lora_int_id in ids)
+        self.loaded = sorted(name for name, (_, request) in self._served.items() if request.lora_int_id in ids)

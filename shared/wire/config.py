@@ -51,6 +51,8 @@ class CommonSettings(BaseSettings):
     )
     # the NATS user this service connects as (llmesh.deploy.credentials.PERMISSIONS)
     NATS_USER: ClassVar[str] = "admin"
+    # its settings that name a Redis: given without a password, they get the deployment's from the secrets
+    REDIS_URLS: ClassVar[tuple[str, ...]] = ("redis_url",)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -71,8 +73,10 @@ class CommonSettings(BaseSettings):
                 self.nats_url = secrets.nats_url(self.nats_url, self.NATS_USER)
             else:  # a user of its own, and the deployment's CA all the same
                 self.nats_url = trusting_nats_ca(self.nats_url, self.secrets_dir)
-            if self.redis_url and "@" not in self.redis_url:
-                self.redis_url = secrets.redis_url(self.redis_url)
+            for field in self.REDIS_URLS:
+                url = getattr(self, field)
+                if url and "@" not in url:
+                    setattr(self, field, secrets.redis_url(url))
         return self
 
 
