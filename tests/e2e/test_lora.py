@@ -274,9 +274,10 @@ def test_requests_for_an_adapter_go_to_a_worker_holding_it_while_one_has_room(me
         answers = list(pool.map(lambda i: completion(mesh, "tiny-code", token_prompt(60, seed=200 + i), 64), range(16)))
     burst = adapter_dispatches(mesh)
     landed = {k: burst.get(k, 0) - after.get(k, 0) for k in ("yes", "no")}
-    # (a request whose first token ends it has no decode; one run whole on a decode worker counts there)
+    # (dispatches, not requests: one whose first token ends it has none, one run whole on a decode worker counts
+    # there, and one a worker refused as full, counting the slots itself, is placed again)
     print(f"a burst of 16 requests for an adapter one of two decode workers held: decode dispatches {landed}")
-    assert 0 < sum(landed.values()) <= 16 and landed["yes"] >= min(8, sum(landed.values()))  # its 8 slots, taken
+    assert sum(landed.values()) > 0 and landed["yes"] >= min(8, sum(landed.values()))  # its 8 slots, taken
     for i, answer in enumerate(answers):  # batched: equal but for near-ties
         gaps = reference.greedy_gaps(token_prompt(60, seed=200 + i), tokens(answer), lora=code)
         assert max(gaps) <= NEAR_TIE, (i, max(gaps))
