@@ -2,6 +2,7 @@
 `MESH_SWITCHABLE=1` it serves prefill too, on the same engine, when placement switches its role."""
 
 from llmesh.engine.worker import run_worker
+from llmesh_sim import start_modelled_engine
 
 
 def handlers(worker):
@@ -18,4 +19,4 @@ def handlers(worker):
 
 
 if __name__ == "__main__":
-    run_worker("decode", handlers)
+    run_worker("decode", handlers, start_modelled_engine)

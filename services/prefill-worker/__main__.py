@@ -1,6 +1,7 @@
 """Run a prefill worker: `python -m llmesh_prefill` (settings: llmesh.wire.config.WorkerSettings)."""
 
 from llmesh.engine.worker import run_worker
+from llmesh_sim import start_modelled_engine
 
 
 def handlers(worker):
@@ -10,4 +11,4 @@ def handlers(worker):
 
 
 if __name__ == "__main__":
-    run_worker("prefill", handlers)
+    run_worker("prefill", handlers, start_modelled_engine)

@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 REFINE_TIMEOUT_S = 2.0
 SUPERSEDE_WAIT_S = 5.0  # how long a request sent again waits for the leg it replaces to stop
 
+# (vLLM's engine arguments, the worker's settings, its id) -> an engine standing in for vLLM's AsyncLLM
+ModelledEngineStart = Callable[[Any, WorkerSettings, str], Any]
 CPU_ENGINE_SPIN_S = 0.02
 WARMUP_PROMPT = [(i * 7919) % 1000 + 3 for i in range(64)]  # token ids; any values of the tiny vocab
 
@@ -406,7 +408,11 @@ class EngineWorker:
         self.adapters = Adapters(engine, settings.model_dir, settings.served_model().serves_lora)
 
     @classmethod
-    async def create(cls, settings: WorkerSettings, role: Role) -> EngineWorker:
+    async def create(
+        cls, settings: WorkerSettings, role: Role, modelled: ModelledEngineStart | None = None
+    ) -> EngineWorker:
+        """The worker, its engine vLLM's, or `modelled`'s when the settings ask for a modelled engine (benchmarks:
+        `MESH_MODELLED_ENGINE`; the simulator's package provides it, which this layer does not import)."""
         os.environ["MESH_ENGINE_RESUMES"] = "1"  # for llmesh.engine.vllm_plugin in the engine's processes
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(settings.cpu_reserved_cores))
@@ -420,9 +426,14 @@ class EngineWorker:
         if spin is not None:
             os.environ["MESH_ENGINE_SPIN_S"] = str(spin)  # for llmesh.engine.vllm_plugin in the engine's processes
         # before any thread of ours
-        engine = _start_engine(
-            engine_args(settings, role), _stat_loggers(settings), settings.kv_cache_bytes, settings.cpu_cores
-        )
+        if settings.modelled_engine:  # a benchmark's stand-in, timed by a GPU profile
+            if modelled is None:
+                raise ValueError("MESH_MODELLED_ENGINE is set, but this process cannot start a modelled engine")
+            engine = modelled(engine_args(settings, role), settings, worker_id(settings, role))
+        else:
+            engine = _start_engine(
+                engine_args(settings, role), _stat_loggers(settings), settings.kv_cache_bytes, settings.cpu_cores
+            )
         telemetry.setup_tracing(f"{role}-worker", otlp_endpoint=settings.otlp_endpoint, trace_dir=settings.trace_dir)
         try:
             bus = await Bus.connect(settings.nats_url, f"{role}-worker")
@@ -858,16 +869,17 @@ def _start_engine(args: Any, stat_loggers: Any, kv_cache_bytes: int = 0, cores: 
         )
 
 
-def run_worker(role: Role, make_handlers: Any) -> None:
+def run_worker(role: Role, make_handlers: Any, modelled: ModelledEngineStart | None = None) -> None:
     """The whole `__main__` of a worker: settings, logging, engine, serve until signalled.
-    `make_handlers(worker)` gives {subject: handler}."""
+    `make_handlers(worker)` gives {subject: handler}; `modelled` starts a modelled engine (`EngineWorker.create`)."""
     settings = WorkerSettings()
     setup_logging(f"{role}-worker", settings.log_level)
     log.info("model %s (%s); Hugging Face token: %s", settings.model_name, settings.model, settings.hf_token_source())
-    standby.prepare_cold_start(settings)
+    if not settings.modelled_engine:
+        standby.prepare_cold_start(settings)
 
     async def main(stop: asyncio.Event) -> None:
-        worker = await EngineWorker.create(settings, role)
+        worker = await EngineWorker.create(settings, role, modelled)
         try:
             await worker.start(make_handlers(worker))
             waits = {asyncio.create_task(stop.wait()), asyncio.create_task(worker.exit_requested.wait())}

@@ -514,6 +514,25 @@ class WorkerSettings(ModelSettings, HostSettings, CommonSettings):
         "'async': load all layers before the request is scheduled.",
     )
 
+    modelled_engine: str = Field(
+        "",
+        description="Benchmarks only: instead of vLLM, an engine that computes nothing and times its steps by this "
+        "simulator profile (a name in sim/profiles, e.g. h100-llama2-7b, or a JSON path), behind the same worker "
+        "services (llmesh_sim.modelled_engine), to measure the control plane at GPU speed without a GPU. Empty: vLLM.",
+    )
+    modelled_kv_bytes_per_token: int | None = Field(
+        None,
+        ge=0,
+        description="With `MESH_MODELLED_ENGINE`: the KV bytes a token that its prefills write to the kv-store and "
+        "its decodes read; empty: the profiled model's; 0: no KV crosses the store.",
+    )
+    modelled_timings_dir: str = Field(
+        "",
+        description="With `MESH_MODELLED_ENGINE`: each request's time from reaching the engine to its first token "
+        "out, written to a file a worker in this folder (request id and seconds a line), for a benchmark to "
+        "subtract from what its client saw; empty: none.",
+    )
+
     @model_validator(mode="after")
     def _from_the_models_entry(self) -> WorkerSettings:
         """Its catalogue entry's tensor parallel size, and its `engine_args`' `max_num_seqs` as the capacity."""

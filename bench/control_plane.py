@@ -1,0 +1,252 @@
+"""The control plane at GPU speed: the mesh's router, NATS server and kv-store in front of modelled engines
+(`llmesh_sim.modelled_engine`: the real worker services, their steps timed by a GPU profile, nothing computed),
+at rising rates of streamed requests; beside it, in the same run, NVIDIA Dynamo's frontend over its mocker on the
+same workload (`--peers dynamo`, bench/dynamo_peer.py).
+
+    .venv/bin/python bench/control_plane.py --workers 4 16 --rates 25 50 100 --seconds 20 [--peers dynamo]
+
+Each point is an open loop of Poisson arrivals of streamed completions (a prompt of `--prompt-tokens` words,
+`--output-tokens` out, every request to its length). Per point: completed and failed, achieved request and
+token rates, client TTFT, the added latency (client TTFT minus the modelled engine's own time from receiving the
+request to its first token, matched by request id), and CPU seconds per request of each process of the
+deployment (from /proc, over the point). The client runs on the same two cores as what it measures, for every
+deployment alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import cpu_between, cpu_by_process, launch_mesh  # noqa: E402
+
+PROFILE = "h100-llama2-7b"
+MODEL = "llmesh/tiny-llama"
+REQUEST_ID = re.compile(r"(?:chat)?cmpl-[0-9a-f]{32}")
+WORDS = "the of and to in is was for on that with as by at from his her an which or be are this".split()
+
+
+@dataclass
+class Outcome:
+    request_id: str = ""
+    status: int = 0
+    sent: float = 0.0
+    ttft_s: float | None = None
+    done_s: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Point:
+    deployment: str
+    workers: int
+    rate: float
+    seconds: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    engine_ttft_s: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        ok = [o for o in self.outcomes if o.status == 200 and o.done_s is not None]
+        ttft = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+        added = sorted(
+            o.ttft_s - self.engine_ttft_s[o.request_id]
+            for o in ok
+            if o.ttft_s is not None and o.request_id in self.engine_ttft_s
+        )
+        span = max((o.sent + o.done_s for o in ok), default=0.0) - min((o.sent for o in self.outcomes), default=0.0)
+        tokens = sum(o.tokens for o in ok)
+        n = max(len(ok), 1)
+        return {
+            "deployment": self.deployment,
+            "workers": self.workers,
+            "rate": self.rate,
+            "sent": len(self.outcomes),
+            "completed": len(ok),
+            "failed": len(self.outcomes) - len(ok),
+            "errors": sorted({o.error or str(o.status) for o in self.outcomes if o not in ok})[:5],
+            "req_s": len(ok) / span if span else 0.0,
+            "tokens_s": tokens / span if span else 0.0,
+            "ttft_p50_ms": _pct(ttft, 50) * 1e3,
+            "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+            "added_matched": len(added),
+            "added_p50_ms": _pct(added, 50) * 1e3,
+            "added_p99_ms": _pct(added, 99) * 1e3,
+            "cpu_ms_per_request": {k: v * 1e3 / n for k, v in sorted(self.cpu_s.items(), key=lambda kv: -kv[1])},
+            "cpu_us_per_token": {k: v * 1e6 / max(tokens, 1) for k, v in self.cpu_s.items()},
+        }
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def prompt(words: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, out: Outcome) -> None:
+    """A streamed completion: the time to its first token and to its end, its tokens (one SSE chunk a delta)."""
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            out.status = resp.status
+            if resp.status != 200:
+                out.error = (await resp.text())[:200]
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.startswith(b"data: [DONE]"):
+                    out.done_s = time.monotonic() - out.sent
+                    return
+                if out.ttft_s is None:
+                    out.ttft_s = time.monotonic() - out.sent
+                    found = REQUEST_ID.search(line.decode())
+                    out.request_id = found.group(0) if found else ""
+                out.tokens += 1
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_load(
+    url: str, headers: dict, model: str, rate: float, seconds: float, prompt_words: int, output_tokens: int, seed: int
+) -> list[Outcome]:
+    rng = random.Random(seed)
+    bodies = [
+        {
+            "model": model,
+            "prompt": prompt(prompt_words, rng),
+            "max_tokens": output_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for _ in range(int(rate * seconds))
+    ]
+    outcomes = [Outcome() for _ in bodies]
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tasks = []
+        start = time.monotonic()
+        due = start
+        for body, out in zip(bodies, outcomes):
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            out.sent = time.monotonic()
+            tasks.append(asyncio.create_task(one(session, url, body, headers, out)))
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+def engine_ttfts(folder: Path) -> dict[str, float]:
+    """Each request's modelled engine time to its first token (the prefill's, or a whole request's)."""
+    out: dict[str, float] = {}
+    for path in folder.glob("*.tsv"):
+        for line in path.read_text().splitlines():
+            engine_id, seconds = line.split("\t")
+            found = REQUEST_ID.search(engine_id)
+            if found and engine_id.startswith(("prefill-", "generate-")):
+                out[found.group(0)] = float(seconds)
+    return out
+
+
+def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: int, args, timings: Path | None):
+    points = []
+    for rate in args.rates:
+        for path in timings.glob("*.tsv") if timings else ():
+            path.write_text("")
+        before = cpu_by_process(roots)
+        outcomes = asyncio.run(
+            run_load(
+                url, headers, args.model, rate, args.seconds, args.prompt_words, args.output_tokens, seed=int(rate)
+            )
+        )
+        point = Point(name, workers, rate, args.seconds, outcomes, cpu_between(before, cpu_by_process(roots)))
+        if timings:
+            time.sleep(1.5)  # the workers' files flushed (their buffers) at the next writes or shutdown
+            point.engine_ttft_s = engine_ttfts(timings)
+        s = point.summary()
+        points.append(s)
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in list(s["cpu_ms_per_request"].items())[:6])
+        print(
+            f"{name} workers={workers} rate={rate}: {s['completed']}/{s['sent']} ok, {s['req_s']:.1f} req/s, "
+            f"{s['tokens_s']:.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} p99 {s['ttft_p99_ms']:.1f} ms, added p50 "
+            f"{s['added_p50_ms']:.1f} p99 {s['added_p99_ms']:.1f} ms ({s['added_matched']} matched); CPU ms/request: "
+            f"{cpu} {s['errors'] or ''}",
+            flush=True,
+        )
+    return points
+
+
+def mesh_points(args, workers: int, work: Path) -> list[dict]:
+    timings = work / "timings"
+    catalogue = [{"name": args.model, "model": args.model, "disaggregated": False}]
+    mesh = launch_mesh(
+        work,
+        Path.home() / ".cache" / "llmesh",
+        timeout=600,
+        MESH_MODELS=json.dumps(catalogue),
+        MESH_MODELLED_ENGINE=args.profile,
+        MESH_MODELLED_KV_BYTES_PER_TOKEN=str(args.kv_bytes_per_token),
+        MESH_MODELLED_TIMINGS_DIR=str(timings),
+        MESH_DECODE_WORKERS=str(workers),
+        MESH_CAPACITY=str(args.capacity),
+        MESH_QUEUE_MAX_WAITING=str(100_000),
+        MESH_LOG_LEVEL="WARNING",
+    )
+    try:
+        return measure("mesh", mesh.url, mesh.headers, {"mesh": mesh.launcher.proc.pid}, workers, args, timings)
+    finally:
+        mesh.launcher.stop(60)
+
+
+def dynamo_points(args, workers: int, work: Path) -> list[dict]:
+    from dynamo_peer import dynamo  # noqa: PLC0415 (optional peer)
+
+    with dynamo(Path.home() / ".cache" / "llmesh" / args.model.split("/", 1)[1], args.model, workers, work) as d:
+        roots = {"dynamo-frontend": d.frontend_pid, **{f"dynamo-mocker-{i}": p for i, p in enumerate(d.mocker_pids)}}
+        return measure("dynamo", d.url, {}, roots, workers, args, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[4])
+    parser.add_argument("--rates", type=float, nargs="+", default=[25, 50, 100])
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--prompt-words", type=int, default=512, help="prompt length in words (~1 token each)")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--profile", default=PROFILE)
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--capacity", type=int, default=256, help="requests a worker takes at once")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV through the store (0: none)")
+    parser.add_argument("--peers", nargs="*", default=[], choices=["dynamo"])
+    parser.add_argument("--out", type=Path, help="write every point as JSON here")
+    args = parser.parse_args(argv)
+    points = []
+    with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
+        for workers in args.workers:
+            points += mesh_points(args, workers, Path(tmp) / f"mesh-{workers}")
+            if "dynamo" in args.peers:
+                points += dynamo_points(args, workers, Path(tmp) / f"dynamo-{workers}")
+    if args.out:
+        args.out.write_text(json.dumps({"argv": sys.argv[1:], "points": points}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
