@@ -138,7 +138,9 @@ async def run_load(
         for _ in range(int(rate * seconds))
     ]
     outcomes = [Outcome() for _ in bodies]
-    connector = aiohttp.TCPConnector(limit=0)
+    # a connection a request: Dynamo's frontend holds a reused connection's first chunk for the client's delayed
+    # ACK (~40 ms, bench/dynamo_peer.py), which says nothing of the CPU either spends
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
@@ -218,7 +220,8 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
 def dynamo_points(args, workers: int, work: Path) -> list[dict]:
     from dynamo_peer import dynamo  # noqa: PLC0415 (optional peer)
 
-    with dynamo(Path.home() / ".cache" / "llmesh" / args.model.split("/", 1)[1], args.model, workers, work) as d:
+    model_dir = Path.home() / ".cache" / "llmesh" / args.model.split("/", 1)[1]
+    with dynamo(model_dir, args.model, workers, work, prompt_tokens=args.prompt_words, log_level="warn") as d:
         roots = {"dynamo-frontend": d.frontend_pid, **{f"dynamo-mocker-{i}": p for i, p in enumerate(d.mocker_pids)}}
         return measure("dynamo", d.url, {}, roots, workers, args, None)
 

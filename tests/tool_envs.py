@@ -10,9 +10,13 @@ under <repo>/.cache/<name>-venv.
   a compose file with no Docker engine (`docker-compose -f FILE config`) and runs one against podman's
   Docker API (tests/compose): its PyYAML<6 pin fails to build, so it is installed with --no-deps beside
   its dependencies and PyYAML 6.
+- NVIDIA Dynamo 1.6.1 (`dynamo_python`), its HTTP frontend and its mocker (a simulated engine, no GPU), a
+  benchmark peer (bench/dynamo_peer.py): `ai-dynamo` with --no-deps, since its `aisimulate` dependency on
+  PyPI is a stub that fetches from an unreachable index (only the planner imports it, lazily), beside the
+  runtime's binary wheel and the rest of its dependencies, pydantic within the runtime's pin.
 
 A file lock keeps parallel callers from racing, and a stamp holding the install steps marks a
-finished build (changed steps rebuild it). `python tests/tool_envs.py lmcache|docker-compose`
+finished build (changed steps rebuild it). `python tests/tool_envs.py lmcache|docker-compose|dynamo`
 builds one and prints its python.
 """
 
@@ -79,6 +83,25 @@ COMPOSE_STEPS = [
     ["--no-deps", "docker-compose==1.29.2"],
 ]
 COMPOSE_CHECK = "import compose.cli.main"
+DYNAMO_STEPS = [
+    [
+        "ai-dynamo-runtime==1.6.1",  # (a binary wheel: the Rust runtime, frontend and mocker)
+        "aiohttp>=3.14.3,<4",
+        "certifi",
+        "kubernetes>=32.0.1,<33",
+        "msgspec",
+        "prometheus-client",
+        "pyzmq",
+        "redis",
+        "tqdm",
+        "transformers",
+        "zstandard",
+        "pydantic>=2.10.6,<=2.13.5",  # (the runtime's pin; a newer one conflicts)
+        "uvloop",
+    ],
+    ["--no-deps", "ai-dynamo==1.6.1"],
+]
+DYNAMO_CHECK = "import dynamo.frontend, dynamo.mocker"
 
 
 def isolated_python(name: str, steps: list[list[str]], check: str, log=print) -> Path:
@@ -113,6 +136,10 @@ def docker_compose(log=print) -> list[str]:
     return [str(isolated_python("docker-compose", COMPOSE_STEPS, COMPOSE_CHECK, log).with_name("docker-compose"))]
 
 
+def dynamo_python(log=print) -> Path:
+    return isolated_python("dynamo", DYNAMO_STEPS, DYNAMO_CHECK, log)
+
+
 def _run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
@@ -121,4 +148,7 @@ def _run(cmd: list[str]) -> None:
 
 if __name__ == "__main__":
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    print(lmcache_python(say) if sys.argv[1:] == ["lmcache"] else " ".join(docker_compose(say)))
+    if sys.argv[1:] == ["dynamo"]:
+        print(dynamo_python(say))
+    else:
+        print(lmcache_python(say) if sys.argv[1:] == ["lmcache"] else " ".join(docker_compose(say)))
