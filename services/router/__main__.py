@@ -23,7 +23,7 @@ from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
 from .responses import ResponseStore
 from .scheduler import Scheduler
-from .service import create_app
+from .service import StampedProtocol, create_app
 from .settings import RouterSettings
 
 log = logging.getLogger("llmesh_router")
@@ -114,6 +114,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
             log_level="warning",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
             timeout_keep_alive=75,
+            http=StampedProtocol,
         )
     )
     serving = asyncio.create_task(server.serve())

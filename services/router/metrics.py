@@ -124,6 +124,13 @@ class RouterMetrics:
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         )
+        self.http_wait = Histogram(
+            "llmesh_router_http_wait_seconds",
+            "From a request's first byte read to its handler: the router's event loop busy (relaying tokens, "
+            "reading other requests) delays new requests this long.",
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of the time a request waited in the router's queue for its first worker.",
@@ -206,10 +213,10 @@ class RouterMetrics:
         self._in_flight: Tally[str] = Tally()  # model -> requests being served
         self._queued: Tally[str] = Tally()  # model -> of those, waiting in the router's queue
 
-    def request(self, model: str) -> RequestTimes:
-        """A request that arrived now, counted in flight until `RequestTimes.ended`."""
+    def request(self, model: str, arrived: float) -> RequestTimes:
+        """A request that arrived at `arrived` (monotonic), counted in flight until `RequestTimes.ended`."""
         self._in_flight[model] += 1
-        return RequestTimes(self, model)
+        return RequestTimes(self, model, arrived)
 
     @contextmanager
     def queued(self, model: str) -> Iterator[None]:
@@ -233,9 +240,9 @@ class RouterMetrics:
 class RequestTimes:
     """One request's vLLM-named observations: its first token, the gaps between the later ones, its end."""
 
-    def __init__(self, metrics: RouterMetrics, model: str):
+    def __init__(self, metrics: RouterMetrics, model: str, arrived: float):
         self._metrics, self._model = metrics, model
-        self._arrived = time.monotonic()
+        self._arrived = arrived
         self._first_at: float | None = None
         self._last_at = 0.0
         self._tokens = 0

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from llmesh.wire import telemetry
 from llmesh.wire.errors import Forbidden, InvalidRequest, MeshError, ModelNotFound, RequestTooLarge
@@ -54,6 +55,7 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2
 CLOSE_STREAMS_S = 5.0  # the most a request's cleanup (its aborts to the workers) may take once its client is gone
 SSE_KEEPALIVE_S = 15.0  # a stream silent this long gets an SSE comment (proxies cut idle streams at 60 s)
+RECEIVED_AT = "llmesh.received_at"  # a request scope's state: when its first byte was read (monotonic s)
 
 
 def _seconds(ms: float | None) -> float | None:
@@ -295,10 +297,14 @@ def create_app(
         if isinstance(body, ChatCompletionRequest) and (parsed := output_parsers.reading(body, model)) is not None:
             reading = parsed  # the model's parsers read its output, and may constrain its calls in their format
             samplings = [options.model_copy(update=parsed.sampling_update) for options in samplings]
+        now = time.monotonic()
+        arrival = request.scope.get("state", {}).get(RECEIVED_AT, now)  # its first byte read (__main__'s protocol)
+        metrics.http_wait.observe(now - arrival)
         span = tracer.start_span(
             "router request",
             kind=trace.SpanKind.SERVER,
             context=telemetry.extract(request.headers),
+            start_time=time.time_ns() - int((now - arrival) * 1e9),
             attributes={
                 "request.id": request_id,
                 "model": body.model,
@@ -306,10 +312,11 @@ def create_app(
                 "n": body.n,
                 "endpoint": path,
                 "api_key.name": key.name if key else "",
+                "http.wait_s": now - arrival,
             },
         )
         parent = trace.set_span_in_context(span)
-        deadline, arrival = time.time() + request_timeout_s, time.monotonic()
+        deadline = time.time() - (now - arrival) + request_timeout_s
         served = registry.catalogue.get(model)  # its targets, where the request sets none
         inputs = body.inputs()
         # a generation a choice of each prompt (choice j of prompt i at index i·n + j, as vLLM orders them),
@@ -350,7 +357,7 @@ def create_app(
             )
         )
         streams = [dispatcher.generate(choice, parent) for choice in choices]
-        times = [metrics.request(model) for _ in choices]
+        times = [metrics.request(model, arrival) for _ in choices]
         done = False
 
         def finish(status: int, exc: BaseException | None = None, finish_reasons: Sequence[str | None] = ()) -> None:
@@ -477,6 +484,16 @@ def create_app(
         )
 
     return app
+
+
+class StampedProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol, noting in each request's scope when its first byte was read, so that the
+    router's spans, deadlines and TTFT count from there: a loop busy relaying tokens delays a new request's
+    handler, and that wait is the router's (`llmesh_router_http_wait_seconds`)."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["state"][RECEIVED_AT] = time.monotonic()
 
 
 class _BodyLimit:
