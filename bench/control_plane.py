@@ -1,7 +1,8 @@
 """The control plane at GPU speed: the mesh's router, NATS server and kv-store in front of modelled engines
 (`llmesh_sim.modelled_engine`: the real worker services, their steps timed by a GPU profile, nothing computed),
 at rising rates of streamed requests; beside it, in the same run, NVIDIA Dynamo's frontend over its mocker on the
-same workload (`--peers dynamo`, bench/dynamo_peer.py).
+same workload (`--peers dynamo`, bench/dynamo_peer.py), and vllm-router over the same modelled engines behind
+OpenAI servers (`--peers vllm-router`, llmesh_sim.modelled_server).
 
     .venv/bin/python bench/control_plane.py --workers 4 16 --rates 25 50 100 --seconds 20 [--peers dynamo]
 
@@ -30,6 +31,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import cpu_between, cpu_by_process, launch_mesh  # noqa: E402
+
+from llmesh.deploy.launcher import Child, free_port, wait_healthy  # noqa: E402
+from llmesh.engine.models import resolve_model  # noqa: E402
 
 PROFILE = "h100-llama2-7b"
 MODEL = "llmesh/tiny-llama"
@@ -162,7 +166,7 @@ def engine_ttfts(folder: Path) -> dict[str, float]:
         for line in path.read_text().splitlines():
             engine_id, seconds = line.split("\t")
             found = REQUEST_ID.search(engine_id)
-            if found and engine_id.startswith(("prefill-", "generate-")):
+            if found and not engine_id.startswith("decode-"):  # (a decode's first token is not the request's)
                 out[found.group(0)] = float(seconds)
     return out
 
@@ -226,6 +230,36 @@ def dynamo_points(args, workers: int, work: Path) -> list[dict]:
         return measure("dynamo", d.url, {}, roots, workers, args, None)
 
 
+def vllm_router_points(args, workers: int, work: Path) -> list[dict]:
+    """vllm-router (round robin) over `workers` modelled engines behind OpenAI servers (llmesh_sim.modelled_server)."""
+    timings, logs = work / "timings", work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model, Path.home() / ".cache" / "llmesh")
+    servers, urls = [], []
+    try:
+        for i in range(workers):
+            port = free_port()
+            command = [sys.executable, "-m", "llmesh_sim.modelled_server", "--model", model_path, "--port", str(port)]
+            command += ["--served-model-name", args.model, "--profile", args.profile, "--timings", str(timings)]
+            command += ["--max-num-seqs", str(args.capacity)]
+            servers.append(Child(f"modelled-server-{i}", command, log_path=logs / f"modelled-server-{i}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_healthy(url, 300, servers)
+        port = free_port()
+        command = [str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--policy", "round_robin", "--worker-urls", *urls, "--log-level", "warning"]
+        command += ["--prometheus-port", str(free_port())]
+        router = Child("vllm-router", command, log_path=logs / "vllm-router.log")
+        servers.append(router)
+        wait_healthy(f"http://127.0.0.1:{port}", 60, servers)
+        roots = {child.name: child.proc.pid for child in servers}
+        return measure("vllm-router", f"http://127.0.0.1:{port}", {}, roots, workers, args, timings)
+    finally:
+        for child in servers:
+            child.stop(10)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[4])
@@ -237,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--capacity", type=int, default=256, help="requests a worker takes at once")
     parser.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV through the store (0: none)")
-    parser.add_argument("--peers", nargs="*", default=[], choices=["dynamo"])
+    parser.add_argument("--peers", nargs="*", default=[], choices=["dynamo", "vllm-router"])
     parser.add_argument("--out", type=Path, help="write every point as JSON here")
     args = parser.parse_args(argv)
     points = []
@@ -246,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             points += mesh_points(args, workers, Path(tmp) / f"mesh-{workers}")
             if "dynamo" in args.peers:
                 points += dynamo_points(args, workers, Path(tmp) / f"dynamo-{workers}")
+            if "vllm-router" in args.peers:
+                points += vllm_router_points(args, workers, Path(tmp) / f"vllm-router-{workers}")
     if args.out:
         args.out.write_text(json.dumps({"argv": sys.argv[1:], "points": points}, indent=1))
     return 0
