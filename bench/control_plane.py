@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import cpu_between, cpu_by_process, launch_mesh  # noqa: E402
@@ -200,8 +202,11 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
 
 
 def mesh_points(args, workers: int, work: Path) -> list[dict]:
+    """The mesh as `make run` starts it, its decode workers modelled: each a process up to `--processes`, the
+    rest together in one more (llmesh_sim.modelled_workers, with the environment the launcher gave the first)."""
     timings = work / "timings"
     catalogue = [{"name": args.model, "model": args.model, "disaggregated": False}]
+    own = min(workers, args.processes)
     mesh = launch_mesh(
         work,
         Path.home() / ".cache" / "llmesh",
@@ -210,15 +215,54 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
         MESH_MODELLED_ENGINE=args.profile,
         MESH_MODELLED_KV_BYTES_PER_TOKEN=str(args.kv_bytes_per_token),
         MESH_MODELLED_TIMINGS_DIR=str(timings),
-        MESH_DECODE_WORKERS=str(workers),
+        MESH_DECODE_WORKERS=str(own),
         MESH_CAPACITY=str(args.capacity),
         MESH_QUEUE_MAX_WAITING=str(100_000),
         MESH_LOG_LEVEL="WARNING",
     )
+    rest = None
     try:
-        return measure("mesh", mesh.url, mesh.headers, {"mesh": mesh.launcher.proc.pid}, workers, args, timings)
+        roots = {"mesh": mesh.launcher.proc.pid}
+        if workers > own:
+            rest = Child(
+                "modelled-workers",
+                [
+                    sys.executable,
+                    "-m",
+                    "llmesh_sim.modelled_workers",
+                    "--role",
+                    "decode",
+                    "--count",
+                    str(workers - own),
+                ],
+                env=_decode_worker_environment(mesh.launcher.proc.pid),
+                log_path=work / "logs" / "modelled-workers.log",
+            )
+            roots["mesh:modelled-workers"] = rest.proc.pid
+            wait_for_workers(mesh.url, workers, [rest, mesh.launcher])
+        return measure("mesh", mesh.url, mesh.headers, roots, workers, args, timings)
     finally:
+        if rest is not None:
+            rest.stop(60)
         mesh.launcher.stop(60)
+
+
+def _decode_worker_environment(launcher: int) -> dict[str, str]:
+    """The environment of the launcher's decode worker (its NATS user's credentials among it), without its id."""
+    for pid in psutil.Process(launcher).children(recursive=True):
+        if "llmesh_decode" in pid.cmdline():
+            env = pid.environ()
+            env.pop("MESH_WORKER_ID", None)
+            return env
+    raise RuntimeError("the launcher started no decode worker")
+
+
+def wait_for_workers(url: str, count: int, children: list[Child], timeout: float = 600) -> None:
+    give_up = time.monotonic() + timeout
+    while (live := httpx.get(f"{url}/health", timeout=5).json()["workers"].get("decode", 0)) < count:
+        if time.monotonic() > give_up or not all(child.alive() for child in children):
+            raise RuntimeError(f"{live} of {count} decode workers joined")
+        time.sleep(1)
 
 
 def dynamo_points(args, workers: int, work: Path) -> list[dict]:
@@ -270,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=PROFILE)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--capacity", type=int, default=256, help="requests a worker takes at once")
+    parser.add_argument(
+        "--processes", type=int, default=8, help="the mesh's workers that run a process each (the rest share one)"
+    )
     parser.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV through the store (0: none)")
     parser.add_argument("--peers", nargs="*", default=[], choices=["dynamo", "vllm-router"])
     parser.add_argument("--out", type=Path, help="write every point as JSON here")

@@ -27,6 +27,7 @@ from opentelemetry import trace
 
 from llmesh.wire import telemetry
 from llmesh.wire.errors import BadMessage, MeshError, NoResponders, RequestTooLarge, ServiceUnavailable, Timeout
+from llmesh.wire.lifecycle import Channel
 from llmesh.wire.messages import (
     ErrorReply,
     Message,
@@ -138,7 +139,7 @@ class ReplyStream:
 
     def __init__(self, bus: Bus, subject: str, deadline: float):
         self._bus, self._subject, self._deadline = bus, subject, deadline
-        self._queue: asyncio.Queue[bytes | memoryview | object | BaseException] = asyncio.Queue()
+        self._queue: Channel[bytes | memoryview | object | BaseException] = Channel()
         self._stream_id: str | None = None
         self._done = False
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -156,11 +157,11 @@ class ReplyStream:
         await self._bus.nc.publish(self._subject, frame, reply=f"{mux.prefix}.{self._stream_id}", headers=headers)
 
     def feed(self, item: bytes | memoryview | object) -> None:
-        self._queue.put_nowait(item)
+        self._queue.put(item)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc` (e.g. the producing worker was declared dead)."""
-        self._queue.put_nowait(exc)
+        self._queue.put(exc)
 
     def __aiter__(self) -> ReplyStream:
         return self

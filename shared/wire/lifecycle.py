@@ -1,4 +1,4 @@
-"""Process lifecycle for every service: logging, signals, a stop event."""
+"""Process lifecycle for every service: logging, signals, a stop event; and the asyncio helpers they share."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 import uvloop
 
@@ -60,6 +62,46 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
     tick()
     threading.Thread(target=watch, daemon=True, name="event-loop-watchdog").start()
     return stopped.set
+
+
+T = TypeVar("T")
+
+
+class Channel(Generic[T]):
+    """A queue with one consumer, for the paths a token takes (a reply stream, a request's choices): items
+    in a deque and the consumer's one waiting future, without `asyncio.Queue`'s bounds, its getters' and
+    putters' lists and its task accounting, which cost several times as much an item (measured: a fifth of the
+    router's CPU a token went to its two queues)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def take_all(self) -> list[T]:
+        """Every item waiting, at once."""
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    async def get(self) -> T:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 async def cancel_and_wait(*tasks: asyncio.Future) -> None:

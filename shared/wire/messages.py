@@ -466,6 +466,23 @@ class TokenDelta(Message):
     prompt_logprobs: LogprobSteps | None = None
     prompt_ranks: list[int | None] | None = None
 
+    def then(self, later: TokenDelta) -> TokenDelta | None:
+        """This delta and `later`, the next of its stream, as one (a chunk of several tokens, as a client behind
+        its stream is sent); None where they do not join: this one ended the stream, `later` carries a stream's
+        opening fields, or only one of them has logprobs."""
+        opening = (later.prompt_token_ids, later.cached_tokens, later.prompt_text, later.prompt_logprobs)
+        if self.finish_reason is not None or any(v is not None for v in opening):
+            return None
+        if (self.logprobs is None) != (later.logprobs is None):
+            return None
+        return later.model_copy(
+            update={
+                "text": self.text + later.text,
+                "token_ids": self.token_ids + later.token_ids,
+                "logprobs": None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+            }
+        )
+
 
 class KvHandle(Message):
     """Where a request's KV lies in the kv-store: what another worker needs to load it.

@@ -680,7 +680,7 @@ async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
         await asyncio.sleep(0.25)  # two periods of silence
         yield 2
 
-    got = [item async for item in merged([items()], 0.1)]
+    got = [item async for batch in merged([items()], 0.1) for item in (batch or [None])]
     assert got[0] == (0, 1) and got[-1] == (0, 2) and got[1:-1] == [None, None]
 
 
@@ -706,7 +706,7 @@ async def test_merged_streams_interleave_as_they_come_and_end_when_the_last_does
         await a_done.wait()
         yield "b1"
 
-    got = [item async for item in merged([a(), b()], None)]
+    got = [item async for batch in merged([a(), b()], None) for item in batch]
     assert got == [(0, "a0"), (0, "a1"), (1, "b0"), (0, "a2"), (1, "b1")]
 
 
@@ -732,14 +732,50 @@ async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_
 
     got = []
     with pytest.raises(ValueError, match="worker broke"):
-        async for item in merged([failing(), endless("beside the failed one")], 10):
-            got.append(item)
+        async for batch in merged([failing(), endless("beside the failed one")], 10):
+            got += batch
     assert (0, 1) in got and ended == ["beside the failed one"]
 
     reader = merged([endless("a"), endless("b")], 10)
-    assert (await anext(reader))[1] == 0
+    assert (await anext(reader))[0][1] == 0
     await reader.aclose()
     assert sorted(ended[1:]) == ["a", "b"]
+
+
+async def test_items_waiting_together_come_as_one_batch_and_a_choice_s_deltas_join_into_one_chunk():
+    import asyncio
+
+    from llmesh.wire.messages import TokenDelta
+    from llmesh_router.service import coalesced, merged
+
+    async def behind():  # three deltas ready before the reader looks
+        for i in range(3):
+            yield TokenDelta(
+                text=f"t{i}", token_ids=[i], completion_tokens=i + 1, finish_reason="length" if i == 2 else None
+            )
+
+    reader = merged([behind()], None)
+    await asyncio.sleep(0.01)
+    batch = await anext(reader)
+    assert [d.text for _, d in batch] == ["t0", "t1", "t2"]
+    [(index, joined)] = coalesced(batch)
+    assert (index, joined.text, joined.token_ids, joined.completion_tokens, joined.finish_reason) == (
+        0,
+        "t0t1t2",
+        [0, 1, 2],
+        3,
+        "length",
+    )
+    # a finished delta, one that opens a stream, or logprobs on one side only: not joined
+    done, opening = (
+        TokenDelta(text="a", token_ids=[1], finish_reason="stop"),
+        TokenDelta(text="b", token_ids=[2], cached_tokens=0),
+    )
+    with_logprobs = TokenDelta(text="c", token_ids=[3], logprobs=[[(3, -0.1, "c")]])
+    assert done.then(joined) is None and joined.model_copy(update={"finish_reason": None}).then(opening) is None
+    assert TokenDelta(text="d", token_ids=[4]).then(with_logprobs) is None
+    assert len(coalesced([(0, TokenDelta(text="x", token_ids=[5])), (1, TokenDelta(text="y", token_ids=[6]))])) == 2
+    await reader.aclose()
 
 
 async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_them_never_ignored():

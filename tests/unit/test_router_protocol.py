@@ -1,5 +1,5 @@
-"""The router's HTTP protocol notes when a request's first byte was read: its spans, deadline and TTFT count
-from there, not from when a busy event loop got to its handler."""
+"""The router's HTTP protocol notes when a request's first byte was read (its spans, deadline and TTFT count
+from there, not from when a busy event loop got to its handler) and the server's own `send`."""
 
 import asyncio
 import socket
@@ -8,7 +8,7 @@ import time
 import uvicorn
 
 from llmesh.deploy.launcher import free_port
-from llmesh_router.service import RECEIVED_AT, StampedProtocol
+from llmesh_router.service import RECEIVED_AT, SERVER_SEND, StampedProtocol
 
 
 def test_a_request_is_stamped_at_its_first_byte():
@@ -19,7 +19,7 @@ def test_a_request_is_stamped_at_its_first_byte():
             return
         seen.append(time.monotonic() - scope["state"][RECEIVED_AT])
         await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        await scope["state"][SERVER_SEND]({"type": "http.response.body", "body": b""})
 
     async def main():
         port = free_port()
