@@ -601,16 +601,15 @@ async def _rest_of_each(
 
 
 def coalesced(batch: list[tuple[int, TokenDelta]]) -> list[tuple[int, TokenDelta]]:
-    """A batch of deltas with each run of one choice's joined into one (`TokenDelta.then`): a stream the router
+    """A batch of deltas with each run of one choice's joined into one (`TokenDelta.joined`): a stream the router
     fell behind on gets one chunk of several tokens, not a chunk (and a write) a token."""
-    out: list[tuple[int, TokenDelta]] = []
+    runs: list[tuple[int, list[TokenDelta]]] = []
     for index, delta in batch:
-        joined = out[-1][1].then(delta) if out and out[-1][0] == index else None
-        if joined is not None:
-            out[-1] = (index, joined)
+        if runs and runs[-1][0] == index and runs[-1][1][-1].continued_by(delta):
+            runs[-1][1].append(delta)
         else:
-            out.append((index, delta))
-    return out
+            runs.append((index, [delta]))
+    return [(index, TokenDelta.joined(run)) for index, run in runs]
 
 
 async def merged(

@@ -466,20 +466,29 @@ class TokenDelta(Message):
     prompt_logprobs: LogprobSteps | None = None
     prompt_ranks: list[int | None] | None = None
 
-    def then(self, later: TokenDelta) -> TokenDelta | None:
-        """This delta and `later`, the next of its stream, as one (a chunk of several tokens, as a client behind
-        its stream is sent); None where they do not join: this one ended the stream, `later` carries a stream's
-        opening fields, or only one of them has logprobs."""
+    def continued_by(self, later: TokenDelta) -> bool:
+        """Whether `later`, the next delta of this one's stream, may join it in one chunk (as a client behind its
+        stream is sent several tokens at once): not after the stream's end, not a delta with a stream's opening
+        fields, not where only one of them has logprobs."""
         opening = (later.prompt_token_ids, later.cached_tokens, later.prompt_text, later.prompt_logprobs)
-        if self.finish_reason is not None or any(v is not None for v in opening):
-            return None
-        if (self.logprobs is None) != (later.logprobs is None):
-            return None
-        return later.model_copy(
+        return (
+            self.finish_reason is None
+            and opening == (None, None, None, None)
+            and (self.logprobs is None) == (later.logprobs is None)
+        )
+
+    @staticmethod
+    def joined(run: Sequence[TokenDelta]) -> TokenDelta:
+        """One delta of `run`, each continued by the next (`continued_by`): their text, tokens and logprobs in
+        order, the last one's counts and end."""
+        last = run[-1]
+        if len(run) == 1:
+            return last
+        return last.model_copy(
             update={
-                "text": self.text + later.text,
-                "token_ids": self.token_ids + later.token_ids,
-                "logprobs": None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+                "text": "".join(d.text for d in run),
+                "token_ids": [t for d in run for t in d.token_ids],
+                "logprobs": None if last.logprobs is None else [step for d in run for step in d.logprobs or ()],
             }
         )
 

@@ -772,8 +772,9 @@ async def test_items_waiting_together_come_as_one_batch_and_a_choice_s_deltas_jo
         TokenDelta(text="b", token_ids=[2], cached_tokens=0),
     )
     with_logprobs = TokenDelta(text="c", token_ids=[3], logprobs=[[(3, -0.1, "c")]])
-    assert done.then(joined) is None and joined.model_copy(update={"finish_reason": None}).then(opening) is None
-    assert TokenDelta(text="d", token_ids=[4]).then(with_logprobs) is None
+    assert not done.continued_by(joined) and not joined.model_copy(update={"finish_reason": None}).continued_by(opening)
+    assert not TokenDelta(text="d", token_ids=[4]).continued_by(with_logprobs)
+    assert TokenDelta.joined([with_logprobs, with_logprobs]).logprobs == [[(3, -0.1, "c")]] * 2
     assert len(coalesced([(0, TokenDelta(text="x", token_ids=[5])), (1, TokenDelta(text="y", token_ids=[6]))])) == 2
     await reader.aclose()
 
