@@ -226,6 +226,29 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 @contextlib.contextmanager
+def dynamo_env(work: Path, log_level: str | None = None) -> dict[str, str]:
+    """The environment of every Dynamo process of a deployment under `work`: no etcd and no NATS (discovery in
+    files under `work/discovery`, requests over TCP, events over ZMQ), everything advertised on 127.0.0.1, its
+    home and caches under `work/home` (the frontend writes a cache to ~/.cache/dynamo), and `DYN_LOG`."""
+    home = work / "home"
+    env = {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(work / "discovery"),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",  # else workers advertise the machine's external address
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "HF_HOME": str(home / ".cache" / "huggingface"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    return env | ({"DYN_LOG": log_level} if log_level else {})
+
+
 def dynamo(
     model_dir: Path,
     served_name: str,
@@ -250,25 +273,8 @@ def dynamo(
         d.mkdir(parents=True, exist_ok=True)
     npz = write_perf_npz(work / "mocker-perf.npz", profile, prompt_tokens)
     port = port or _free_port()
-    env = {
-        **os.environ,
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(kv),
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "DYN_TCP_RPC_HOST": "127.0.0.1",  # else workers advertise the machine's external address
-        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-        "DYN_SYSTEM_HOST": "127.0.0.1",
-        "HOME": str(home),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "HF_HOME": str(home / ".cache" / "huggingface"),
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = {**os.environ, **dynamo_env(work, log_level)}
     env.pop("VIRTUAL_ENV", None)
-    if log_level:
-        env["DYN_LOG"] = log_level
     mocker_cmd = [
         str(python),
         "-m",

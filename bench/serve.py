@@ -7,7 +7,13 @@ Deployments, all on this machine and model, started once and measured one at a t
 - `mesh`: the whole mesh as `make run` starts it (`python -m llmesh.deploy.launcher`);
 - `vllm`: one plain vLLM OpenAI server (vLLM's default CPU layout: one core computes, one is left);
 - `vllm-router`: `vllm-router` (the vLLM project's Rust router, from PyPI) over two plain vLLM
-  servers pinned to one core each, with the policy that suits the workload (`--router-policy`).
+  servers pinned to one core each, with the policy that suits the workload (`--router-policy`);
+- `dynamo` (only when `--deployments` names it; labelled "dynamo (vLLM 0.31)"): NVIDIA Dynamo 1.6.1,
+  two workers of its vLLM backend pinned to one core each as vllm-router's servers are, with the same
+  engine settings, behind its frontend and KV-aware router (`--router-mode kv`, fed by the engines'
+  KV events), no etcd or NATS (bench/dynamo_vllm.py). Its backend is built against vLLM 0.31, a
+  version behind ours, so it runs from a venv of its own (tests/tool_envs.py `dynamo-vllm`, built on
+  first use, a few minutes).
 
 Workloads: `random` (vLLM's random dataset), `prefix` (vLLM's `prefix_repetition`: a few shared
 prefixes) and `trace` (the Azure LLM inference conversation trace, bench/data, replayed with its
@@ -34,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -47,10 +54,24 @@ from llmesh.engine.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023_first3000.csv"
-DEPLOYMENTS = ("mesh", "vllm", "vllm-router")
+DEPLOYMENTS = ("mesh", "vllm", "vllm-router")  # the default
+OPTIONAL_DEPLOYMENTS = ("dynamo",)  # on request (`--deployments ... dynamo`)
+ALL_DEPLOYMENTS = DEPLOYMENTS + OPTIONAL_DEPLOYMENTS
+LABELS = {"dynamo": "dynamo (vLLM 0.31)"}  # a peer on another vLLM version says so wherever it is shown
 WORKLOADS = ("random", "prefix", "trace", "long")  # long (128 -> 512 tokens, decode-heavy): on request only
 ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "power_of_two", "long": "power_of_two"}
 MAX_MODEL_LEN, BLOCK_SIZE = 2048, 128
+# every deployment's vLLM engines but the mesh's (which take MESH_MAX_MODEL_LEN, MESH_BLOCK_SIZE)
+ENGINE_ARGS = [
+    "--enforce-eager",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--block-size",
+    str(BLOCK_SIZE),
+]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache
 IDLE_S = 2.0  # a vLLM engine busy-polls for about a second after its last step
 TRACE_INPUT_SCALE, TRACE_OUTPUT_SCALE = 0.5, 0.25  # Azure conv: 1150 -> ~575 prompt tokens, 260 -> ~65 output
 SUMMARY = (
@@ -236,6 +257,7 @@ class Deployment:
     children: list[Child] = field(default_factory=list)
     backends: list[str] = field(default_factory=list)  # vllm-router's servers
     headers: dict[str, str] = field(default_factory=dict)  # what its clients send (the mesh's API key)
+    ready: Callable[[float], None] | None = None  # more to wait for once a completion succeeds (dynamo's workers)
 
     def roots(self) -> dict[str, int]:
         return {child.name: child.pid for child in self.children}
@@ -253,20 +275,14 @@ def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str)
             model_path,
             "--served-model-name",
             served,
-            "--enforce-eager",
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--block-size",
-            str(BLOCK_SIZE),
+            *ENGINE_ARGS,
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
             "--disable-uvicorn-access-log",
         ],
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        env={**ENGINE_ENV, **env},
         log_path=logs / f"{name}.log",
     )
     return child, f"http://127.0.0.1:{port}"
@@ -298,6 +314,15 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
     if name == "vllm":
         child, url = vllm_server("vllm", model_path, model, logs)
         return Deployment(name, url, [child])
+    if name == "dynamo":  # workers dynamo-vllm-0 and -1 (engines on cores 0 and 1), dynamo-frontend
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from bench import dynamo_vllm
+
+        children, url, ready = dynamo_vllm.start(
+            model_path, model, work / "dynamo", ENGINE_ARGS, ENGINE_ENV, cores=(0, 1), router_mode="kv"
+        )
+        return Deployment(name, url, children, ready=ready)
     servers = [
         vllm_server(f"vllm-{core}", model_path, model, logs, VLLM_CPU_OMP_THREADS_BIND=str(core)) for core in (0, 1)
     ]
@@ -516,6 +541,11 @@ async def run_point(
 # ---- results ----------------------------------------------------------------------------------------------------
 
 
+def label(deployment: str) -> str:
+    """A deployment's name in tables, plots and progress lines."""
+    return LABELS.get(deployment, deployment)
+
+
 def spread(values: list[float], digits: int = 0) -> str:
     """'median [min–max]' of repeated measurements."""
     med = statistics.median(values)
@@ -538,7 +568,7 @@ def tables(points: list[dict], slo: dict[str, float]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, rate, deployment), runs in sorted(
-        groups.items(), key=lambda kv: (WORKLOADS.index(kv[0][0]), kv[0][1], DEPLOYMENTS.index(kv[0][2]))
+        groups.items(), key=lambda kv: (WORKLOADS.index(kv[0][0]), kv[0][1], ALL_DEPLOYMENTS.index(kv[0][2]))
     ):
 
         def col(key: str, runs: list = runs) -> list[float]:
@@ -552,7 +582,7 @@ def tables(points: list[dict], slo: dict[str, float]) -> str:
             ]
 
         lines.append(
-            f"| {workload} | {rate:g} | {deployment} | {sum(col('completed')):.0f} / {sum(col('failed')):.0f} | "
+            f"| {workload} | {rate:g} | {label(deployment)} | {sum(col('completed')):.0f} / {sum(col('failed')):.0f} | "
             f"{spread(col('mean_ttft_ms'))} | {spread(col('median_ttft_ms'))} | {spread(col('p99_ttft_ms'))} | "
             f"{spread(col('mean_tpot_ms'), 1)} | {spread(col('median_tpot_ms'), 1)} | "
             f"{spread(col('p99_tpot_ms'), 1)} | "
@@ -567,7 +597,7 @@ def tables(points: list[dict], slo: dict[str, float]) -> str:
         "|---|---|---|---|",
     ]
     for workload in WORKLOADS:
-        for deployment in DEPLOYMENTS:
+        for deployment in ALL_DEPLOYMENTS:
             runs = [p for p in points if p["workload"] == workload and p["deployment"] == deployment]
             tokens = sum(r["total_output_tokens"] for r in runs)
             if not runs or not tokens:
@@ -578,9 +608,9 @@ def tables(points: list[dict], slo: dict[str, float]) -> str:
                     cpu[process] += seconds
             for process, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]):
                 if seconds / tokens * 1000 >= 0.005:
-                    lines.append(f"| {workload} | {deployment} | {process} | {seconds / tokens * 1000:.3f} |")
+                    lines.append(f"| {workload} | {label(deployment)} | {process} | {seconds / tokens * 1000:.3f} |")
             client = sum(r["client_cpu"] for r in runs) / tokens * 1000
-            lines.append(f"| {workload} | {deployment} | (benchmark client) | {client:.3f} |")
+            lines.append(f"| {workload} | {label(deployment)} | (benchmark client) | {client:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -600,7 +630,7 @@ def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
             )
         ):
             ax = axes[row][col]
-            for deployment in DEPLOYMENTS:
+            for deployment in ALL_DEPLOYMENTS:
                 by_rate: dict[float, list[float]] = defaultdict(list)
                 for p in points:
                     if p["workload"] == workload and p["deployment"] == deployment:
@@ -613,7 +643,7 @@ def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
                     [m - min(by_rate[r]) for r, m in zip(rates, med)],
                     [max(by_rate[r]) - m for r, m in zip(rates, med)],
                 ]
-                ax.errorbar(rates, med, yerr=err, marker="o", capsize=3, label=deployment)
+                ax.errorbar(rates, med, yerr=err, marker="o", capsize=3, label=label(deployment))
             ax.set_title(f"{workload}: {title}", fontsize=9)
             ax.set_xlabel("request rate (req/s)")
             if row == 0:
@@ -630,7 +660,14 @@ def plot(points: list[dict], path: Path, slo: dict[str, float]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llmesh/tiny-llama")
-    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
+    parser.add_argument(
+        "--deployments",
+        nargs="+",
+        default=list(DEPLOYMENTS),
+        choices=ALL_DEPLOYMENTS,
+        help=f"default: {' '.join(DEPLOYMENTS)}; on request: "
+        + ", ".join(f"{d} (shown as '{LABELS[d]}')" for d in OPTIONAL_DEPLOYMENTS),
+    )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS[:3]), choices=WORKLOADS)
     parser.add_argument(
         "--rates",
@@ -694,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
                 wait_ready(Deployment(child.name, url, [child]), 600, args.model, baseline)
             if deployment.url:
                 wait_ready(deployment, 600, args.model, baseline)
+            if deployment.ready:
+                deployment.ready(600)
         print(f"serve: all up after {time.monotonic() - started:.0f}s; work in {work}", flush=True)
 
         from vllm.tokenizers import get_tokenizer
@@ -739,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         p = points[-1]
                         print(
-                            f"serve: rep {rep} {workload} {rate:g} req/s {name}: {p['completed']} ok, "
+                            f"serve: rep {rep} {workload} {rate:g} req/s {label(name)}: {p['completed']} ok, "
                             f"{p['failed']} failed, TTFT mean {p['mean_ttft_ms']:.0f} P99 {p['p99_ttft_ms']:.0f} "
                             f"ms, TPOT {p['mean_tpot_ms']:.1f} ms, goodput {p['request_goodput']:.2f}/s "
                             f"[{time.monotonic() - started:.0f}s]",

