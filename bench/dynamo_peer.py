@@ -225,7 +225,6 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.wait(timeout=5)
 
 
-@contextlib.contextmanager
 def dynamo_env(work: Path, log_level: str | None = None) -> dict[str, str]:
     """The environment of every Dynamo process of a deployment under `work`: no etcd and no NATS (discovery in
     files under `work/discovery`, requests over TCP, events over ZMQ), everything advertised on 127.0.0.1, its
@@ -249,6 +248,7 @@ def dynamo_env(work: Path, log_level: str | None = None) -> dict[str, str]:
     return env | ({"DYN_LOG": log_level} if log_level else {})
 
 
+@contextlib.contextmanager
 def dynamo(
     model_dir: Path,
     served_name: str,
