@@ -63,7 +63,8 @@ def test_a_disaggregated_stream_moves_its_kv_through_the_store(modelled):
     before = asyncio.run(kv_stats(modelled))
     times, usage, _ = stream(modelled, "the quick brown fox " * 80, 40)
     after = asyncio.run(kv_stats(modelled))
-    assert len(times) == 40 and usage["completion_tokens"] == 40  # every request to its length
+    # every request to its length (in up to as many chunks: deltas the router fell behind on join into one)
+    assert usage["completion_tokens"] == 40 and 0 < len(times) <= 40
     chunks = -(-usage["prompt_tokens"] // BLOCK_SIZE) * CHUNKS_PER_BLOCK  # the prompt's blocks, the last partial
     kv_bytes = chunks * BLOCK_SIZE * KV_BYTES_PER_TOKEN // CHUNKS_PER_BLOCK
     assert (after.puts - before.puts, after.bytes_put - before.bytes_put) == (chunks, kv_bytes)
@@ -73,7 +74,8 @@ def test_a_disaggregated_stream_moves_its_kv_through_the_store(modelled):
 def test_steps_take_the_profiles_time(modelled):
     profile = load_profile(profile_path(PROFILE))
     times, usage, request_id = stream(modelled, "a b c d " * 100, 64)
-    assert times[-1] - times[0] >= 63 * profile.base_s  # a decode step a token, none shorter than its fixed cost
+    # a decode step a token, none shorter than its fixed cost (from the first chunk to the last)
+    assert usage["completion_tokens"] == 64 and times[-1] - times[0] >= (63 - (64 - len(times))) * profile.base_s
     engine = {}
     for path in modelled.timings.glob("*.tsv"):
         for line in path.read_text().splitlines():
