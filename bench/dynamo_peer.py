@@ -65,11 +65,8 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
 import struct
-import subprocess
 import sys
 import time
 import zipfile
@@ -84,30 +81,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # (run as a script, only bench/ is on sys.path)
     sys.path.insert(0, str(ROOT))
 
+from llmesh.deploy.launcher import Child, free_port, stop_all  # noqa: E402
+from llmesh_sim.modelled_engine import load_profile, profile_path  # noqa: E402
 from tests.tool_envs import dynamo_python  # noqa: E402
 
-DEFAULT_PROFILE = ROOT / "sim" / "profiles" / "h100-llama2-7b.json"
+DEFAULT_PROFILE = "h100-llama2-7b"  # sim/profiles/
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class Profile:
-    """The engine profile fields the mocker's tables and limits come from (sim.engine.EngineProfile's)."""
-
-    base_s: float
-    prefill_token_s: float
-    decode_seq_s: float
-    context_token_s: float
-    prefill_attention_s: float
-    max_batched_tokens: int
-    max_seqs: int
-    kv_blocks: int
-    block_size: int
-
-    @classmethod
-    def load(cls, path: Path = DEFAULT_PROFILE) -> Profile:
-        data = json.loads(path.read_text())
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
 
 
 def _npy(values: Sequence[float], shape: tuple[int, ...]) -> bytes:
@@ -130,7 +109,7 @@ def _pairs(tokens: int, prompt_tokens: int) -> int:
 
 
 def perf_tables(profile: Any, prompt_tokens: int = 512) -> dict[str, tuple[list[float], tuple[int, ...]]]:
-    """The mocker's timing tables (ms) for an engine profile (any object with Profile's fields)."""
+    """The mocker's timing tables (ms) for an engine profile (sim.engine.EngineProfile)."""
     p = profile
     step = 8
     isl = list(range(0, p.max_batched_tokens + step, step))
@@ -157,18 +136,6 @@ def write_perf_npz(path: Path, profile: Any, prompt_tokens: int = 512) -> Path:
     return path
 
 
-def modelled_step_ms(profile: Any, prefill_tokens: int, decoding: int, context_tokens: int, pairs: int) -> float:
-    """Our engine model's step time (sim.engine.EngineProfile.step_s), in ms, to compare with."""
-    p = profile
-    return 1e3 * (
-        p.base_s
-        + p.prefill_token_s * prefill_tokens
-        + p.prefill_attention_s * pairs
-        + p.decode_seq_s * decoding
-        + p.context_token_s * context_tokens
-    )
-
-
 def cpu_s(pid: int) -> float:
     """utime + stime of a process (all its threads, live and exited), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -184,45 +151,13 @@ class DynamoPeer:
     mocker_pids: list[int]  # one process holds all the workers
     logs: Path
     perf_npz: Path
-    procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    children: list[Child] = field(default_factory=list, repr=False)
 
     def frontend_cpu_s(self) -> float:
         return cpu_s(self.frontend_pid)
 
     def mocker_cpu_s(self) -> float:
         return sum(cpu_s(pid) for pid in self.mocker_pids)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM each process group we started, then SIGKILL what is left after `grace_s`."""
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in procs:  # the group too: anything a process left behind
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
 
 
 def dynamo_env(work: Path, log_level: str | None = None) -> dict[str, str]:
@@ -248,6 +183,29 @@ def dynamo_env(work: Path, log_level: str | None = None) -> dict[str, str]:
     return env | ({"DYN_LOG": log_level} if log_level else {})
 
 
+def frontend_command(python: Path, port: int, router_mode: str) -> list[str]:
+    """Dynamo's OpenAI frontend (HTTP server, tokenizer, router) on 127.0.0.1:`port`."""
+    return [str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port)] + [
+        "--router-mode",
+        router_mode,
+    ]
+
+
+def registered_workers(discovery: Path) -> int:
+    """Workers whose generate endpoint is in the discovery folder."""
+    instances = discovery / "v1" / "instances"
+    return sum(1 for p in instances.glob("*") if "%2Fgenerate%2F" in p.name) if instances.is_dir() else 0
+
+
+def served_workers(metrics: str) -> set[str]:
+    """Workers the frontend has routed a request to, from its /metrics text (its per-worker series)."""
+    return {
+        line.split('worker_id="', 1)[1].split('"', 1)[0]
+        for line in metrics.splitlines()
+        if line.startswith("dynamo_frontend_worker_last_time_to_first_token_seconds{")
+    }
+
+
 @contextlib.contextmanager
 def dynamo(
     model_dir: Path,
@@ -257,7 +215,7 @@ def dynamo(
     *,
     router_mode: str = "round-robin",
     port: int | None = None,
-    profile: Any = None,  # an engine profile (Profile, sim.engine.EngineProfile); None: DEFAULT_PROFILE
+    profile: Any = None,  # an engine profile (sim.engine.EngineProfile); None: DEFAULT_PROFILE
     prompt_tokens: int = 512,  # the workload's prompt length, for the prefill table's attention pairs
     log_level: str | None = None,  # DYN_LOG for both (Dynamo's default: info, a line per request)
     startup_timeout_s: float = 120.0,
@@ -265,16 +223,15 @@ def dynamo(
     log=print,
 ) -> Iterator[DynamoPeer]:
     python = dynamo_python(log)
-    profile = profile if profile is not None else Profile.load()
+    profile = profile if profile is not None else load_profile(profile_path(DEFAULT_PROFILE))
     work = Path(work).resolve()
     logs, kv, home = work / "logs", work / "discovery", work / "home"
     shutil.rmtree(kv, ignore_errors=True)  # a fresh discovery store: no stale instances
     for d in (logs, kv, home):
         d.mkdir(parents=True, exist_ok=True)
     npz = write_perf_npz(work / "mocker-perf.npz", profile, prompt_tokens)
-    port = port or _free_port()
-    env = {**os.environ, **dynamo_env(work, log_level)}
-    env.pop("VIRTUAL_ENV", None)
+    port = port or free_port()
+    env = dynamo_env(work, log_level) | {"VIRTUAL_ENV": str(python.parent.parent)}  # its venv, not ours
     mocker_cmd = [
         str(python),
         "-m",
@@ -300,68 +257,39 @@ def dynamo(
         "--speedup-ratio",
         "1.0",
     ]
-    frontend_cmd = [
-        str(python),
-        "-m",
-        "dynamo.frontend",
-        "--http-host",
-        "127.0.0.1",
-        "--http-port",
-        str(port),
-        "--router-mode",
-        router_mode,
-    ]
-    procs: list[subprocess.Popen] = []
-    files = []
+    children: list[Child] = []
     try:
-        for name, cmd in (("mocker", mocker_cmd), ("frontend", frontend_cmd)):
-            out = open(logs / f"{name}.log", "w")  # noqa: SIM115  # closed in finally
-            files.append(out)
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    cwd=work,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: stopped as one
-                )
-            )
-        mocker, frontend = procs
+        for name, cmd in (("mocker", mocker_cmd), ("frontend", frontend_command(python, port, router_mode))):
+            children.append(Child(name, cmd, env=env, log_path=logs / f"{name}.log"))
+        mocker, frontend = children
         peer = DynamoPeer(
-            f"http://127.0.0.1:{port}", served_name, workers, frontend.pid, [mocker.pid], logs, npz, procs
+            f"http://127.0.0.1:{port}", served_name, workers, frontend.pid, [mocker.pid], logs, npz, children
         )
         _wait_ready(peer, kv, startup_timeout_s, router_mode)
         yield peer
     finally:
-        _stop(procs[::-1], stop_grace_s)  # the frontend first: no churn over workers leaving
-        for out in files:
-            out.close()
+        stop_all(children[::-1], stop_grace_s)
 
 
 def _wait_ready(peer: DynamoPeer, kv: Path, timeout_s: float, router_mode: str) -> None:
     """Until the frontend lists the model, all the workers registered and (round-robin) answered."""
-    mocker, frontend = peer.procs
     deadline = time.monotonic() + timeout_s
-    instances = kv / "v1" / "instances"
     state = "nothing yet"
 
     def failure(why: str) -> RuntimeError:
         return RuntimeError(
             f"Dynamo peer not ready: {why} (last: {state}).\n"
-            f"--- {peer.logs / 'mocker.log'} (tail) ---\n{_tail(peer.logs / 'mocker.log')}\n"
-            f"--- {peer.logs / 'frontend.log'} (tail) ---\n{_tail(peer.logs / 'frontend.log')}"
+            + "".join(f"\n--- {child.log_path} (tail) ---\n{child.log_tail(30)}" for child in peer.children)
         )
 
     with httpx.Client(base_url=peer.url, timeout=5.0) as client:
         while True:
-            for name, proc in (("mocker", mocker), ("frontend", frontend)):
-                if proc.poll() is not None:
-                    raise failure(f"the {name} exited with {proc.returncode}")
+            for child in peer.children:
+                if not child.alive():
+                    raise failure(f"the {child.name} exited with {child.proc.returncode}")
             if time.monotonic() > deadline:
                 raise failure(f"not ready after {timeout_s:.0f} s")
-            registered = sum(1 for p in instances.glob("*") if "%2Fgenerate%2F" in p.name) if instances.is_dir() else 0
+            registered = registered_workers(kv)
             try:
                 models = [m["id"] for m in client.get("/v1/models").json()["data"]]
             except (httpx.HTTPError, ValueError, KeyError):
@@ -378,12 +306,7 @@ def _wait_ready(peer: DynamoPeer, kv: Path, timeout_s: float, router_mode: str) 
             for _ in range(peer.workers):
                 body = {"model": peer.served_name, "prompt": [5, 6, 7], "max_tokens": 1}
                 client.post("/v1/completions", json=body, timeout=30.0).raise_for_status()
-            metrics = client.get("/metrics").text
-            seen = {
-                line.split('worker_id="', 1)[1].split('"', 1)[0]
-                for line in metrics.splitlines()
-                if line.startswith("dynamo_frontend_worker_last_time_to_first_token_seconds{")
-            }
+            seen = served_workers(client.get("/metrics").text)
             state = f"the frontend routed to {len(seen)}/{peer.workers} workers"
             if len(seen) >= peer.workers:
                 return

@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # (run as a script, only bench/ is on sys.path)
     sys.path.insert(0, str(ROOT))
 
-from dynamo_peer import dynamo_env  # noqa: E402
+from dynamo_peer import dynamo_env, frontend_command, registered_workers, served_workers  # noqa: E402
 
-from llmesh.deploy.launcher import Child, free_port  # noqa: E402
+from llmesh.deploy.launcher import Child, free_port, stop_all  # noqa: E402
 from tests.tool_envs import dynamo_vllm_python  # noqa: E402
 
 LABEL = "dynamo (vLLM 0.31)"
@@ -110,17 +110,7 @@ def start(
             )
         )
     port = free_port()
-    frontend = [
-        str(python),
-        "-m",
-        "dynamo.frontend",
-        "--http-host",
-        "127.0.0.1",
-        "--http-port",
-        str(port),
-        "--router-mode",
-        router_mode,
-    ]
+    frontend = frontend_command(python, port, router_mode)
     children.append(Child("dynamo-frontend", frontend, env=env, log_path=logs / "dynamo-frontend.log"))
     url = f"http://127.0.0.1:{port}"
 
@@ -128,12 +118,6 @@ def start(
         wait_workers(children, url, work / "discovery", len(cores), timeout_s)
 
     return children, url, ready
-
-
-def registered_workers(discovery: Path) -> int:
-    """Workers whose generate endpoint is in the discovery folder."""
-    instances = discovery / "v1" / "instances"
-    return sum(1 for p in instances.glob("*") if "%2Fgenerate%2F" in p.name) if instances.is_dir() else 0
 
 
 def metric_sum(url: str, name: str, *labels: str) -> float:
@@ -149,16 +133,6 @@ def metric_sum(url: str, name: str, *labels: str) -> float:
 def kv_events_applied(url: str) -> float:
     """KV events (batches) the frontend's router applied to its index, so far (all workers and kinds)."""
     return metric_sum(url, "dynamo_component_kv_cache_events_applied", 'status="ok"')
-
-
-def served_workers(url: str) -> set[str]:
-    """Workers the frontend has routed a request to (its per-worker metrics)."""
-    metrics = httpx.get(f"{url}/metrics", timeout=5).text
-    return {
-        line.split('worker_id="', 1)[1].split('"', 1)[0]
-        for line in metrics.splitlines()
-        if line.startswith("dynamo_frontend_worker_last_time_to_first_token_seconds{")
-    }
 
 
 def wait_workers(children: list[Child], url: str, discovery: Path, workers: int, timeout_s: float) -> None:
@@ -200,7 +174,7 @@ def wait_workers(children: list[Child], url: str, discovery: Path, workers: int,
         if models:
             asyncio.run(one_round(models[0], round_))
             round_ += 1
-            seen = served_workers(url)
+            seen = served_workers(httpx.get(f"{url}/metrics", timeout=5).text)
             state = f"{workers} workers registered, {len(seen)} served a request"
             if len(seen) >= workers:
                 return
@@ -259,10 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     finally:
-        for child in children[::-1]:  # the frontend first
-            child.terminate()
-        for child in children[::-1]:
-            child.stop(30)
+        stop_all(children[::-1], 30)  # the frontend first
     return 0
 
 

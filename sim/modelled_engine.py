@@ -29,7 +29,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from llmesh.wire.kvkeys import adapter_digest, block_chunk_keys, block_hashes, chain_seed, fingerprint, kv_layout
+from llmesh.wire.kvkeys import (
+    adapter_digest,
+    block_chunk_keys,
+    block_hashes,
+    chain_seed,
+    fingerprint,
+    head_groups,
+    kv_bytes_per_token,
+    kv_layout,
+)
 
 from .__main__ import load_profile
 from .engine import EngineProfile, SimEngine, SimRequest
@@ -56,9 +65,7 @@ def profile_path(name: str) -> Path:
 def modelled_kv_bytes_per_token(profile: EngineProfile, layout: dict[str, Any], itemsize: int) -> int:
     """The KV bytes of a token of the profiled model (its target's shape), else of the served model."""
     target = TARGETS.get(profile.name)
-    if target is not None:
-        return target.model.kv_bytes_per_token
-    return 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_size"] * itemsize
+    return target.model.kv_bytes_per_token if target is not None else kv_bytes_per_token(layout, itemsize)
 
 
 @dataclass
@@ -90,7 +97,7 @@ class ModelledEngine:
         self._words = max(tokenizer.vocab_size - FIRST_WORD_ID, 1)
         self.layout = kv_layout(vllm_config)
         self._fingerprint = fingerprint(self.layout)
-        self._chunks_per_block = len(block_chunk_keys("0" * 32, self.layout))
+        self._chunks_per_block = self.layout["num_layers"] * head_groups(self.layout)
         self._chunk_bytes = kv_bytes_per_token * cache.block_size // self._chunks_per_block
         self._zeros = memoryview(bytearray(self._chunk_bytes))
         self._streams: dict[str, _Stream] = {}

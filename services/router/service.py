@@ -603,6 +603,8 @@ async def _rest_of_each(
 def coalesced(batch: list[tuple[int, TokenDelta]]) -> list[tuple[int, TokenDelta]]:
     """A batch of deltas with each run of one choice's joined into one (`TokenDelta.joined`): a stream the router
     fell behind on gets one chunk of several tokens, not a chunk (and a write) a token."""
+    if len(batch) == 1:  # (the router keeping up)
+        return batch
     runs: list[tuple[int, list[TokenDelta]]] = []
     for index, delta in batch:
         if runs and runs[-1][0] == index and runs[-1][1][-1].continued_by(delta):
