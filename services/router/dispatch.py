@@ -1,5 +1,6 @@
 """One request through the mesh, driven by the HTTP layer (llmesh_router.service) iterating
-`Dispatcher.generate`. Its stages, each a method here:
+`Dispatcher.generate`. A request's state is its `RequestRun`'s; what it holds of the workers, its
+`Reservation`'s (llmesh_router.scheduler), given back when a try ends. Its stages, each a method here:
 
 1. admitted: a length tag if a policy reads one (llmesh_router.lengths), then a prefill worker and a
    decode slot from the scheduler, waiting in its queue while none has room (`_admit`);
@@ -11,6 +12,8 @@
    migration) is followed by another, from the KV in the store (`_decode`, `_resume_site`);
 5. done: a finish reason, an error, the deadline, or the client gone (the worker is told to abort).
 
+Which failures are tried again, and how often, is one table (`PLACE_AGAIN`, `RESUME`; `_retry`).
+
 Every stage is bounded by the request's deadline and by the chosen worker's liveness (a
 worker that stops heart-beating fails the request at once, not at the deadline).
 """
@@ -21,8 +24,9 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from opentelemetry import context, trace
@@ -67,7 +71,7 @@ from llmesh.wire.messages import (
 
 from .lengths import LengthTagger
 from .metrics import RouterMetrics
-from .scheduler import DecodeClaim, PlacedPrompt, Scheduler
+from .scheduler import Reservation, Scheduler
 from .stops import OutputEnd
 
 log = logging.getLogger(__name__)
@@ -88,50 +92,109 @@ TOKENIZER_TRIES = 2  # workers asked in turn, where one is gone (not yet known d
 ADAPTER_TIMEOUT_S = 120.0  # a worker's engine loading a LoRA adapter (a hub name's download included)
 
 
-@dataclass
-class _Progress:
-    """A stream's progress as its client sees it (for llmesh.policies.disagg.stall_budget)."""
+@dataclass(frozen=True)
+class _Retry:
+    """How a request goes on after a failure: placed again from the start (nothing streamed yet) or its decode
+    resumed on another worker from its KV (`resumes`), at most `tries` times (None: until its deadline)."""
 
-    budget: int  # most tokens in all (0: unknown)
-    first_at: float = 0.0
-    last_at: float = 0.0
-    tokens: int = 0
+    label: str  # its span event and metric label
+    tries: int | None
+    pause_s: float = 0.0  # a reconnection's grace before trying again
 
-    def seen(self, delta: TokenDelta) -> None:
-        self.last_at = time.monotonic()
-        if not self.tokens:
-            self.first_at = self.last_at
-        self.tokens += len(delta.token_ids)
+    @property
+    def refused(self) -> bool:
+        return self.label == "refused"
+
+
+# The one table of retries, by failure (the most specific class listed wins). Before the first token:
+PLACE_AGAIN: dict[type[MeshError], _Retry] = {
+    AtCapacity: _Retry("refused", MAX_REFUSALS),  # the worker was fuller than this router knew: wait for room again
+    NoResponders: _Retry("redispatched", MAX_REDISPATCHES),  # it died since its last heartbeat
+    StreamInterrupted: _Retry("redispatched", MAX_REDISPATCHES, RECONNECT_GRACE_S),
+}
+# Past it (its client has a 200 and tokens): a refusal is no failure (the worker never took the leg), so it waits
+# for room, each try a heartbeat or a request's end; a worker lost is failed over.
+RESUME: dict[type[MeshError], _Retry] = {
+    AtCapacity: _Retry("refused", None),
+    StreamInterrupted: _Retry("failover", MAX_FAILOVERS, RECONNECT_GRACE_S),  # (the same worker goes on)
+    WorkerLost: _Retry("failover", MAX_FAILOVERS),
+    ServiceUnavailable: _Retry("failover", MAX_FAILOVERS),
+}
+
+
+class RequestRun:
+    """One request through the mesh (one choice of a client's request), and the one owner of its state: what it
+    asks (`gen`: ids, sampling, deadline), its length prediction (and the one pending), its output so far and the
+    stop filter that shows it, where its KV lies, what it holds of the workers (`held`), its progress as its client
+    sees it (a Stream, for the stall bound) and the retries it took. It builds its own prefill and decode messages."""
+
+    held: Reservation  # (a try's: see Dispatcher.generate)
+
+    def __init__(self, gen: Generation, predicted: LengthPrediction | None):
+        self.gen, self.predicted = gen, predicted
+        self.predicting: asyncio.Task | None = None  # a prediction asked beside the prefill (LengthTagger.beside)
+        self.ends = OutputEnd(gen.sampling)
+        self.prompt_token_ids: list[int] = []  # as its worker tokenized it (from the prefill, or the first delta)
+        self.output_token_ids: list[int] = []  # streamed to the client so far
+        self.max_tokens = gen.sampling.max_tokens or 0  # 0: the rest of the context, until a worker resolves it
+        self.fingerprint = ""  # the KV layout of the workers that hold its KV
+        self.kv: KvHandle | None = None  # where the KV of all but the last token lies; None: look the store up
+        self.kv_outputs = 1  # the output tokens `kv` covers (with the last one)
+        self.first_at = self.last_at = 0.0  # when its first and latest tokens came (monotonic)
+        self.tries: Counter[str] = Counter()  # retries by label (`_Retry`)
+
+    @property
+    def started(self) -> bool:
+        """Whether its client has tokens (a failure is then resumed, not placed again)."""
+        return bool(self.output_token_ids)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.output_token_ids)
 
     def snapshot(self, now: float) -> StreamProgress:
-        return StreamProgress(now - self.first_at, self.tokens, max(self.budget - self.tokens, 0))
+        return StreamProgress(now - self.first_at, self.tokens, max(self.max_tokens - self.tokens, 0))
 
+    def prefilled(self, result: PrefillResult, first: TokenDelta) -> None:
+        """Its prompt computed by a prefill worker, which made its `first` token (as shown) and stored its KV."""
+        self.prompt_token_ids, self.max_tokens = list(result.prompt_token_ids), result.max_tokens
+        self.fingerprint, self.kv = result.fingerprint, result.kv
+        self.streamed(first)
 
-@dataclass
-class _DecodeSession:
-    """A request's decode as the router keeps it: enough to resume it on any decode worker."""
+    def streamed(self, delta: TokenDelta, context_len: int = 0) -> None:
+        """`delta` shown to the client (the first of a whole request on a decode worker brings the prompt as that
+        worker tokenized it, and `context_len` resolves its max_tokens)."""
+        self.last_at = time.monotonic()
+        if not self.output_token_ids:
+            self.first_at = self.last_at
+        if delta.prompt_token_ids is not None and not self.prompt_token_ids:
+            self.prompt_token_ids = list(delta.prompt_token_ids)
+            self.max_tokens = self.max_tokens or context_len - len(self.prompt_token_ids)
+        self.output_token_ids += delta.token_ids
 
-    prompt_token_ids: list[int]  # (a whole request on a decode worker: from its first delta)
-    output_token_ids: list[int]  # streamed to the client so far
-    max_tokens: int
-    fingerprint: str
-    kv: KvHandle | None = None  # where the KV of all but the last token lies; None: look the store up
-    kv_outputs: int = 1  # the output tokens `kv` covers (with the last one)
-    context_len: int = 0  # the engine's, to resolve max_tokens 0 (the rest of the context)
+    def prefill_request(self) -> PrefillRequest:
+        gen = self.gen
+        return PrefillRequest(
+            request_id=gen.request_id,
+            model=gen.model,
+            prompt=gen.prompt,
+            prompt_token_ids=gen.prompt_token_ids,
+            messages=gen.messages,
+            tools=gen.tools,
+            template_kwargs=gen.template_kwargs,
+            add_special_tokens=gen.add_special_tokens,
+            truncate_prompt_tokens=gen.truncate_prompt_tokens,
+            truncation_side=gen.truncation_side,
+            sampling=gen.sampling,
+            deadline=gen.deadline,
+            predicted_length=self.predicted,
+            cache_salt=gen.cache_salt,
+            priority=gen.priority,
+            lora=gen.lora,
+        )
 
-    def started_with(self, prompt_token_ids: list[int]) -> None:
-        """A whole request's prompt, as its worker tokenized it (from its first delta)."""
-        self.prompt_token_ids = prompt_token_ids
-        self.max_tokens = self.max_tokens or self.context_len - len(prompt_token_ids)
-
-    def request(
-        self,
-        gen: Generation,
-        predicted: LengthPrediction | None,
-        *,
-        migration_id: str | None = None,
-        recompute: bool = False,
-    ) -> DecodeRequest:
+    def decode_request(self, migration_id: str | None = None, recompute: bool = False) -> DecodeRequest:
+        gen = self.gen
         return DecodeRequest(
             request_id=gen.request_id,
             model=gen.model,
@@ -141,13 +204,27 @@ class _DecodeSession:
             sampling=gen.sampling.model_copy(update={"max_tokens": self.max_tokens}),
             kv=self.kv,
             deadline=gen.deadline,
-            predicted_length=predicted,
+            predicted_length=self.predicted,
             cache_salt=gen.cache_salt,
             priority=gen.priority,
             migration_id=migration_id,
             recompute=recompute,
             lora=gen.lora,
         )
+
+    def handed_over(self, handed: Migrated) -> None:
+        """A live migration moved it: its KV is where the hand-over says."""
+        self.kv, self.kv_outputs = handed.kv, self.tokens
+
+    def lost_leg(self, leg_tokens: int) -> None:
+        """Its worker failed after it streamed from token `leg_tokens`: a handle no longer matching the output is
+        dropped (the next worker looks the store up)."""
+        if self.tokens > leg_tokens or self.kv_outputs != self.tokens:
+            self.kv = None
+
+    def stop_predicting(self) -> None:
+        if self.predicting is not None and not self.predicting.done():
+            self.predicting.cancel()
 
 
 @dataclass(frozen=True)
@@ -267,323 +344,216 @@ class Dispatcher:
         if gen.prompt is not None and gen.prompt_token_ids is None and gen.prompt:
             self._tokens_per_char += 0.1 * (tokens / len(gen.prompt) - self._tokens_per_char)
 
-    def _request_view(
-        self, gen: Generation, prompt_tokens: int, predicted: LengthPrediction | None, max_tokens: int | None = None
-    ) -> RequestView:
-        """`gen` as the dispatch policy sees it (its deadline on the monotonic clock)."""
-        now = time.monotonic()
+    def _request_view(self, run: RequestRun) -> RequestView:
+        """The request as the dispatch policy sees it (its deadline on the monotonic clock); past its first token
+        a queue policy weighs only its overall deadline."""
+        gen, predicted, now = run.gen, run.predicted, time.monotonic()
         if predicted is not None and not predicted.informative:
             predicted = None  # the predictor says it knows no more than a constant: policies act as without one
         return RequestView(
             request_id=gen.request_id,
             model=gen.model,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(run.prompt_token_ids) or self.estimate_prompt_tokens(gen),
             arrival=gen.arrival,
             deadline=now + gen.deadline - time.time(),
-            max_tokens=max_tokens or gen.sampling.max_tokens,
+            max_tokens=run.max_tokens or gen.sampling.max_tokens,
             predicted_tokens=predicted.expected_tokens if predicted else None,
             prediction_confidence=predicted.confidence if predicted else 0.0,
             priority=gen.priority,
-            ttft_slo_s=gen.ttft_slo_s,
+            ttft_slo_s=None if run.started else gen.ttft_slo_s,
             tpot_slo_s=gen.tpot_slo_s or self.scheduler.tpot_slo_s,
             prefix_hashes=gen.prefix_hashes() if self.scheduler.policy.needs_prefix else (),
             adapter=gen.lora.name if gen.lora else None,
         )
 
     async def generate(self, gen: Generation, parent: context.Context) -> AsyncGenerator[TokenDelta, None]:
-        """Token deltas of `gen`; spans are children of `parent`. A request whose first worker turns
-        out to be gone before anything was streamed (NATS had no responder: it died since its last
-        heartbeat) is placed again on another; past the first token, decode failover resumes it.
+        """Token deltas of `gen`; spans are children of `parent`. A request that failed before anything was
+        streamed is placed again (`PLACE_AGAIN`); past its first token, its decode resumes (`RESUME`, `_decode`).
 
         Spans are never kept current across a `yield`: the consumer may resume this generator
         from another task, where detaching a context attached here would fail.
         """
         self.scheduler.arrived(gen.model)
-        redispatches = refusals = 0
+        run = RequestRun(gen, await self.lengths.before_dispatch(gen, parent))
         while True:
-            started = False
-            try:
-                async for delta in self._generate(gen, parent):
-                    started = True
-                    yield delta
-                return
-            except AtCapacity as exc:  # the worker was fuller than this router knew: wait for room again
-                refusals += 1
-                if started or refusals > MAX_REFUSALS:
-                    raise
-                log.info("request %s refused (%s): placing it again", gen.request_id, exc.message)
-                trace.get_current_span(parent).add_event("refused", {"error": exc.message})
-            except (NoResponders, StreamInterrupted) as exc:
-                redispatches += 1
-                if started or redispatches > MAX_REDISPATCHES:
-                    raise
-                if isinstance(exc, StreamInterrupted):
-                    await asyncio.sleep(RECONNECT_GRACE_S)
-                log.warning("request %s reached no worker (%s): placing it again", gen.request_id, exc.message)
-                self.metrics.redispatches.inc()
-                trace.get_current_span(parent).add_event("redispatched", {"error": exc.message})
-
-    async def _generate(self, gen: Generation, parent: context.Context) -> AsyncIterator[TokenDelta]:
-        predicted = await self.lengths.before_dispatch(gen, parent)
-        view = self._request_view(gen, self.estimate_prompt_tokens(gen), predicted)
-        claim = DecodeClaim(self.scheduler, gen.model)
-        try:
-            async for delta in self._prefill_then_decode(gen, view, claim, predicted, parent):
-                yield delta
-        finally:
-            claim.release()
-
-    async def _prefill_then_decode(
-        self,
-        gen: Generation,
-        view: RequestView,
-        claim: DecodeClaim,
-        predicted: LengthPrediction | None,
-        parent: context.Context,
-    ) -> AsyncIterator[TokenDelta]:
-        prefill = predicting = None
-        if "prefill" in self.registry.roles(gen.model):
-            prefill = await self._admit("prefill", view, parent, claim=None if gen.sampling.max_tokens == 1 else claim)
-            predicting = self.lengths.beside(gen, parent)
-            local = self.scheduler.local_prefill_site(view, prefill)  # it took over the prefill's reservation
-            if local is not None:
-                claim.release()  # its decode slot is reserved itself
-                self._count_adapter(view, "decode", local, parent)
-        else:  # an aggregated model: its decode workers run whole requests
-            local = await self._admit("decode", view, parent, generates=True)
-        request = PrefillRequest(
-            request_id=gen.request_id,
-            model=gen.model,
-            prompt=gen.prompt,
-            prompt_token_ids=gen.prompt_token_ids,
-            messages=gen.messages,
-            tools=gen.tools,
-            template_kwargs=gen.template_kwargs,
-            add_special_tokens=gen.add_special_tokens,
-            truncate_prompt_tokens=gen.truncate_prompt_tokens,
-            truncation_side=gen.truncation_side,
-            sampling=gen.sampling,
-            deadline=gen.deadline,
-            predicted_length=predicted,
-            cache_salt=gen.cache_salt,
-            priority=gen.priority,
-            lora=gen.lora,
-        )
-        ends = OutputEnd(gen.sampling)
-        try:
-            if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
-                self.metrics.prefill_sites.labels("decode").inc()
-                session = _DecodeSession(
-                    [], [], gen.sampling.max_tokens or 0, local.fingerprint, context_len=local.max_model_len
-                )
-                placed = PlacedPrompt(self.scheduler, local.worker_id, view.prompt_tokens)
+            with self.scheduler.reservation(gen.model) as run.held:  # each try holds its own
                 try:
-                    async for delta in self._decode(
-                        gen,
-                        session,
-                        local.worker_id,
-                        (Subjects.generate(local.worker_id), request),
-                        ends,
-                        parent,
-                        _Progress(gen.sampling.max_tokens or 0),
-                        predicted,
-                    ):
-                        placed.prompt_done()  # once the first token is out
+                    async for delta in self._prefill_then_decode(run, parent):
                         yield delta
+                    return
+                except MeshError as exc:
+                    if run.started or (retry := self._retry(run, exc, parent)) is None:
+                        raise
                 finally:
-                    placed.prompt_done()
-                return
-            assert prefill is not None
-            self.metrics.prefill_sites.labels("prefill").inc()
-            with self.scheduler.placed(prefill.worker_id, view.prompt_tokens):
-                try:
-                    with self._tracer.start_as_current_span(
-                        "router.prefill", context=parent, attributes={"worker.id": prefill.worker_id}
-                    ):
-                        started = time.monotonic()
-                        result, _ = await self._while_alive(
-                            prefill.worker_id,
-                            self.bus.request(
-                                Subjects.worker("prefill", prefill.worker_id),
-                                request,
-                                PrefillResult,
-                                timeout=gen.deadline - time.time(),
-                            ),
-                        )
-                        self.metrics.prefill_seconds.observe(time.monotonic() - started)
-                except BaseException as exc:
-                    await self._after_failure(prefill.worker_id, gen.request_id, exc)
-                    raise
-            self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
-            # The first token comes from the prefill: the client sees it before decode starts (with its prompt's
-            # ids, which a parser of the output reads).
-            first = ends.shown(result.first)
-            yield first.model_copy(update={"prompt_token_ids": result.prompt_token_ids})
-            if first.finish_reason is not None:
-                return
-            if predicting is not None:
-                predicted, predicting = self.lengths.so_far(predicting, parent), None
-            session = _DecodeSession(
-                list(result.prompt_token_ids),
-                list(result.first.token_ids),
-                result.max_tokens,
-                result.fingerprint,
-                result.kv,
-            )
-            decode = await self._admit(
-                "decode",
-                self._decode_view(gen, session, predicted),
-                parent,
-                fingerprint=result.fingerprint,
-                claim=claim,
-            )
-            progress = _Progress(result.max_tokens)
-            progress.seen(first)
-            async for delta in self._decode(gen, session, decode.worker_id, None, ends, parent, progress, predicted):
-                yield delta
-        finally:
-            if predicting is not None and not predicting.done():
-                predicting.cancel()
+                    run.stop_predicting()
+            await asyncio.sleep(retry.pause_s)
 
-    def _decode_view(self, gen: Generation, session: _DecodeSession, predicted: LengthPrediction | None) -> RequestView:
-        # its first token is out: a queue policy weighs only its overall deadline now
-        return replace(
-            self._request_view(gen, len(session.prompt_token_ids), predicted, session.max_tokens), ttft_slo_s=None
-        )
+    def _retry(self, run: RequestRun, exc: MeshError, parent: context.Context, worker_id: str = "") -> _Retry | None:
+        """Whether and how `run` goes on after `exc`, by the table of its stage (PLACE_AGAIN, RESUME), counted and
+        told; None: `exc` is its client's answer."""
+        table = RESUME if run.started else PLACE_AGAIN
+        retry = next((table[kind] for kind in type(exc).__mro__ if kind in table), None)
+        if retry is None or (retry.tries is not None and run.tries[retry.label] >= retry.tries):
+            return None
+        if run.started and time.time() >= run.gen.deadline:
+            return None
+        run.tries[retry.label] += 1
+        if run.started:
+            self.metrics.resumes.labels(retry.label).inc()
+            trace.get_current_span(parent).add_event(
+                f"decode {retry.label}", {"worker.id": worker_id, "error": exc.code}
+            )
+            went_on = f"resuming it after {run.tokens} tokens"
+        else:
+            if not retry.refused:
+                self.metrics.redispatches.inc()
+            trace.get_current_span(parent).add_event(retry.label, {"error": exc.message})
+            went_on = "placing it again"
+        level = logging.INFO if retry.refused else logging.WARNING
+        log.log(level, "request %s: %s; %s", run.gen.request_id, exc.message, went_on)
+        return retry
+
+    async def _prefill_then_decode(self, run: RequestRun, parent: context.Context) -> AsyncIterator[TokenDelta]:
+        gen, held = run.gen, run.held
+        view = self._request_view(run)
+        local: WorkerInfo | None = None  # a decode worker running it whole
+        if "prefill" not in self.registry.roles(gen.model):  # an aggregated model: its decode workers run it whole
+            local = await self._admit(held, "decode", view, parent, generates=True)
+        else:
+            prefill = await self._admit(held, "prefill", view, parent, claim_decode=gen.sampling.max_tokens != 1)
+            run.predicting = self.lengths.beside(gen, parent)
+            if (local := held.prefill_locally(view, prefill)) is not None:
+                self._count_adapter(view, "decode", local, parent)
+        if local is not None:  # the whole request on a decode worker: no prefill queue, no KV transfer
+            self.metrics.prefill_sites.labels("decode").inc()
+            run.fingerprint = local.fingerprint
+            start = (Subjects.generate(local.worker_id), run.prefill_request())
+            async for delta in self._decode(run, local, start, parent):
+                yield delta
+            return
+        self.metrics.prefill_sites.labels("prefill").inc()
+        try:
+            with self._tracer.start_as_current_span(
+                "router.prefill", context=parent, attributes={"worker.id": prefill.worker_id}
+            ):
+                started = time.monotonic()
+                result, _ = await self._while_alive(
+                    prefill.worker_id,
+                    self.bus.request(
+                        Subjects.worker("prefill", prefill.worker_id),
+                        run.prefill_request(),
+                        PrefillResult,
+                        timeout=gen.deadline - time.time(),
+                    ),
+                )
+                self.metrics.prefill_seconds.observe(time.monotonic() - started)
+        except BaseException as exc:
+            await self._after_failure(prefill.worker_id, gen.request_id, exc)
+            raise
+        finally:
+            held.release(prefill.worker_id)
+        self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
+        # The first token comes from the prefill: the client sees it before decode starts (with its prompt's ids,
+        # which a parser of the output reads).
+        first = run.ends.shown(result.first)
+        run.prefilled(result, first)
+        yield first.model_copy(update={"prompt_token_ids": result.prompt_token_ids})
+        if first.finish_reason is not None:
+            return
+        if run.predicting is not None:
+            run.predicted, run.predicting = self.lengths.so_far(run.predicting, parent), None
+        decode = await self._admit(held, "decode", self._request_view(run), parent, fingerprint=run.fingerprint)
+        async for delta in self._decode(run, decode, None, parent):
+            yield delta
 
     async def _decode(
-        self,
-        gen: Generation,
-        session: _DecodeSession,
-        worker_id: str,
-        start: tuple[str, Message] | None,
-        ends: OutputEnd,
-        parent: context.Context,
-        progress: _Progress,
-        predicted: LengthPrediction | None,
+        self, run: RequestRun, worker: WorkerInfo, start: tuple[str, Message] | None, parent: context.Context
     ) -> AsyncIterator[TokenDelta]:
-        """The request's output from `worker_id` (reserved for it), which `start` (subject, request)
-        begins there or else a `DecodeRequest` of `session`, until it finishes; resumed on another decode
-        worker after a live migration's hand-over (`Migrated`) or when a worker dies or refuses."""
-        subject, request = start or (Subjects.worker("decode", worker_id), session.request(gen, predicted))
-        failovers, moved_from = 0, None
+        """The request's output from `worker` (held for it), which `start` (subject, request) begins there or else
+        the run's decode request, until it finishes; resumed on another decode worker after a live migration's
+        hand-over (`Migrated`) or where a worker dies or refuses (`RESUME`)."""
+        worker_id, context_len = worker.worker_id, worker.max_model_len
+        subject, request = start or (Subjects.worker("decode", worker_id), run.decode_request())
+        moved_from = None
         while True:
             handed: Migrated | None = None
-            leg_worker, leg_tokens = worker_id, len(session.output_token_ids)
+            leg_worker, leg_tokens = worker_id, run.tokens
             span = "router.generate" if isinstance(request, PrefillRequest) else "router.decode"
             try:
-                async for item in self._relay(
-                    worker_id,
-                    subject,
-                    request,
-                    gen,
-                    ends,
-                    parent,
-                    span,
-                    progress,
-                    generated=len(session.output_token_ids),
-                ):
+                async for item in self._relay(worker_id, subject, request, run, parent, span):
                     if isinstance(item, Migrated):
                         handed = item
                         break
-                    if item.prompt_token_ids is not None:
-                        session.started_with(item.prompt_token_ids)
-                    session.output_token_ids += item.token_ids
+                    if not run.started:  # a whole request's first token: its prompt is computed
+                        run.held.prompt_done(worker_id)
+                    run.streamed(item, context_len)
                     yield item
                 if handed is None:
                     return
-            except (WorkerLost, ServiceUnavailable) as exc:
-                # a refusal: the worker never took the leg, so not a failure; it waits for room (its deadline
-                # bounds how long, each try waits for a heartbeat or a request's end)
-                refused = isinstance(exc, AtCapacity)
-                if (
-                    not session.output_token_ids
-                    or time.time() >= gen.deadline
-                    or (not refused and failovers >= MAX_FAILOVERS)
-                ):
+            except MeshError as exc:
+                if not run.started or (retry := self._retry(run, exc, parent, worker_id)) is None:
                     raise
-                failovers += not refused
-                if len(session.output_token_ids) > leg_tokens or session.kv_outputs != len(session.output_token_ids):
-                    session.kv = None  # what the handle lists is outdated: the new worker looks the store up
-                (log.info if refused else log.warning)(
-                    "request %s: %s; resuming it after %d tokens",
-                    gen.request_id,
-                    exc.message,
-                    len(session.output_token_ids),
-                )
-                self.metrics.resumes.labels("refused" if refused else "failover").inc()
-                trace.get_current_span(parent).add_event(
-                    "decode refused" if refused else "decode failover", {"worker.id": worker_id, "error": exc.code}
-                )
+                run.lost_leg(leg_tokens)
                 # a migration's target that failed before taking over: its source resumes; a stream cut by a
                 # reconnection goes on where it was (the worker replaces the leg it still runs)
-                source = moved_from if len(session.output_token_ids) == leg_tokens and not refused else None
+                source = moved_from if run.tokens == leg_tokens and not retry.refused else None
                 if isinstance(exc, StreamInterrupted):
                     source = leg_worker
-                    await asyncio.sleep(RECONNECT_GRACE_S)
+                await asyncio.sleep(retry.pause_s)
                 try:
-                    worker_id, moved_from = await self._resume_site(gen, session, source, parent, predicted), None
+                    worker_id, moved_from = await self._resume_site(run, source, parent), None
                 except Timeout:
                     raise  # its deadline passed waiting for room
                 except MeshError:
                     raise exc from None  # nowhere to go on: the original failure is the news
-                request = session.request(gen, predicted)
+                request = run.decode_request()
             else:
-                if handed.output_tokens != len(session.output_token_ids):
+                if handed.output_tokens != run.tokens:
                     log.error(
                         "request %s: %s handed over after %d tokens but streamed %d; resuming from the store",
-                        gen.request_id,
+                        run.gen.request_id,
                         worker_id,
                         handed.output_tokens,
-                        len(session.output_token_ids),
+                        run.tokens,
                     )
                     handed = handed.model_copy(update={"kv": None})
                 self.metrics.resumes.labels("migrated").inc()
                 trace.get_current_span(parent).add_event(
                     "migrated", {"worker.id": worker_id, "target": handed.target, "migration.id": handed.migration_id}
                 )
-                session.kv, session.kv_outputs = handed.kv, len(session.output_token_ids)
+                run.handed_over(handed)
                 moved_from, worker_id = worker_id, handed.target
-                self.scheduler.reserve(worker_id)
-                request = session.request(gen, predicted, migration_id=handed.migration_id, recompute=handed.kv is None)
+                run.held.hold(worker_id)
+                request = run.decode_request(migration_id=handed.migration_id, recompute=handed.kv is None)
             finally:
-                self.scheduler.release(leg_worker)
+                run.held.release(leg_worker)
             subject = Subjects.worker("decode", worker_id)
 
-    async def _resume_site(
-        self,
-        gen: Generation,
-        session: _DecodeSession,
-        moved_from: str | None,
-        parent: context.Context,
-        predicted: LengthPrediction | None,
-    ) -> str:
+    async def _resume_site(self, run: RequestRun, moved_from: str | None, parent: context.Context) -> str:
         """Where a decode goes on after its worker failed: the source of a migration whose target
-        failed before it took over, else the dispatch policy's choice (reserved either way)."""
+        failed before it took over, else the dispatch policy's choice (held either way)."""
         if moved_from is not None and any(w.worker_id == moved_from for w in self.registry.live("decode")):
-            self.scheduler.reserve(moved_from)
+            run.held.hold(moved_from)
             return moved_from
-        chosen = await self._admit(
-            "decode", self._decode_view(gen, session, predicted), parent, fingerprint=session.fingerprint
-        )
+        chosen = await self._admit(run.held, "decode", self._request_view(run), parent, fingerprint=run.fingerprint)
         return chosen.worker_id
 
     async def _admit(
         self,
+        held: Reservation,
         role: Role,
         view: RequestView,
         parent: context.Context,
         fingerprint: str | None = None,
-        claim: DecodeClaim | None = None,
+        *,
         generates: bool = False,
+        claim_decode: bool = False,
     ) -> WorkerInfo:
-        """A worker of `role` for the request by the dispatch policy (one that runs whole requests if
-        `generates`), reserved; waiting in the router's queue while none has room. A prefill with a decode
-        `claim` also waits for decode room and takes the claim; the decode then releases it. The choice is
-        counted and put on the request's span."""
+        """A worker of `role` for the request, held by it (Reservation.admit); the choice is counted and put on
+        the request's span."""
         started = time.monotonic()
         with self.metrics.queued(view.model):
-            worker, queued = await self.scheduler.admit(role, view, fingerprint, claim, generates)
+            worker, queued = await held.admit(role, view, fingerprint, generates=generates, claim_decode=claim_decode)
         waited = time.monotonic() - started
         policy = self.scheduler.policy.name
         self.metrics.dispatch.labels(policy, role, "queued" if queued else "placed").inc()
@@ -607,36 +577,26 @@ class Dispatcher:
             trace.get_current_span(parent).set_attribute(f"dispatch.{role}.adapter_loaded", loaded)
 
     async def _relay(
-        self,
-        worker_id: str,
-        subject: str,
-        request: Message,
-        gen: Generation,
-        ends: OutputEnd,
-        parent: context.Context,
-        span_name: str,
-        progress: _Progress,
-        generated: int,
+        self, worker_id: str, subject: str, request: Message, run: RequestRun, parent: context.Context, span_name: str
     ) -> AsyncIterator[TokenDelta | Migrated]:
-        """The deltas `worker_id` streams for `request`, through the stop filter, until one finishes
-        or the worker hands the request over (`Migrated`, the last item then); meanwhile `progress`
-        counts among the streams the worker decodes (for the stall bound). A delta that does not
-        follow the `generated` tokens so far (NATS lost one before it, in a reconnection) ends the
-        relay with StreamInterrupted, before anything past the gap is shown.
+        """The deltas `worker_id` streams for `request`, through the run's stop filter, until one finishes or the
+        worker hands the request over (`Migrated`, the last item then); meanwhile the run counts among the streams
+        the worker decodes (for the stall bound). A delta that does not follow the run's tokens so far (NATS lost
+        one before it, in a reconnection) ends the relay with StreamInterrupted, before anything past the gap is
+        shown.
 
         The worker is told to abort if the client leaves, the deadline passes, a stop string ends
         the text early, or a step breaks (a typed error from the worker means it already gave up).
         """
+        gen = run.gen
         span = self._tracer.start_span(span_name, context=parent, attributes={"worker.id": worker_id})
         replies = None
         finished = False
+        generated = run.tokens
         try:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
-            with (
-                self.registry.watch(worker_id, replies.fail),
-                self.scheduler.decoding(worker_id, gen.request_id, progress),
-            ):
+            with self.registry.watch(worker_id, replies.fail), run.held.streaming(worker_id, gen.request_id, run):
                 previous_at = None  # of this relay's previous delta (its first follows a prompt or a KV load)
                 async for delta, _ in replies:
                     if isinstance(delta, Migrated):
@@ -651,13 +611,13 @@ class Dispatcher:
                         )
                     generated = delta.completion_tokens
                     self.registry.heard_from(worker_id)
-                    progress.seen(delta)
+                    now = time.monotonic()
                     if previous_at is None:
                         span.add_event("first delta")
                     elif delta.token_ids:
-                        self.scheduler.token_gap(worker_id, (progress.last_at - previous_at) / len(delta.token_ids))
-                    previous_at = progress.last_at
-                    shown = ends.shown(delta)
+                        self.scheduler.token_gap(worker_id, (now - previous_at) / len(delta.token_ids))
+                    previous_at = now
+                    shown = run.ends.shown(delta)
                     finished = shown.finish_reason is not None
                     if finished and delta.finish_reason is None:
                         await self._abort(worker_id, gen.request_id)  # a stop string the worker could not see

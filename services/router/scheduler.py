@@ -16,7 +16,7 @@ import statistics
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -215,17 +215,6 @@ class Scheduler:
         else:
             self._backlog.pop(worker_id, None)
 
-    @contextmanager
-    def placed(self, worker_id: str, prompt_tokens: int) -> Iterator[PlacedPrompt]:
-        """A request reserved on `worker_id` while the block runs: its prompt in the worker's backlog
-        until `prompt_done()`, its slot released at the end."""
-        placed = PlacedPrompt(self, worker_id, prompt_tokens)
-        try:
-            yield placed
-        finally:
-            placed.prompt_done()
-            self.release(worker_id)
-
     def unreachable(self, worker_id: str) -> None:
         """NATS found nothing serving `worker_id`: send it nothing new until its next heartbeat (a
         dead one sends none and is dropped as usual, failing what it held)."""
@@ -359,8 +348,7 @@ class Scheduler:
 
     def local_prefill_site(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
         """A decode worker to run the whole request when the prefill queue would answer later
-        (llmesh.policies.disagg), else None. Chosen, it takes over the request's reservation and
-        its backlog from `prefill`."""
+        (llmesh.policies.disagg), else None (nothing reserved: `Reservation.prefill_locally` moves it)."""
         try:
             local = self.pick("decode", request, generates=True, reserve=False)
         except MeshError:
@@ -376,19 +364,85 @@ class Scheduler:
         max_stall_s = stall_budget(streams, self.tpot_slo_s, statistics.median(gaps) if gaps else None)
         if not prefill_locally(request.prompt_tokens, remote, here, self.local_prefill_margin_s, max_stall_s):
             return None
-        self.reserve(local.worker_id, request.prompt_tokens, prompt_blocks(request.prompt_tokens, local.block_size))
-        self.release(prefill.worker_id)
-        self.prompt_done(prefill.worker_id, request.prompt_tokens)
         return local
 
+    def reservation(self, model: str) -> Reservation:
+        """What a request of `model` is to hold of the workers (see Reservation)."""
+        return Reservation(self, model)
 
-class PlacedPrompt:
-    """A request's prompt in a worker's backlog (counted when it was reserved), until it is computed."""
 
-    def __init__(self, scheduler: Scheduler, worker_id: str, prompt_tokens: int):
-        self._scheduler, self._worker_id, self._tokens = scheduler, worker_id, prompt_tokens
+class Reservation:
+    """What one request holds of the workers from its admission to its end, and the one way it takes any of it:
+    a slot on each worker it runs on (counted against the worker until its next heartbeat), its prompt in the
+    backlog of the worker computing it, a decode claim from its prompt's admission until its decode is placed
+    (DecodeClaim), and its stream among a decode worker's. Closing it gives back whatever is still held,
+    however the request ended."""
 
-    def prompt_done(self) -> None:
-        if self._tokens:
-            self._scheduler.prompt_done(self._worker_id, self._tokens)
-            self._tokens = 0
+    def __init__(self, scheduler: Scheduler, model: str):
+        self._scheduler = scheduler
+        self._claim = DecodeClaim(scheduler, model)
+        self._slots: Counter[str] = Counter()  # worker id -> slots held (a migration: its source's and target's)
+        self._prompts: dict[str, int] = {}  # worker id -> prompt tokens in its backlog for this request
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._claim.release()
+        for worker_id in list(self._slots.elements()):
+            self.release(worker_id)
+
+    async def admit(
+        self,
+        role: Role,
+        request: RequestView,
+        fingerprint: str | None = None,
+        *,
+        generates: bool = False,
+        claim_decode: bool = False,
+    ) -> tuple[WorkerInfo, bool]:
+        """A worker of `role` for the request (Scheduler.admit), held here, and whether it waited for it. A prefill
+        that `claim_decode`s also takes a decode claim, which the decode's admission then gives back."""
+        claim = self._claim if claim_decode or (self._claim.held and role == "decode") else None
+        worker, queued = await self._scheduler.admit(role, request, fingerprint, claim, generates)
+        self._slots[worker.worker_id] += 1
+        if role == "prefill" or generates:
+            self._prompts[worker.worker_id] = request.prompt_tokens
+        return worker, queued
+
+    def hold(self, worker_id: str) -> None:
+        """A slot on `worker_id` without the dispatch policy: a migration's target, or its source resuming."""
+        self._scheduler.reserve(worker_id)
+        self._slots[worker_id] += 1
+
+    def prefill_locally(self, request: RequestView, prefill: WorkerInfo) -> WorkerInfo | None:
+        """Move the request from `prefill` to a decode worker that runs it whole, where the prefill queue would
+        answer later (Scheduler.local_prefill_site); its decode slot is then its own, so its claim is given back."""
+        local = self._scheduler.local_prefill_site(request, prefill)
+        if local is not None:
+            tokens = request.prompt_tokens
+            self._scheduler.reserve(local.worker_id, tokens, prompt_blocks(tokens, local.block_size))
+            self._slots[local.worker_id] += 1
+            self._prompts[local.worker_id] = tokens
+            self.release(prefill.worker_id)
+            self._claim.release()
+        return local
+
+    def prompt_done(self, worker_id: str) -> None:
+        """`worker_id` computed the request's prompt (or gave it up): out of its backlog."""
+        if tokens := self._prompts.pop(worker_id, 0):
+            self._scheduler.prompt_done(worker_id, tokens)
+
+    def release(self, worker_id: str) -> None:
+        """The request's leg on `worker_id` ended: its slot (and its prompt, if still there) given back."""
+        if self._slots[worker_id] <= 0:
+            return
+        self._slots[worker_id] -= 1
+        if not self._slots[worker_id]:
+            del self._slots[worker_id]
+        self.prompt_done(worker_id)
+        self._scheduler.release(worker_id)
+
+    def streaming(self, worker_id: str, request_id: str, stream: Stream) -> AbstractContextManager[None]:
+        """Count `stream` among those `worker_id` decodes while the block runs (Scheduler.decoding)."""
+        return self._scheduler.decoding(worker_id, request_id, stream)

@@ -107,3 +107,30 @@ async def test_an_aggregated_models_request_runs_whole_on_a_decode_worker_its_pr
     assert registry.served() == ["m"]  # n has no workers; m needs decode workers only
     registry.on_heartbeat(decode.model_copy(update={"worker_id": "n-d", "model": "n"}))
     assert registry.served() == ["m"]  # n needs a prefill worker too
+
+
+async def test_a_reservation_gives_back_every_slot_prompt_and_claim_it_took_however_it_ends():
+    registry = WorkerRegistry(missed_heartbeats=3)
+    scheduler = Scheduler(registry, clock=lambda: 0.0)
+    registry.on_heartbeat(info("p"))
+    registry.on_heartbeat(info("d").model_copy(update={"role": "decode"}))
+    registry.on_heartbeat(info("t").model_copy(update={"role": "decode"}))
+
+    def held() -> dict[str, tuple[int, int, int]]:
+        """Each worker's slots held (assigned - released), its backlog, and the model's claims."""
+        load = scheduler._load
+        return {w: (load[w].assigned - load[w].released, scheduler.backlog(w), scheduler._claims["m"]) for w in "pdt"}
+
+    with pytest.raises(RuntimeError), scheduler.reservation("m") as reservation:
+        await reservation.admit("prefill", request("r1"), claim_decode=True)
+        assert held()["p"] == (1, 100, 1)
+        reservation.release("p")  # the prefill is done: its prompt is out of the backlog, the claim stays
+        assert held()["p"] == (0, 0, 1)
+        decode, _ = await reservation.admit("decode", request("r1"))
+        assert held()[decode.worker_id] == (1, 0, 0)  # the decode's admission gave the claim back
+        reservation.hold("t")  # a migration's target, beside its source
+        raise RuntimeError("the client left mid-stream")
+    assert set(held().values()) == {(0, 0, 0)}
+    with scheduler.reservation("m") as reservation:  # a prefill that ends before its decode is placed
+        await reservation.admit("prefill", request("r2"), claim_decode=True)
+    assert set(held().values()) == {(0, 0, 0)}

@@ -43,6 +43,21 @@ class _SaveState:
     producer: bool = False  # a prefill's prompt (else a decode's blocks, written behind)
 
 
+@dataclass
+class _RequestState:
+    """What this side keeps of one request, from its first sight to `request_finished`."""
+
+    seed: str  # the start of its block-hash chain
+    resumed: bool = False  # its grammar was brought past its earlier output
+    load: tuple[int, list[str]] | None = None  # planned at matching: tokens computed before, block hashes
+    reused_blocks: int = 0  # prefill: leading blocks loaded, so not saved again
+    request: Request | None = None  # decode, for write-behind: its token ids grow as it decodes
+    save: _SaveState | None = None
+    durable: bool = False  # migrating away (`DurableTail`): its tail is written every step
+    preemptions: dict[str, int] = field(default_factory=dict)  # choice -> times
+    decided: int | None = None  # the preemption its resume was decided for
+
+
 class ConnectorScheduler:
     """Plans the KV a request loads and saves (see the package's docstring). `producer` / `consumer`:
     vLLM's KV roles of this engine (both: a switchable decode worker)."""
@@ -70,17 +85,9 @@ class ConnectorScheduler:
         # priors until this engine has measured them
         self._load_rate = RateEstimate(config.load_bytes_per_s)
         self._prefill_rate = RateEstimate(config.prefill_tokens_per_s)
-        self._preemptions: dict[str, dict[str, int]] = {}  # request id -> choice -> times
-        self._decided: dict[str, int] = {}  # request id -> the preemption its resume was decided for
-        self._load_plans: dict[str, tuple[int, list[str]]] = {}  # tokens computed before, block hashes
-        self._reused_blocks: dict[str, int] = {}  # prefill: leading blocks loaded, so not saved again
-        self._requests: dict[str, Request] = {}  # decode, for write-behind: live requests by id
-        self._seeds: dict[str, str] = {}  # request id -> the start of its block-hash chain
-        self._planned_loads: list[BlockTransfer] = []
+        self._requests: dict[str, _RequestState] = {}  # by request id
+        self._planned_loads: list[BlockTransfer] = []  # the next step's plans, handed over by build_connector_meta
         self._planned_exports: list[BlockTransfer] = []
-        self._saves: dict[str, _SaveState] = {}
-        self._durable_tails: set[str] = set()  # tail ids of requests migrating away: their tail is durable
-        self._resumed: set[str] = set()  # requests whose grammar was brought past their earlier output
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -88,12 +95,11 @@ class ConnectorScheduler:
         """The worker's commands (on the lookup client's thread): `DurableTail` for a migrating request."""
         if not isinstance(msg, DurableTail):
             raise InvalidRequest(f"expected DurableTail, got {type(msg).__name__}")
-        if not msg.on:
-            self._durable_tails.discard(msg.tail_id)
-        elif msg.tail_id in {tail_id(r) for r in list(self._requests.values())}:
-            self._durable_tails.add(msg.tail_id)
-        else:
+        named = [s for s in list(self._requests.values()) if s.request and tail_id(s.request) == msg.tail_id]
+        if msg.on and not named:
             raise InvalidRequest(f"no request with tail id {msg.tail_id} is decoding here")
+        for state in named:
+            state.durable = msg.on
         return Ack()
 
     @property
@@ -103,19 +109,21 @@ class ConnectorScheduler:
 
     # ---- matching -----------------------------------------------------------------------------------
 
-    def _seed(self, request: Request) -> str:
-        """The request's chain seed: the fingerprint, its cache salt and its LoRA adapter's content."""
-        seed = self._seeds.get(request.request_id)
-        if seed is None:
+    def _state(self, request: Request) -> _RequestState:
+        """The request's record, made on first sight with its chain seed: the fingerprint, its cache
+        salt and its LoRA adapter's content."""
+        state = self._requests.get(request.request_id)
+        if state is None:
             lora = request.lora_request
             adapter = adapter_digest(lora.lora_path) if lora is not None else None
-            seed = self._seeds[request.request_id] = chain_seed(self._fingerprint, request.cache_salt, adapter)
-        return seed
+            seed = chain_seed(self._fingerprint, request.cache_salt, adapter)
+            state = self._requests[request.request_id] = _RequestState(seed)
+        return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        self._seed(request)  # build_connector_meta sees only the request's scheduling data
-        if request.request_id not in self._resumed:  # vLLM asks before the request's first step (and may ask again)
-            self._resumed.add(request.request_id)
+        state = self._state(request)  # build_connector_meta sees only the request's scheduling data
+        if not state.resumed:  # vLLM asks before the request's first step (and may ask again)
+            state.resumed = True
             resume_grammar(request)  # the one scheduler-side hook a request passes before it runs
         if request.skip_reading_prefix_cache:  # it asks for prompt logprobs: vLLM computes its whole prompt
             return 0, False
@@ -147,10 +155,10 @@ class ConnectorScheduler:
         cost = swap_or_recompute(
             tokens, blocks * self._block_bytes, self._load_rate.per_s, self._prefill_rate.per_s, self.config.preemption
         )
-        if self._decided.get(request.request_id) != request.num_preemptions:  # asked again while it waits
-            self._decided[request.request_id] = request.num_preemptions
-            choices = self._preemptions.setdefault(request.request_id, {})
-            choices[cost.choice] = choices.get(cost.choice, 0) + 1
+        state = self._state(request)
+        if state.decided != request.num_preemptions:  # asked again while it waits
+            state.decided = request.num_preemptions
+            state.preemptions[cost.choice] = state.preemptions.get(cost.choice, 0) + 1
             log.info(
                 "request %s resumes after preemption %d: %s %d tokens (%d blocks; load ~%.1f ms at %.0f MB/s, "
                 "recompute ~%.1f ms at %.0f tokens/s)",
@@ -165,7 +173,7 @@ class ConnectorScheduler:
                 self._prefill_rate.per_s,
             )
         if cost.choice == "recompute":
-            self._load_plans.pop(request.request_id, None)
+            state.load = None
             return 0, False
         return matched
 
@@ -182,7 +190,7 @@ class ConnectorScheduler:
             return 0, False
         # vLLM must compute at least the last token itself (after a preemption: all it generated too).
         loadable = request.all_token_ids[:-1]
-        ours = block_hashes(self._seed(request), loadable, self._block_size, partial=True)
+        ours = block_hashes(self._state(request).seed, loadable, self._block_size, partial=True)
         listed = params.get("block_hashes") or []
         matched = 0
         while matched < min(len(ours), len(listed)) and ours[matched] == listed[matched]:
@@ -209,12 +217,12 @@ class ConnectorScheduler:
     def _match_stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prefill: the prompt's leading full blocks that any instance already stored (every
         layer of them): loaded instead of recomputed."""
-        hashes = block_hashes(self._seed(request), (request.prompt_token_ids or [])[:-1], self._block_size)
+        state = self._state(request)
+        hashes = block_hashes(state.seed, (request.prompt_token_ids or [])[:-1], self._block_size)
         first = num_computed_tokens // self._block_size
         if first >= len(hashes):
             return 0, False
-        matched = first + self._stored_run(request, hashes[first:])
-        self._reused_blocks[request.request_id] = matched
+        matched = state.reused_blocks = first + self._stored_run(request, hashes[first:])
         return self._plan_load(request, hashes, matched * self._block_size, num_computed_tokens)
 
     def _plan_load(
@@ -223,16 +231,16 @@ class ConnectorScheduler:
         new_tokens = loadable_tokens - num_computed_tokens
         if new_tokens <= 0:
             return 0, False
-        self._load_plans[request.request_id] = (num_computed_tokens, hashes)
+        self._state(request).load = (num_computed_tokens, hashes)
         return new_tokens, self._async_load
 
     # ---- planning a step ------------------------------------------------------------------------------
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._seed(request)
+        state = self._state(request)
         if self._write_behind:
-            self._requests[request.request_id] = request  # its token ids grow as it decodes
-        plan = self._load_plans.pop(request.request_id, None)
+            state.request = request
+        plan, state.load = state.load, None
         if num_external_tokens == 0 or plan is None:
             return
         computed, hashes = plan
@@ -264,16 +272,14 @@ class ConnectorScheduler:
             if (params or {}).get("prefetch"):  # a migration's target loading blocks ahead: nothing new to save
                 continue
             producer = self._prefills(params)
-            if producer:  # the whole prompt, its partial last block included
-                hashes, saved = (
-                    block_hashes(self._seeds[new.req_id], prompt, self._block_size, partial=True),
-                    self._reused_blocks.pop(new.req_id, 0),
-                )
-            elif not self._write_behind:
+            if not (producer or self._write_behind):
                 continue
+            state = self._requests[new.req_id]
+            if producer:  # the whole prompt, its partial last block included
+                hashes, saved = block_hashes(state.seed, prompt, self._block_size, partial=True), state.reused_blocks
             else:  # decode: full blocks beyond what the prefill saved (all, if it prefilled itself) as they fill
                 hashes, saved = [], 0 if (params or {}).get("save_prompt") else (len(prompt) - 1) // self._block_size
-            self._saves[new.req_id] = _SaveState(
+            state.save = _SaveState(
                 hashes=hashes,
                 num_tokens=len(prompt),
                 block_ids=list(new.block_ids[0]),
@@ -286,76 +292,69 @@ class ConnectorScheduler:
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._saves.get(req_id)
-            if state is None:
+            save = self._requests[req_id].save if req_id in self._requests else None
+            if save is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 if req_id in cached.resumed_req_ids:  # preempted and back: a fresh block list
-                    state.block_ids = list(new_ids[0])
+                    save.block_ids = list(new_ids[0])
                 else:
-                    state.block_ids.extend(new_ids[0])
+                    save.block_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         return meta
 
     def _plan_save(self, meta: MeshConnectorMetadata, req_id: str, tokens_done: int) -> None:
-        state = self._saves[req_id]
-        if state.producer:
-            ready = len(state.hashes) if tokens_done >= state.num_tokens else tokens_done // self._block_size
+        state = self._requests[req_id]
+        save, request = state.save, state.request
+        assert save is not None
+        if save.producer:
+            ready = len(save.hashes) if tokens_done >= save.num_tokens else tokens_done // self._block_size
         else:
-            request = self._requests.get(req_id)
             # With async scheduling the newest token may not be known yet: hash what is.
             known = min(tokens_done, len(request.all_token_ids)) if request is not None else 0
             ready = known // self._block_size
-            durable = self._durable_tail or bool(
-                self._durable_tails and request is not None and tail_id(request) in self._durable_tails
-            )
-            if request is not None and len(state.hashes) < ready and (ready > state.saved or durable):
-                state.hashes = block_hashes(
-                    self._seed(request), request.all_token_ids[: ready * self._block_size], self._block_size
+            durable = self._durable_tail or state.durable
+            if request is not None and len(save.hashes) < ready and (ready > save.saved or durable):
+                save.hashes = block_hashes(
+                    state.seed, request.all_token_ids[: ready * self._block_size], self._block_size
                 )
-            ready = min(ready, len(state.hashes))
-            if durable and known % self._block_size and ready < len(state.block_ids):
+            ready = min(ready, len(save.hashes))
+            if durable and known % self._block_size and ready < len(save.block_ids):
                 assert request is not None
-                parent = state.hashes[ready - 1] if ready else self._seed(request)
+                parent = save.hashes[ready - 1] if ready else state.seed
                 partial = block_hashes(
                     parent, request.all_token_ids[ready * self._block_size : known], self._block_size, partial=True
                 )
-                meta.saves.append(BlockTransfer(req_id, [state.block_ids[ready]], partial, state.trace))
-        complete = min(ready, len(state.block_ids))
-        if complete > state.saved:
+                meta.saves.append(BlockTransfer(req_id, [save.block_ids[ready]], partial, save.trace))
+        complete = min(ready, len(save.block_ids))
+        if complete > save.saved:
             meta.saves.append(
                 BlockTransfer(
                     req_id,
-                    state.block_ids[state.saved : complete],
-                    state.hashes[state.saved : complete],
-                    state.trace,
-                    wait=state.producer,
+                    save.block_ids[save.saved : complete],
+                    save.hashes[save.saved : complete],
+                    save.trace,
+                    wait=save.producer,
                 )
             )
-            state.saved = complete
+            save.saved = complete
 
     # ---- a request's end -------------------------------------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        state = self._saves.pop(request.request_id, None)
-        exporting = self._plan_export(request, block_ids, state)
-        self._durable_tails.discard(tail_id(request))
-        self._requests.pop(request.request_id, None)
-        self._seeds.pop(request.request_id, None)
-        self._load_plans.pop(request.request_id, None)
-        self._reused_blocks.pop(request.request_id, None)
-        self._decided.pop(request.request_id, None)
-        self._resumed.discard(request.request_id)
-        preemptions = self._preemptions.pop(request.request_id, None)
-        extra = {"preemptions": preemptions} if preemptions else {}
-        if state is None or not state.producer:
+        exporting = self._plan_export(request, block_ids)
+        state = self._requests.pop(request.request_id, None)  # the one place a record is dropped
+        if state is None:
+            return exporting, None
+        extra = {"preemptions": state.preemptions} if state.preemptions else {}
+        if state.save is None or not state.save.producer:
             return exporting, extra or None
         return False, extra | {
             "fingerprint": self._fingerprint,
             "kv_layout": self._layout,
             "block_size": self._block_size,
-            "block_hashes": state.hashes[: state.saved],
+            "block_hashes": state.save.hashes[: state.save.saved],
         }
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -364,7 +363,7 @@ class ConnectorScheduler:
             self._load_rate.observe(measured.load_bytes, measured.load_s)
             self._prefill_rate.observe(measured.compute_tokens, measured.compute_s)
 
-    def _plan_export(self, request: Request, block_ids: list[int], state: _SaveState | None) -> bool:
+    def _plan_export(self, request: Request, block_ids: list[int]) -> bool:
         """A decode request stopped (aborted) while it carries a `tail_id`: plan storing its full
         blocks not written yet and its last two blocks as tails (the caller may have seen up to a
         block fewer tokens than the engine computed). True: its blocks stay until that is done."""
@@ -377,10 +376,11 @@ class ConnectorScheduler:
         ):
             return False
         size = self._block_size
+        state = self._state(request)
         full = min(computed, len(request.all_token_ids)) // size
         # without write-behind, what decode found stored when it started: all but its last prompt token
-        saved = state.saved if state is not None else (len(request.prompt_token_ids or []) - 1) // size
-        hashes = block_hashes(self._seed(request), request.all_token_ids[: full * size], size)[saved:]
+        saved = state.save.saved if state.save is not None else (len(request.prompt_token_ids or []) - 1) // size
+        hashes = block_hashes(state.seed, request.all_token_ids[: full * size], size)[saved:]
         ids = block_ids[saved : saved + len(hashes)]
         last = min((computed - 1) // size, len(block_ids) - 1)
         for index in range(max(last - 1, 0), last + 1):
