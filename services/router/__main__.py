@@ -16,6 +16,7 @@ from llmesh.wire.bus import Bus
 from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
 from llmesh.wire.messages import Subjects, WorkerInfo
 
+from .asgi import StampedProtocol
 from .dispatch import Dispatcher
 from .lengths import LengthTagger
 from .metrics import RouterMetrics
@@ -23,7 +24,7 @@ from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
 from .responses import ResponseStore
 from .scheduler import Scheduler
-from .service import StampedProtocol, create_app
+from .service import create_app
 from .settings import RouterSettings
 
 log = logging.getLogger("llmesh_router")

@@ -35,11 +35,11 @@ from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import InvalidRequest
 from llmesh.wire.messages import ReasoningGate
 
-from .openai_api import validation_error
+from .schemas import validation_error
 from .tools import AUTO_REFUSED, ToolCalling
 
 if TYPE_CHECKING:
-    from .openai_api import ChatCompletionRequest
+    from .schemas import ChatCompletionRequest
 
 # what of a request vLLM's parsers read, besides its model and messages
 _PARSED_FIELDS = {

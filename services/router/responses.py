@@ -30,20 +30,19 @@ from pydantic import (
 )
 
 from llmesh.wire.errors import InvalidRequest, MeshError, ResponseNotFound, ServiceUnavailable
+from llmesh.wire.messages import TokenDelta
 
-from .openai_api import (
+from .schemas import (
     _FORM,
     MAX_LOGPROBS,
     MAX_TOOLS,
     UNSUPPORTED,
     ChatCompletionRequest,
-    Choice,
-    OutputReading,
     PositiveInt64,
-    ResponseShape,
     _Body,
     validation_error,
 )
+from .shapes import Choice, OutputReading, ResponseShape
 
 log = logging.getLogger(__name__)
 
@@ -488,9 +487,9 @@ class ResponsesShape(ResponseShape):
         self.response = self.resource(status, output, _usage(chat["usage"], cached_tokens))
         return self.response
 
-    def chunk_event(self, *args: Any, **kwargs: Any) -> bytes:
-        """The events of a chat chunk (`chunk`'s arguments); the first opens the response."""
-        chunk = self.chunk(*args, **kwargs)
+    def chunk_event(self, delta: TokenDelta, index: int = 0, first: bool = False) -> bytes:
+        """The events of a chat chunk; the first opens the response."""
+        chunk = self.chunk(delta, index, first)
         events: list[bytes] = []
         if self.sequence == 0:
             started = self.resource("in_progress", [], None)
@@ -499,12 +498,12 @@ class ResponsesShape(ResponseShape):
                 self._event("response.in_progress", response=started),
             ]
         (choice,) = chunk["choices"]
-        delta = choice["delta"]
-        if delta.get("reasoning"):
-            events += self._write("reasoning", delta["reasoning"])
-        if delta.get("content"):
-            events += self._write("message", delta["content"], (choice.get("logprobs") or {}).get("content") or [])
-        for call in delta.get("tool_calls") or ():
+        shown = choice["delta"]
+        if shown.get("reasoning"):
+            events += self._write("reasoning", shown["reasoning"])
+        if shown.get("content"):
+            events += self._write("message", shown["content"], (choice.get("logprobs") or {}).get("content") or [])
+        for call in shown.get("tool_calls") or ():
             function = call.get("function") or {}
             if self.writing is None or self.writing.kind != "function_call" or self.writing.index != call["index"]:
                 events += self._start(

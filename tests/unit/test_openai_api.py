@@ -4,7 +4,8 @@ import json
 import pytest
 
 from llmesh.wire.errors import InvalidRequest
-from llmesh_router.openai_api import Choice, ResponseShape, sse
+from llmesh.wire.messages import TokenDelta
+from llmesh_router.shapes import Choice, ResponseShape, sse
 
 TEXTS = ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab", "ünïcødé ✓ 🚀", "\x00 nul", '"\\u0000"']
 
@@ -18,8 +19,9 @@ def test_chunk_event_renders_exactly_the_chunk(chat, model):
         for text, stop_reason in itertools.product(
             TEXTS, stop_reasons
         ):  # a template each (finish_reason, first, index)
-            event = shape.chunk_event(text, finish_reason, first, index=index, stop_reason=stop_reason)
-            assert event == sse(shape.chunk(text, finish_reason, first, index=index, stop_reason=stop_reason))
+            delta = TokenDelta(text=text, token_ids=[], finish_reason=finish_reason, stop_reason=stop_reason)
+            event = shape.chunk_event(delta, index, first)
+            assert event == sse(shape.chunk(delta, index, first))
             choice = json.loads(event.removeprefix(b"data: "))["choices"][0]
             assert (choice["finish_reason"], choice["stop_reason"], choice["index"]) == (
                 finish_reason,
@@ -45,7 +47,7 @@ def test_integers_beyond_what_the_bus_carries_are_refused_at_the_door(field, val
     from pydantic import ValidationError
 
     from llmesh.wire.messages import encode
-    from llmesh_router.openai_api import CompletionRequest
+    from llmesh_router.schemas import CompletionRequest
 
     with pytest.raises(ValidationError):
         CompletionRequest(**{"model": "m", "prompt": "hi", field: value})
@@ -63,7 +65,7 @@ def test_a_message_with_an_integer_beyond_64_bits_is_a_bad_message():
 def test_vllms_sampling_fields_reach_the_engines_options_checked_and_clamped():
     from pydantic import ValidationError
 
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     fields = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "min_tokens": 3, "logit_bias": {"7": 250, "9": -2}}
     options = CompletionRequest(model="m", prompt="hi", stop_token_ids=[4, 2], **fields).sampling()
@@ -91,7 +93,7 @@ def test_structured_outputs_and_response_format_reach_the_engines_options_as_vll
     from pydantic import ValidationError
 
     from llmesh.engine.worker import sampling_params
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -192,13 +194,14 @@ def test_logprobs_render_as_vllms_server_renders_them(top):
     assert ResponseShape(False, "r", "m", top).final([choice, choice], 1)["choices"][1]["logprobs"] == completion
     streamed = ResponseShape(False, "r", "m", top)
     pieces = [  # two choices' streams interleaved: each its own text offsets
-        streamed.chunk("", None, logprobs=part, index=index)["choices"][0]["logprobs"]
+        streamed.chunk(TokenDelta(text="", token_ids=[], logprobs=part), index)["choices"][0]["logprobs"]
         for part in (STEPS[:1], STEPS[1:])
         for index in (0, 1)
     ]
     for index in (0, 1):
         assert [offset for piece in pieces[index::2] for offset in piece["text_offset"]] == completion["text_offset"]
-    assert ResponseShape(True, "r", "m").chunk("x", None, logprobs=STEPS)["choices"][0]["logprobs"] is None
+    unasked = ResponseShape(True, "r", "m").chunk(TokenDelta(text="x", token_ids=[], logprobs=STEPS))
+    assert unasked["choices"][0]["logprobs"] is None
 
 
 def test_logprob_token_ids_show_every_requested_token_as_vllms_server_shows_them():
@@ -210,7 +213,7 @@ def test_logprob_token_ids_show_every_requested_token_as_vllms_server_shows_them
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     labels = [7, 2, 8]
     token_ids, steps = _vllm_steps(STEPS)
@@ -248,7 +251,7 @@ def test_an_echoed_prompts_logprobs_render_as_vllms_server_renders_them(top):
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
     from llmesh.wire.messages import TokenDelta
-    from llmesh_router.openai_api import echoed
+    from llmesh_router.shapes import echoed
 
     prompt_steps = [[(1, None, "<s>")], *STEPS[:2]]
     delta = TokenDelta(
@@ -286,21 +289,23 @@ def test_return_token_ids_shows_the_prompts_ids_as_vllms_server_does(chat):
     else:
         assert [c["prompt_token_ids"] for c in whole["choices"]] == [[1, 2, 3]] * 2 and "prompt_token_ids" not in whole
     shape = ResponseShape(chat, "r", "m", with_token_ids=True)
-    first = json.loads(shape.chunk_event("a", None, True, [7], prompt_token_ids=[1, 2, 3])[6:])
-    later = json.loads(shape.chunk_event("b", "stop", False, [8])[6:])
+    opening = TokenDelta(text="a", token_ids=[7], prompt_token_ids=[1, 2, 3])
+    first = json.loads(shape.chunk_event(opening, first=True)[6:])
+    later = json.loads(shape.chunk_event(TokenDelta(text="b", token_ids=[8], finish_reason="stop"))[6:])
     (ChatCompletionStreamResponse if chat else CompletionStreamResponse).model_validate(first)
     shown = first if chat else first["choices"][0]
     assert shown["prompt_token_ids"] == [1, 2, 3]
     assert "prompt_token_ids" not in later and "prompt_token_ids" not in later["choices"][0]
     plain = ResponseShape(chat, "r", "m").final(choices, 3)
     assert "prompt_token_ids" not in plain and "prompt_token_ids" not in plain["choices"][0]
-    unasked = json.loads(ResponseShape(chat, "r", "m").chunk_event("a", None, True, [7], prompt_token_ids=[1])[6:])
+    opening = TokenDelta(text="a", token_ids=[7], prompt_token_ids=[1])
+    unasked = json.loads(ResponseShape(chat, "r", "m").chunk_event(opening, first=True)[6:])
     assert "prompt_token_ids" not in unasked and "prompt_token_ids" not in unasked["choices"][0]
 
 
 def test_max_tokens_0_is_an_echo_of_the_prompt_alone_and_refused_without_echo():
     from llmesh.wire.errors import InvalidRequest
-    from llmesh_router.openai_api import CompletionRequest
+    from llmesh_router.schemas import CompletionRequest
 
     assert CompletionRequest(model="m", prompt="hi", max_tokens=0, echo=True).sampling().max_tokens == 1
     with pytest.raises(InvalidRequest, match="0 only with echo"):
@@ -310,7 +315,7 @@ def test_max_tokens_0_is_an_echo_of_the_prompt_alone_and_refused_without_echo():
 def test_logprobs_asked_reach_the_engines_options():
     from pydantic import ValidationError
 
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     messages = [{"role": "user", "content": "hi"}]
     assert CompletionRequest(model="m", prompt="hi", logprobs=3).sampling().logprobs == 3
@@ -328,7 +333,7 @@ def test_logprobs_asked_reach_the_engines_options():
 def test_chat_text_parts_join_as_vllm_joins_them_and_other_parts_are_named_in_the_error():
     from pydantic import ValidationError
 
-    from llmesh_router.openai_api import ChatCompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest
 
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": parts}])
@@ -354,6 +359,7 @@ class _Dispatcher:
         self.requests: list = []  # the Generations asked for
         self.ends: list[str] = []  # how each stream that yielded ended: "finished", or "closed" before its end
         self.refused_suffix = ""  # requests whose id ends so are refused as at capacity
+        self.lost_after: int | None = None  # deltas after which each stream fails (its worker lost)
         self.tokenizer_queries: list = []
 
     async def ask_tokenizer(self, query, expected):
@@ -368,7 +374,7 @@ class _Dispatcher:
     async def generate(self, gen, parent):
         import asyncio
 
-        from llmesh.wire.errors import AtCapacity, ModelNotFound
+        from llmesh.wire.errors import AtCapacity, ModelNotFound, WorkerLost
         from llmesh.wire.messages import TokenDelta
 
         self.requests.append(gen)
@@ -384,6 +390,8 @@ class _Dispatcher:
         try:
             for i, ids in enumerate(self.outputs):
                 await asyncio.sleep(0)  # other requests' deltas between this one's
+                if i == self.lost_after:
+                    raise WorkerLost("the decode worker is gone")
                 done += len(ids)
                 yield TokenDelta(
                     text=("x" if gen.sampling.seed is None else f"<{gen.sampling.seed}>") * len(ids),
@@ -591,6 +599,32 @@ async def test_a_client_gone_mid_stream_closes_every_choice_and_ends_the_request
         samples = _samples((await client.get("/metrics")).text)
     assert samples["vllm:num_requests_running{model_name=m}"] == 0
     assert samples["vllm:request_success_total{finished_reason=abort,model_name=m}"] == n
+    assert samples["llmesh_requests_total{endpoint=/v1/completions,status=499}"] == 1
+
+
+async def test_each_request_is_counted_once_by_its_route_and_the_status_it_ended_with():
+    """`llmesh_requests_total`: a stream failed midway under its error's status (it began as a 200), a refusal
+    under its own, the body limit's too; probes and scrapes are not counted."""
+    dispatcher, client = _router([[1], [2]], max_request_bytes=4096)
+    body = {"model": "m", "prompt": "hi"}
+    async with client:
+        for stream in (False, True):
+            assert (await client.post("/v1/completions", json=body | {"stream": stream})).status_code == 200
+        dispatcher.lost_after = 1
+        failed = await client.post("/v1/completions", json=body | {"stream": True})
+        assert (await client.post("/v1/completions", json=body)).status_code == 502
+        assert (await client.post("/v1/completions", json={"model": "m"})).status_code == 400
+        assert (await client.post("/v1/completions", json=body | {"model": "nobody's"})).status_code == 404
+        assert (await client.post("/v1/completions", json=body | {"prompt": "x" * 4096})).status_code == 413
+        await client.get("/health")
+        await client.get("/metrics")
+        text = (await client.get("/metrics")).text
+    assert failed.status_code == 200 and '"code":"worker_lost"' in failed.text
+    counted = {k: v for k, v in _samples(text).items() if k.startswith("llmesh_requests_total")}
+    assert counted == {
+        f"llmesh_requests_total{{endpoint=/v1/completions,status={status}}}": count
+        for status, count in [(200, 2), (502, 2), (400, 1), (404, 1), (413, 1)]
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -631,7 +665,7 @@ def test_n_out_of_range_too_many_generations_or_seeds_past_64_bits_are_refused(f
     from pydantic import ValidationError
 
     from llmesh.wire.errors import InvalidRequest
-    from llmesh_router.openai_api import CompletionRequest
+    from llmesh_router.schemas import CompletionRequest
 
     with pytest.raises((ValidationError, InvalidRequest)):
         CompletionRequest(**{"model": "m", "prompt": "hi", **fields})
@@ -673,7 +707,7 @@ async def test_cancel_and_wait_waits_for_the_tasks_cleanup_through_its_callers_o
 async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
     import asyncio
 
-    from llmesh_router.service import merged
+    from llmesh_router.serving import merged
 
     async def items():
         yield 1
@@ -687,7 +721,7 @@ async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
 async def test_merged_streams_interleave_as_they_come_and_end_when_the_last_does():
     import asyncio
 
-    from llmesh_router.service import merged
+    from llmesh_router.serving import merged
 
     a_went, b_went, a_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
@@ -713,7 +747,7 @@ async def test_merged_streams_interleave_as_they_come_and_end_when_the_last_does
 async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_streams():
     import asyncio
 
-    from llmesh_router.service import merged
+    from llmesh_router.serving import merged
 
     ended: list[str] = []
 
@@ -746,7 +780,7 @@ async def test_items_waiting_together_come_as_one_batch_and_a_choice_s_deltas_jo
     import asyncio
 
     from llmesh.wire.messages import TokenDelta
-    from llmesh_router.service import coalesced, merged
+    from llmesh_router.serving import coalesced, merged
 
     async def behind():  # three deltas ready before the reader looks
         for i in range(3):
@@ -780,7 +814,7 @@ async def test_items_waiting_together_come_as_one_batch_and_a_choice_s_deltas_jo
 
 
 async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_them_never_ignored():
-    from llmesh_router.openai_api import UNSUPPORTED
+    from llmesh_router.schemas import UNSUPPORTED
 
     refused = {
         "best_of": 2,
@@ -861,7 +895,7 @@ async def test_a_chats_echo_begins_its_answer_with_the_last_message_where_its_ro
 def test_chat_template_variables_merge_as_vllms_server_merges_them():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
 
-    from llmesh_router.openai_api import ChatCompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest
 
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Su"}]}
     for fields in (
@@ -885,7 +919,7 @@ def test_chat_template_variables_merge_as_vllms_server_merges_them():
 
 def test_add_special_tokens_allowed_token_ids_and_token_ids_as_logprob_tokens():
     from llmesh.engine.worker import sampling_params
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     assert CompletionRequest(model="m", prompt=["a"]).inputs()[0].add_special_tokens is True
     assert CompletionRequest(model="m", prompt=[[1]]).inputs()[0].add_special_tokens is None  # (ids: as given)
@@ -905,7 +939,7 @@ def test_add_special_tokens_allowed_token_ids_and_token_ids_as_logprob_tokens():
 
 
 async def test_tokenize_asks_a_worker_for_the_prompt_a_generation_of_the_same_fields_gets():
-    from llmesh_router.openai_api import ChatCompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest
 
     dispatcher, client = _router([[1]])
     chat = {
@@ -1006,7 +1040,7 @@ def test_thinking_token_budget_is_read_as_vllms_server_reads_it_and_reaches_the_
     from vllm.sampling_params import validate_thinking_token_budget
 
     from llmesh.engine.worker import sampling_params
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     with pytest.raises(InvalidRequest):  # (vLLM takes it; MessagePack's integers, on the bus, do not)
         CompletionRequest(model="m", prompt="hi", thinking_token_budget=2**63)
@@ -1068,7 +1102,7 @@ def test_prompt_logprobs_show_as_vllms_server_shows_them(own_rank):
      (-2, False, "a positive value or -1")],
 )  # fmt: skip
 def test_prompt_logprobs_are_refused_as_vllm_refuses_them(asked, stream, refused):
-    from llmesh_router.openai_api import ChatCompletionRequest, CompletionRequest
+    from llmesh_router.schemas import ChatCompletionRequest, CompletionRequest
 
     for body in (
         {"model": "m", "prompt": "p"},

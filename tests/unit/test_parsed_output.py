@@ -11,8 +11,10 @@ import pytest
 from llmesh.engine.models import build_tokenizer
 from llmesh.wire.config import ServedModel
 from llmesh.wire.errors import InvalidRequest
-from llmesh_router.openai_api import ChatCompletionRequest, Choice, ResponseShape
+from llmesh.wire.messages import TokenDelta
 from llmesh_router.parsed_output import OutputParsers
+from llmesh_router.schemas import ChatCompletionRequest
+from llmesh_router.shapes import Choice, ResponseShape
 
 from .test_tools import CHAT, TIME, WEATHER
 
@@ -142,7 +144,8 @@ def test_calls_whole_and_streamed_are_what_vllms_server_reads_cut_anywhere(
                 delta_text = tokenizer.decode(ids[: done + len(piece)])[len(tokenizer.decode(ids[:done])) :]
                 done += len(piece)
                 last = i == len(pieces) - 1
-                event = shape.chunk_event(delta_text, "stop" if last else None, i == 0, piece, index=0)
+                delta = TokenDelta(text=delta_text, token_ids=piece, finish_reason="stop" if last else None)
+                event = shape.chunk_event(delta, first=i == 0)
                 their = parser.parse_delta(delta_text, piece, their_request, [], finished=last)
                 if their:  # (vLLM's server streams these, less calls past the first without parallel calls)
                     their_shown += their.content or ""
@@ -256,10 +259,15 @@ def streamed(
         delta_text = tokenizer.decode(ids[:b])[len(tokenizer.decode(ids[:done])) :]
         done = b
         last = b == len(ids)
-        counts = (len(prompt), b)  # (shown with continuous usage)
-        event = shape.chunk_event(
-            delta_text, "stop" if last else None, i == 0, ids[a:b], index=0, prompt_token_ids=prompt, counts=counts
+        delta = TokenDelta(
+            text=delta_text,
+            token_ids=ids[a:b],
+            finish_reason="stop" if last else None,
+            prompt_token_ids=prompt,
+            prompt_tokens=len(prompt),  # (shown with continuous usage)
+            completion_tokens=b,
         )
+        event = shape.chunk_event(delta, first=i == 0)
         if event:
             chunks.append(json.loads(event[6:]))
         if their is not None:

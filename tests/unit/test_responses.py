@@ -10,8 +10,8 @@ import pytest
 
 from llmesh.wire.errors import InvalidRequest, ResponseNotFound, ServiceUnavailable
 from llmesh.wire.messages import TokenDelta
-from llmesh_router.openai_api import Choice
 from llmesh_router.responses import ResponsesRequest, ResponsesShape, ResponseStore
+from llmesh_router.shapes import Choice
 from tests.unit.test_openai_api import _router
 
 WEATHER = {
@@ -164,7 +164,7 @@ def test_a_request_is_the_chat_completion_of_the_same_fields():
 def test_what_the_mesh_does_not_do_is_refused_by_name(fields, param, words):
     from pydantic import ValidationError
 
-    from llmesh_router.openai_api import validation_error
+    from llmesh_router.schemas import validation_error
 
     try:
         request(**fields).chat([])
@@ -192,10 +192,7 @@ def _events(stream: bytes) -> list[dict[str, Any]]:
 
 
 def _streamed(shape: ResponsesShape, deltas: list[TokenDelta], cached: int = 0) -> list[dict[str, Any]]:
-    out = b"".join(
-        shape.chunk_event(d.text, d.finish_reason, i == 0, d.token_ids, d.logprobs, counts=(5, i + 1))
-        for i, d in enumerate(deltas)
-    )
+    out = b"".join(shape.chunk_event(d, first=i == 0) for i, d in enumerate(deltas))
     return _events(out + shape.stream_end(5, deltas[-1].completion_tokens, cached))
 
 
@@ -269,7 +266,8 @@ def test_a_stream_that_fails_midway_ends_with_response_failed_and_its_error():
     from llmesh.wire.errors import WorkerLost
 
     shape = ResponsesShape(request(), "resp_1", None)
-    events = _events(shape.chunk_event("Hi", None, True) + shape.stream_error(WorkerLost("the decode worker is gone")))
+    opening = shape.chunk_event(TokenDelta(text="Hi", token_ids=[]), first=True)
+    events = _events(opening + shape.stream_error(WorkerLost("the decode worker is gone")))
     failed = events[-1]
     assert failed["type"] == "response.failed" and failed["sequence_number"] == len(events) - 1
     assert failed["response"]["status"] == "failed"

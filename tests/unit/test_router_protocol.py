@@ -8,7 +8,7 @@ import time
 import uvicorn
 
 from llmesh.deploy.launcher import free_port
-from llmesh_router.service import RECEIVED_AT, SERVER_SEND, StampedProtocol
+from llmesh_router.asgi import RECEIVED_AT, SERVER_SEND, StampedProtocol
 
 
 def test_a_request_is_stamped_at_its_first_byte():

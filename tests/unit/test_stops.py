@@ -110,7 +110,7 @@ def test_repetition_is_found_as_vllms_engine_finds_it():
 def test_repetition_detection_is_checked_as_vllm_checks_it(fields, words):
     from pydantic import ValidationError
 
-    from llmesh_router.openai_api import CompletionRequest
+    from llmesh_router.schemas import CompletionRequest
 
     with pytest.raises(ValidationError, match=words):
         CompletionRequest(model="m", prompt="x", repetition_detection=fields)

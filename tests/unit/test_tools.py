@@ -10,7 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from llmesh.wire.errors import InvalidRequest
-from llmesh_router.openai_api import ChatCompletionRequest, Choice, ResponseShape
+from llmesh.wire.messages import TokenDelta
+from llmesh_router.schemas import ChatCompletionRequest
+from llmesh_router.shapes import Choice, ResponseShape
 from llmesh_router.tools import _required_deltas
 
 WEATHER = {
@@ -165,7 +167,9 @@ def test_streamed_chunks_add_up_to_the_whole_answer():
         shape = ResponseShape(True, "id", "m", reading=calling)
         pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
         events = [
-            shape.chunk_event(p, "stop" if i == len(pieces) - 1 else None, first=i == 0, index=0)
+            shape.chunk_event(
+                TokenDelta(text=p, token_ids=[], finish_reason="stop" if i == len(pieces) - 1 else None), first=i == 0
+            )
             for i, p in enumerate(pieces)
         ]
         chunks = [json.loads(event[6:])["choices"][0] for event in events if event]

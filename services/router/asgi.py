@@ -1,0 +1,161 @@
+"""The ASGI pieces around the router's routes: the server's protocol that stamps a request's arrival, the body
+limit, the request count, and the event stream a streamed answer is."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable, Collection, Iterable
+
+import anyio
+from fastapi.responses import Response
+from prometheus_client import Counter
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from llmesh.wire.errors import MeshError, RequestTooLarge
+
+RECEIVED_AT = "llmesh.received_at"  # a request scope's state: when its first byte was read (monotonic s)
+SERVER_SEND = "llmesh.server_send"  # and the server's `send`, unwrapped by the middlewares (StampedProtocol)
+_ANSWERED = "llmesh.answered"  # and the status its count takes, where its answer told it (`answered`)
+
+
+class StampedProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol, noting in each request's scope when its first byte was read, so that the
+    router's spans, deadlines and TTFT count from there: a loop busy relaying tokens delays a new request's
+    handler, and that wait is the router's (`llmesh_router_http_wait_seconds`); and the server's own `send`,
+    which an event stream's chunks take past Starlette's middlewares (`EventStream`)."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["state"][RECEIVED_AT] = time.monotonic()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # (not an upgrade)
+            self.scope["state"][SERVER_SEND] = self.cycle.send
+
+
+def endpoint(scope: Scope, routes: Iterable[BaseRoute] = ()) -> str:
+    """What a request's metrics count it under: its route's path (one label however many ids its paths hold), or
+    "unmatched" (a label per unknown path would grow without bound); `routes` match one not routed yet (refused
+    by the body limit)."""
+    route = scope.get("route") or next((r for r in routes if r.matches(scope)[0] == Match.FULL), None)
+    return route.path if isinstance(route, Route) else "unmatched"
+
+
+def answered(scope: Scope, status: int) -> None:
+    """The status that request's count takes, where its response's own does not tell it: a stream's (200 as it
+    began), known at its end."""
+    scope.setdefault("state", {})[_ANSWERED] = status
+
+
+class CountedRequests:
+    """Counts each request once, when its answer has ended (`llmesh_requests_total`, by `endpoint` and status):
+    its response's status, or the one `answered` gave it; 500 for an exception before any (499: cancelled). The
+    paths in `uncounted` (probes', scrapers') are not counted."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, routes: Iterable[BaseRoute], uncounted: Collection[str]):
+        self.app, self.requests, self.routes, self.uncounted = app, requests, routes, uncounted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        status: int | None = None
+
+        async def seen(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, seen)
+        except asyncio.CancelledError:
+            status = status or 499
+            raise
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            path = endpoint(scope, self.routes)
+            if path not in self.uncounted:
+                self.requests.labels(path, str(state.get(_ANSWERED, status))).inc()
+
+
+class BodyLimit:
+    """A request body over `limit` bytes is a 413, before it is read whole: at once where its Content-Length
+    says so, else when the bytes streamed in pass the limit. The body is read here and handed on as it came
+    (FastAPI would turn an error raised while it reads into a 400)."""
+
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[MeshError], Response]):
+        self.app, self.limit, self.refused = app, limit, refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), b"")
+        counted = not declared.isdigit()  # (sent chunked: its bytes are counted as they come)
+        size = 0 if counted else int(declared)
+        messages: list[Message] = []
+        while size <= self.limit:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # the client left
+            size += len(message.get("body", b"")) if counted else 0
+            if not message.get("more_body"):
+                break
+        if size > self.limit:
+            error = RequestTooLarge(f"the request body is over {self.limit:,} bytes, the most the router takes")
+            await self.refused(error)(scope, receive, send)
+            return
+
+        pending = iter(messages)
+
+        async def replayed() -> Message:
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replayed, send)
+
+
+class EventStream(Response):
+    """A server-sent event stream: its body's chunks sent as they come, the client's leaving told to the body
+    at once (`client_gone`: Starlette's `StreamingResponse` only cancels the task iterating a body whose client
+    is gone, which lands where it waits, and one with tokens always ready may never wait), the body closed
+    however it ends. One task listens for the disconnect; `StreamingResponse` runs two in a task group a
+    response under uvicorn (ASGI 2.3), which cost a third of the HTTP layer's time a chunk (measured)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, content: AsyncGenerator[bytes, None], client_gone: asyncio.Future[None], headers: dict[str, str]
+    ):
+        self.body_iterator, self.client_gone = content, client_gone
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        listening = asyncio.ensure_future(self._listen(receive))
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # the middlewares' wrappers of `send` only need to see that the response began: the chunks go to the
+            # server's own (a few µs a chunk less)
+            send = scope.get("state", {}).get(SERVER_SEND, send)
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            listening.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.client_gone.done():
+            self.client_gone.set_result(None)
