@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import launch_mesh, prompt_ids, timed_completion  # bench/serve.py (this folder is on sys.path)
+from harness import launch_mesh  # bench/harness.py and bench/serve.py (this folder is on sys.path)
+from serve import prompt_ids, timed_completion
 
 from llmesh.engine.models import resolve_model
 from llmesh.wire.bus import Bus
@@ -131,12 +132,9 @@ def configuration(name: str, args: argparse.Namespace, work: Path, model_dir: Pa
             "MESH_PLACEMENT_SCALE_DOWN_WINDOW_S": str(args.down_window),
             "MESH_PLACEMENT_MAX_DECODE_WORKERS": str(args.peak),
         }
-    mesh = launch_mesh(work / name, model_dir, **env)
-    try:
+    with launch_mesh(work / name, model_dir, **env) as mesh:
         time.sleep(args.settle)  # the host agent's standbys get ready
         result = asyncio.run(run(mesh.url, mesh.nats_url, mesh.headers, requests))
-    finally:
-        mesh.launcher.stop(30)
     print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'decisions'})}", flush=True)
     return result
 

@@ -3,7 +3,7 @@ the order it goes through them, how often each is entered, and how often the rea
 
     .venv/bin/python bench/call_path.py [--from Dispatcher.generate] [--requests stream plain chat] [--json PATH]
 
-`make run`'s mesh with modelled engines (bench/serve.py's `launch_mesh`), and a second router in this process on
+`make run`'s mesh with modelled engines (bench/harness.py's `launch_mesh`), and a second router in this process on
 its NATS and Redis, where a profiler hook sees its calls. Each request goes once untraced (what a first request
 starts lazily, started), then once traced. Recorded: calls between project functions (services/router/, shared/;
 comprehensions and lambdas are their function's) made by a function of the request (the root: the route's
@@ -245,19 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
     from control_plane import PROFILE  # noqa: PLC0415
-    from serve import launch_mesh  # noqa: PLC0415
+    from harness import launch_mesh  # noqa: PLC0415
 
-    nats_port, redis_port = free_port(), free_port()
-    env = {"MESH_NATS_PORT": str(nats_port), "MESH_REDIS_PORT": str(redis_port), "MESH_MODELLED_ENGINE": PROFILE}
-    env["MESH_LOG_LEVEL"] = "WARNING"
     with tempfile.TemporaryDirectory(prefix="call-path-") as tmp:
         work = Path(tmp)
-        mesh = launch_mesh(work, MODEL_DIR, timeout=600, **env)
-        try:
-            nats, redis = f"nats://127.0.0.1:{nats_port}", f"redis://127.0.0.1:{redis_port}/0"
+        with launch_mesh(work, MODEL_DIR, 600, MESH_MODELLED_ENGINE=PROFILE, MESH_LOG_LEVEL="WARNING") as mesh:
+            joining = mesh.service_env()  # (the router here is one more service of the mesh)
+            nats, redis = joining["MESH_NATS_URL"], joining["MESH_REDIS_URL"]
             results = asyncio.run(trace_router(nats, redis, work, mesh.headers, args))
-        finally:
-            mesh.launcher.stop(60)
     for kind, result in results.items():
         print(report(kind, result), flush=True)
     if args.json:

@@ -5,6 +5,7 @@ same workload (`--peers dynamo`, bench/dynamo_peer.py), and vllm-router over the
 OpenAI servers (`--peers vllm-router`, llmesh_sim.modelled_server).
 
     .venv/bin/python bench/control_plane.py --workers 4 16 --rates 25 50 100 --seconds 20 [--peers dynamo]
+        [--py-spy DIR]  (py-spy on PATH: each point's front door sampled, where its time goes printed)
 
 Each point is an open loop of Poisson arrivals of streamed completions (a prompt of `--prompt-tokens` words,
 `--output-tokens` out, every request to its length). Per point: completed and failed, achieved request and
@@ -21,9 +22,11 @@ import asyncio
 import json
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +35,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import cpu_between, cpu_by_process, launch_mesh  # noqa: E402
+from harness import cpu_between, cpu_by_process, launch_mesh  # noqa: E402
 
 from llmesh.deploy.launcher import Child, free_port, wait_healthy  # noqa: E402
 from llmesh.engine.models import resolve_model  # noqa: E402
@@ -179,12 +182,16 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
         for path in timings.glob("*.tsv") if timings else ():
             path.write_text("")
         before = cpu_by_process(roots)
+        sampling = _sample_front_door(args.py_spy, roots, f"{name}-{workers}w-{rate:g}rps", args.seconds)
         outcomes = asyncio.run(
             run_load(
                 url, headers, args.model, rate, args.seconds, args.prompt_words, args.output_tokens, seed=int(rate)
             )
         )
         point = Point(name, workers, rate, args.seconds, outcomes, cpu_between(before, cpu_by_process(roots)))
+        if sampling is not None:
+            sampling.wait()
+            print(_where_time_goes(Path(sampling.args[sampling.args.index("--output") + 1])))
         if timings:
             time.sleep(1.5)  # the workers' files flushed (their buffers) at the next writes or shutdown
             point.engine_ttft_s = engine_ttfts(timings)
@@ -199,6 +206,44 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
             flush=True,
         )
     return points
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT_DIRS = {"shared", "sim", *(p.name for p in (ROOT / "services").iterdir())}  # (as py-spy shortens paths)
+FRONT_DOORS = ("llmesh_router", "vllm-router", "dynamo.frontend")  # the process each deployment's samples are of
+
+
+def _sample_front_door(folder: Path | None, roots: dict[str, int], label: str, seconds: float):
+    """py-spy sampling the deployment's front door over a point's load (`--py-spy`), its stacks collapsed into
+    `folder`/`label`.txt; None without `folder`."""
+    if folder is None:
+        return None
+    procs = [p for root in roots.values() for p in [psutil.Process(root), *psutil.Process(root).children(True)]]
+    door = next(p for p in procs if any(name in " ".join(p.cmdline()) for name in FRONT_DOORS))
+    folder.mkdir(parents=True, exist_ok=True)
+    command = ["py-spy", "record", "--pid", str(door.pid), "--duration", str(int(seconds)), "--rate", "250"]
+    command += ["--format", "raw", "--function", "--nonblocking", "--output", str(folder / f"{label}.txt")]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _where_time_goes(collapsed: Path, top: int = 25) -> str:
+    """The samples' shares by the function they were in, and by where that is: a project file, else the library
+    (time in native code, the event loop's and the kernel's, counts to the Python frame that called it: uvloop's
+    own under `Runner.run`, a socket write under uvicorn's `send`)."""
+    own: Counter[str] = Counter()
+    where: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        leaf, n = stack.rsplit(";", 1)[-1], int(count)
+        total += n
+        own[leaf] += n
+        file = leaf.rsplit("(", 1)[-1].split(":")[0]
+        where[file if file.split("/", 1)[0] in PROJECT_DIRS else f"{file.split('/', 1)[0]} (library)"] += n
+    rows = [f"{collapsed.name}: {total} samples", "  by function:"]
+    rows += [f"    {n / total:6.1%}  {name}" for name, n in own.most_common(top)]
+    rows += ["  by file or library:"] + [f"    {n / total:6.1%}  {name}" for name, n in where.most_common(top)]
+    return "\n".join(rows)
 
 
 def mesh_points(args, workers: int, work: Path) -> list[dict]:
@@ -320,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV through the store (0: none)")
     parser.add_argument("--peers", nargs="*", default=[], choices=["dynamo", "vllm-router"])
     parser.add_argument("--out", type=Path, help="write every point as JSON here")
+    parser.add_argument("--py-spy", type=Path, help="sample each point's front door with py-spy (on PATH) into here")
     args = parser.parse_args(argv)
     points = []
     with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:

@@ -28,9 +28,10 @@ import uuid
 from pathlib import Path
 
 import httpx
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
+from harness import launch_mesh  # bench/harness.py and bench/serve.py (this folder is on sys.path when a script runs)
+from serve import prompt_ids
 
-from llmesh.deploy.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.deploy.launcher import start_service
 from llmesh.engine.models import resolve_model
 from llmesh.wire.bus import Bus
 from llmesh.wire.messages import MigrateCommand, MigrateOutcome, Subjects, WorkerInfo
@@ -163,78 +164,57 @@ def spread(values: list[float]) -> str:
 async def bench_model(model: str, contexts: list[int], repeats: int, work: Path) -> list[dict]:
     model_dir = Path.home() / ".cache" / "llmesh"
     resolve_model(model, model_dir)
-    port, nats_port = free_port(), free_port()
-    max_len = str(max(contexts) + OUTPUT_TOKENS + 256)
-    env = {
-        "MESH_MODEL": model,
-        "MESH_MAX_MODEL_LEN": max_len,
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_REQUEST_TIMEOUT_S": "300",
-        "MESH_PLACEMENT_BALANCE": "0",
-    }  # only this script migrates
-    mesh = Child(
-        "mesh",
-        [
-            sys.executable,
-            "-m",
-            "llmesh.deploy.launcher",
-            "--port",
-            str(port),
-            "--nats-port",
-            str(nats_port),
-            "--logs",
-            str(work / model.replace("/", "_")),
-        ],
-        env=env,
-        log_path=work / "launcher.log",
-    )
-    nats_url = f"nats://127.0.0.1:{nats_port}"
-    second = None
     rows = []
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 600, [mesh])
+    with launch_mesh(
+        work,
+        model_dir,
+        600,
+        MESH_MODEL=model,
+        MESH_MAX_MODEL_LEN=str(max(contexts) + OUTPUT_TOKENS + 256),
+        MESH_REQUEST_TIMEOUT_S="300",
+        MESH_PLACEMENT_BALANCE="0",  # only this script migrates
+    ) as mesh:
         # on the prefill engine's core (idle once the prompt is in): source and target one core each
         second = start_service(
             "decode-worker",
-            env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "decode-bench", "MESH_CPU_CORES": "0"},
-            work / f"decode-bench-{model.replace('/', '_')}.log",
+            mesh.service_env(MESH_WORKER_ID="decode-bench", MESH_CPU_CORES="0"),
+            work / "decode-bench.log",
         )
-        bus = await Bus.connect(nats_url, "bench-migration")
-        workers = await decode_workers(bus, 2)
-        async with httpx.AsyncClient(timeout=300) as http:
-            await measured(http, bus, url, model, workers, 300, 1, False)  # warm both paths
-            await measured(http, bus, url, model, workers, 300, 2, True)
-            for context in contexts:
-                runs: dict[str, list[dict]] = {"kv": [], "recompute": []}
-                for rep in range(repeats):
-                    for mode in ("kv", "recompute"):
-                        runs[mode].append(
-                            await measured(
-                                http,
-                                bus,
-                                url,
-                                model,
-                                workers,
-                                context - SWITCH_AT,
-                                10_000 * context + 2 * rep + (mode == "kv"),
-                                mode == "recompute",
+        try:
+            bus = await Bus.connect(mesh.nats_url, "bench-migration")
+            workers = await decode_workers(bus, 2)
+            url = mesh.url
+            async with httpx.AsyncClient(timeout=300, headers=mesh.headers) as http:
+                await measured(http, bus, url, model, workers, 300, 1, False)  # warm both paths
+                await measured(http, bus, url, model, workers, 300, 2, True)
+                for context in contexts:
+                    runs: dict[str, list[dict]] = {"kv": [], "recompute": []}
+                    for rep in range(repeats):
+                        for mode in ("kv", "recompute"):
+                            runs[mode].append(
+                                await measured(
+                                    http,
+                                    bus,
+                                    url,
+                                    model,
+                                    workers,
+                                    context - SWITCH_AT,
+                                    10_000 * context + 2 * rep + (mode == "kv"),
+                                    mode == "recompute",
+                                )
                             )
-                        )
-                for mode, results in runs.items():
-                    row = {
-                        "model": model,
-                        "context": context,
-                        "mode": mode,
-                        **{k: [r[k] for r in results] for k in results[0]},
-                    }
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        await bus.close()
-    finally:
-        if second is not None:
+                    for mode, results in runs.items():
+                        row = {
+                            "model": model,
+                            "context": context,
+                            "mode": mode,
+                            **{k: [r[k] for r in results] for k in results[0]},
+                        }
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            await bus.close()
+        finally:
             second.stop()
-        mesh.stop(30)
     return rows
 
 
@@ -247,7 +227,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmesh-bench-migration-"))
     rows = []
     for model in args.models:
-        rows += asyncio.run(bench_model(model, args.contexts, args.repeats, work))
+        rows += asyncio.run(bench_model(model, args.contexts, args.repeats, work / model.replace("/", "_")))
     print(f"\nmedian (min–max) of {args.repeats} migrations each; logs in {work}\n")
     print(
         "| model | context | migration | downtime ms | downtime in decode steps | TPOT ms | hand-shake ms "

@@ -38,18 +38,8 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import (
-    Deployment,
-    LaunchedMesh,
-    cpu_between,
-    cpu_by_process,
-    is_engine,
-    launch_mesh,
-    prompt_ids,
-    timed_completion,
-    vllm_server,
-    wait_ready,
-)
+from harness import LaunchedMesh, cpu_between, cpu_by_process, is_engine, launch_mesh  # bench/harness.py
+from serve import Deployment, prompt_ids, timed_completion, vllm_server, wait_ready  # bench/serve.py
 
 from llmesh.deploy.launcher import Child, free_port, stop_all
 from llmesh.engine.models import resolve_model

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -40,38 +39,14 @@ from pathlib import Path
 import httpx
 import psutil
 import serve  # bench/serve.py: vLLM's client, deployments, tables (this folder is on sys.path when a script runs)
-from serve import BLOCK_SIZE, MAX_MODEL_LEN, prompt_ids, spread
+from harness import BLOCK_SIZE, LaunchedMesh, launch_mesh  # bench/harness.py
+from serve import prompt_ids, spread
 
-from llmesh.deploy.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.deploy.launcher import start_service
 from llmesh.engine.models import resolve_model
 from llmesh.wire.bus import Bus
 from llmesh.wire.errors import MeshError
 from llmesh.wire.messages import Ack, DrainCommand, PlacementRequest, PlacementStatus, Subjects, WorkerInfo
-
-
-@contextlib.contextmanager
-def mesh(work: Path, model: str, model_dir: Path, **env: str):
-    """The launcher's mesh; yields (router URL, NATS URL, launcher)."""
-    port, nats_port = free_port(), free_port()
-    env = {
-        "MESH_PORT": str(port),
-        "MESH_NATS_PORT": str(nats_port),
-        "MESH_REDIS_PORT": str(free_port()),
-        "MESH_MODEL": model,
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_LOG_DIR": str(work / "logs"),
-        "MESH_DATA_DIR": str(work / "kv"),
-        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-        "MESH_REQUEST_TIMEOUT_S": "600",
-    } | env
-    work.mkdir(parents=True, exist_ok=True)
-    launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "launcher.log")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", 900, [launcher])
-        yield f"http://127.0.0.1:{port}", f"nats://127.0.0.1:{nats_port}", launcher
-    finally:
-        launcher.stop(30)
 
 
 class Heartbeats:
@@ -125,13 +100,13 @@ def skewed_trace(
 
 
 async def balance_points(
-    args: argparse.Namespace, balanced: bool, url: str, nats_url: str, launcher: Child, model_path: str, work: Path, log
+    args: argparse.Namespace, balanced: bool, mesh: LaunchedMesh, model_path: str, work: Path, log
 ) -> list[dict]:
     from vllm.tokenizers import get_tokenizer
 
     tokenizer = get_tokenizer(model_path)
-    deployment = serve.Deployment("mesh", url, [launcher])
-    bus = await Bus.connect(nats_url, "bench-balance")
+    deployment = serve.Deployment("mesh", mesh.url, [mesh.launcher], headers=mesh.headers)
+    bus = await Bus.connect(mesh.nats_url, "bench-balance")
     beats = await Heartbeats().watch(bus)
     points = []
     try:
@@ -208,17 +183,18 @@ def balance(args: argparse.Namespace, work: Path, model_path: str) -> str:
     points = []
     log = open(work / "client.log", "w")
     for balanced in (False, True):
-        with mesh(
+        with launch_mesh(
             work / f"balance-{int(balanced)}",
-            args.model,
             Path(model_path).parent,
+            MESH_MODEL=args.model,
+            MESH_REQUEST_TIMEOUT_S="600",
             MESH_DECODE_WORKERS="2",
             MESH_KV_BLOCKS=str(args.kv_blocks),
             MESH_PLACEMENT_BALANCE=str(int(balanced)),
             MESH_PLACEMENT_SOURCE_BELOW=str(args.source_below),
             MESH_PLACEMENT_DESTINATION_ABOVE=str(args.destination_above),
-        ) as (url, nats_url, launcher):
-            points += asyncio.run(balance_points(args, balanced, url, nats_url, launcher, model_path, work, log))
+        ) as mesh:
+            points += asyncio.run(balance_points(args, balanced, mesh, model_path, work, log))
     (work / "balance.json").write_text(json.dumps(points, indent=1))
     lines = [
         f"{args.requests} requests per point, Poisson arrivals; {args.long_share:.0%} long "
@@ -279,22 +255,14 @@ async def stream(http: httpx.AsyncClient, url: str, model: str, ids: list[int], 
     return tokens
 
 
-async def drain_once(
-    args: argparse.Namespace, mode: str, rep: int, url: str, nats_url: str, env: dict[str, str], work: Path
-) -> dict:
+async def drain_once(args: argparse.Namespace, mode: str, rep: int, mesh: LaunchedMesh, work: Path) -> dict:
     victim = f"victim-{rep}-{mode}"
-    worker = start_service(
-        "decode-worker", env | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": victim}, work / f"{victim}.log"
-    )
+    worker = start_service("decode-worker", mesh.service_env(MESH_WORKER_ID=victim), work / f"{victim}.log")
     # Placement empties any draining worker it sees: only the `migrate` runs have one.
     placement = (
-        start_service(
-            "placement", {"MESH_NATS_URL": nats_url, "MESH_PLACEMENT_BALANCE": "0"}, work / f"placement-{rep}.log"
-        )
-        if mode == "migrate"
-        else None
+        start_service("placement", mesh.service_env(), work / f"placement-{rep}.log") if mode == "migrate" else None
     )
-    bus = await Bus.connect(nats_url, "bench-drain")
+    bus = await Bus.connect(mesh.nats_url, "bench-drain")
     beats = await Heartbeats().watch(bus)
     try:
         await beats.until(lambda seen: victim in seen, 600, f"heartbeat of {victim}")
@@ -305,8 +273,8 @@ async def drain_once(
             except MeshError:
                 await asyncio.sleep(0.2)
         prompts = [prompt_ids(args.prompt, seed=1000 * rep + i) for i in range(args.requests)]
-        async with httpx.AsyncClient(timeout=600) as http:
-            streams = [asyncio.create_task(stream(http, url, args.model, ids, args.output)) for ids in prompts]
+        async with httpx.AsyncClient(timeout=600, headers=mesh.headers) as http:
+            streams = [asyncio.create_task(stream(http, mesh.url, args.model, ids, args.output)) for ids in prompts]
             await beats.until(
                 lambda seen: sum(r.generated >= 16 for r in seen[victim].requests) >= 2,
                 120,
@@ -356,20 +324,19 @@ async def drain_once(
 
 def drain(args: argparse.Namespace, work: Path, model_path: str) -> str:
     runs = []
-    model_dir = Path(model_path).parent
-    with mesh(work / "drain", args.model, model_dir, MESH_PLACEMENT_BALANCE="0") as (url, nats_url, launcher):
-        for process in psutil.Process(launcher.pid).children(recursive=True):
+    with launch_mesh(
+        work / "drain",
+        Path(model_path).parent,
+        MESH_MODEL=args.model,
+        MESH_REQUEST_TIMEOUT_S="600",
+        MESH_PLACEMENT_BALANCE="0",
+    ) as mesh:
+        for process in psutil.Process(mesh.launcher.pid).children(recursive=True):
             if "llmesh_placement" in " ".join(process.cmdline()):
                 process.terminate()  # the runs start their own, or none
-        env = {
-            "MESH_MODEL": args.model,
-            "MESH_MODEL_DIR": str(model_dir),
-            "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-            "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-        }
         for rep in range(args.reps):
             for mode in ("migrate", "wait") if rep % 2 == 0 else ("wait", "migrate"):
-                runs.append(asyncio.run(drain_once(args, mode, rep, url, nats_url, env, work)))
+                runs.append(asyncio.run(drain_once(args, mode, rep, mesh, work)))
     by_rep = {(r["rep"], r["mode"]): r["outputs"] for r in runs}
     for r in runs:
         other = by_rep[(r["rep"], "wait" if r["mode"] == "migrate" else "migrate")]

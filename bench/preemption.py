@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
+from harness import BLOCK_SIZE, launch_mesh  # bench/harness.py and bench/serve.py (this folder is on sys.path)
+from serve import prompt_ids
 
-from llmesh.deploy.launcher import Child, free_port, start_service, wait_healthy
+from llmesh.deploy.launcher import Child, start_service
 from llmesh.engine.models import resolve_model
 from llmesh.wire.bus import Bus
 from llmesh.wire.messages import (
@@ -39,7 +40,6 @@ from llmesh.wire.messages import (
 )
 
 MODES = ("recompute", "swap", "auto")
-BLOCK_SIZE = 128
 
 
 async def heartbeats(bus: Bus) -> dict[str, WorkerInfo]:
@@ -85,96 +85,74 @@ async def one_request(bus: Bus, model: str, prefill: str, decode: str, ids: list
 async def bench(args: argparse.Namespace, work: Path) -> list[dict]:
     model_dir = Path.home() / ".cache" / "llmesh"
     resolve_model(args.model, model_dir)
-    max_len = args.max_model_len
-    port, nats_port = free_port(), free_port()
-    env = {
-        "MESH_MODEL": args.model,
-        "MESH_MAX_MODEL_LEN": str(max_len),
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-        "MESH_REQUEST_TIMEOUT_S": "600",
-        "MESH_PLACEMENT_BALANCE": "0",
-    }
-    mesh = Child(
-        "mesh",
-        [
-            sys.executable,
-            "-m",
-            "llmesh.deploy.launcher",
-            "--port",
-            str(port),
-            "--nats-port",
-            str(nats_port),
-            "--logs",
-            str(work),
-        ],
-        env=env,
-        log_path=work / "launcher.log",
-    )
-    nats_url = f"nats://127.0.0.1:{nats_port}"
-    kv_blocks = -(-max_len // BLOCK_SIZE) + 1  # the fewest vLLM accepts: room for one longest request
+    kv_blocks = -(-args.max_model_len // BLOCK_SIZE) + 1  # the fewest vLLM accepts: room for one longest request
     workers: list[Child] = []
     rows = []
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
-        for mode in MODES:
-            workers.append(
-                start_service(
-                    "decode-worker",
-                    env
-                    | {
-                        "MESH_NATS_URL": nats_url,
-                        "MESH_WORKER_ID": f"decode-{mode}",
-                        "MESH_KV_BLOCKS": str(kv_blocks),
-                        "MESH_KV_PREEMPTION": mode,
-                    },
-                    work / f"decode-{mode}.log",
-                )
-            )
-        bus = await Bus.connect(nats_url, "bench-preemption")
-        latest = await heartbeats(bus)
-        give_up = time.monotonic() + 600
-        while not all(f"decode-{m}" in latest for m in MODES) or not any(i.role == "prefill" for i in latest.values()):
-            assert time.monotonic() < give_up, "workers did not start"
-            await asyncio.sleep(0.5)
-        prefill = next(i.worker_id for i in latest.values() if i.role == "prefill")
-        reference: dict[int, list[int]] = {}
-        results: dict[str, list[dict]] = {m: [] for m in MODES}
-        kept: list[dict] = []  # every output, written to outputs.json for checking against a reference
-        for rep in range(args.repeats + 1):  # the first round warms every worker up
-            prompts = [prompt_ids(args.prompt, seed=1000 * rep + i) for i in range(args.concurrency)]
+    with launch_mesh(
+        work,
+        model_dir,
+        600,
+        MESH_MODEL=args.model,
+        MESH_MAX_MODEL_LEN=str(args.max_model_len),
+        MESH_REQUEST_TIMEOUT_S="600",
+        MESH_PLACEMENT_BALANCE="0",
+    ) as mesh:
+        try:
             for mode in MODES:
-                before = dict(latest[f"decode-{mode}"].preemptions)
-                started = time.perf_counter()
-                outputs = await asyncio.gather(
-                    *(one_request(bus, args.model, prefill, f"decode-{mode}", ids, args.output) for ids in prompts)
-                )
-                elapsed = time.perf_counter() - started
-                print(f"round {rep} {mode}: {elapsed:.1f} s", file=sys.stderr, flush=True)
-                await asyncio.sleep(1.5)  # a heartbeat with the counts
-                after = latest[f"decode-{mode}"].preemptions
-                for i, out in enumerate(outputs):
-                    reference.setdefault(1000 * rep + i, out)
-                    kept.append({"mode": mode, "round": rep, "prompt_token_ids": prompts[i], "token_ids": out})
-                if rep:
-                    results[mode].append(
-                        {
-                            "round_s": elapsed,
-                            "tpot_ms": 1e3 * elapsed / args.output,
-                            "choices": {k: after.get(k, 0) - before.get(k, 0) for k in after},
-                            "exact": all(out == reference[1000 * rep + i] for i, out in enumerate(outputs)),
-                        }
+                workers.append(
+                    start_service(
+                        "decode-worker",
+                        mesh.service_env(
+                            MESH_WORKER_ID=f"decode-{mode}", MESH_KV_BLOCKS=str(kv_blocks), MESH_KV_PREEMPTION=mode
+                        ),
+                        work / f"decode-{mode}.log",
                     )
-        for mode in MODES:
-            row = {"mode": mode, **{k: [r[k] for r in results[mode]] for k in results[mode][0]}}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        (work / "outputs.json").write_text(json.dumps(kept))
-        await bus.close()
-    finally:
-        for child in workers:
-            child.stop()
-        mesh.stop(30)
+                )
+            bus = await Bus.connect(mesh.nats_url, "bench-preemption")
+            latest = await heartbeats(bus)
+            give_up = time.monotonic() + 600
+            while not all(f"decode-{m}" in latest for m in MODES) or not any(
+                i.role == "prefill" for i in latest.values()
+            ):
+                assert time.monotonic() < give_up, "workers did not start"
+                await asyncio.sleep(0.5)
+            prefill = next(i.worker_id for i in latest.values() if i.role == "prefill")
+            reference: dict[int, list[int]] = {}
+            results: dict[str, list[dict]] = {m: [] for m in MODES}
+            kept: list[dict] = []  # every output, written to outputs.json for checking against a reference
+            for rep in range(args.repeats + 1):  # the first round warms every worker up
+                prompts = [prompt_ids(args.prompt, seed=1000 * rep + i) for i in range(args.concurrency)]
+                for mode in MODES:
+                    before = dict(latest[f"decode-{mode}"].preemptions)
+                    started = time.perf_counter()
+                    outputs = await asyncio.gather(
+                        *(one_request(bus, args.model, prefill, f"decode-{mode}", ids, args.output) for ids in prompts)
+                    )
+                    elapsed = time.perf_counter() - started
+                    print(f"round {rep} {mode}: {elapsed:.1f} s", file=sys.stderr, flush=True)
+                    await asyncio.sleep(1.5)  # a heartbeat with the counts
+                    after = latest[f"decode-{mode}"].preemptions
+                    for i, out in enumerate(outputs):
+                        reference.setdefault(1000 * rep + i, out)
+                        kept.append({"mode": mode, "round": rep, "prompt_token_ids": prompts[i], "token_ids": out})
+                    if rep:
+                        results[mode].append(
+                            {
+                                "round_s": elapsed,
+                                "tpot_ms": 1e3 * elapsed / args.output,
+                                "choices": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+                                "exact": all(out == reference[1000 * rep + i] for i, out in enumerate(outputs)),
+                            }
+                        )
+            for mode in MODES:
+                row = {"mode": mode, **{k: [r[k] for r in results[mode]] for k in results[mode][0]}}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            (work / "outputs.json").write_text(json.dumps(kept))
+            await bus.close()
+        finally:
+            for child in workers:
+                child.stop()
     return rows
 
 

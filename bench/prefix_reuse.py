@@ -16,14 +16,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
+from harness import launch_mesh  # bench/harness.py and bench/serve.py (this folder is on sys.path when a script runs)
+from serve import prompt_ids
 
-from llmesh.deploy.launcher import Child, engine_cores, free_port, start_service, wait_healthy
+from llmesh.deploy.launcher import engine_cores, start_service
 from llmesh.wire.bus import Bus
 from llmesh.wire.messages import PrefillRequest, PrefillResult, SamplingOptions, Subjects, WorkerInfo, decode
 
@@ -104,47 +104,23 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="llmesh-bench-prefix-"))
     model_dir = Path.home() / ".cache" / "llmesh"
-    port, nats_port, redis_port = free_port(), free_port(), free_port()
-    env = {"MESH_MODEL": args.model, "MESH_MAX_MODEL_LEN": "2304", "MESH_MODEL_DIR": str(model_dir)}
-    mesh = Child(
-        "mesh",
-        [
-            sys.executable,
-            "-m",
-            "llmesh.deploy.launcher",
-            "--port",
-            str(port),
-            "--nats-port",
-            str(nats_port),
-            "--redis-port",
-            str(redis_port),
-            "--logs",
-            str(work / "logs"),
-        ],
-        env=env,
-        log_path=work / "launcher.log",
-    )
-    nats_url = f"nats://127.0.0.1:{nats_port}"
-    second = start_service(
-        "prefill-worker",
-        env
-        | engine_cores().get("prefill-worker", {})
-        | {"MESH_NATS_URL": nats_url, "MESH_WORKER_ID": "prefill-second"},
-        work / "prefill-second.log",
-    )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
-        row = asyncio.run(measure(nats_url, args.model, args.length, args.shared, args.repeats))
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
-        print("\n| model | prompt | shared prefix | TTFT reuse ms | TTFT recompute ms | ratio |")
-        print("|---|---|---|---|---|---|")
-        print(
-            f"| {row['model']} | {row['prompt_tokens']} | {row['shared_tokens']} | {row['ttft_reuse_ms']:.1f} | "
-            f"{row['ttft_recompute_ms']:.1f} | {row['ratio']:.2f} |"
+    with launch_mesh(work, model_dir, 600, MESH_MODEL=args.model, MESH_MAX_MODEL_LEN="2304") as mesh:
+        second = start_service(
+            "prefill-worker",
+            mesh.service_env(**engine_cores().get("prefill-worker", {}), MESH_WORKER_ID="prefill-second"),
+            work / "prefill-second.log",
         )
-    finally:
-        second.stop(30)
-        mesh.stop(30)
+        try:
+            row = asyncio.run(measure(mesh.nats_url, args.model, args.length, args.shared, args.repeats))
+        finally:
+            second.stop(30)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+    print("\n| model | prompt | shared prefix | TTFT reuse ms | TTFT recompute ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {row['model']} | {row['prompt_tokens']} | {row['shared_tokens']} | {row['ttft_reuse_ms']:.1f} | "
+        f"{row['ttft_recompute_ms']:.1f} | {row['ratio']:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 
 Deployments, all on this machine and model, started once and measured one at a time:
 - `mesh`: the whole mesh as `make run` starts it (`python -m llmesh.deploy.launcher`);
+- `mesh-aggregated` (only when `--deployments` names it; "mesh (aggregated)"): the same with the model served
+  aggregated (`disaggregated: false`): one engine on both cores running each request whole, as plain vLLM's;
 - `vllm`: one plain vLLM OpenAI server (vLLM's default CPU layout: one core computes, one is left);
 - `vllm-router`: `vllm-router` (the vLLM project's Rust router, from PyPI) over two plain vLLM
   servers pinned to one core each, with the policy that suits the workload (`--router-policy`);
@@ -33,7 +35,6 @@ import contextlib
 import csv
 import json
 import math
-import os
 import signal
 import statistics
 import sys
@@ -47,20 +48,29 @@ from pathlib import Path
 from typing import TextIO
 
 import httpx
+from harness import (  # bench/harness.py (this folder is on sys.path when a script runs)
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    cpu_between,
+    cpu_by_process,
+    is_engine,
+    start_mesh,
+)
 
-from llmesh.deploy.credentials import load_or_create
-from llmesh.deploy.launcher import Child, free_port, wait_healthy
+from llmesh.deploy.launcher import Child, free_port
 from llmesh.engine.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "bench" / "data" / "azure_conv_2023_first3000.csv"
 DEPLOYMENTS = ("mesh", "vllm", "vllm-router")  # the default
-OPTIONAL_DEPLOYMENTS = ("dynamo",)  # on request (`--deployments ... dynamo`)
+OPTIONAL_DEPLOYMENTS = ("dynamo", "mesh-aggregated")  # on request (`--deployments ... dynamo`)
 ALL_DEPLOYMENTS = DEPLOYMENTS + OPTIONAL_DEPLOYMENTS
-LABELS = {"dynamo": "dynamo (vLLM 0.31)"}  # a peer on another vLLM version says so wherever it is shown
+LABELS = {
+    "dynamo": "dynamo (vLLM 0.31)",
+    "mesh-aggregated": "mesh (aggregated)",
+}  # a peer on another vLLM version says so wherever it is shown
 WORKLOADS = ("random", "prefix", "trace", "long")  # long (128 -> 512 tokens, decode-heavy): on request only
 ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "power_of_two", "long": "power_of_two"}
-MAX_MODEL_LEN, BLOCK_SIZE = 2048, 128
 # every deployment's vLLM engines but the mesh's (which take MESH_MAX_MODEL_LEN, MESH_BLOCK_SIZE)
 ENGINE_ARGS = [
     "--enforce-eager",
@@ -92,41 +102,6 @@ SUMMARY = (
     "median_itl_ms",
     "p99_itl_ms",
 )
-
-
-@dataclass
-class LaunchedMesh:
-    launcher: Child
-    url: str
-    nats_url: str  # as the operators' user (placement's status)
-    headers: dict[str, str]  # the API key
-
-
-def launch_mesh(work: Path, model_dir: Path, timeout: float = 900, **env: str) -> LaunchedMesh:
-    """`make run`'s launcher, its state (secrets, logs, KV, its own log) under `work`, the rest as `env` says;
-    returned once healthy. Stop it with `.launcher.stop()`."""
-    port, nats_port = free_port(), free_port()
-    secrets = load_or_create(work / "secrets")
-    env = {
-        "MESH_SECRETS_DIR": str(work / "secrets"),
-        "MESH_PORT": str(port),
-        "MESH_NATS_PORT": str(nats_port),
-        "MESH_REDIS_PORT": str(free_port()),
-        "MESH_MODEL_DIR": str(model_dir),
-        "MESH_LOG_DIR": str(work / "logs"),
-        "MESH_DATA_DIR": str(work / "kv"),
-        "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-    } | env
-    launcher = Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=work / "launcher.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout, [launcher])
-    except BaseException:
-        launcher.stop(30)
-        raise
-    admin = secrets.nats_url(f"nats://127.0.0.1:{nats_port}", "admin")
-    return LaunchedMesh(launcher, url, admin, {"Authorization": f"Bearer {secrets.api_key}"})
 
 
 async def timed_completion(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, float | None, str]:
@@ -190,63 +165,6 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [1] + [rng.randrange(10, 2000) for _ in range(length - 1)]
 
 
-# ---- processes and their CPU time -----------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[int, str, float] | None:
-    """(parent pid, command name, CPU seconds) of a live process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            head, rest = f.read().rsplit(")", 1)
-    except OSError:
-        return None
-    fields = rest.split()
-    return int(fields[1]), head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _label(pid: int, comm: str) -> str:
-    """A process's name in the tables: the module a Python service runs, else its command."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        args = []
-    if comm.startswith("VLLM::"):  # an engine's scheduler (EngineCore) or model executor (Worker)
-        return "engine-" + comm.removeprefix("VLLM::").lower()
-    if "-m" in args[:-1]:
-        return args[args.index("-m") + 1].removeprefix("llmesh_").removeprefix("vllm.entrypoints.openai.")
-    return Path(args[0]).name if args and args[0] else comm
-
-
-def cpu_by_process(roots: dict[str, int]) -> dict[str, float]:
-    """CPU seconds so far of every process under each root, keyed 'root/process'."""
-    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, (ppid, _, _) in stats.items():
-        children[ppid].append(pid)
-    out: dict[str, float] = defaultdict(float)
-    for root_name, root in roots.items():
-        todo = [(root, root_name)]
-        while todo:
-            pid, owner = todo.pop()
-            if pid not in stats:
-                continue
-            label = _label(pid, stats[pid][1])
-            name = root_name if pid == root else label if owner == root_name else f"{owner}/{label}"
-            out[f"{root_name}:{name}" if pid != root else root_name] += stats[pid][2]
-            todo += [(child, name if pid != root else root_name) for child in children[pid]]
-    return dict(out)
-
-
-def cpu_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds each process took between two `cpu_by_process` readings (those that took any)."""
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
-
-
-def is_engine(process: str) -> bool:
-    return process.rsplit("/", 1)[-1].rsplit(":", 1)[-1].startswith("engine-")
-
-
 # ---- deployments ------------------------------------------------------------------------------------------------
 
 
@@ -290,27 +208,13 @@ def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str)
 
 def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
     logs = work / "logs"
-    if name == "mesh":
-        port = free_port()
-        env = {
-            "MESH_PORT": str(port),
-            "MESH_NATS_PORT": str(free_port()),
-            "MESH_REDIS_PORT": str(free_port()),
-            "MESH_MODEL": model,
-            "MESH_MODEL_DIR": str(Path(model_path).parent),
-            "MESH_LOG_DIR": str(logs / "mesh"),
-            "MESH_DATA_DIR": str(work / "mesh-kv"),
-            "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-            "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
-            "MESH_SECRETS_DIR": str(work / "mesh-secrets"),
-        }
-        key = load_or_create(work / "mesh-secrets").api_key
-        return Deployment(
-            name,
-            f"http://127.0.0.1:{port}",
-            [Child("mesh", [sys.executable, "-m", "llmesh.deploy.launcher"], env=env, log_path=logs / "mesh.log")],
-            headers={"Authorization": f"Bearer {key}"},
-        )
+    if name in ("mesh", "mesh-aggregated"):
+        env = {"MESH_MODEL": model}
+        if name == "mesh-aggregated":  # one engine on both cores running each request whole, as plain vLLM's
+            env["MESH_MODELS"] = json.dumps([{"name": model, "model": model, "disaggregated": False}])
+            env["MESH_PLACEMENT_AUTOSCALE"] = "false"  # (else the cores are split for the workers it may add)
+        mesh = start_mesh(work / name, Path(model_path).parent, name, **env)
+        return Deployment(name, mesh.url, [mesh.launcher], headers=mesh.headers)
     if name == "vllm":
         child, url = vllm_server("vllm", model_path, model, logs)
         return Deployment(name, url, [child])
@@ -726,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: starting {', '.join(deployments)} (engines take a minute or two)...", flush=True)
         backends = [url for d in deployments.values() for url in d.backends]
         for deployment in deployments.values():  # a baseline's vLLM server that dies starting gets a second try
-            baseline = restarts if deployment.name != "mesh" else None
+            baseline = restarts if not deployment.name.startswith("mesh") else None
             for child, url in zip(deployment.children, deployment.backends):  # vllm-router's servers
                 wait_ready(Deployment(child.name, url, [child]), 600, args.model, baseline)
             if deployment.url:

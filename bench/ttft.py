@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import prompt_ids  # bench/serve.py (this folder is on sys.path when a script runs)
+from harness import launch_mesh  # bench/harness.py and bench/serve.py (this folder is on sys.path when a script runs)
+from serve import prompt_ids
 
-from llmesh.deploy.credentials import load_or_create
-from llmesh.deploy.launcher import Child, free_port, wait_healthy
 from llmesh.engine.models import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +38,8 @@ IDLE_S = 1.5  # a vLLM engine busy-polls for 1 s after its last step: let it go 
 def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, float, float, str]:
     """TTFT, time per output token after the first, first-to-second token gap, trace id.
 
-    `http` is made once: building an httpx client (its TLS context) costs ~25 ms, not the mesh's.
+    `http` (with the mesh's API key) is made once: building an httpx client (its TLS context) costs ~25 ms, not
+    the mesh's.
     """
     trace_id = f"{random.getrandbits(128):032x}"
     started = time.perf_counter()
@@ -48,7 +48,7 @@ def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
         "POST",
         f"{url}/v1/completions",
         timeout=300,
-        headers={"traceparent": f"00-{trace_id}-{f'{random.getrandbits(64):016x}'}-01", **AUTH},
+        headers={"traceparent": f"00-{trace_id}-{f'{random.getrandbits(64):016x}'}-01"},
         json={"model": MODEL, "prompt": ids, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True},
     ) as resp:
         resp.raise_for_status()
@@ -56,9 +56,6 @@ def mesh_request(http: httpx.Client, url: str, ids: list[int]) -> tuple[float, f
             if line.startswith("data: {"):
                 stamps.append(time.perf_counter())
     return (stamps[0] - started, (stamps[-1] - stamps[0]) / (OUTPUT_TOKENS - 1), stamps[1] - stamps[0], trace_id)
-
-
-AUTH: dict[str, str] = {}  # the mesh's API key (`main`)
 
 
 def span_breakdown(trace_dir: Path, trace_id: str) -> dict[str, float]:
@@ -96,51 +93,34 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmesh-bench-"))
     model_dir = Path.home() / ".cache" / "llmesh"
     rows = []
-    http = httpx.Client()
     for MODEL in args.models:
         path = resolve_model(MODEL, model_dir)
-        port, nats_port = free_port(), free_port()
-        env = {
-            "MESH_MODEL": MODEL,
-            "MESH_MAX_MODEL_LEN": "2304",
-            "MESH_TRACE_DIR": str(work / "traces"),
-            "MESH_MODEL_DIR": str(model_dir),
-            "MESH_SECRETS_DIR": str(work / "mesh-secrets"),
-        }
-        AUTH["Authorization"] = f"Bearer {load_or_create(work / 'mesh-secrets').api_key}"
-        mesh = Child(
-            "mesh",
-            [
-                sys.executable,
-                "-m",
-                "llmesh.deploy.launcher",
-                "--port",
-                str(port),
-                "--nats-port",
-                str(nats_port),
-                "--logs",
-                str(work / "logs"),
-            ],
-            env=env,
-            log_path=work / "launcher.log",
-        )
-        mono = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests/e2e/reference_engine.py"), path, "2304", "128"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(work / "mono.log", "w"),
-            text=True,
-            start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-        )
-        try:
+        with (
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests/e2e/reference_engine.py"), path, "2304", "128"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(work / "mono.log", "w"),
+                text=True,
+                start_new_session=True,
+                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            ) as mono,  # (started first: it loads while the mesh does)
+            launch_mesh(
+                work / MODEL.replace("/", "_"),
+                model_dir,
+                600,
+                MESH_MODEL=MODEL,
+                MESH_MAX_MODEL_LEN="2304",
+                MESH_TRACE_DIR=str(work / "traces"),
+            ) as mesh,
+            httpx.Client(headers=mesh.headers) as http,
+        ):
             assert mono.stdout.readline().strip(), "monolithic engine failed to start"
-            wait_healthy(f"http://127.0.0.1:{port}", 600, [mesh])
             for length in args.lengths:
                 m_ttft, m_tpot, m_gap, o_ttft, o_tpot, o_gap, parts = [], [], [], [], [], [], []
                 for rep in range(args.repeats + 1):  # the first of each pair warms caches and is dropped
                     ids = prompt_ids(length, seed=1000 * length + rep)
-                    ttft, tpot, gap, trace_id = mesh_request(http, f"http://127.0.0.1:{port}", ids)
+                    ttft, tpot, gap, trace_id = mesh_request(http, mesh.url, ids)
                     time.sleep(IDLE_S)
                     mono.stdin.write(
                         json.dumps({"prompt_token_ids": ids, "max_tokens": OUTPUT_TOKENS, "timing": True}) + "\n"
@@ -171,10 +151,6 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        finally:
-            mono.stdin.close()
-            mono.wait(60)
-            mesh.stop(30)
     print(
         "\n| model | prompt | TTFT mesh ms | TTFT mono ms | ratio | TPOT mesh ms | TPOT mono ms | ratio |"
         " 1st→2nd token mesh ms | mono ms | router.prefill ms | prefill worker ms | kv.save_wait ms |"
