@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))  # it imports bench/serve.py, as a script run from there does
+sys.path.insert(0, str(ROOT / "bench"))  # it imports bench/harness.py and serve.py, as a script run there does
 spec = importlib.util.spec_from_file_location("bench_autoscale", ROOT / "bench" / "autoscale.py")
 assert spec and spec.loader
 autoscale = importlib.util.module_from_spec(spec)
