@@ -182,16 +182,17 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
         for path in timings.glob("*.tsv") if timings else ():
             path.write_text("")
         before = cpu_by_process(roots)
-        sampling = _sample_front_door(args.py_spy, roots, f"{name}-{workers}w-{rate:g}rps", args.seconds)
+        collapsed = args.py_spy / f"{name}-{workers}w-{rate:g}rps.txt" if args.py_spy else None
+        sampling = _sample_front_door(collapsed, roots, args.seconds) if collapsed else None
         outcomes = asyncio.run(
             run_load(
                 url, headers, args.model, rate, args.seconds, args.prompt_words, args.output_tokens, seed=int(rate)
             )
         )
         point = Point(name, workers, rate, args.seconds, outcomes, cpu_between(before, cpu_by_process(roots)))
-        if sampling is not None:
+        if collapsed and sampling:
             sampling.wait()
-            print(_where_time_goes(Path(sampling.args[sampling.args.index("--output") + 1])))
+            print(_where_time_goes(collapsed))
         if timings:
             time.sleep(1.5)  # the workers' files flushed (their buffers) at the next writes or shutdown
             point.engine_ttft_s = engine_ttfts(timings)
@@ -213,16 +214,14 @@ PROJECT_DIRS = {"shared", "sim", *(p.name for p in (ROOT / "services").iterdir()
 FRONT_DOORS = ("llmesh_router", "vllm-router", "dynamo.frontend")  # the process each deployment's samples are of
 
 
-def _sample_front_door(folder: Path | None, roots: dict[str, int], label: str, seconds: float):
+def _sample_front_door(collapsed: Path, roots: dict[str, int], seconds: float) -> subprocess.Popen:
     """py-spy sampling the deployment's front door over a point's load (`--py-spy`), its stacks collapsed into
-    `folder`/`label`.txt; None without `folder`."""
-    if folder is None:
-        return None
+    `collapsed`."""
     procs = [p for root in roots.values() for p in [psutil.Process(root), *psutil.Process(root).children(True)]]
     door = next(p for p in procs if any(name in " ".join(p.cmdline()) for name in FRONT_DOORS))
-    folder.mkdir(parents=True, exist_ok=True)
+    collapsed.parent.mkdir(parents=True, exist_ok=True)
     command = ["py-spy", "record", "--pid", str(door.pid), "--duration", str(int(seconds)), "--rate", "250"]
-    command += ["--format", "raw", "--function", "--nonblocking", "--output", str(folder / f"{label}.txt")]
+    command += ["--format", "raw", "--function", "--nonblocking", "--output", str(collapsed)]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -280,7 +279,7 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
                     "--count",
                     str(workers - own),
                 ],
-                env=_decode_worker_environment(mesh.launcher.proc.pid),
+                env=mesh.service_env(),
                 log_path=work / "logs" / "modelled-workers.log",
             )
             roots["mesh:modelled-workers"] = rest.proc.pid
@@ -290,16 +289,6 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
         if rest is not None:
             rest.stop(60)
         mesh.launcher.stop(60)
-
-
-def _decode_worker_environment(launcher: int) -> dict[str, str]:
-    """The environment of the launcher's decode worker (its NATS user's credentials among it), without its id."""
-    for pid in psutil.Process(launcher).children(recursive=True):
-        if "llmesh_decode" in pid.cmdline():
-            env = pid.environ()
-            env.pop("MESH_WORKER_ID", None)
-            return env
-    raise RuntimeError("the launcher started no decode worker")
 
 
 def wait_for_workers(url: str, count: int, children: list[Child], timeout: float = 600) -> None:
