@@ -211,6 +211,8 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT_DIRS = {"shared", "sim", *(p.name for p in (ROOT / "services").iterdir())}  # (as py-spy shortens paths)
+# a process's and a thread's outermost frames, the event loop's run among them: in every sample of their thread
+ROOT_FRAMES = ("_run_module_as_main ", "_run_code ", "<module> ", "run_service ", "Runner.run ", "Thread._bootstrap")
 FRONT_DOORS = ("llmesh_router", "vllm-router", "dynamo.frontend")  # the process each deployment's samples are of
 
 
@@ -230,17 +232,22 @@ def _where_time_goes(collapsed: Path, top: int = 25) -> str:
     (time in native code, the event loop's and the kernel's, counts to the Python frame that called it: uvloop's
     own under `Runner.run`, a socket write under uvicorn's `send`)."""
     own: Counter[str] = Counter()
+    within: Counter[str] = Counter()  # samples in a function or in what it called
     where: Counter[str] = Counter()
     total = 0
     for line in collapsed.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        leaf, n = stack.rsplit(";", 1)[-1], int(count)
+        frames, n = stack.split(";"), int(count)
+        leaf = frames[-1]
         total += n
         own[leaf] += n
+        within.update(dict.fromkeys((f for f in frames if not f.startswith(ROOT_FRAMES)), n))
         file = leaf.rsplit("(", 1)[-1].split(":")[0]
         where[file if file.split("/", 1)[0] in PROJECT_DIRS else f"{file.split('/', 1)[0]} (library)"] += n
     rows = [f"{collapsed.name}: {total} samples", "  by function:"]
     rows += [f"    {n / total:6.1%}  {name}" for name, n in own.most_common(top)]
+    rows += ["  within a function (its callees' included):"]
+    rows += [f"    {n / total:6.1%}  {name}" for name, n in within.most_common(top)]
     rows += ["  by file or library:"] + [f"    {n / total:6.1%}  {name}" for name, n in where.most_common(top)]
     return "\n".join(rows)
 

@@ -45,8 +45,9 @@ BURST = 12  # concurrent short requests per router: far fewer than would tip Ban
 BURST_PROMPT, BURST_OUTPUT = 64, 96  # long enough that decodes overlap across the prefill batches
 
 
-def start_router(mesh, policy: str, trace_dir: Path):
-    """A router on the mesh's bus with `policy`, every request disaggregated; its spans in `trace_dir`."""
+def start_router(mesh, policy: str, trace_dir: Path, **settings: str):
+    """A router on the mesh's bus with `policy`, every request disaggregated, and `settings` (environment); its
+    spans in `trace_dir`."""
     port = free_port()
     env = {
         "MESH_NATS_URL": mesh.nats_url,
@@ -62,7 +63,7 @@ def start_router(mesh, policy: str, trace_dir: Path):
         # Three engines on two cores here: a worker's heartbeats were once 3 s late mid-burst, and
         # its in-flight requests failed as `worker_lost`.
         "MESH_MISSED_HEARTBEATS": "10",
-    }
+    } | settings
     child = start_service("router", env, mesh.logs / f"router-{policy}.log")
     wait_for_port(port, 60, child.proc)
     return child, f"http://127.0.0.1:{port}"

@@ -45,10 +45,7 @@ def assert_reasoning_read_as_vllms_server_reads_it(client, reference, model_path
     from vllm.tokenizers import get_tokenizer
 
     tokenizer = get_tokenizer(model_path)
-    chat = [{"role": "user", "content": "What is two and two?"}]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer.encode(text, add_special_tokens=False)  # (as vLLM's server encodes a chat)
-    bias = {str(THINK_END): 5}  # the random model ends its reasoning where that lifts `</think>` above the rest
+    chat, ids, bias = _chat_ending_reasoning_midway(reference, tokenizer, 20)
     regex = "[a-z]{4,12}"
     parser_class = ParserManager.get_parser(reasoning_parser_name=REASONING_PARSER, tokenizer=tokenizer)
     for extra, reference_args in (
@@ -100,6 +97,41 @@ def assert_reasoning_read_as_vllms_server_reads_it(client, reference, model_path
             assert re.fullmatch(regex, content_text) and end > 0, expected["text"]
         else:
             assert re.fullmatch(regex, expected["text"])
+
+
+QUESTIONS = ("What is two and two?", "Name a colour.", "Why is the sky blue?", "Count to three.", "Say hello.")
+
+
+def _chat_ending_reasoning_midway(reference, tokenizer, tokens: int) -> tuple[list[dict], list[int], dict[str, float]]:
+    """A chat, its prompt's ids (as vLLM's server encodes a chat) and a logit bias that lifts `</think>` above the
+    random model's other tokens somewhere inside its first `tokens` (greedy, by the monolithic engine), neither
+    first nor last. Where a bias ends the reasoning depends on the CPU's kernels (bf16 computed natively or
+    emulated: seen, one prompt's reasoning ended at the last token under a bias of 5.0 and at the first under 5.25
+    on one machine, in the middle under 5 on another), so it is found: for each question in turn, the bias raised
+    until the reasoning ends within `tokens`, then bisected."""
+    tried = {}
+    for question in QUESTIONS:
+        chat = [{"role": "user", "content": question}]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ends = tried[question] = {}  # bias -> where the reasoning ended (`tokens`: not within them)
+
+        def end(lift: float, ids: list[int] = ids) -> int:
+            out = reference.generate(tokens, prompt_token_ids=ids, logit_bias={str(THINK_END): lift})["token_ids"]
+            return out.index(THINK_END) if THINK_END in out else tokens
+
+        late, early = 0.0, 1.0
+        while (ends.setdefault(early, end(early))) >= tokens - 1 and early < 64:
+            late, early = early, early * 2
+        for _ in range(12):
+            if 0 < ends[early] < tokens - 1:
+                return chat, ids, {str(THINK_END): early}
+            middle = (late + early) / 2
+            if ends.setdefault(middle, end(middle)) >= tokens - 1:
+                late = middle
+            else:
+                early = middle
+    pytest.fail(f"no question and logit bias on </think> end the reasoning inside {tokens} tokens: {tried}")
 
 
 def assert_response_items_read_so(client, asked: dict, reasoning: str, content: str, parser, tokens: list[int]) -> None:

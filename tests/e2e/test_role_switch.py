@@ -33,8 +33,10 @@ def switchable_worker(mesh, model_dir):
 def disaggregating_router(mesh, switchable_worker):
     """A router beside the mesh's that prefills every request on a prefill worker: the mesh's own
     would run some on the decode workers once the prefill queue grows (llmesh.policies.disagg),
-    which relieves the prefill pool as a role switch would, and could keep the switch from coming."""
-    child, url = start_router(mesh, "least_loaded", mesh.trace_dir)
+    which relieves the prefill pool as a role switch would, and could keep the switch from coming. Its queue
+    holds the load however long it would wait (below the requests' deadline): the load is meant to pile up, and
+    on a machine whose engines prefill slowly (bf16 emulated) the router would refuse it with 429s."""
+    child, url = start_router(mesh, "least_loaded", mesh.trace_dir, MESH_QUEUE_MAX_WAIT_S="100")
     try:
         wait_for_decode_workers(url, 2)
         yield url
