@@ -190,7 +190,8 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
             )
         )
         point = Point(name, workers, rate, args.seconds, outcomes, cpu_between(before, cpu_by_process(roots)))
-        if collapsed and sampling:
+        if sampling is not None:
+            assert collapsed is not None
             sampling.wait()
             print(_where_time_goes(collapsed))
         if timings:

@@ -121,7 +121,7 @@ def _chat_ending_reasoning_midway(reference, tokenizer, tokens: int) -> tuple[li
             return out.index(THINK_END) if THINK_END in out else tokens
 
         late, early = 0.0, 1.0
-        while (ends.setdefault(early, end(early))) >= tokens - 1 and early < 64:
+        while ends.setdefault(early, end(early)) >= tokens - 1 and early < 64:
             late, early = early, early * 2
         for _ in range(12):
             if 0 < ends[early] < tokens - 1:
