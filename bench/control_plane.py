@@ -6,6 +6,8 @@ OpenAI servers (`--peers vllm-router`, llmesh_sim.modelled_server).
 
     .venv/bin/python bench/control_plane.py --workers 4 16 --rates 25 50 100 --seconds 20 [--peers dynamo]
         [--py-spy DIR]  (py-spy on PATH: each point's front door sampled, where its time goes printed)
+        [--routers 2 [--router-code CHECKOUT]]  (the mesh's requests alternate between two routers; the second
+        runs another checkout's router code: old and new measured side by side, in the same conditions)
 
 Each point is an open loop of Poisson arrivals of streamed completions (a prompt of `--prompt-tokens` words,
 `--output-tokens` out, every request to its length). Per point: completed and failed, achieved request and
@@ -48,6 +50,7 @@ WORDS = "the of and to in is was for on that with as by at from his her an which
 
 @dataclass
 class Outcome:
+    door: int = 0  # which of the deployment's front doors it was sent to
     request_id: str = ""
     status: int = 0
     sent: float = 0.0
@@ -66,6 +69,7 @@ class Point:
     outcomes: list[Outcome] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)
     engine_ttft_s: dict[str, float] = field(default_factory=dict)
+    doors: list[str] = field(default_factory=list)  # the front doors' processes (cpu_s keys), where several
 
     def summary(self) -> dict:
         ok = [o for o in self.outcomes if o.status == 200 and o.done_s is not None]
@@ -95,6 +99,11 @@ class Point:
             "added_p99_ms": _pct(added, 99) * 1e3,
             "cpu_ms_per_request": {k: v * 1e3 / n for k, v in sorted(self.cpu_s.items(), key=lambda kv: -kv[1])},
             "cpu_us_per_token": {k: v * 1e6 / max(tokens, 1) for k, v in self.cpu_s.items()},
+            # each front door's CPU over the requests it answered, where the requests alternate between several
+            "door_cpu_ms_per_own_request": {
+                door: self.cpu_s.get(door, 0.0) * 1e3 / max(sum(o.door == i for o in ok), 1)
+                for i, door in enumerate(self.doors)
+            },
         }
 
 
@@ -132,8 +141,16 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict, headers: dic
 
 
 async def run_load(
-    url: str, headers: dict, model: str, rate: float, seconds: float, prompt_words: int, output_tokens: int, seed: int
+    urls: list[str],
+    headers: dict,
+    model: str,
+    rate: float,
+    seconds: float,
+    prompt_words: int,
+    output_tokens: int,
+    seed: int,
 ) -> list[Outcome]:
+    """The point's requests, the i-th sent to `urls[i % len(urls)]`."""
     rng = random.Random(seed)
     bodies = [
         {
@@ -146,7 +163,7 @@ async def run_load(
         }
         for _ in range(int(rate * seconds))
     ]
-    outcomes = [Outcome() for _ in bodies]
+    outcomes = [Outcome(door=i % len(urls)) for i in range(len(bodies))]
     # a connection a request: Dynamo's frontend holds a reused connection's first chunk for the client's delayed
     # ACK (~40 ms, bench/dynamo_peer.py), which says nothing of the CPU either spends
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -159,7 +176,7 @@ async def run_load(
             due += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             out.sent = time.monotonic()
-            tasks.append(asyncio.create_task(one(session, url, body, headers, out)))
+            tasks.append(asyncio.create_task(one(session, urls[out.door], body, headers, out)))
         await asyncio.gather(*tasks)
     return outcomes
 
@@ -176,7 +193,19 @@ def engine_ttfts(folder: Path) -> dict[str, float]:
     return out
 
 
-def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: int, args, timings: Path | None):
+def measure(
+    name: str,
+    url: str | dict[str, str],
+    headers: dict,
+    roots: dict[str, int],
+    workers: int,
+    args,
+    timings: Path | None,
+) -> list[dict]:
+    """The deployment's points at each rate; `url` its front door's, or several doors' by their processes' names
+    (`cpu_s`'s keys: each door's CPU is also told over its own requests)."""
+    doors = url if isinstance(url, dict) else {}
+    urls = list(doors.values()) if doors else [url]
     points = []
     for rate in args.rates:
         for path in timings.glob("*.tsv") if timings else ():
@@ -186,10 +215,11 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
         sampling = _sample_front_door(collapsed, roots, args.seconds) if collapsed else None
         outcomes = asyncio.run(
             run_load(
-                url, headers, args.model, rate, args.seconds, args.prompt_words, args.output_tokens, seed=int(rate)
+                urls, headers, args.model, rate, args.seconds, args.prompt_words, args.output_tokens, seed=int(rate)
             )
         )
         point = Point(name, workers, rate, args.seconds, outcomes, cpu_between(before, cpu_by_process(roots)))
+        point.doors = list(doors)
         if sampling is not None:
             assert collapsed is not None
             sampling.wait()
@@ -207,6 +237,9 @@ def measure(name: str, url: str, headers: dict, roots: dict[str, int], workers: 
             f"{cpu} {s['errors'] or ''}",
             flush=True,
         )
+        if doors:
+            own = ", ".join(f"{k} {v:.2f}" for k, v in s["door_cpu_ms_per_own_request"].items())
+            print(f"  each router's CPU ms over its own requests: {own}", flush=True)
     return points
 
 
@@ -273,8 +306,23 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
         MESH_LOG_LEVEL="WARNING",
     )
     rest = None
+    routers: list[Child] = []
     try:
         roots = {"mesh": mesh.launcher.proc.pid}
+        doors = {"mesh:router": mesh.url}
+        for i in range(2, args.routers + 1):  # beside the launcher's, on the same NATS, Redis and workers
+            port = free_port()
+            env = mesh.service_env(MESH_PORT=str(port))
+            if args.router_code is not None:  # another checkout's router package, shadowing this one's
+                shadow = work / f"router-{i}-code"
+                shadow.mkdir(parents=True)
+                (shadow / "llmesh_router").symlink_to(args.router_code.resolve() / "services" / "router")
+                env["PYTHONPATH"] = str(shadow)
+            command = [sys.executable, "-m", "llmesh_router"]
+            routers.append(Child(f"router-{i}", command, env=env, log_path=work / "logs" / f"router-{i}.log"))
+            wait_healthy(f"http://127.0.0.1:{port}", 120, [*routers, mesh.launcher])
+            roots[f"router-{i}"] = routers[-1].proc.pid
+            doors[f"router-{i}"] = f"http://127.0.0.1:{port}"
         if workers > own:
             rest = Child(
                 "modelled-workers",
@@ -292,8 +340,10 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
             )
             roots["mesh:modelled-workers"] = rest.proc.pid
             wait_for_workers(mesh.url, workers, [rest, mesh.launcher])
-        return measure("mesh", mesh.url, mesh.headers, roots, workers, args, timings)
+        return measure("mesh", doors if routers else mesh.url, mesh.headers, roots, workers, args, timings)
     finally:
+        for router in routers:
+            router.stop(30)
         if rest is not None:
             rest.stop(60)
         mesh.launcher.stop(60)
@@ -361,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV through the store (0: none)")
     parser.add_argument("--peers", nargs="*", default=[], choices=["dynamo", "vllm-router"])
+    parser.add_argument("--routers", type=int, default=1, help="the mesh's routers, its requests alternating")
+    parser.add_argument(
+        "--router-code", type=Path, help="a checkout whose router code the routers past the first run (an A/B)"
+    )
     parser.add_argument("--out", type=Path, help="write every point as JSON here")
     parser.add_argument("--py-spy", type=Path, help="sample each point's front door with py-spy (on PATH) into here")
     args = parser.parse_args(argv)
