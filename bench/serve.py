@@ -71,11 +71,9 @@ LABELS = {
 }  # a peer on another vLLM version says so wherever it is shown
 WORKLOADS = ("random", "prefix", "trace", "long")  # long (128 -> 512 tokens, decode-heavy): on request only
 ROUTER_POLICY = {"random": "power_of_two", "prefix": "cache_aware", "trace": "power_of_two", "long": "power_of_two"}
-# every deployment's vLLM engines but the mesh's (which take MESH_MAX_MODEL_LEN, MESH_BLOCK_SIZE)
+# every deployment's vLLM engines but the mesh's (which take MESH_MAX_MODEL_LEN, MESH_BLOCK_SIZE), and `--dtype`
 ENGINE_ARGS = [
     "--enforce-eager",
-    "--dtype",
-    "bfloat16",
     "--max-model-len",
     str(MAX_MODEL_LEN),
     "--block-size",
@@ -181,7 +179,7 @@ class Deployment:
         return {child.name: child.pid for child in self.children}
 
 
-def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str) -> tuple[Child, str]:
+def vllm_server(name: str, model_path: str, served: str, logs: Path, dtype: str, **env: str) -> tuple[Child, str]:
     port = free_port()
     child = Child(
         name,
@@ -194,6 +192,8 @@ def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str)
             "--served-model-name",
             served,
             *ENGINE_ARGS,
+            "--dtype",
+            dtype,
             "--host",
             "127.0.0.1",
             "--port",
@@ -206,17 +206,18 @@ def vllm_server(name: str, model_path: str, served: str, logs: Path, **env: str)
     return child, f"http://127.0.0.1:{port}"
 
 
-def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
+def start(name: str, model: str, model_path: str, work: Path, dtype: str = "bfloat16") -> Deployment:
+    """The deployment `name`, its engines' weights and KV in `dtype` (vLLM's)."""
     logs = work / "logs"
     if name in ("mesh", "mesh-aggregated"):
-        env = {"MESH_MODEL": model}
+        env = {"MESH_MODEL": model, "MESH_DTYPE": dtype}
         if name == "mesh-aggregated":  # one engine on both cores running each request whole, as plain vLLM's
             env["MESH_MODELS"] = json.dumps([{"name": model, "model": model, "disaggregated": False}])
             env["MESH_PLACEMENT_AUTOSCALE"] = "false"  # (else the cores are split for the workers it may add)
         mesh = start_mesh(work / name, Path(model_path).parent, name, **env)
         return Deployment(name, mesh.url, [mesh.launcher], headers=mesh.headers)
     if name == "vllm":
-        child, url = vllm_server("vllm", model_path, model, logs)
+        child, url = vllm_server("vllm", model_path, model, logs, dtype)
         return Deployment(name, url, [child])
     if name == "dynamo":  # workers dynamo-vllm-0 and -1 (engines on cores 0 and 1), dynamo-frontend
         if str(ROOT) not in sys.path:
@@ -224,11 +225,18 @@ def start(name: str, model: str, model_path: str, work: Path) -> Deployment:
         from bench import dynamo_vllm
 
         children, url, ready = dynamo_vllm.start(
-            model_path, model, work / "dynamo", ENGINE_ARGS, ENGINE_ENV, cores=(0, 1), router_mode="kv"
+            model_path,
+            model,
+            work / "dynamo",
+            [*ENGINE_ARGS, "--dtype", dtype],
+            ENGINE_ENV,
+            cores=(0, 1),
+            router_mode="kv",
         )
         return Deployment(name, url, children, ready=ready)
     servers = [
-        vllm_server(f"vllm-{core}", model_path, model, logs, VLLM_CPU_OMP_THREADS_BIND=str(core)) for core in (0, 1)
+        vllm_server(f"vllm-{core}", model_path, model, logs, dtype, VLLM_CPU_OMP_THREADS_BIND=str(core))
+        for core in (0, 1)
     ]
     return Deployment(name, "", [child for child, _ in servers], [url for _, url in servers])  # router: per workload
 
@@ -606,6 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         "deployment, each after it went idle: its request path's cost (results.json's `path_probes`; "
         "`llmesh_sim.fidelity --path`)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="every deployment's engines' (float32 where the CPU has no native bf16: AVX2 alone emulates it at "
+        "~1%% of float32's speed)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "llmesh")
     args = parser.parse_args(argv)
@@ -626,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = contextlib.ExitStack()
     try:
         for name in args.deployments:
-            deployments[name] = start(name, args.model, model_path, work)
+            deployments[name] = start(name, args.model, model_path, work, args.dtype)
         print(f"serve: starting {', '.join(deployments)} (engines take a minute or two)...", flush=True)
         backends = [url for d in deployments.values() for url in d.backends]
         for deployment in deployments.values():  # a baseline's vLLM server that dies starting gets a second try
