@@ -81,6 +81,9 @@ def running_mesh(work: Path, model_dir: Path, command: list[str], **env: str) ->
         "MESH_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "MESH_BLOCK_SIZE": str(BLOCK_SIZE),
         "MESH_REQUEST_TIMEOUT_S": "120",
+        # a request waits for room up to 100 s (within its timeout) rather than the 10 s before a 429: where the
+        # engines emulate bf16 (AVX2 alone), sixteen requests at once were refused after an estimated wait
+        "MESH_QUEUE_MAX_WAIT_S": "100",
         "MESH_LENGTH_PREDICT_TIMEOUT_S": "10",  # the predictor shares 2 cores with two engines here
         "MESH_LENGTH_SAMPLE_FRACTION": "1",  # every request predicted (beside its prefill)
         "MESH_PLACEMENT_BALANCE": "0",  # tests that place requests themselves; drains still migrate
