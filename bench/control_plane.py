@@ -195,17 +195,17 @@ def engine_ttfts(folder: Path) -> dict[str, float]:
 
 def measure(
     name: str,
-    url: str | dict[str, str],
+    doors: dict[str, str],
     headers: dict,
     roots: dict[str, int],
     workers: int,
     args,
     timings: Path | None,
 ) -> list[dict]:
-    """The deployment's points at each rate; `url` its front door's, or several doors' by their processes' names
-    (`cpu_s`'s keys: each door's CPU is also told over its own requests)."""
-    doors = url if isinstance(url, dict) else {}
-    urls = list(doors.values()) if doors else [url]
+    """The deployment's points at each rate; `doors` its front doors' URLs by their processes' names (`cpu_s`'s
+    keys), the requests alternating between them (where several, each door's CPU is also told over its own)."""
+    urls = list(doors.values())
+    several = list(doors) if len(doors) > 1 else []
     points = []
     for rate in args.rates:
         for path in timings.glob("*.tsv") if timings else ():
@@ -219,7 +219,7 @@ def measure(
             )
         )
         point = Point(name, workers, rate, args.seconds, outcomes, cpu_between(before, cpu_by_process(roots)))
-        point.doors = list(doors)
+        point.doors = several
         if sampling is not None:
             assert collapsed is not None
             sampling.wait()
@@ -237,7 +237,7 @@ def measure(
             f"{cpu} {s['errors'] or ''}",
             flush=True,
         )
-        if doors:
+        if several:
             own = ", ".join(f"{k} {v:.2f}" for k, v in s["door_cpu_ms_per_own_request"].items())
             print(f"  each router's CPU ms over its own requests: {own}", flush=True)
     return points
@@ -340,7 +340,7 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
             )
             roots["mesh:modelled-workers"] = rest.proc.pid
             wait_for_workers(mesh.url, workers, [rest, mesh.launcher])
-        return measure("mesh", doors if routers else mesh.url, mesh.headers, roots, workers, args, timings)
+        return measure("mesh", doors, mesh.headers, roots, workers, args, timings)
     finally:
         for router in routers:
             router.stop(30)
@@ -363,7 +363,7 @@ def dynamo_points(args, workers: int, work: Path) -> list[dict]:
     model_dir = Path.home() / ".cache" / "llmesh" / args.model.split("/", 1)[1]
     with dynamo(model_dir, args.model, workers, work, prompt_tokens=args.prompt_words, log_level="warn") as d:
         roots = {"dynamo-frontend": d.frontend_pid, **{f"dynamo-mocker-{i}": p for i, p in enumerate(d.mocker_pids)}}
-        return measure("dynamo", d.url, {}, roots, workers, args, None)
+        return measure("dynamo", {"dynamo-frontend": d.url}, {}, roots, workers, args, None)
 
 
 def vllm_router_points(args, workers: int, work: Path) -> list[dict]:
@@ -390,7 +390,7 @@ def vllm_router_points(args, workers: int, work: Path) -> list[dict]:
         servers.append(router)
         wait_healthy(f"http://127.0.0.1:{port}", 60, servers)
         roots = {child.name: child.proc.pid for child in servers}
-        return measure("vllm-router", f"http://127.0.0.1:{port}", {}, roots, workers, args, timings)
+        return measure("vllm-router", {"vllm-router": f"http://127.0.0.1:{port}"}, {}, roots, workers, args, timings)
     finally:
         for child in servers:
             child.stop(10)
