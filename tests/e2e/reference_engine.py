@@ -51,7 +51,7 @@ async def main(
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=model,
-            dtype="bfloat16",
+            dtype=os.environ.get("MESH_DTYPE", "auto"),  # the workers' (auto: the checkpoint's, bfloat16)
             max_model_len=max_model_len,
             block_size=block_size,
             enforce_eager=True,
