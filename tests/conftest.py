@@ -14,8 +14,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from llmesh.deploy.launcher import start_nats, start_redis  # noqa: E402
 from llmesh.engine.models import cpu_dtype  # noqa: E402
 
-# Every engine the suite starts (the meshes' workers and the reference engine read it) computes in bfloat16 where
-# this CPU has it natively, else in float32: with AVX2 alone bf16 is emulated, at 1.2-1.6x float32's decode step.
+# Every engine the suite starts (the meshes' workers and the reference engine read it) in this CPU's fastest dtype.
 os.environ.setdefault("MESH_DTYPE", cpu_dtype())
 
 

@@ -1441,8 +1441,8 @@ async def disaggregated(
     request_id = f"direct-{random.getrandbits(32):x}"
     bus = await Bus.connect(mesh.nats_url, "test-direct")
     try:
-        # what a slow machine needs (a test's engines emulate bf16 where the CPU has AVX2 alone: the suite's
-        # twelve 1000 -> 1000 token requests at once on one decode worker took over a minute there)
+        # what a slow machine needs (on an AVX2-only CPU with bf16 engines, the suite's twelve 1000 -> 1000 token
+        # requests at once on one decode worker took over a minute)
         deadline = time.time() + DIRECT_DEADLINE_S
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=0)
         result, _ = await bus.request(
