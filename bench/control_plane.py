@@ -271,6 +271,8 @@ def _where_time_goes(collapsed: Path, top: int = 25) -> str:
     total = 0
     for line in collapsed.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue  # (a frame's name that spans lines: a library's, as py-spy writes it)
         frames, n = stack.split(";"), int(count)
         leaf = frames[-1]
         total += n

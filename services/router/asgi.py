@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable
+from typing import Any
 
 import anyio
 from fastapi.responses import Response
@@ -124,18 +125,23 @@ class BodyLimit:
 
 
 class EventStream(Response):
-    """A server-sent event stream: its body's chunks sent as they come, the client's leaving told to the body
-    at once (`client_gone`: Starlette's `StreamingResponse` only cancels the task iterating a body whose client
-    is gone, which lands where it waits, and one with tokens always ready may never wait), the body closed
-    however it ends. One task listens for the disconnect; `StreamingResponse` runs two in a task group a
-    response under uvicorn (ASGI 2.3), which cost a third of the HTTP layer's time a chunk (measured)."""
+    """A server-sent event stream, written by `content(send)` with the server's own `send` (past the middlewares'
+    wrappers, which only need to see that the response began: a few µs a chunk less), the client's leaving told
+    at once (`client_gone`: Starlette's `StreamingResponse` only cancels the task writing a body whose client is
+    gone, which lands where it waits, and one with tokens always ready may never wait), `close` awaited however
+    it ends. One task listens for the disconnect; `StreamingResponse` runs two in a task group a response under
+    uvicorn (ASGI 2.3), which cost a third of the HTTP layer's time a chunk (measured)."""
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncGenerator[bytes, None], client_gone: asyncio.Future[None], headers: dict[str, str]
+        self,
+        content: Callable[[Send], Awaitable[None]],
+        close: Callable[[], Awaitable[None]],
+        client_gone: asyncio.Future[None],
+        headers: dict[str, str],
     ):
-        self.body_iterator, self.client_gone = content, client_gone
+        self.content, self.close, self.client_gone = content, close, client_gone
         self.status_code, self.background = 200, None
         self.init_headers(headers)
 
@@ -143,19 +149,51 @@ class EventStream(Response):
         listening = asyncio.ensure_future(self._listen(receive))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            # the middlewares' wrappers of `send` only need to see that the response began: the chunks go to the
-            # server's own (a few µs a chunk less)
-            send = scope.get("state", {}).get(SERVER_SEND, send)
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self.content(scope.get("state", {}).get(SERVER_SEND, send))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             listening.cancel()
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self.close()
 
     async def _listen(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         if not self.client_gone.done():
             self.client_gone.set_result(None)
+
+
+def sent_now(send: Send, message: Message) -> Awaitable[None] | None:
+    """`send(message)` run to its end at once where it does not wait, as uvicorn's write to a socket with room
+    does not (no task wakes for it, nor does the caller need to be one); else what is left of it, to await (a
+    client slow to read: the server's flow control waits for its socket to drain)."""
+    sending = send(message)
+    if not isinstance(sending, Coroutine):
+        return sending
+    try:
+        waiting = sending.send(None)
+    except StopIteration:
+        return None
+    return _sent_rest(sending, waiting)
+
+
+async def _sent_rest(sending: Coroutine[Any, Any, None], waiting: asyncio.Future[Any] | None) -> None:
+    """`sending` driven on from where it first waited (on `waiting`, the future it yielded), as a task would."""
+    while True:
+        try:
+            if waiting is None:  # (a bare yield: asyncio.sleep(0))
+                await asyncio.sleep(0)
+            else:
+                await asyncio.wait({waiting})  # (its result or error is `sending`'s to read)
+        except BaseException as exc:  # (cancelled: so is the send, where it waits)
+            if waiting is not None:
+                waiting.cancel()
+            try:
+                waiting = sending.throw(exc)
+            except StopIteration:
+                return
+            continue
+        try:
+            waiting = sending.send(None)
+        except StopIteration:
+            return

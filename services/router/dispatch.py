@@ -1,6 +1,7 @@
-"""One request through the mesh, driven by the HTTP layer (llmesh_router.service) iterating
-`Dispatcher.generate`. A request's state is its `RequestRun`'s; what it holds of the workers, its
-`Reservation`'s (llmesh_router.scheduler), given back when a try ends. Its stages, each a method here:
+"""One request through the mesh, run by the HTTP layer (llmesh_router.serving) as `Dispatcher.generate`, which
+hands each delta shown to the client to the request's sink as it comes. A request's state is its `RequestRun`'s;
+what it holds of the workers, its `Reservation`'s (llmesh_router.scheduler), given back when a try ends. Its
+stages, each a method here:
 
 1. admitted: a length tag if a policy reads one (llmesh_router.lengths), then a prefill worker and a
    decode slot from the scheduler, waiting in its queue while none has room (`_admit`);
@@ -25,7 +26,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -126,12 +127,13 @@ class RequestRun:
     """One request through the mesh (one choice of a client's request), and the one owner of its state: what it
     asks (`gen`: ids, sampling, deadline), its length prediction (and the one pending), its output so far and the
     stop filter that shows it, where its KV lies, what it holds of the workers (`held`), its progress as its client
-    sees it (a Stream, for the stall bound) and the retries it took. It builds its own prefill and decode messages."""
+    sees it (a Stream, for the stall bound), where its deltas go (`sink`) and the retries it took. It builds its own
+    prefill and decode messages."""
 
     held: Reservation  # (a try's: see Dispatcher.generate)
 
-    def __init__(self, gen: Generation, predicted: LengthPrediction | None):
-        self.gen, self.predicted = gen, predicted
+    def __init__(self, gen: Generation, predicted: LengthPrediction | None, sink: Sink):
+        self.gen, self.predicted, self.sink = gen, predicted, sink
         self.predicting: asyncio.Task | None = None  # a prediction asked beside the prefill (LengthTagger.beside)
         self.ends = OutputEnd(gen.sampling)
         self.prompt_token_ids: list[int] = []  # as its worker tokenized it (from the prefill, or the first delta)
@@ -159,11 +161,11 @@ class RequestRun:
         """Its prompt computed by a prefill worker, which made its `first` token (as shown) and stored its KV."""
         self.prompt_token_ids, self.max_tokens = list(result.prompt_token_ids), result.max_tokens
         self.fingerprint, self.kv = result.fingerprint, result.kv
-        self.streamed(first)
+        self.streamed(first.model_copy(update={"prompt_token_ids": result.prompt_token_ids}))  # (read by parsers)
 
     def streamed(self, delta: TokenDelta, context_len: int = 0) -> None:
-        """`delta` shown to the client (the first of a whole request on a decode worker brings the prompt as that
-        worker tokenized it, and `context_len` resolves its max_tokens)."""
+        """`delta` shown to the client, handed to its sink (the first of a whole request on a decode worker brings
+        the prompt as that worker tokenized it, and `context_len` resolves its max_tokens)."""
         self.last_at = time.monotonic()
         if not self.output_token_ids:
             self.first_at = self.last_at
@@ -171,6 +173,7 @@ class RequestRun:
             self.prompt_token_ids = list(delta.prompt_token_ids)
             self.max_tokens = self.max_tokens or context_len - len(self.prompt_token_ids)
         self.output_token_ids += delta.token_ids
+        self.sink(delta)
 
     def prefill_request(self) -> PrefillRequest:
         gen = self.gen
@@ -225,6 +228,9 @@ class RequestRun:
     def stop_predicting(self) -> None:
         if self.predicting is not None and not self.predicting.done():
             self.predicting.cancel()
+
+
+Sink = Callable[[TokenDelta], None]  # where a request's deltas go as they come (called on the bus's read: no await)
 
 
 @dataclass(frozen=True)
@@ -366,20 +372,16 @@ class Dispatcher:
             adapter=gen.lora.name if gen.lora else None,
         )
 
-    async def generate(self, gen: Generation, parent: context.Context) -> AsyncGenerator[TokenDelta, None]:
-        """Token deltas of `gen`; spans are children of `parent`. A request that failed before anything was
-        streamed is placed again (`PLACE_AGAIN`); past its first token, its decode resumes (`RESUME`, `_decode`).
-
-        Spans are never kept current across a `yield`: the consumer may resume this generator
-        from another task, where detaching a context attached here would fail.
-        """
+    async def generate(self, gen: Generation, parent: context.Context, sink: Sink) -> None:
+        """Run `gen` to its end, each delta handed to `sink` as it comes; spans are children of `parent`. A request
+        that failed before anything was streamed is placed again (`PLACE_AGAIN`); past its first token, its decode
+        resumes (`RESUME`, `_decode`). Cancelled, it aborts the request in its worker."""
         self.scheduler.arrived(gen.model)
-        run = RequestRun(gen, await self.lengths.before_dispatch(gen, parent))
+        run = RequestRun(gen, await self.lengths.before_dispatch(gen, parent), sink)
         while True:
             with self.scheduler.reservation(gen.model) as run.held:  # each try holds its own
                 try:
-                    async for delta in self._prefill_then_decode(run, parent):
-                        yield delta
+                    await self._prefill_then_decode(run, parent)
                     return
                 except MeshError as exc:
                     if run.started or (retry := self._retry(run, exc, parent)) is None:
@@ -413,7 +415,7 @@ class Dispatcher:
         log.log(level, "request %s: %s; %s", run.gen.request_id, exc.message, went_on)
         return retry
 
-    async def _prefill_then_decode(self, run: RequestRun, parent: context.Context) -> AsyncIterator[TokenDelta]:
+    async def _prefill_then_decode(self, run: RequestRun, parent: context.Context) -> None:
         gen, held = run.gen, run.held
         view = self._request_view(run)
         local: WorkerInfo | None = None  # a decode worker running it whole
@@ -428,8 +430,7 @@ class Dispatcher:
             self.metrics.prefill_sites.labels("decode").inc()
             run.fingerprint = local.fingerprint
             start = (Subjects.generate(local.worker_id), run.prefill_request())
-            async for delta in self._decode(run, local, start, parent):
-                yield delta
+            await self._decode(run, local, start, parent)
             return
         self.metrics.prefill_sites.labels("prefill").inc()
         try:
@@ -453,22 +454,19 @@ class Dispatcher:
         finally:
             held.release(prefill.worker_id)
         self._learn_tokens_per_char(gen, len(result.prompt_token_ids))
-        # The first token comes from the prefill: the client sees it before decode starts (with its prompt's ids,
-        # which a parser of the output reads).
+        # The first token comes from the prefill: the client sees it before decode starts.
         first = run.ends.shown(result.first)
         run.prefilled(result, first)
-        yield first.model_copy(update={"prompt_token_ids": result.prompt_token_ids})
         if first.finish_reason is not None:
             return
         if run.predicting is not None:
             run.predicted, run.predicting = self.lengths.so_far(run.predicting, parent), None
         decode = await self._admit(held, "decode", self._request_view(run), parent, fingerprint=run.fingerprint)
-        async for delta in self._decode(run, decode, None, parent):
-            yield delta
+        await self._decode(run, decode, None, parent)
 
     async def _decode(
         self, run: RequestRun, worker: WorkerInfo, start: tuple[str, Message] | None, parent: context.Context
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> None:
         """The request's output from `worker` (held for it), which `start` (subject, request) begins there or else
         the run's decode request, until it finishes; resumed on another decode worker after a live migration's
         hand-over (`Migrated`) or where a worker dies or refuses (`RESUME`)."""
@@ -476,18 +474,10 @@ class Dispatcher:
         subject, request = start or (Subjects.worker("decode", worker_id), run.decode_request())
         moved_from = None
         while True:
-            handed: Migrated | None = None
             leg_worker, leg_tokens = worker_id, run.tokens
             span = "router.generate" if isinstance(request, PrefillRequest) else "router.decode"
             try:
-                async for item in self._relay(worker_id, subject, request, run, parent, span):
-                    if isinstance(item, Migrated):
-                        handed = item
-                        break
-                    if not run.started:  # a whole request's first token: its prompt is computed
-                        run.held.prompt_done(worker_id)
-                    run.streamed(item, context_len)
-                    yield item
+                handed = await self._relay(worker_id, subject, request, run, parent, span, context_len)
                 if handed is None:
                     return
             except MeshError as exc:
@@ -577,10 +567,18 @@ class Dispatcher:
             trace.get_current_span(parent).set_attribute(f"dispatch.{role}.adapter_loaded", loaded)
 
     async def _relay(
-        self, worker_id: str, subject: str, request: Message, run: RequestRun, parent: context.Context, span_name: str
-    ) -> AsyncIterator[TokenDelta | Migrated]:
-        """The deltas `worker_id` streams for `request`, through the run's stop filter, until one finishes or the
-        worker hands the request over (`Migrated`, the last item then); meanwhile the run counts among the streams
+        self,
+        worker_id: str,
+        subject: str,
+        request: Message,
+        run: RequestRun,
+        parent: context.Context,
+        span_name: str,
+        context_len: int,
+    ) -> Migrated | None:
+        """The deltas `worker_id` streams for `request` shown to the run's client, through its stop filter, as
+        they come (`ReplyStream.each`: no await between the bus's read and the client's sink), until one finishes
+        or the worker hands the request over (its `Migrated` returned); meanwhile the run counts among the streams
         the worker decodes (for the stall bound). A delta that does not follow the run's tokens so far (NATS lost
         one before it, in a reconnection) ends the relay with StreamInterrupted, before anything past the gap is
         shown.
@@ -591,42 +589,51 @@ class Dispatcher:
         gen = run.gen
         span = self._tracer.start_span(span_name, context=parent, attributes={"worker.id": worker_id})
         replies = None
-        finished = False
+        handed: Migrated | None = None
+        last: TokenDelta | None = None  # the latest delta shown
+        worker_finished = False  # whether the worker's latest delta was its last (else a stop string ended it here)
         generated = run.tokens
+        previous_at: float | None = None  # of this relay's previous delta (its first follows a prompt or a KV load)
+
+        def shown(reply: Message) -> bool:  # each reply as it comes; False: it was the last
+            nonlocal handed, last, worker_finished, generated, previous_at
+            if isinstance(reply, Migrated):
+                handed = reply  # nothing to abort: the source stopped it
+                return False
+            assert isinstance(reply, TokenDelta)
+            if reply.completion_tokens - len(reply.token_ids) != generated:
+                raise StreamInterrupted(
+                    f"{worker_id}'s stream went from token {generated} to "
+                    f"{reply.completion_tokens - len(reply.token_ids)}: replies were lost"
+                )
+            generated = reply.completion_tokens
+            self.registry.heard_from(worker_id)
+            now = time.monotonic()
+            if previous_at is None:
+                span.add_event("first delta")
+            elif reply.token_ids:
+                self.scheduler.token_gap(worker_id, (now - previous_at) / len(reply.token_ids))
+            previous_at = now
+            if not run.started:  # a whole request's first token: its prompt is computed
+                run.held.prompt_done(worker_id)
+            last, worker_finished = run.ends.shown(reply), reply.finish_reason is not None
+            run.streamed(last, context_len)
+            return last.finish_reason is None
+
         try:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
             with self.registry.watch(worker_id, replies.fail), run.held.streaming(worker_id, gen.request_id, run):
-                previous_at = None  # of this relay's previous delta (its first follows a prompt or a KV load)
-                async for delta, _ in replies:
-                    if isinstance(delta, Migrated):
-                        finished = True  # nothing to abort: the source stopped it
-                        yield delta
-                        return
-                    assert isinstance(delta, TokenDelta)
-                    if delta.completion_tokens - len(delta.token_ids) != generated:
-                        raise StreamInterrupted(
-                            f"{worker_id}'s stream went from token {generated} to "
-                            f"{delta.completion_tokens - len(delta.token_ids)}: replies were lost"
-                        )
-                    generated = delta.completion_tokens
-                    self.registry.heard_from(worker_id)
-                    now = time.monotonic()
-                    if previous_at is None:
-                        span.add_event("first delta")
-                    elif delta.token_ids:
-                        self.scheduler.token_gap(worker_id, (now - previous_at) / len(delta.token_ids))
-                    previous_at = now
-                    shown = run.ends.shown(delta)
-                    finished = shown.finish_reason is not None
-                    if finished and delta.finish_reason is None:
-                        await self._abort(worker_id, gen.request_id)  # a stop string the worker could not see
-                    yield shown
-                    if finished:
-                        return
-            raise MeshError(f"{worker_id} ended the stream without a result")
+                await replies.each(shown)
+            if handed is not None:
+                return handed
+            if last is None or last.finish_reason is None:
+                raise MeshError(f"{worker_id} ended the stream without a result")
+            if not worker_finished:
+                await self._abort(worker_id, gen.request_id)  # a stop string the worker could not see
+            return None
         except BaseException as exc:
-            if not finished:
+            if handed is None and (last is None or last.finish_reason is None):
                 await self._after_failure(worker_id, gen.request_id, exc)
             raise
         finally:

@@ -8,22 +8,22 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
+from starlette.types import Send
 
 from llmesh.wire import telemetry
 from llmesh.wire.errors import MeshError
-from llmesh.wire.lifecycle import Channel, cancel_and_wait
+from llmesh.wire.lifecycle import cancel_and_wait
 from llmesh.wire.messages import LoraAdapter, SamplingOptions, TokenDelta
 
-from .asgi import RECEIVED_AT, EventStream, answered, endpoint
+from .asgi import RECEIVED_AT, EventStream, answered, endpoint, sent_now
 from .auth import ApiKey
 from .dispatch import Dispatcher, Generation
 from .metrics import RequestTimes, RouterMetrics
@@ -116,11 +116,9 @@ class OpenAIServing:
         span = self._span(request, body, request_id, key, wait_s)
         parent = trace.set_span_in_context(span)
         shape = shaped(request_id, reading) if shaped is not None else _shape(body, request_id, chat, reading)
-        choices = [
-            ChoiceStream(self.dispatcher.generate(gen, parent), self.metrics.request(model, arrival))
-            for gen in self._generations(body, request_id, model, lora, samplings, arrival, wait_s)
-        ]
-        answer = _Answer(request, body, shape, choices, span, self.metrics)
+        answer = _Answer(request, body, shape, span, self.metrics)
+        for gen in self._generations(body, request_id, model, lora, samplings, arrival, wait_s):
+            answer.run(partial(self.dispatcher.generate, gen, parent), self.metrics.request(model, arrival))
         try:
             await answer.open()
             if not body.stream:
@@ -139,7 +137,8 @@ class OpenAIServing:
             raise
         client_gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         headers = {"Cache-Control": "no-cache", "X-Request-Id": request_id}
-        return EventStream(answer.events(client_gone, kept), client_gone, headers=headers)
+        content = partial(answer.stream, client_gone=client_gone, kept=kept)
+        return EventStream(content, answer.close, client_gone, headers)
 
     def _span(
         self,
@@ -224,78 +223,148 @@ def _seconds(ms: float | None) -> float | None:
     return ms / 1000 if ms else None
 
 
-_NO_DELTA = TokenDelta(text="", token_ids=[])  # a choice's first and latest before its first comes
-
-
 class ChoiceStream:
-    """One choice as it streams: its deltas from the dispatcher, its metrics, its first delta (echoed where its
-    prompt is) and its latest."""
+    """One choice as it streams: the task running it through the mesh (`Dispatcher.generate`, which hands its
+    deltas to the answer as they come), its metrics, its first delta (echoed where its prompt is; None until it
+    comes) and its latest."""
 
-    __slots__ = ("deltas", "times", "first", "last")
+    __slots__ = ("task", "times", "first", "last")
 
-    def __init__(self, deltas: AsyncGenerator[TokenDelta, None], times: RequestTimes):
-        self.deltas, self.times = deltas, times
-        self.first = self.last = _NO_DELTA
+    def __init__(self, task: asyncio.Task[None], times: RequestTimes):
+        self.task, self.times = task, times
+        self.first: TokenDelta | None = None
+        self.last: TokenDelta | None = None
 
 
 class _Answer:
-    """One request's answer as it is made from its choices' streams, and its end: once, whichever way it comes."""
+    """One request's answer as it is made from its choices' deltas, and its end: once, whichever way it comes.
+
+    Each choice's deltas are pushed to `arrived` from the bus's read of them, and, once the stream is open, those
+    come in one turn of the event loop are written together (`_flush`: joined where one choice's follow each
+    other, `coalesced`) with the server's `send` run at once (`sent_now`): no task wakes for a token. The request's
+    own task waits only for the choices' ends, the client's leaving, and a write the client is slow to take."""
 
     def __init__(
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         shape: ResponseShape,
-        choices: list[ChoiceStream],
         span: trace.Span,
         metrics: RouterMetrics,
     ):
-        self.request, self.body, self.shape, self.choices, self.span = request, body, shape, choices, span
-        self.metrics = metrics
-        self.prompts = choices[:: body.n]  # each prompt's first choice, whose deltas tell its tokens once
+        self.request, self.body, self.shape, self.span, self.metrics = request, body, shape, span, metrics
+        self.choices: list[ChoiceStream] = []
+        self.pending: list[tuple[int, TokenDelta]] = []  # deltas after the choices' first, not yet written
         self.done = False
+        self._loop = asyncio.get_running_loop()
+        self._unopened = 0  # choices without their first delta
+        self._failure: BaseException | None = None  # the first of the choices' (or the writes') errors
+        self._news: asyncio.Future[None] | None = None  # the request's task waiting for a choice's first or end
+        self._send: Send | None = None  # the server's, once the stream is open (deltas are then written)
+        self._flush_due = False
+        self._writing: asyncio.Future[None] | None = None  # a write waiting for the client's socket to drain
+        self._written_at = 0.0  # (the loop's clock, for the keep-alive)
+        self._keepalive: asyncio.TimerHandle | None = None  # its next check, while the stream is open
+
+    @property
+    def prompts(self) -> list[ChoiceStream]:
+        return self.choices[:: self.body.n]  # each prompt's first choice, whose deltas tell its tokens once
+
+    def run(self, generate: Callable[[Callable[[TokenDelta], None]], Awaitable[None]], times: RequestTimes) -> None:
+        """A choice more, run by `generate(sink)` in a task of its own."""
+        task = asyncio.ensure_future(generate(partial(self.arrived, len(self.choices))))
+        task.add_done_callback(self._ended)
+        self.choices.append(ChoiceStream(task, times))
+        self._unopened += 1
+
+    def arrived(self, index: int, delta: TokenDelta) -> None:
+        """Choice `index`'s next delta, as it comes (the choices' sink: called on the bus's read, no await)."""
+        choice = self.choices[index]
+        if choice.first is None:
+            if self.body.echoes:
+                delta = echoed(delta, prompt_alone=self.body.max_tokens == 0, with_text=not self.body.return_token_ids)
+            choice.first = choice.last = choice.times.seen(delta)
+            self._unopened -= 1
+            if not self._unopened:
+                self._notify()
+            return
+        choice.last = choice.times.seen(delta)
+        self.pending.append((index, delta))
+        if self._send is not None and not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._failed(task)
+        self._notify()
+
+    def _failed(self, task: asyncio.Task[None]) -> None:
+        if self._failure is None and task.done() and not task.cancelled():
+            self._failure = task.exception()
+
+    def _notify(self, *_: object) -> None:
+        if self._news is not None and not self._news.done():
+            self._news.set_result(None)
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        """Wait until `ready()`; the first of the choices' errors meanwhile is raised (a choice that ended without
+        a delta is one)."""
+        while True:
+            for choice in self.choices:  # (a task's end is known before its callbacks run)
+                self._failed(choice.task)
+            if self._failure is not None:
+                raise self._failure
+            if any(c.first is None and c.task.done() for c in self.choices):
+                raise MeshError("a choice ended without any output")
+            if ready():
+                return
+            self._news = self._loop.create_future()
+            try:
+                await self._news
+            finally:
+                self._news = None
+
+    def _all_ended(self) -> bool:
+        return all(choice.task.done() for choice in self.choices)
 
     async def open(self) -> None:
         """Every choice's first delta, awaited together before answering, so that errors found by the workers
         (context too long, no capacity) still get their proper HTTP status."""
-        firsts = await _unless_disconnected(self.request, _first_of_each([c.deltas for c in self.choices]))
-        body = self.body
-        for choice, first in zip(self.choices, firsts):
-            if body.echoes:
-                first = echoed(first, prompt_alone=body.max_tokens == 0, with_text=not body.return_token_ids)
-            choice.first = choice.last = choice.times.seen(first)
+        await _unless_disconnected(self.request, self._until(lambda: not self._unopened))
 
     async def whole(self, kept: Kept | None) -> JSONResponse:
-        rests = await _unless_disconnected(self.request, _rest_of_each(self.choices))
-        answer = [Choice.of([choice.first, *rest]) for choice, rest in zip(self.choices, rests)]
-        prompt_tokens = sum(choice.first.prompt_tokens for choice in self.prompts)
+        await _unless_disconnected(self.request, self._until(self._all_ended))
+        rests: list[list[TokenDelta]] = [[] for _ in self.choices]
+        for index, delta in self.pending:
+            rests[index].append(delta)
+        answer = [Choice.of([self._first(c), *rest]) for c, rest in zip(self.choices, rests)]
+        prompt_tokens = sum(self._first(choice).prompt_tokens for choice in self.prompts)
         whole = self.shape.final(answer, prompt_tokens, self.cached_tokens())
         if kept is not None:
             await kept(self.shape)
         self.finish(200)
         return JSONResponse(whole)
 
-    async def events(self, client_gone: asyncio.Future[None], kept: Kept | None) -> AsyncGenerator[bytes, None]:
-        """The stream's events, from the choices' first deltas on; an error that ends it is its last event."""
+    async def stream(self, send: Send, client_gone: asyncio.Future[None], kept: Kept | None) -> None:
+        """The stream's events written to the server's `send`, from the choices' first deltas on; an error that ends
+        it is its last event."""
         shape, choices = self.shape, self.choices
+        client_gone.add_done_callback(self._notify)
+        self._keepalive = self._loop.call_later(SSE_KEEPALIVE_S, self._keep_alive)
         try:
-            for index, choice in enumerate(choices):
-                yield shape.chunk_event(choice.first, index, first=True)
-            async with aclosing(merged([c.deltas for c in choices], SSE_KEEPALIVE_S, client_gone)) as rest:
-                async for batch in rest:
-                    if batch is None:  # a silence (e.g. waiting for a worker): proxies and clients keep the stream
-                        yield b": keep-alive\n\n"
-                        continue
-                    for index, delta in coalesced(batch):
-                        choice = choices[index]
-                        choice.last = choice.times.seen(delta)
-                        yield shape.chunk_event(delta, index)
-            prompt_tokens = sum(choice.last.prompt_tokens for choice in self.prompts)
-            completion_tokens = sum(choice.last.completion_tokens for choice in choices)
+            self._send = send
+            self._write(b"".join(shape.chunk_event(self._first(c), i, first=True) for i, c in enumerate(choices)))
+            self._flush()
+            await self._until(lambda: client_gone.done() or self._all_ended())
+            if client_gone.done():
+                raise _ClientGone()
+            tail = await self._last_writes()
+            prompt_tokens = sum(self._latest(choice).prompt_tokens for choice in self.prompts)
+            completion_tokens = sum(self._latest(choice).completion_tokens for choice in choices)
             ending = shape.stream_end(prompt_tokens, completion_tokens, self.cached_tokens())
             if kept is not None:
                 await kept(shape)
-            yield ending
+            await send({"type": "http.response.body", "body": tail + ending, "more_body": True})
             self.finish(200)
         except _ClientGone:
             pass  # (finally: its requests aborted)
@@ -305,14 +374,84 @@ class _Answer:
                 log.exception("request %s failed mid-stream", shape.id)
             self.metrics.errors.labels(error.code).inc()
             self.finish(error.http_status, exc)
-            yield shape.stream_error(error)
+            if not client_gone.done():
+                tail = await self._last_writes()
+                await send({"type": "http.response.body", "body": tail + shape.stream_error(error), "more_body": True})
         finally:
+            self._send = None
+            if self._keepalive is not None:
+                self._keepalive.cancel()
+            client_gone.remove_done_callback(self._notify)
             await self.close()  # client gone: the dispatcher aborts the requests in their workers
             self.finish(499)
 
+    def _flush(self) -> None:
+        """The deltas come since the last write, written (once a turn of the loop: `arrived`)."""
+        self._flush_due = False
+        if self._send is None or self._writing is not None or not self.pending:
+            return
+        try:
+            self._write(self._rendered())
+        except Exception as exc:  # (a bug rendering: the stream ends with it)
+            self._failure = self._failure or exc
+            self._notify()
+
+    def _rendered(self) -> bytes:
+        batch, self.pending = self.pending, []
+        return b"".join(self.shape.chunk_event(delta, index) for index, delta in coalesced(batch))
+
+    def _write(self, chunk: bytes) -> None:
+        assert self._send is not None and self._writing is None
+        if not chunk:
+            return
+        self._written_at = self._loop.time()
+        rest = sent_now(self._send, {"type": "http.response.body", "body": chunk, "more_body": True})
+        if rest is not None:  # the client is slow to read: the deltas wait (and join) until it has taken this
+            self._writing = asyncio.ensure_future(rest)
+            self._writing.add_done_callback(self._wrote)
+
+    def _wrote(self, writing: asyncio.Future[None]) -> None:
+        self._writing = None
+        if not writing.cancelled() and writing.exception() is not None:
+            self._failure = self._failure or writing.exception()
+            self._notify()
+        else:
+            self._flush()
+
+    def _keep_alive(self) -> None:
+        """A comment where the stream was silent for a period (e.g. waiting for a worker): proxies and clients keep
+        it open."""
+        silent_s = self._loop.time() - self._written_at
+        if silent_s >= SSE_KEEPALIVE_S and self._send is not None and self._writing is None:
+            try:
+                self._write(b": keep-alive\n\n")
+            except Exception as exc:
+                self._failure = self._failure or exc
+                self._notify()
+            silent_s = 0.0
+        if self._send is not None:
+            self._keepalive = self._loop.call_later(SSE_KEEPALIVE_S - silent_s, self._keep_alive)
+
+    async def _last_writes(self) -> bytes:
+        """What is left to write, once a write the client was slow to take has gone (no more are made at once)."""
+        self._send = None
+        while self._writing is not None:
+            await asyncio.wait({self._writing})
+        return self._rendered()
+
+    @staticmethod
+    def _first(choice: ChoiceStream) -> TokenDelta:
+        assert choice.first is not None  # (opened)
+        return choice.first
+
+    @staticmethod
+    def _latest(choice: ChoiceStream) -> TokenDelta:
+        assert choice.last is not None
+        return choice.last
+
     def cached_tokens(self) -> int:
         """Each prompt's tokens found cached, once (its choices' first deltas tell them)."""
-        return sum(choice.first.cached_tokens or 0 for choice in self.prompts)
+        return sum(choice.first.cached_tokens or 0 for choice in self.prompts if choice.first is not None)
 
     def finish(self, status: int, exc: BaseException | None = None) -> None:
         """The request's end, once: each choice's metrics ended (by its finish reason, where it succeeded), the
@@ -321,7 +460,7 @@ class _Answer:
             return
         self.done = True
         for choice in self.choices:
-            reason = choice.last.finish_reason if status == 200 else None
+            reason = choice.last.finish_reason if status == 200 and choice.last is not None else None
             choice.times.ended(reason or ("abort" if status == 499 else "error"))
         answered(self.request.scope, status)
         self.span.set_attribute("http.status_code", status)
@@ -331,39 +470,10 @@ class _Answer:
         self.span.end()
 
     async def close(self) -> None:
-        """A stream closed before its end aborts its request in the worker: shielded (Starlette cancels a stream
-        whose client is gone at every await) and bounded."""
+        """Choices not ended are cancelled, which aborts their requests in the workers: shielded (Starlette cancels
+        a stream whose client is gone at every await) and bounded."""
         with anyio.move_on_after(CLOSE_STREAMS_S, shield=True):
-            for choice in self.choices:
-                await choice.deltas.aclose()
-
-
-async def _first_of_each(streams: Sequence[AsyncIterator[T]]) -> list[T]:
-    """The first item of every stream, awaited together; the first to fail stops the others, and its
-    error is raised. Each stream is idle when this returns or raises."""
-    if len(streams) == 1:
-        return [await anext(streams[0])]
-    pending = [asyncio.ensure_future(anext(stream)) for stream in streams]
-    try:
-        await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        return [task.result() for task in pending]
-    finally:
-        await cancel_and_wait(*pending)
-
-
-async def _rest_of_each(choices: Sequence[ChoiceStream]) -> list[list[TokenDelta]]:
-    """Each choice's deltas after its first, to its end."""
-    rests: list[list[TokenDelta]] = [[] for _ in choices]
-    async with aclosing(merged([c.deltas for c in choices], None)) as batches:
-        async for batch in batches:
-            for index, delta in batch or ():
-                choice = choices[index]
-                choice.last = choice.times.seen(delta)
-                rests[index].append(delta)
-    return rests
+            await cancel_and_wait(*(choice.task for choice in self.choices))
 
 
 def coalesced(batch: list[tuple[int, TokenDelta]]) -> list[tuple[int, TokenDelta]]:
@@ -378,80 +488,6 @@ def coalesced(batch: list[tuple[int, TokenDelta]]) -> list[tuple[int, TokenDelta
         else:
             runs.append((index, [delta]))
     return [(index, TokenDelta.joined(run)) for index, run in runs]
-
-
-async def merged(
-    streams: Sequence[AsyncIterator[T]], keepalive_s: float | None, client_gone: asyncio.Future[None] | None = None
-) -> AsyncGenerator[list[tuple[int, T]] | None, None]:
-    """Every stream's items as (its index, item) as they come, a list of those that are waiting at once (one
-    item while the consumer keeps up, several when it is behind), and None after each `keepalive_s` (if any)
-    without one. A task a stream pulls it into one queue and one timer a period watches for silence: nothing
-    is created per item (a stream's tokens are the router's hottest path). The first stream to fail ends them
-    all with its error (after the items that came before it), and `client_gone` done with _ClientGone;
-    closing this closes them."""
-    loop = asyncio.get_running_loop()
-    queue: Channel[tuple[int, T] | None | _Ended] = Channel()
-    last_at = loop.time()
-    timer: asyncio.TimerHandle | None = None  # the silence watch's next check
-
-    async def pull(index: int, items: AsyncIterator[T]) -> None:
-        try:
-            async for item in items:
-                queue.put((index, item))
-            queue.put(_Ended(None))
-        except BaseException as exc:  # (cancelled: by the consumer's end, or by a bug that must not hang it)
-            queue.put(_Ended(exc))
-            raise
-
-    def watch() -> None:
-        nonlocal timer
-        assert keepalive_s is not None
-        silent_s = loop.time() - last_at
-        if silent_s >= keepalive_s and queue.empty():
-            queue.put(None)
-            silent_s = 0.0
-        timer = loop.call_later(keepalive_s - silent_s, watch)
-
-    def stop(_: asyncio.Future[None]) -> None:
-        queue.put(_Ended(_ClientGone()))
-
-    pullers = [asyncio.create_task(pull(index, stream)) for index, stream in enumerate(streams)]
-    if keepalive_s is not None:
-        timer = loop.call_later(keepalive_s, watch)
-    if client_gone is not None:
-        client_gone.add_done_callback(stop)
-    try:
-        running = len(pullers)
-        while running:
-            waiting = [await queue.get(), *queue.take_all()]
-            batch: list[tuple[int, T]] = []
-            for item in waiting:
-                if isinstance(item, _Ended):
-                    if item.error is not None:
-                        if batch:
-                            yield batch
-                        raise item.error
-                    running -= 1
-                elif item is not None:
-                    batch.append(item)
-            if batch:
-                last_at = loop.time()
-                yield batch
-            elif None in waiting:
-                yield None
-    finally:
-        if timer is not None:
-            timer.cancel()
-        if client_gone is not None:
-            client_gone.remove_done_callback(stop)
-        await cancel_and_wait(*pullers)
-
-
-@dataclass(frozen=True, slots=True)
-class _Ended:
-    """The end of one of `merged`'s streams, or the error that ended it."""
-
-    error: BaseException | None
 
 
 class _ClientGone(Exception):

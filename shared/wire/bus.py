@@ -143,6 +143,8 @@ class ReplyStream:
         self._stream_id: str | None = None
         self._done = False
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._on_reply: Callable[[Message], bool] | None = None  # where replies go as they come (`each`)
+        self._ended: asyncio.Future[None] | None = None  # and the end `each` awaits
 
     async def _open(self, msg: Message, blob: bytes) -> None:
         frame = self._bus.framed(msg, blob)
@@ -157,11 +159,48 @@ class ReplyStream:
         await self._bus.nc.publish(self._subject, frame, reply=f"{mux.prefix}.{self._stream_id}", headers=headers)
 
     def feed(self, item: bytes | memoryview | object) -> None:
-        self._queue.put(item)
+        if self._on_reply is not None:
+            self._deliver(item)
+        else:
+            self._queue.put(item)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc` (e.g. the producing worker was declared dead)."""
-        self._queue.put(exc)
+        self.feed(exc)
+
+    async def each(self, on_reply: Callable[[Message], bool]) -> None:
+        """Hand every reply to `on_reply` as it comes, called from the bus's own read of it (no task and no queue
+        between them: a stream's replies are a router's hottest path), until the stream ends or `on_reply`
+        returns False (it has had its last); an error ending the stream, or raised by `on_reply`, is raised here.
+        The stream is closed when this returns or raises (its blobs are not kept: a reply's are not handed on)."""
+        assert self._on_reply is None, "one reader a stream"
+        self._ended = asyncio.get_running_loop().create_future()
+        self._on_reply = on_reply
+        try:
+            for item in self._queue.take_all():  # (come before the reader)
+                self._deliver(item)
+            await self._ended
+        finally:
+            self._on_reply = None
+            await self.close()
+
+    def _deliver(self, item: bytes | memoryview | object) -> None:
+        ended = self._ended
+        assert ended is not None and self._on_reply is not None
+        if ended.done():
+            return  # (replies after the end the reader chose, or after an error)
+        if isinstance(item, BaseException):
+            ended.set_exception(item)
+            return
+        try:
+            if item is _NO_RESPONDERS:
+                raise NoResponders(f"nothing is serving {self._subject}")
+            assert isinstance(item, (bytes, memoryview))
+            reply, _ = decode_any(item)
+            if isinstance(reply, StreamEnd) or not self._on_reply(reply):
+                ended.set_result(None)
+        except Exception as exc:
+            ended.set_exception(exc)
 
     def __aiter__(self) -> ReplyStream:
         return self

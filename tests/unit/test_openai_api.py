@@ -360,6 +360,8 @@ class _Dispatcher:
         self.ends: list[str] = []  # how each stream that yielded ended: "finished", or "closed" before its end
         self.refused_suffix = ""  # requests whose id ends so are refused as at capacity
         self.lost_after: int | None = None  # deltas after which each stream fails (its worker lost)
+        self.pause_s = 0.0  # between deltas (0: the next turn of the loop)
+        self.together = False  # every delta at once (as one bus message would bring them)
         self.tokenizer_queries: list = []
 
     async def ask_tokenizer(self, query, expected):
@@ -371,7 +373,7 @@ class _Dispatcher:
             return Detokenized(text=" ".join(map(str, query.tokens)))
         return Tokenized(tokens=[7, 8, 9], token_strs=["a", "b", "c"] if query.token_strs else None, max_model_len=64)
 
-    async def generate(self, gen, parent):
+    async def generate(self, gen, parent, sink):
         import asyncio
 
         from llmesh.wire.errors import AtCapacity, ModelNotFound, WorkerLost
@@ -389,17 +391,20 @@ class _Dispatcher:
         done, finished = 0, False
         try:
             for i, ids in enumerate(self.outputs):
-                await asyncio.sleep(0)  # other requests' deltas between this one's
+                if not self.together:
+                    await asyncio.sleep(self.pause_s)  # other requests' deltas between this one's
                 if i == self.lost_after:
                     raise WorkerLost("the decode worker is gone")
                 done += len(ids)
-                yield TokenDelta(
-                    text=("x" if gen.sampling.seed is None else f"<{gen.sampling.seed}>") * len(ids),
-                    token_ids=ids,
-                    prompt_tokens=5,
-                    completion_tokens=done,
-                    finish_reason="length" if i == len(self.outputs) - 1 else None,
-                    prompt_text="<rendered>" if gen.sampling.prompt_text and i == 0 else None,
+                sink(
+                    TokenDelta(
+                        text=("x" if gen.sampling.seed is None else f"<{gen.sampling.seed}>") * len(ids),
+                        token_ids=ids,
+                        prompt_tokens=5,
+                        completion_tokens=done,
+                        finish_reason="length" if i == len(self.outputs) - 1 else None,
+                        prompt_text="<rendered>" if gen.sampling.prompt_text and i == 0 else None,
+                    )
                 )
             finished = True
         finally:
@@ -554,6 +559,56 @@ async def test_n_choices_are_requests_of_their_own_choice_i_seeded_with_seed_plu
     assert dispatcher.ends == ["finished"] * 9
 
 
+def _completion_scope() -> dict:
+    """An ASGI scope of a POST to /v1/completions, for an app called as a server would (its writes seen each)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"router")],
+        "client": ("127.0.0.1", 1),
+        "server": ("router", 80),
+    }
+
+
+async def _streamed_writes(app, body: dict, send=None) -> list[bytes]:
+    """The bodies `app` writes for a streamed completion of `body`, one a write (`send`: the server's, else each
+    noted at once)."""
+    import asyncio
+
+    writes: list[bytes] = []
+    requested = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def receive():
+        if not requested.is_set():
+            requested.set()
+            return {"type": "http.request", "body": json.dumps(body | {"stream": True}).encode(), "more_body": False}
+        await ended.wait()
+        return {"type": "http.disconnect"}
+
+    async def noted(message):
+        if message["type"] == "http.response.body" and message["body"]:
+            writes.append(message["body"])
+
+    async def sent(message):
+        await (send or noted)(message)
+        if message["type"] == "http.response.body" and message["body"] and send is not None:
+            writes.append(message["body"])
+
+    try:
+        await asyncio.wait_for(app(_completion_scope(), receive, sent), 10)
+    finally:
+        ended.set()
+    return writes
+
+
 @pytest.mark.parametrize("n", [1, 3])
 async def test_a_client_gone_mid_stream_closes_every_choice_and_ends_the_request(n):
     """Starlette cancels the stream's task at every await once the client is gone (anyio's cancel scope):
@@ -579,21 +634,7 @@ async def test_a_client_gone_mid_stream_closes_every_choice_and_ends_the_request
     async def send(message):
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"router")],
-        "client": ("127.0.0.1", 1),
-        "server": ("router", 80),
-    }
-    await asyncio.wait_for(app(scope, receive, send), 10)
+    await asyncio.wait_for(app(_completion_scope(), receive, send), 10)
     assert dispatcher.ends == ["closed"] * n
     async with client:
         samples = _samples((await client.get("/metrics")).text)
@@ -631,6 +672,7 @@ async def test_each_request_is_counted_once_by_its_route_and_the_status_it_ended
 async def test_a_choice_refused_before_its_first_token_refuses_the_request_and_closes_the_others(stream):
     dispatcher, client = _router([[1], [2]])
     dispatcher.refused_suffix = "-1"
+    dispatcher.pause_s = 0.05  # the others still running when it is refused (each choice runs in a task of its own)
     async with client:
         resp = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 3, "stream": stream})
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "at_capacity"
@@ -704,94 +746,101 @@ async def test_cancel_and_wait_waits_for_the_tasks_cleanup_through_its_callers_o
     assert cleaned.is_set() and held.cancelled()
 
 
-async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_item():
+async def test_a_silent_stream_gets_a_keepalive_each_period_and_loses_no_delta(monkeypatch):
+    from llmesh_router import serving
+
+    monkeypatch.setattr(serving, "SSE_KEEPALIVE_S", 0.1)
+    dispatcher, client = _router([[1], [2]])
+    dispatcher.pause_s = 0.25  # two periods of silence after the first
+    writes = await _streamed_writes(client._transport.app, {"model": "m", "prompt": "hi"})
+    assert writes.count(b": keep-alive\n\n") == 2
+    assert "".join(c["choices"][0]["text"] for c in _events(b"".join(writes).decode()) if c["choices"]) == "xx"
+
+
+async def test_deltas_come_in_one_turn_are_one_write_and_a_choice_s_join_into_one_chunk():
+    """As one bus message brings several tokens of a stream the router fell behind on: one chunk of them, one
+    write; the choices' first chunks go together before."""
+    dispatcher, client = _router([[1], [2], [3], [4]])
+    dispatcher.together = True
+    writes = await _streamed_writes(client._transport.app, {"model": "m", "prompt": "hi", "n": 2})
+    first, rest, end = writes
+    assert [c["choices"][0]["index"] for c in _events(first.decode())] == [0, 1]
+    joined = [c["choices"][0] for c in _events(rest.decode())]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in joined] == [(0, "xxx", "length"), (1, "xxx", "length")]
+    assert end.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_client_slow_to_read_gets_what_came_meanwhile_joined_in_order_and_nothing_lost():
+    """The server's send waits (its flow control: the client's socket is full): the deltas wait and join, and go
+    in one write once it has taken the one before."""
     import asyncio
 
-    from llmesh_router.serving import merged
+    dispatcher, client = _router([[i] for i in range(20)])
+    drained = asyncio.Event()
+    writes_seen = 0
 
-    async def items():
-        yield 1
-        await asyncio.sleep(0.25)  # two periods of silence
-        yield 2
+    async def slow(message):  # the second body write waits until a few deltas have piled up behind it
+        nonlocal writes_seen
+        if message["type"] == "http.response.body" and message["body"]:
+            writes_seen += 1
+            if writes_seen == 2:
+                asyncio.get_running_loop().call_later(0.05, drained.set)
+                await drained.wait()
 
-    got = [item async for batch in merged([items()], 0.1) for item in (batch or [None])]
-    assert got[0] == (0, 1) and got[-1] == (0, 2) and got[1:-1] == [None, None]
+    writes = await _streamed_writes(client._transport.app, {"model": "m", "prompt": "hi"}, send=slow)
+    texts = [c["choices"][0]["text"] for w in writes for c in _events(w.decode()) if c["choices"]]
+    assert "".join(texts) == "x" * 20 and len(texts) < 20 and len(writes) < 20  # joined while it waited
+    assert dispatcher.ends == ["finished"]
 
 
-async def test_merged_streams_interleave_as_they_come_and_end_when_the_last_does():
+async def test_a_send_that_does_not_wait_is_done_at_once_and_one_that_waits_is_left_to_await():
     import asyncio
 
-    from llmesh_router.serving import merged
+    from llmesh_router.asgi import sent_now
 
-    a_went, b_went, a_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    got: list[dict] = []
 
-    async def a():
-        yield "a0"
-        yield "a1"
-        a_went.set()
-        await b_went.wait()
-        yield "a2"
-        a_done.set()
+    async def at_once(message):
+        got.append(message)
 
-    async def b():
-        await a_went.wait()
-        yield "b0"
-        b_went.set()
-        await a_done.wait()
-        yield "b1"
+    assert sent_now(at_once, {"n": 1}) is None and got == [{"n": 1}]
 
-    got = [item async for batch in merged([a(), b()], None) for item in batch]
-    assert got == [(0, "a0"), (0, "a1"), (1, "b0"), (0, "a2"), (1, "b1")]
+    room = asyncio.Event()
 
+    async def waits(message):
+        await room.wait()
+        got.append(message)
 
-async def test_a_stream_s_error_reaches_its_reader_and_a_closed_reader_ends_the_streams():
-    import asyncio
-
-    from llmesh_router.serving import merged
-
-    ended: list[str] = []
-
-    async def endless(name):
-        try:
-            while True:
-                yield 0
-                await asyncio.sleep(0.01)
-        finally:
-            ended.append(name)  # e.g. the dispatcher aborting the request in its worker
-
-    async def failing():
-        yield 1
-        await asyncio.sleep(0.03)
-        raise ValueError("worker broke")
-
-    got = []
-    with pytest.raises(ValueError, match="worker broke"):
-        async for batch in merged([failing(), endless("beside the failed one")], 10):
-            got += batch
-    assert (0, 1) in got and ended == ["beside the failed one"]
-
-    reader = merged([endless("a"), endless("b")], 10)
-    assert (await anext(reader))[0][1] == 0
-    await reader.aclose()
-    assert sorted(ended[1:]) == ["a", "b"]
-
-
-async def test_items_waiting_together_come_as_one_batch_and_a_choice_s_deltas_join_into_one_chunk():
-    import asyncio
-
-    from llmesh.wire.messages import TokenDelta
-    from llmesh_router.serving import coalesced, merged
-
-    async def behind():  # three deltas ready before the reader looks
-        for i in range(3):
-            yield TokenDelta(
-                text=f"t{i}", token_ids=[i], completion_tokens=i + 1, finish_reason="length" if i == 2 else None
-            )
-
-    reader = merged([behind()], None)
+    rest = sent_now(waits, {"n": 2})
+    assert rest is not None and got == [{"n": 1}]
+    task = asyncio.ensure_future(rest)
     await asyncio.sleep(0.01)
-    batch = await anext(reader)
-    assert [d.text for _, d in batch] == ["t0", "t1", "t2"]
+    room.set()
+    await task
+    assert got == [{"n": 1}, {"n": 2}]
+
+    room.clear()
+    cancelled = asyncio.ensure_future(sent_now(waits, {"n": 3}))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert got == [{"n": 1}, {"n": 2}]
+
+
+async def test_coalesced_joins_runs_of_one_choice_s_deltas_that_continue_each_other():
+    from llmesh.wire.messages import TokenDelta
+    from llmesh_router.serving import coalesced
+
+    batch = [
+        (
+            0,
+            TokenDelta(
+                text=f"t{i}", token_ids=[i], completion_tokens=i + 1, finish_reason="length" if i == 2 else None
+            ),
+        )
+        for i in range(3)
+    ]
     [(index, joined)] = coalesced(batch)
     assert (index, joined.text, joined.token_ids, joined.completion_tokens, joined.finish_reason) == (
         0,
@@ -810,7 +859,6 @@ async def test_items_waiting_together_come_as_one_batch_and_a_choice_s_deltas_jo
     assert not TokenDelta(text="d", token_ids=[4]).continued_by(with_logprobs)
     assert TokenDelta.joined([with_logprobs, with_logprobs]).logprobs == [[(3, -0.1, "c")]] * 2
     assert len(coalesced([(0, TokenDelta(text="x", token_ids=[5])), (1, TokenDelta(text="y", token_ids=[6]))])) == 2
-    await reader.aclose()
 
 
 async def test_fields_that_change_the_output_and_are_not_done_are_a_400_naming_them_never_ignored():
@@ -870,7 +918,8 @@ async def test_return_prompt_text_shows_a_chats_rendered_prompt_on_its_answer_or
     assert [g.sampling.prompt_text for g in dispatcher.requests] == [True, True, False, False]
     assert whole["prompt_text"] == "<rendered>" and "prompt_text" not in plain
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
-    assert [c.get("prompt_text") for c in chunks] == ["<rendered>", None, None]
+    first, *rest = [c.get("prompt_text") for c in chunks]  # (the later deltas may come joined)
+    assert first == "<rendered>" and rest and not any(rest)
     assert completion.status_code == 200 and "prompt_text" not in completion.json()  # (vLLM's: not a completion's)
 
 
