@@ -13,7 +13,7 @@ import uvicorn
 
 from llmesh.wire import telemetry
 from llmesh.wire.bus import Bus
-from llmesh.wire.lifecycle import run_service, setup_logging, watch_event_loop
+from llmesh.wire.lifecycle import freeze_startup_heap, run_service, setup_logging, watch_event_loop
 from llmesh.wire.messages import Subjects, WorkerInfo
 
 from .asgi import StampedProtocol
@@ -121,6 +121,7 @@ async def main(settings: RouterSettings, stop: asyncio.Event) -> None:
     serving = asyncio.create_task(server.serve())
     traffic = asyncio.create_task(publish_traffic(bus, scheduler, f"router-{socket.gethostname()}-{os.getpid()}"))
     watch_event_loop()
+    freeze_startup_heap()
     try:
         await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:

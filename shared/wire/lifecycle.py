@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -62,6 +63,15 @@ def watch_event_loop(stalled_s: float = 2.0) -> Callable[[], None]:
     tick()
     threading.Thread(target=watch, daemon=True, name="event-loop-watchdog").start()
     return stopped.set
+
+
+def freeze_startup_heap() -> None:
+    """Put every object made so far (modules, settings, the app) out of the garbage collector's reach, as vLLM's
+    server does once it is up (`vllm.utils.gc_utils.freeze_gc_heap`): a full collection then scans only what
+    serving made since. In the router a full collection of its ~90k startup objects took 86 ms (measured, 2 cores):
+    a pause in every stream it relays."""
+    gc.collect()
+    gc.freeze()
 
 
 T = TypeVar("T")
