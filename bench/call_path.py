@@ -195,6 +195,7 @@ async def trace_router(nats_url: str, redis_url: str, work: Path, headers: dict,
                 await asyncio.sleep(0.5)
             else:
                 raise TimeoutError("the router in this process found no workers")
+            gc.unfreeze()  # (the router froze its startup heap, the app among it, out of get_objects' sight)
             app = next(o for o in gc.get_objects() if isinstance(o, FastAPI))
             handlers = {route.path: route.endpoint.__code__ for route in app.routes if hasattr(route, "endpoint")}
             model = settings.catalogue()[0].name
