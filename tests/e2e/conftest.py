@@ -131,9 +131,11 @@ def pytest_collection_modifyitems(items):
     """Tests that start engines of their own run first, before the session's mesh starts (its engines
     and theirs together would not fit this machine's memory: the kernel killed one once). Tests that stop
     the session's mesh or kill its decode worker run after every other e2e test (before the rest, which
-    do not need the engines' memory and CPU), in their own order."""
+    do not need the engines' memory and CPU), in their own order, and the one that ends it after them all
+    (whatever order the files were named in)."""
     first = [item for item in items if item.get_closest_marker("own_engines")]
-    last = [item for item in items if item.get_closest_marker("breaks_the_mesh")]
+    ending = [item for item in items if item.get_closest_marker("ends_the_mesh")]
+    last = [item for item in items if item.get_closest_marker("breaks_the_mesh") and item not in ending] + ending
     rest = [item for item in items if item not in first and item not in last]
     at = 1 + max((k for k, item in enumerate(rest) if item.get_closest_marker("e2e")), default=len(rest) - 1)
     items[:] = first + rest[:at] + last + rest[at:]

@@ -1697,7 +1697,7 @@ def test_a_stream_whose_only_decode_worker_dies_waits_for_its_restart_and_ends(c
     print(f"the stream resumed and ended {ended_after:.1f} s after its decode worker was killed")
 
 
-@pytest.mark.breaks_the_mesh
+@pytest.mark.ends_the_mesh
 def test_ctrl_c_on_make_run_leaves_no_process_behind(mesh):
     """What a user's Ctrl-C does: SIGINT to the foreground process group of `make run`."""
     tree = descendants(mesh.launcher.pid)
