@@ -590,15 +590,15 @@ class Dispatcher:
         span = self._tracer.start_span(span_name, context=parent, attributes={"worker.id": worker_id})
         replies = None
         handed: Migrated | None = None
-        last: TokenDelta | None = None  # the latest delta shown
+        finished = False  # by its last delta, or handed over (nothing to abort then)
         worker_finished = False  # whether the worker's latest delta was its last (else a stop string ended it here)
         generated = run.tokens
         previous_at: float | None = None  # of this relay's previous delta (its first follows a prompt or a KV load)
 
         def shown(reply: Message) -> bool:  # each reply as it comes; False: it was the last
-            nonlocal handed, last, worker_finished, generated, previous_at
+            nonlocal handed, finished, worker_finished, generated, previous_at
             if isinstance(reply, Migrated):
-                handed = reply  # nothing to abort: the source stopped it
+                handed, finished = reply, True  # nothing to abort: the source stopped it
                 return False
             assert isinstance(reply, TokenDelta)
             if reply.completion_tokens - len(reply.token_ids) != generated:
@@ -616,24 +616,23 @@ class Dispatcher:
             previous_at = now
             if not run.started:  # a whole request's first token: its prompt is computed
                 run.held.prompt_done(worker_id)
-            last, worker_finished = run.ends.shown(reply), reply.finish_reason is not None
-            run.streamed(last, context_len)
-            return last.finish_reason is None
+            delta = run.ends.shown(reply)
+            finished, worker_finished = delta.finish_reason is not None, reply.finish_reason is not None
+            run.streamed(delta, context_len)
+            return not finished
 
         try:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
             with self.registry.watch(worker_id, replies.fail), run.held.streaming(worker_id, gen.request_id, run):
                 await replies.each(shown)
-            if handed is not None:
-                return handed
-            if last is None or last.finish_reason is None:
+            if not finished:
                 raise MeshError(f"{worker_id} ended the stream without a result")
-            if not worker_finished:
+            if handed is None and not worker_finished:
                 await self._abort(worker_id, gen.request_id)  # a stop string the worker could not see
-            return None
+            return handed
         except BaseException as exc:
-            if handed is None and (last is None or last.finish_reason is None):
+            if not finished:
                 await self._after_failure(worker_id, gen.request_id, exc)
             raise
         finally:

@@ -25,7 +25,7 @@ from llmesh.wire.messages import LoraAdapter, SamplingOptions, TokenDelta
 
 from .asgi import RECEIVED_AT, EventStream, answered, endpoint, sent_now
 from .auth import ApiKey
-from .dispatch import Dispatcher, Generation
+from .dispatch import Dispatcher, Generation, Sink
 from .metrics import RequestTimes, RouterMetrics
 from .parsed_output import OutputParsers
 from .registry import WorkerRegistry
@@ -270,7 +270,7 @@ class _Answer:
     def prompts(self) -> list[ChoiceStream]:
         return self.choices[:: self.body.n]  # each prompt's first choice, whose deltas tell its tokens once
 
-    def run(self, generate: Callable[[Callable[[TokenDelta], None]], Awaitable[None]], times: RequestTimes) -> None:
+    def run(self, generate: Callable[[Sink], Awaitable[None]], times: RequestTimes) -> None:
         """A choice more, run by `generate(sink)` in a task of its own."""
         task = asyncio.ensure_future(generate(partial(self.arrived, len(self.choices))))
         task.add_done_callback(self._ended)
@@ -301,6 +301,11 @@ class _Answer:
     def _failed(self, task: asyncio.Task[None]) -> None:
         if self._failure is None and task.done() and not task.cancelled():
             self._failure = task.exception()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The answer ends with `exc` (unless a choice failed first), told to the request's task."""
+        self._failure = self._failure or exc
+        self._notify()
 
     def _notify(self, *_: object) -> None:
         if self._news is not None and not self._news.done():
@@ -393,8 +398,7 @@ class _Answer:
         try:
             self._write(self._rendered())
         except Exception as exc:  # (a bug rendering: the stream ends with it)
-            self._failure = self._failure or exc
-            self._notify()
+            self._fail(exc)
 
     def _rendered(self) -> bytes:
         batch, self.pending = self.pending, []
@@ -412,9 +416,8 @@ class _Answer:
 
     def _wrote(self, writing: asyncio.Future[None]) -> None:
         self._writing = None
-        if not writing.cancelled() and writing.exception() is not None:
-            self._failure = self._failure or writing.exception()
-            self._notify()
+        if not writing.cancelled() and (exc := writing.exception()) is not None:
+            self._fail(exc)
         else:
             self._flush()
 
@@ -426,8 +429,7 @@ class _Answer:
             try:
                 self._write(b": keep-alive\n\n")
             except Exception as exc:
-                self._failure = self._failure or exc
-                self._notify()
+                self._fail(exc)
             silent_s = 0.0
         if self._send is not None:
             self._keepalive = self._loop.call_later(SSE_KEEPALIVE_S - silent_s, self._keep_alive)

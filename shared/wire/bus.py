@@ -135,7 +135,8 @@ class _Outbox:
 
 
 class ReplyStream:
-    """The replies to one `Bus.stream` call; iterate it, then it closes itself."""
+    """The replies to one `Bus.stream` call; iterate it, or hand them to a function as they come (`each`); then it
+    closes itself."""
 
     def __init__(self, bus: Bus, subject: str, deadline: float):
         self._bus, self._subject, self._deadline = bus, subject, deadline
@@ -189,18 +190,22 @@ class ReplyStream:
         assert ended is not None and self._on_reply is not None
         if ended.done():
             return  # (replies after the end the reader chose, or after an error)
-        if isinstance(item, BaseException):
-            ended.set_exception(item)
-            return
         try:
-            if item is _NO_RESPONDERS:
-                raise NoResponders(f"nothing is serving {self._subject}")
-            assert isinstance(item, (bytes, memoryview))
-            reply, _ = decode_any(item)
-            if isinstance(reply, StreamEnd) or not self._on_reply(reply):
+            decoded = self._decoded(item)
+            if decoded is None or not self._on_reply(decoded[0]):
                 ended.set_result(None)
-        except Exception as exc:
+        except BaseException as exc:  # (the stream's error, or the reader's: raised where `each` waits)
             ended.set_exception(exc)
+
+    def _decoded(self, item: bytes | memoryview | object) -> tuple[Message, memoryview] | None:
+        """A fed item's reply, None at the stream's end; the stream's error raised."""
+        if isinstance(item, BaseException):
+            raise item
+        if item is _NO_RESPONDERS:
+            raise NoResponders(f"nothing is serving {self._subject}")
+        assert isinstance(item, (bytes, memoryview))
+        reply, blob = decode_any(item)
+        return None if isinstance(reply, StreamEnd) else (reply, blob)
 
     def __aiter__(self) -> ReplyStream:
         return self
@@ -209,19 +214,14 @@ class ReplyStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is _NO_RESPONDERS:
-                raise NoResponders(f"nothing is serving {self._subject}")
-            assert isinstance(item, (bytes, memoryview))
-            reply, blob = decode_any(item)
-            if isinstance(reply, StreamEnd):
-                raise StopAsyncIteration
-            return reply, blob
+            decoded = self._decoded(await self._queue.get())
         except BaseException:
             await self.close()
             raise
+        if decoded is None:
+            await self.close()
+            raise StopAsyncIteration
+        return decoded
 
     async def close(self) -> None:
         if not self._done:
