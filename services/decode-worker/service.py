@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from itertools import accumulate
 from typing import Any
 
 from opentelemetry import trace
@@ -263,10 +264,17 @@ class DecodeService:
             if o.token_ids or not handed_over:
                 # a token that stopped the engine (end of sequence, stop_token_ids) shows no text, as in vLLM
                 hidden = finish_reason == "stop" and not params.include_stop_str_in_output
-                piece = o.text if text is None else text.feed(o.token_ids[:-1] if hidden else o.token_ids)
+                piece, text_ends = o.text, None
+                if text is not None:
+                    pieces = text.feed_each(o.token_ids[:-1] if hidden else o.token_ids)
+                    piece = "".join(pieces)
+                    if len(o.token_ids) > 1:  # (vLLM joined steps its reader was slow to take)
+                        ends = list(accumulate(map(len, pieces)))
+                        text_ends = ends + [len(piece)] * (len(o.token_ids) - len(ends))  # (a hidden last token's)
                 self.worker.refine_length(held, piece)
                 yield TokenDelta(
                     text=piece,
+                    text_ends=text_ends,
                     token_ids=list(o.token_ids),
                     finish_reason=finish_reason,
                     stop_reason=o.stop_reason if finish_reason in ("stop", "repetition") else None,

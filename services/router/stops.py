@@ -64,28 +64,39 @@ class OutputEnd:
 
     def shown(self, delta: TokenDelta) -> TokenDelta:
         """`delta` as the client gets it: ended at a repetition or a stop string where one is reached (the
-        text held back that may begin a stop string released once it ends)."""
-        update: dict = {}
-        if self.repetition is not None and delta.finish_reason is None:
-            start = delta.completion_tokens - len(delta.token_ids)
-            for i, token in enumerate(delta.token_ids):
-                self.token_ids.append(token)
-                if start + i + 1 >= self.min_tokens and self.repetition.ends(self.token_ids):
-                    # (an engine step makes one token a request: the text of a delta cut inside would be kept)
-                    kept = delta.token_ids[: i + 1]
-                    update = {
-                        "token_ids": kept,
-                        "logprobs": delta.logprobs[: i + 1] if delta.logprobs is not None else None,
-                        "completion_tokens": start + len(kept),
-                        "finish_reason": "repetition",
-                        "stop_reason": REPEATED,
-                    }
-                    break
-        text, stop = self.stops.feed(delta.text)
-        if stop is not None:
-            update |= {"finish_reason": "stop", "stop_reason": stop}
-        elif delta.finish_reason is not None or update:
+        text held back that may begin a stop string released once it ends). A delta of several tokens ends
+        at a token where its worker says where each token's text ends (`text_ends`), else as a whole (a
+        repetition inside it then keeping its text)."""
+        n = len(delta.token_ids)
+        start = delta.completion_tokens - n
+        steps = zip(range(1, n + 1), delta.text_ends) if delta.text_ends else [(n, len(delta.text))]
+        text, checked, text_from = "", 0, 0
+        for tokens_to, text_to in steps:
+            repeated = None
+            while self.repetition is not None and checked < tokens_to and repeated is None:
+                checked += 1
+                self.token_ids.append(delta.token_ids[checked - 1])
+                decided = checked == n and delta.finish_reason is not None  # (the engine's own end checked first)
+                if not decided and start + checked >= self.min_tokens and self.repetition.ends(self.token_ids):
+                    repeated = checked
+            released, stop = self.stops.feed(delta.text[text_from:text_to])
+            text, text_from = text + released, text_to
+            if stop is not None or repeated is not None:
+                return self._ended(delta, text, repeated or tokens_to, stop)
+        if delta.finish_reason is not None:
             text += self.stops.flush()
-        if text != delta.text:
-            update["text"] = text
-        return delta.model_copy(update=update) if update else delta
+        return delta.model_copy(update={"text": text}) if text != delta.text else delta
+
+    def _ended(self, delta: TokenDelta, text: str, kept: int, stop: str | None) -> TokenDelta:
+        """`delta` ending the output at its `kept`th token, at the stop string `stop` (else a repetition)."""
+        return delta.model_copy(
+            update={
+                "text": text if stop is not None else text + self.stops.flush(),
+                "token_ids": delta.token_ids[:kept],
+                "logprobs": delta.logprobs[:kept] if delta.logprobs is not None else None,
+                "completion_tokens": delta.completion_tokens - len(delta.token_ids) + kept,
+                "finish_reason": "repetition" if stop is None else "stop",
+                "stop_reason": REPEATED if stop is None else stop,
+                "text_ends": None,
+            }
+        )

@@ -87,7 +87,11 @@ class ContinuedText:
         return text[len(shown) :]
 
     def feed(self, token_ids: Sequence[int]) -> str:
-        return "".join(self.step(t) for t in token_ids)
+        return "".join(self.feed_each(token_ids))
+
+    def feed_each(self, token_ids: Sequence[int]) -> list[str]:
+        """The text each of `token_ids` releases, in order."""
+        return [self.step(t) for t in token_ids]
 
 
 def logprob_steps(tokenizer: Any, steps: Sequence[Mapping[int, Any]], output_before: Sequence[int]) -> LogprobSteps:

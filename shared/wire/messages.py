@@ -465,6 +465,9 @@ class TokenDelta(Message):
     # first entry, the prompt's token (the others are the likeliest, in order, from rank 1 on, that one left out)
     prompt_logprobs: LogprobSteps | None = None
     prompt_ranks: list[int | None] | None = None
+    # a delta of several tokens whose text its worker made: the length of its text after each token, so that the
+    # router can end the output inside it, as an engine ends it at a token (llmesh_router.stops); None: at its end
+    text_ends: list[int] | None = None
 
     def continued_by(self, later: TokenDelta) -> bool:
         """Whether `later`, the next delta of this one's stream, may join it in one chunk (as a client behind its
@@ -489,6 +492,7 @@ class TokenDelta(Message):
                 "text": "".join(d.text for d in run),
                 "token_ids": [t for d in run for t in d.token_ids],
                 "logprobs": None if last.logprobs is None else [step for d in run for step in d.logprobs or ()],
+                "text_ends": None,
             }
         )
 

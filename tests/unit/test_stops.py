@@ -170,3 +170,43 @@ def test_an_engines_own_end_or_a_stop_string_wins_over_a_repetition_as_in_vllm()
     ends.shown(_delta([4], 0, text="xa"))
     repeated = ends.shown(_delta([4], 1, text="c"))
     assert (repeated.text, repeated.finish_reason) == ("ac", "repetition")  # the held text released at the end
+
+
+def _joined(ids, done, finish=None):
+    """A decode worker's delta of several engine steps vLLM joined (its reader was slow): each token's text
+    end given."""
+    delta = _delta(ids, done, finish=finish)
+    return delta.model_copy(update={"text_ends": [sum(len(f"<{t}>") for t in ids[: i + 1]) for i in range(len(ids))]})
+
+
+def test_an_output_ends_inside_a_delta_of_joined_steps_at_the_token_an_engine_ends_it():
+    """vLLM ends an output at a token, each step checked; a decode worker's delta may join several steps, the
+    engine's own end on its last: a repetition or a stop string the router finds inside it cuts its tokens,
+    text and logprobs there (the failure in CI: a repetition completed by its second token was passed by)."""
+    from llmesh.wire.messages import SamplingOptions
+    from llmesh_router.stops import REPEATED, OutputEnd
+
+    ends = OutputEnd(SamplingOptions(repetition_detection={"max_pattern_size": 4, "min_count": 3}))
+    ends.shown(_delta([1000], 0))  # the prefill's token
+    cut = ends.shown(_joined([1000, 1000, 1000], 1, finish="repetition"))  # decode's engine saw only its own
+    assert (cut.token_ids, cut.text, cut.completion_tokens, cut.finish_reason, cut.stop_reason) == (
+        [1000, 1000],
+        "<1000><1000>",
+        3,
+        "repetition",
+        REPEATED,
+    )
+    assert len(cut.logprobs) == 2 and cut.text_ends is None
+
+    ends = OutputEnd(SamplingOptions(stop=["<3><4"]))
+    ends.shown(_delta([2], 0))
+    stopped = ends.shown(_joined([3, 4, 5, 6], 1))
+    assert (stopped.token_ids, stopped.text, stopped.completion_tokens, stopped.stop_reason) == (
+        [3, 4],
+        "<2>",
+        3,
+        "<3><4",
+    )
+    # without the ends, a delta ends as a whole
+    whole = OutputEnd(SamplingOptions(stop=["<3><4"])).shown(_delta([3, 4, 5], 0))
+    assert (whole.token_ids, whole.text, whole.finish_reason) == ([3, 4, 5], "", "stop")
