@@ -8,6 +8,8 @@ OpenAI servers (`--peers vllm-router`, llmesh_sim.modelled_server).
         [--py-spy DIR]  (py-spy on PATH: each point's front door sampled, where its time goes printed)
         [--routers 2 [--router-code CHECKOUT]]  (the mesh's requests alternate between two routers; the second
         runs another checkout's router code: old and new measured side by side, in the same conditions)
+        [--routers 2 --cprofile DIR]  (the routers past the first under cProfile on their thread's CPU clock,
+        bench/thread_profiled.py: each one's stats in DIR at the end, its top functions printed)
 
 Each point is an open loop of Poisson arrivals of streamed completions (a prompt of `--prompt-tokens` words,
 `--output-tokens` out, every request to its length). Per point: completed and failed, achieved request and
@@ -22,8 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pstats
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -321,8 +325,19 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
                 (shadow / "llmesh_router").symlink_to(args.router_code.resolve() / "services" / "router")
                 env["PYTHONPATH"] = str(shadow)
             command = [sys.executable, "-m", "llmesh_router"]
+            if args.cprofile is not None:
+                args.cprofile.mkdir(parents=True, exist_ok=True)
+                stats = args.cprofile / f"router-{i}-{workers}w.prof"
+                command = [
+                    sys.executable,
+                    str(Path(__file__).parent / "thread_profiled.py"),
+                    str(stats),
+                    "llmesh_router",
+                ]
             routers.append(Child(f"router-{i}", command, env=env, log_path=work / "logs" / f"router-{i}.log"))
             wait_healthy(f"http://127.0.0.1:{port}", 120, [*routers, mesh.launcher])
+            if args.cprofile is not None:
+                routers[-1].proc.send_signal(signal.SIGUSR1)  # start-up stays out of the profile
             roots[f"router-{i}"] = routers[-1].proc.pid
             doors[f"router-{i}"] = f"http://127.0.0.1:{port}"
         if workers > own:
@@ -346,6 +361,9 @@ def mesh_points(args, workers: int, work: Path) -> list[dict]:
     finally:
         for router in routers:
             router.stop(30)
+        for stats in sorted(args.cprofile.glob(f"router-*-{workers}w.prof")) if args.cprofile else ():
+            print(f"{stats.name}, by own CPU time:")
+            pstats.Stats(str(stats)).sort_stats("tottime").print_stats(40)
         if rest is not None:
             rest.stop(60)
         mesh.launcher.stop(60)
@@ -416,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routers", type=int, default=1, help="the mesh's routers, its requests alternating")
     parser.add_argument(
         "--router-code", type=Path, help="a checkout whose router code the routers past the first run (an A/B)"
+    )
+    parser.add_argument(
+        "--cprofile", type=Path, help="profile the routers past the first (cProfile, thread CPU clock) into here"
     )
     parser.add_argument("--out", type=Path, help="write every point as JSON here")
     parser.add_argument("--py-spy", type=Path, help="sample each point's front door with py-spy (on PATH) into here")
