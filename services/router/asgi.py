@@ -4,13 +4,18 @@ limit, the request count, and the event stream a streamed answer is."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable
-from typing import Any
+from typing import Any, get_type_hints
 
 import anyio
+from fastapi import Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from prometheus_client import Counter
+from pydantic import BaseModel
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -36,6 +41,51 @@ class StampedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope:  # (not an upgrade)
             self.scope["state"][SERVER_SEND] = self.cycle.send
+
+
+class BodyRoute(APIRoute):
+    """A route whose endpoint takes a JSON body (a pydantic model), the request and at most one dependency of the
+    request alone (the API key), and answers a Response, called without FastAPI's generic dependency solving (with
+    it, its route took a tenth of a 1-token request's router CPU, profiled): the body parsed, the key taken and the
+    body validated as FastAPI does, in its order (`json.loads`, the dependency, the model's validator). A body that
+    is not JSON or fails validation is handed to FastAPI's own handler, so its error stays FastAPI's, word for word."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        generic = super().get_route_handler()
+        (body,) = self.dependant.body_params
+        model = body.field_info.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel), f"{self.path}: its body is not a model"
+        keys = [(dep.name, dep.call) for dep in self.dependant.dependencies]
+        request_name, call = self.dependant.request_param_name, self.dependant.call
+        assert call is not None and request_name, f"{self.path}: its endpoint does not take the request"
+        assert issubclass(get_type_hints(call)["return"], Response), (
+            f"{self.path}: its endpoint's answer is no Response"
+        )
+        assert all(
+            inspect.iscoroutinefunction(key) and len(inspect.signature(key).parameters) == 1 for _, key in keys
+        ), f"{self.path}: a dependency that is not an async function of the request alone"
+
+        async def handler(request: Request) -> Response:
+            # in FastAPI's order: the body read as JSON (a strict content type), the dependency, the validation
+            if not request.headers.get("content-type", "").startswith("application/json"):
+                return await generic(request)
+            try:
+                document = json.loads(await request.body())
+            except ValueError:
+                return await generic(request)
+            args: dict[str, Any] = {request_name: request}
+            for name, key in keys:
+                value = await key(request)  # type: ignore[misc]  # (checked above)
+                if name:
+                    args[name] = value
+            try:
+                args[body.name] = model.model_validate(document)
+            except ValueError:  # (pydantic's ValidationError)
+                return await generic(request)
+            response: Response = await call(**args)
+            return response
+
+        return handler
 
 
 def endpoint(scope: Scope, routes: Iterable[BaseRoute] = ()) -> str:

@@ -211,12 +211,21 @@ class RouterMetrics:
         )
         self.workers = Gauge("llmesh_live_workers", "Live workers by role", ["role"], registry=r)
         self._in_flight: Tally[str] = Tally()  # model -> requests being served
+        self._answered: dict[str, ModelSeries] = {}  # model -> its requests' series, once it has answered
         self._queued: Tally[str] = Tally()  # model -> of those, waiting in the router's queue
 
     def request(self, model: str, arrived: float) -> RequestTimes:
         """A request that arrived at `arrived` (monotonic), counted in flight until `RequestTimes.ended`."""
         self._in_flight[model] += 1
         return RequestTimes(self, model, arrived)
+
+    def answered(self, model: str) -> ModelSeries:
+        """`model`'s request series (they start with its first answer), looked up once: a labels() call costs as
+        much as the observation it names, and a request makes seven."""
+        series = self._answered.get(model)
+        if series is None:
+            series = self._answered[model] = ModelSeries(self, model)
+        return series
 
     @contextmanager
     def queued(self, model: str) -> Iterator[None]:
@@ -237,6 +246,26 @@ class RouterMetrics:
             self.running.labels(model).set(self._in_flight[model] - self._queued[model])
 
 
+class ModelSeries:
+    """One model's series of vLLM's request metrics (`RouterMetrics.answered`)."""
+
+    def __init__(self, metrics: RouterMetrics, model: str):
+        self.ttft, self.prompt_tokens = metrics.ttft.labels(model), metrics.prompt_tokens.labels(model)
+        self.inter_token, self.generation_tokens = (
+            metrics.inter_token.labels(model),
+            metrics.generation_tokens.labels(model),
+        )
+        self.e2e, self.time_per_output_token = metrics.e2e.labels(model), metrics.time_per_output_token.labels(model)
+        self._success, self._model = metrics.request_success, model
+        self._succeeded: dict[str, Counter] = {}  # finished reason -> its series
+
+    def success(self, finished_reason: str) -> Counter:
+        counter = self._succeeded.get(finished_reason)
+        if counter is None:
+            counter = self._succeeded[finished_reason] = self._success.labels(self._model, finished_reason)
+        return counter
+
+
 class RequestTimes:
     """One request's vLLM-named observations: its first token, the gaps between the later ones, its end."""
 
@@ -246,40 +275,36 @@ class RequestTimes:
         self._first_at: float | None = None
         self._last_at = 0.0
         self._tokens = 0
-        # this request's series, looked up once at its first token (a model's series start with its first answer):
-        # a labels() call a token cost as much as the rest of its metrics
-        self._inter_token: Histogram
-        self._generation_tokens: Counter
+        self._series: ModelSeries  # (from its first token)
 
     def seen(self, delta: TokenDelta) -> TokenDelta:
         """Record a delta as it reaches the router; returns it."""
         now, count = time.monotonic(), len(delta.token_ids)
         if self._first_at is None:
-            m, model = self._metrics, self._model
             self._first_at = now
-            m.ttft.labels(model).observe(now - self._arrived)
-            m.prompt_tokens.labels(model).inc(delta.prompt_tokens)
-            self._inter_token, self._generation_tokens = m.inter_token.labels(model), m.generation_tokens.labels(model)
+            self._series = series = self._metrics.answered(self._model)
+            series.ttft.observe(now - self._arrived)
+            series.prompt_tokens.inc(delta.prompt_tokens)
         elif count:
             gap = (now - self._last_at) / count
             for _ in range(count):  # one observation per token, as vLLM makes (one token per step)
-                self._inter_token.observe(gap)
+                self._series.inter_token.observe(gap)
         if count:
             self._last_at = now
             self._tokens += count
-            self._generation_tokens.inc(count)
+            self._series.generation_tokens.inc(count)
         return delta
 
     def ended(self, finished_reason: str) -> None:
         """The request is over; `finished_reason` counts only if a token had come."""
-        m, model = self._metrics, self._model
-        _decrement(m._in_flight, model)
+        _decrement(self._metrics._in_flight, self._model)
         if self._first_at is None:
             return
-        m.e2e.labels(model).observe(time.monotonic() - self._arrived)
-        m.request_success.labels(model, finished_reason).inc()
+        series = self._series
+        series.e2e.observe(time.monotonic() - self._arrived)
+        series.success(finished_reason).inc()
         if self._tokens > 1:
-            m.time_per_output_token.labels(model).observe((self._last_at - self._first_at) / (self._tokens - 1))
+            series.time_per_output_token.observe((self._last_at - self._first_at) / (self._tokens - 1))
 
 
 def _decrement(tally: Tally[str], key: str) -> None:

@@ -53,6 +53,9 @@ class _Load:
     released: int = 0  # requests finished since its last heartbeat
     unreachable: bool = False  # NATS found nothing serving it since its last heartbeat: it takes nothing new
     heartbeat_view: WorkerView | None = None  # what the policies see of its heartbeat, built once per heartbeat
+    # the last `view`: of which heartbeat view, with which account since (assigned, released, blocks, backlog),
+    # kept while neither changes (a pick views every live worker, and most have not changed since the last one)
+    viewed: tuple[WorkerView, tuple[int, int, int, int], WorkerView] | None = None
 
 
 class DecodeClaim:
@@ -134,8 +137,10 @@ class Scheduler:
         if load.heartbeat_view is None:
             view = worker_view(info)
             load.heartbeat_view = replace(view, state="draining") if load.unreachable else view
-        sent_backlog = self._backlog.get(info.worker_id, 0)
-        return since_heartbeat(load.heartbeat_view, load.assigned, load.released, load.assigned_blocks, sent_backlog)
+        account = (load.assigned, load.released, load.assigned_blocks, self._backlog.get(info.worker_id, 0))
+        if load.viewed is None or load.viewed[0] is not load.heartbeat_view or load.viewed[1] != account:
+            load.viewed = (load.heartbeat_view, account, since_heartbeat(load.heartbeat_view, *account))
+        return load.viewed[2]
 
     def backlog(self, worker_id: str) -> int:
         """Prompt tokens this router sent `worker_id` that it has not computed yet."""

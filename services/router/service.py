@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmesh.wire.errors import Forbidden, InvalidRequest, MeshError, ModelNotFound
 from llmesh.wire.messages import ROLES, Detokenized, DetokenizeTokens, LoraCommand, Tokenized
 
-from .asgi import BodyLimit, CountedRequests
+from .asgi import BodyLimit, BodyRoute, CountedRequests
 from .auth import ApiKey, KeyRing
 from .dispatch import Dispatcher
 from .metrics import RouterMetrics
@@ -87,6 +87,29 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_request_bytes, refused=serving.refused)
     # outside the body limit: it counts its refusals too
     app.add_middleware(CountedRequests, requests=metrics.requests, routes=app.router.routes, uncounted=UNCOUNTED)
+
+    # the generation routes first (the fewest routes a request's path is matched against), without FastAPI's
+    # generic dependency solving (`BodyRoute`)
+    generating = APIRouter(route_class=BodyRoute)
+
+    @generating.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)) -> Response:
+        return await serving.generate(request, body, key)
+
+    @generating.post("/v1/chat/completions")
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)
+    ) -> Response:
+        return await serving.generate(request, body, key)
+
+    @generating.post("/v1/responses")
+    async def create_response(
+        body: ResponsesRequest, request: Request, key: ApiKey | None = Depends(api_key)
+    ) -> Response:
+        """OpenAI's Responses API, over the chat path (`responses`)."""
+        return await serving.respond(request, body, key)
+
+    app.include_router(generating)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -173,23 +196,6 @@ def create_app(
         query = DetokenizeTokens(model=model_named(body.model), tokens=body.tokens)
         detokenized = await dispatcher.ask_tokenizer(query, Detokenized)
         return {"prompt": detokenized.text}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)) -> Response:
-        return await serving.generate(request, body, key)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(
-        body: ChatCompletionRequest, request: Request, key: ApiKey | None = Depends(api_key)
-    ) -> Response:
-        return await serving.generate(request, body, key)
-
-    @app.post("/v1/responses")
-    async def create_response(
-        body: ResponsesRequest, request: Request, key: ApiKey | None = Depends(api_key)
-    ) -> Response:
-        """OpenAI's Responses API, over the chat path (`responses`)."""
-        return await serving.respond(request, body, key)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, key: ApiKey | None = Depends(api_key)) -> dict[str, Any]:
