@@ -72,7 +72,7 @@ from llmesh.wire.messages import (
 
 from .lengths import LengthTagger
 from .metrics import RouterMetrics
-from .scheduler import Reservation, Scheduler
+from .scheduler import Leg, Reservation, Scheduler
 from .stops import OutputEnd
 
 log = logging.getLogger(__name__)
@@ -593,10 +593,10 @@ class Dispatcher:
         finished = False  # by its last delta, or handed over (nothing to abort then)
         worker_finished = False  # whether the worker's latest delta was its last (else a stop string ended it here)
         generated = run.tokens
-        previous_at: float | None = None  # of this relay's previous delta (its first follows a prompt or a KV load)
+        leg: Leg  # (while the replies stream)
 
         def shown(reply: Message) -> bool:  # each reply as it comes; False: it was the last
-            nonlocal handed, finished, worker_finished, generated, previous_at
+            nonlocal handed, finished, worker_finished, generated
             if isinstance(reply, Migrated):
                 handed, finished = reply, True  # nothing to abort: the source stopped it
                 return False
@@ -607,15 +607,8 @@ class Dispatcher:
                     f"{reply.completion_tokens - len(reply.token_ids)}: replies were lost"
                 )
             generated = reply.completion_tokens
-            self.registry.heard_from(worker_id)
-            now = time.monotonic()
-            if previous_at is None:
+            if leg.heard(len(reply.token_ids), prompt_computed=not run.started):
                 span.add_event("first delta")
-            elif reply.token_ids:
-                self.scheduler.token_gap(worker_id, (now - previous_at) / len(reply.token_ids))
-            previous_at = now
-            if not run.started:  # a whole request's first token: its prompt is computed
-                run.held.prompt_done(worker_id)
             delta = run.ends.shown(reply)
             finished, worker_finished = delta.finish_reason is not None, reply.finish_reason is not None
             run.streamed(delta, context_len)
@@ -624,7 +617,7 @@ class Dispatcher:
         try:
             with trace.use_span(span, end_on_exit=False):
                 replies = await self.bus.stream(subject, request, deadline=gen.deadline)
-            with self.registry.watch(worker_id, replies.fail), run.held.streaming(worker_id, gen.request_id, run):
+            with run.held.leg(worker_id, gen.request_id, run, replies.fail) as leg:
                 await replies.each(shown)
             if not finished:
                 raise MeshError(f"{worker_id} ended the stream without a result")

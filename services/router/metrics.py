@@ -13,8 +13,8 @@ import time
 from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Iterable, Iterator
-from itertools import accumulate
 from contextlib import contextmanager
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily

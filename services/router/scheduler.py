@@ -16,7 +16,7 @@ import statistics
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -448,6 +448,33 @@ class Reservation:
         self.prompt_done(worker_id)
         self._scheduler.release(worker_id)
 
-    def streaming(self, worker_id: str, request_id: str, stream: Stream) -> AbstractContextManager[None]:
-        """Count `stream` among those `worker_id` decodes while the block runs (Scheduler.decoding)."""
-        return self._scheduler.decoding(worker_id, request_id, stream)
+    @contextmanager
+    def leg(
+        self, worker_id: str, request_id: str, stream: Stream, on_lost: Callable[[BaseException], None]
+    ) -> Iterator[Leg]:
+        """The request's stream from `worker_id` while the block runs: `on_lost(WorkerLost)` called if the worker
+        dies, the stream counted among those it decodes (Scheduler.decoding), each delta told to the `Leg`."""
+        scheduler = self._scheduler
+        with scheduler.registry.watch(worker_id, on_lost), scheduler.decoding(worker_id, request_id, stream):
+            yield Leg(self, worker_id)
+
+
+class Leg:
+    """One worker's stream of a request (`Reservation.leg`), told each delta as it comes."""
+
+    def __init__(self, reservation: Reservation, worker_id: str):
+        self._reservation, self._scheduler, self.worker_id = reservation, reservation._scheduler, worker_id
+        self._previous_at: float | None = None  # its previous delta's (its first follows a prompt or a KV load)
+
+    def heard(self, tokens: int, prompt_computed: bool) -> bool:
+        """A delta of `tokens` tokens came: the worker is alive (whatever its heartbeats), the wait per token since
+        the previous delta is its pace (for the stall bound), and where it is a whole request's first,
+        `prompt_computed` takes the prompt out of the worker's backlog. Whether it was the leg's first."""
+        now = time.monotonic()
+        self._scheduler.registry.heard_from(self.worker_id)
+        first, previous_at, self._previous_at = self._previous_at is None, self._previous_at, now
+        if previous_at is not None and tokens:
+            self._scheduler.token_gap(self.worker_id, (now - previous_at) / tokens)
+        if prompt_computed:
+            self._reservation.prompt_done(self.worker_id)
+        return first
