@@ -449,9 +449,34 @@ def main(argv: list[str] | None = None) -> int:
                 points += dynamo_points(args, workers, Path(tmp) / f"dynamo-{workers}")
             if "vllm-router" in args.peers:
                 points += vllm_router_points(args, workers, Path(tmp) / f"vllm-router-{workers}")
+    for line in door_ratios(points):
+        print(line)
     if args.out:
         args.out.write_text(json.dumps({"argv": sys.argv[1:], "points": points}, indent=1))
     return 0
+
+
+FRONT_DOORS = {"mesh": "mesh:router", "dynamo": "dynamo-frontend", "vllm-router": "vllm-router"}
+
+
+def door_ratios(points: list[dict]) -> list[str]:
+    """Each point's front door's CPU a request (the mesh's routers' together, where several), the mesh's beside
+    each peer's of the same workers and rate: the ratio the router's goal is stated in."""
+    by_point: dict[tuple, dict[str, float]] = {}
+    for p in points:
+        door, cpu = FRONT_DOORS[p["deployment"]], p["cpu_ms_per_request"]
+        doors = p["door_cpu_ms_per_own_request"] or {door: 0.0}  # (several routers: together, a request)
+        by_point.setdefault((p["workers"], p["rate"]), {})[door] = sum(cpu.get(d, 0.0) for d in doors)
+    lines = []
+    for (workers, rate), doors in by_point.items():
+        mesh = doors.get(FRONT_DOORS["mesh"])
+        shown = [f"{door} {ms:.2f}" for door, ms in doors.items()]
+        ratios = [f"{mesh / ms:.2f}x {door}'s" for door, ms in doors.items() if mesh and ms and door != "mesh:router"]
+        lines.append(
+            f"front door CPU ms a request, workers={workers} rate={rate:g}: {', '.join(shown)}"
+            + (f" (the mesh's router {', '.join(ratios)})" if ratios else "")
+        )
+    return lines
 
 
 if __name__ == "__main__":
