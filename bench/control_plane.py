@@ -468,10 +468,12 @@ def door_ratios(points: list[dict]) -> list[str]:
         doors = p["door_cpu_ms_per_own_request"] or {door: 0.0}  # (several routers: together, a request)
         by_point.setdefault((p["workers"], p["rate"]), {})[door] = sum(cpu.get(d, 0.0) for d in doors)
     lines = []
-    for (workers, rate), doors in by_point.items():
-        mesh = doors.get(FRONT_DOORS["mesh"])
-        shown = [f"{door} {ms:.2f}" for door, ms in doors.items()]
-        ratios = [f"{mesh / ms:.2f}x {door}'s" for door, ms in doors.items() if mesh and ms and door != "mesh:router"]
+    for (workers, rate), at_point in by_point.items():
+        mesh = at_point.get(FRONT_DOORS["mesh"])
+        shown = [f"{door} {ms:.2f}" for door, ms in at_point.items()]
+        ratios = [
+            f"{mesh / ms:.2f}x {door}'s" for door, ms in at_point.items() if mesh and ms and door != FRONT_DOORS["mesh"]
+        ]
         lines.append(
             f"front door CPU ms a request, workers={workers} rate={rate:g}: {', '.join(shown)}"
             + (f" (the mesh's router {', '.join(ratios)})" if ratios else "")

@@ -297,20 +297,17 @@ class TokenSeries:
             tokens = self._models[model] = ModelTokens()
         return tokens
 
-    def describe(self) -> list[HistogramMetricFamily | CounterMetricFamily]:
-        return [
-            HistogramMetricFamily(*self._GAPS, labels=["model_name"]),
-            CounterMetricFamily(*self._GENERATED, labels=["model_name"]),
-        ]
-
-    def collect(self) -> Iterator[HistogramMetricFamily | CounterMetricFamily]:
+    def describe(self) -> tuple[HistogramMetricFamily, CounterMetricFamily]:
+        """The two families, empty (a scrape's `collect` fills them)."""
         gaps = HistogramMetricFamily(*self._GAPS, labels=["model_name"])
-        generated = CounterMetricFamily(*self._GENERATED, labels=["model_name"])
+        return gaps, CounterMetricFamily(*self._GENERATED, labels=["model_name"])
+
+    def collect(self) -> tuple[HistogramMetricFamily, CounterMetricFamily]:
+        gaps, generated = self.describe()
         for model, tokens in self._models.items():
             gaps.add_metric([model], list(zip(self._BOUNDS, accumulate(tokens.gap_counts))), tokens.gap_sum)
             generated.add_metric([model], tokens.generated, created=tokens.created)
-        yield gaps
-        yield generated
+        return gaps, generated
 
 
 class RequestTimes:
